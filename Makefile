@@ -1,0 +1,41 @@
+# Quick start: `make demo` and `make test` work on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint typecheck unit doctest bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test,dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m zero_functional demo
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check src tests property_tests benchmarks
+	$(BIN)/ruff check src tests property_tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict src
+
+doctest: $(STAMP)
+	$(BIN)/pytest -q --doctest-modules src
+
+unit: $(STAMP)
+	$(BIN)/pytest -q tests property_tests
+
+test: lint typecheck doctest unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
