@@ -1,0 +1,321 @@
+"""The ``zero-functional`` command line: ``train``, ``demo``, ``plan`` and ``bench``.
+
+Every error a user can cause (a bad flag, a missing or corrupt checkpoint, an unknown model)
+ends in one line on stderr and exit code 2, before any process is spawned or file written.
+
+Example:
+    >>> main(["plan", "gpt2-small", "--world-sizes", "2"])  # doctest: +ELLIPSIS
+    gpt2-small: 148 tensors, 124,439,808 parameters, largest 38,597,376 (31.0%)...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+__all__ = ["build_parser", "format_plan", "main"]
+
+DEMO_WORLD_SIZES = (2, 8, 64)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block), still with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fail(command: str, message: str) -> int:
+    one_line = " ".join(message.split())
+    print(f"zero-functional {command}: error: {one_line}", file=sys.stderr)
+    return 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) -> str:
+    """The balance of sorted-greedy and flat partitions of ``numels`` at each world size.
+
+    Per world size and partition: max/mean load, the lower bound on the max load
+    (``max(mean, largest tensor)`` for whole tensors), max/lower bound, the smallest and largest
+    rank load, and the Adam state of the fullest rank (2 fp32 states: ``8 * load`` bytes)
+    against ZeRO's formula (``8 * total / world_size``).
+
+    Args:
+        name: The model's name, for the header.
+        numels: Each parameter tensor's number of elements, in ``parameters()`` order.
+        world_sizes: The world sizes to report.
+
+    Returns:
+        The report, one header and a table.
+
+    Example:
+        >>> print(format_plan("toy", [6, 3, 3], [2]))
+        toy: 3 tensors, 12 parameters, largest 6 (50.0%)
+        Adam state unsharded (2 fp32 states): 96 B; ZeRO's formula per rank: 8 B x 12 / world_size
+        world  partition      max/mean  lower bound  max/lower     min load     max load  Adam/rank (max)  ZeRO formula  max/formula
+            2  sorted-greedy     1.000            6      1.000            6            6             48 B          48 B        1.000
+            2  flat              1.000            6      1.000            6            6             48 B          48 B        1.000
+    """
+    from zero_functional.partition import balance_report, flat, sorted_greedy
+    from zero_functional.train import format_bytes
+
+    total = sum(numels)
+    largest = max(numels, default=0)
+    lines = [
+        f"{name}: {len(numels):,} tensors, {total:,} parameters, largest {largest:,} "
+        f"({largest / total if total else 0:.1%})",
+        f"Adam state unsharded (2 fp32 states): {format_bytes(8 * total)}; "
+        f"ZeRO's formula per rank: 8 B x {total:,} / world_size",
+        f"{'world':>5}  {'partition':<13}  {'max/mean':>8}  {'lower bound':>11}  "
+        f"{'max/lower':>9}  {'min load':>11}  {'max load':>11}  {'Adam/rank (max)':>15}  "
+        f"{'ZeRO formula':>12}  {'max/formula':>11}",
+    ]
+    for w in world_sizes:
+        formula = 8 * total / w
+        for label, part in (("sorted-greedy", sorted_greedy(numels, w)), ("flat", flat(numels, w))):
+            r = balance_report(numels, part)
+            predicted = 8 * r.max_load
+            lines.append(
+                f"{w:>5}  {label:<13}  {r.max_over_mean:>8.3f}  {r.lower_bound:>11,.0f}  "
+                f"{r.max_over_lower_bound:>9.3f}  {min(r.loads):>11,}  {r.max_load:>11,}  "
+                f"{format_bytes(predicted):>15}  {format_bytes(formula):>12}  "
+                f"{predicted / formula if formula else 1.0:>11.3f}"
+            )
+    return "\n".join(lines)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from zero_functional.models import model_shapes, numels
+
+    try:
+        shapes = model_shapes(args.model)
+    except ValueError as e:
+        return _fail("plan", str(e))
+    if not shapes:
+        return _fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
+    print(format_plan(args.model, numels(shapes), args.world_sizes))
+    return 0
+
+
+# ----------------------------------------------------------------------------- train / demo
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
+    """The job's config after every check a parent can make; ``(config, 0)`` or ``(None, 2)``."""
+    from zero_functional.train import CheckpointError, TrainConfig, load_checkpoint
+
+    if args.batch_size < args.nproc:
+        return None, _fail(
+            command, f"--batch-size {args.batch_size} is smaller than --nproc {args.nproc}"
+        )
+    if args.overlap and args.impl == "torch":
+        return None, _fail(
+            command,
+            "--overlap with --impl torch hangs on gloo (pytorch#62300); drop one of the two",
+        )
+    if args.overlap and args.resume:
+        return None, _fail(
+            command,
+            "--resume with --overlap is not supported: overlap mode loads optimizer state only "
+            "after its first backward; resume without --overlap",
+        )
+    if args.overlap:
+        try:
+            import zero_functional.hooks  # noqa: F401
+        except ImportError as e:
+            return None, _fail(command, f"--overlap needs zero_functional.hooks, which fails: {e}")
+    if args.checkpoint is not None:
+        parent = Path(args.checkpoint).resolve().parent
+        if not parent.is_dir():
+            return None, _fail(command, f"--checkpoint directory {parent} does not exist")
+        if Path(args.checkpoint).is_dir():
+            return None, _fail(command, f"--checkpoint {args.checkpoint} is a directory")
+    if args.resume is not None:
+        try:
+            ckpt = load_checkpoint(args.resume)
+        except CheckpointError as e:
+            return None, _fail(command, str(e))
+        if int(ckpt["epoch"]) >= args.epochs:
+            return None, _fail(
+                command,
+                f"checkpoint {args.resume} has finished epoch {ckpt['epoch']} of --epochs "
+                f"{args.epochs}; pass --epochs {int(ckpt['epoch']) + 1} or more to continue",
+            )
+    try:
+        cfg = TrainConfig(
+            epochs=args.epochs,
+            lr=args.lr,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            hidden=args.hidden,
+            overlap=args.overlap,
+            checkpoint=args.checkpoint,
+            resume=args.resume,
+            impl=args.impl,
+            reference=not args.no_reference,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        return None, _fail(command, str(e))
+    return cfg, 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from zero_functional.train import TrainConfig, launch, run_torchrun
+
+    cfg, code = _train_config(args, args.command)
+    if code:
+        return code
+    assert isinstance(cfg, TrainConfig)
+    if _under_torchrun():
+        return run_torchrun(cfg)
+    return launch(cfg, args.nproc, timeout_s=args.timeout)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    code = _cmd_train(args)
+    if code:
+        return code
+    print()
+    args.model, args.world_sizes = "gpt2-small", list(DEMO_WORLD_SIZES)
+    code = _cmd_plan(args)
+    print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
+    return code
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def _benchmarks_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    bench_dir = Path(args.dir) if args.dir else _benchmarks_dir()
+    scripts = sorted(p for p in bench_dir.glob("bench_*.py")) if bench_dir.is_dir() else []
+    if not scripts:
+        return _fail(
+            "bench",
+            f"no benchmarks/bench_*.py under {bench_dir}; run from a source checkout or pass --dir",
+        )
+    if args.list:
+        print("\n".join(str(s) for s in scripts))
+        return 0
+    worst = 0
+    for script in scripts:
+        print(f"== {script.name}", flush=True)
+        worst = max(worst, subprocess.run([sys.executable, str(script)], check=False).returncode)
+    return worst
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
+    p.add_argument("--nproc", type=_positive_int, default=2, help="local ranks to spawn (2)")
+    p.add_argument("--epochs", type=_positive_int, default=epochs, help=f"epochs ({epochs})")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate (1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed (0)")
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="global batch, split across ranks"
+    )
+    p.add_argument("--hidden", type=_positive_int, default=128, help="MLP hidden width (128)")
+    p.add_argument("--overlap", action="store_true", help="run the ZeRO step inside DDP's backward")
+    p.add_argument("--checkpoint", metavar="PATH", help="write a consolidated checkpoint here")
+    p.add_argument("--resume", metavar="PATH", help="continue from this checkpoint")
+    p.add_argument(
+        "--impl",
+        choices=("zero_functional", "torch"),
+        default="zero_functional",
+        help="whose ZeroRedundancyOptimizer: ours (default) or torch.distributed.optim's",
+    )
+    p.add_argument(
+        "--no-reference", action="store_true", help="skip the plain DDP + Adam comparison run"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--timeout", type=_positive_float, default=600.0, help="seconds before a hang fails (600)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zero-functional`` (for ``--help`` and the tests)."""
+    parser = _Parser(
+        prog="zero-functional",
+        description="ZeRO stage-1 sharded optimizers for PyTorch DDP: demo job, plans, benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train an MLP on sklearn's digits with DDP + ZeroRedundancyOptimizer(Adam)",
+        description="Spawns --nproc gloo ranks on 127.0.0.1, or joins torchrun's group.",
+    )
+    _add_train_flags(train, epochs=10)
+    train.set_defaults(func=_cmd_train)
+    demo = sub.add_parser("demo", help="what `make demo` runs: a short train, then a plan")
+    _add_train_flags(demo, epochs=10)
+    demo.set_defaults(func=_cmd_demo)
+    plan = sub.add_parser(
+        "plan",
+        help="balance of sorted-greedy and flat partitions for a model (pure, instant)",
+        description="MODEL: a built-in spec or module:function returning an nn.Module "
+        "(built on the meta device).",
+    )
+    from zero_functional.models import MODELS
+
+    plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
+    plan.add_argument(
+        "--world-sizes",
+        type=_positive_int,
+        nargs="+",
+        default=list(DEMO_WORLD_SIZES),
+        help="world sizes to report (2 8 64)",
+    )
+    plan.set_defaults(func=_cmd_plan)
+    bench = sub.add_parser("bench", help="run the scripts in benchmarks/ and print their output")
+    bench.add_argument("--list", action="store_true", help="only list the scripts")
+    bench.add_argument("--dir", help="the benchmarks directory (default: the checkout's)")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``zero-functional`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code

@@ -1,0 +1,233 @@
+"""Parameter-shape specs of well-known models, computed by formula: no downloads, no memory.
+
+Each spec lists the shapes of a model's parameters in the order of its reference
+implementation's ``named_parameters()`` (Hugging Face ``transformers`` for the transformers,
+``torchvision`` for ResNet-50), tied weights counted once, as ``named_parameters()`` does. That
+is what a partition sees, so ``zero-functional plan`` reports what a real run would get.
+
+Example:
+    >>> shapes = model_shapes("gpt2-small")
+    >>> len(shapes), total_numel(shapes)
+    (148, 124439808)
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "MODELS",
+    "Shape",
+    "bert_shapes",
+    "gpt2_shapes",
+    "llama_shapes",
+    "model_shapes",
+    "module_shapes",
+    "numels",
+    "resnet_shapes",
+    "total_numel",
+]
+
+Shape = tuple[int, ...]
+
+
+def numels(shapes: Sequence[Shape]) -> list[int]:
+    """The number of elements of each shape.
+
+    Example:
+        >>> numels([(3, 4), (5,), ()])
+        [12, 5, 1]
+    """
+    return [math.prod(s) for s in shapes]
+
+
+def total_numel(shapes: Sequence[Shape]) -> int:
+    """The number of parameters of a whole model.
+
+    Example:
+        >>> total_numel([(3, 4), (5,)])
+        17
+    """
+    return sum(numels(shapes))
+
+
+def gpt2_shapes(
+    n_layer: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024
+) -> list[Shape]:
+    """GPT-2 (``transformers.GPT2LMHeadModel``; the LM head is tied to the token embedding).
+
+    Args:
+        n_layer: Transformer blocks (12 for small, 24 for medium).
+        n_embd: Hidden width (768 for small, 1024 for medium).
+        vocab_size: Token vocabulary.
+        n_positions: Context length (learned position embedding rows).
+
+    Returns:
+        The parameter shapes, embeddings first, then each block, then the final layer norm.
+
+    Example:
+        >>> total_numel(gpt2_shapes(24, 1024))  # GPT-2 medium
+        354823168
+    """
+    d = n_embd
+    block: list[Shape] = [
+        (d,), (d,),  # ln_1
+        (d, 3 * d), (3 * d,),  # attn.c_attn (Conv1D: in x out)
+        (d, d), (d,),  # attn.c_proj
+        (d,), (d,),  # ln_2
+        (d, 4 * d), (4 * d,),  # mlp.c_fc
+        (4 * d, d), (d,),  # mlp.c_proj
+    ]  # fmt: skip
+    return [(vocab_size, d), (n_positions, d), *block * n_layer, (d,), (d,)]
+
+
+def bert_shapes(
+    n_layer: int = 12,
+    hidden: int = 768,
+    vocab_size: int = 30522,
+    max_positions: int = 512,
+    type_vocab_size: int = 2,
+) -> list[Shape]:
+    """BERT (``transformers.BertModel``, with the pooler), base size by default.
+
+    Example:
+        >>> total_numel(bert_shapes())  # bert-base-uncased
+        109482240
+    """
+    h, ff = hidden, 4 * hidden
+    embeddings: list[Shape] = [
+        (vocab_size, h),
+        (max_positions, h),
+        (type_vocab_size, h),
+        (h,),
+        (h,),
+    ]
+    layer: list[Shape] = [
+        (h, h), (h,), (h, h), (h,), (h, h), (h,),  # attention.self: query, key, value
+        (h, h), (h,), (h,), (h,),  # attention.output: dense, LayerNorm
+        (ff, h), (ff,),  # intermediate.dense
+        (h, ff), (h,), (h,), (h,),  # output: dense, LayerNorm
+    ]  # fmt: skip
+    return [*embeddings, *layer * n_layer, (h, h), (h,)]
+
+
+def resnet_shapes(
+    layers: Sequence[int] = (3, 4, 6, 3), num_classes: int = 1000, expansion: int = 4
+) -> list[Shape]:
+    """A bottleneck ResNet (``torchvision.models.resnet50`` by default); batch norm has 2 params.
+
+    Example:
+        >>> total_numel(resnet_shapes())  # ResNet-50
+        25557032
+        >>> total_numel(resnet_shapes((3, 4, 23, 3)))  # ResNet-101
+        44549160
+    """
+    shapes: list[Shape] = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for stage, blocks in enumerate(layers):
+        width = 64 * 2**stage
+        out = width * expansion
+        for b in range(blocks):
+            shapes += [(width, inplanes, 1, 1), (width,), (width,)]
+            shapes += [(width, width, 3, 3), (width,), (width,)]
+            shapes += [(out, width, 1, 1), (out,), (out,)]
+            if b == 0:  # downsample: 1x1 conv and batch norm
+                shapes += [(out, inplanes, 1, 1), (out,), (out,)]
+            inplanes = out
+    return [*shapes, (num_classes, inplanes), (num_classes,)]
+
+
+def llama_shapes(
+    n_layer: int = 16,
+    hidden: int = 2048,
+    intermediate: int = 8192,
+    n_heads: int = 32,
+    n_kv_heads: int = 8,
+    vocab_size: int = 128256,
+    tie_embeddings: bool = True,
+) -> list[Shape]:
+    """A Llama-style decoder (``transformers.LlamaForCausalLM``), Llama-3.2-1B by default.
+
+    Example:
+        >>> total_numel(llama_shapes())  # Llama-3.2-1B
+        1235814400
+    """
+    h, kv = hidden, hidden // n_heads * n_kv_heads
+    layer: list[Shape] = [
+        (h, h), (kv, h), (kv, h), (h, h),  # self_attn: q, k, v, o (no biases)
+        (intermediate, h), (intermediate, h), (h, intermediate),  # mlp: gate, up, down
+        (h,), (h,),  # input_layernorm, post_attention_layernorm (RMSNorm)
+    ]  # fmt: skip
+    head: list[Shape] = [] if tie_embeddings else [(vocab_size, h)]
+    return [(vocab_size, h), *layer * n_layer, (h,), *head]
+
+
+MODELS: dict[str, Callable[[], list[Shape]]] = {
+    "gpt2-small": lambda: gpt2_shapes(12, 768),
+    "gpt2-medium": lambda: gpt2_shapes(24, 1024),
+    "bert-base": bert_shapes,
+    "resnet50": resnet_shapes,
+    "llama-1b": llama_shapes,
+}
+"""The built-in specs by name, as ``zero-functional plan NAME`` takes them."""
+
+
+def module_shapes(target: str) -> list[Shape]:
+    """The parameter shapes of the ``nn.Module`` that ``module:function`` returns.
+
+    The function runs under ``torch.device("meta")``, so parameters have shapes but no storage
+    and a 7B model costs no memory. Tied parameters count once, as in ``parameters()``.
+
+    Args:
+        target: ``"package.module:function"``; the function takes no arguments.
+
+    Returns:
+        The shapes of ``module.parameters()`` in order.
+
+    Raises:
+        ValueError: ``target`` is not ``module:function``, cannot be imported, or does not
+            return an ``nn.Module``.
+
+    Example:
+        >>> module_shapes("torch.nn:Identity")
+        []
+    """
+    module_name, sep, func_name = target.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(
+            f"model {target!r} is neither a built-in ({', '.join(MODELS)}) nor module:function"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} for model {target!r}: {e}") from e
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {func_name!r} (from model {target!r})")
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            f"{target} returned {type(model).__name__}, not a torch.nn.Module; "
+            "return the model itself"
+        )
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def model_shapes(name: str) -> list[Shape]:
+    """The shapes of a built-in spec (see :data:`MODELS`) or of a ``module:function`` model.
+
+    Raises:
+        ValueError: Unknown name that is not ``module:function`` either.
+
+    Example:
+        >>> total_numel(model_shapes("bert-base"))
+        109482240
+    """
+    if name in MODELS:
+        return MODELS[name]()
+    return module_shapes(name)

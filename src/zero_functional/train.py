@@ -1,0 +1,568 @@
+"""The demo training job: an MLP on scikit-learn's handwritten digits, DDP + ZeRO, then plain DDP.
+
+The job runs in every rank of a gloo process group, either spawned here on 127.0.0.1
+(:func:`launch`) or joined under ``torchrun`` (:func:`run_torchrun`). It trains with
+``DistributedDataParallel`` and a ``ZeroRedundancyOptimizer`` over ``torch.optim.Adam``, then, in
+the same processes and from the same seed (or the same checkpoint), with plain DDP and
+``torch.optim.Adam``, and reports whether the two runs end with the same parameters.
+
+The global batch is split across ranks and each rank's loss is scaled by
+``world_size / global_batch``, so DDP's gradient average is the global batch mean exactly and a
+run resumed at another world size continues the same optimisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import queue as queue_mod
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointError",
+    "TrainConfig",
+    "build_model",
+    "epoch_batches",
+    "format_bytes",
+    "launch",
+    "load_checkpoint",
+    "load_digits_split",
+    "rank_slice",
+    "run_job",
+    "run_torchrun",
+    "save_checkpoint",
+]
+
+CHECKPOINT_FORMAT = "zero_functional.train/1"
+"""The ``format`` key of the checkpoints this job writes; others are refused on resume."""
+
+Impl = Literal["zero_functional", "torch"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a rank needs to run the job; picklable, so it travels to spawned ranks.
+
+    Attributes:
+        epochs: Total epochs; a resumed run continues up to this many.
+        lr: Adam's learning rate.
+        seed: Model initialisation and data order.
+        batch_size: Global batch size, split across ranks.
+        hidden: Width of the MLP's two hidden layers.
+        overlap: Run the ZeRO step inside DDP's backward (``overlap_with_ddp``).
+        checkpoint: Write a consolidated checkpoint here after every epoch.
+        resume: Continue from this checkpoint.
+        impl: ``"zero_functional"`` (ours) or ``"torch"`` (``torch.distributed.optim``'s).
+        reference: Also run plain DDP + ``torch.optim.Adam`` and compare parameters.
+        progress: Show a tqdm bar on rank 0.
+    """
+
+    epochs: int = 10
+    lr: float = 1e-3
+    seed: int = 0
+    batch_size: int = 64
+    hidden: int = 128
+    overlap: bool = False
+    checkpoint: str | None = None
+    resume: str | None = None
+    impl: Impl = "zero_functional"
+    reference: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.hidden < 1:
+            raise ValueError(
+                f"epochs, batch_size and hidden must be >= 1, got {self.epochs}, "
+                f"{self.batch_size}, {self.hidden}"
+            )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says which file and why."""
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in binary units.
+
+    Example:
+        >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**30)
+        ('512 B', '1.5 KiB', '3.0 GiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
+    """The global batches of one epoch: a permutation of ``range(n)`` fixed by seed and epoch.
+
+    The last batch keeps the remainder, so every sample is seen once per epoch.
+
+    Example:
+        >>> [b.tolist() for b in epoch_batches(5, 2, seed=0, epoch=0)] == [
+        ...     b.tolist() for b in epoch_batches(5, 2, seed=0, epoch=0)]
+        True
+        >>> [len(b) for b in epoch_batches(5, 2, seed=0, epoch=0)]
+        [2, 2, 1]
+    """
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    return list(torch.tensor_split(perm, list(range(batch_size, n, batch_size))))
+
+
+def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
+    """This rank's contiguous part of a global batch (sizes differ by at most one).
+
+    Example:
+        >>> [rank_slice(torch.arange(5), r, 2).tolist() for r in range(2)]
+        [[0, 1, 2], [3, 4]]
+    """
+    return torch.tensor_split(batch, world_size)[rank]
+
+
+def build_model(hidden: int) -> nn.Sequential:
+    """The MLP: 64 pixels -> hidden -> hidden -> 10 digits.
+
+    Example:
+        >>> sum(p.numel() for p in build_model(128).parameters())
+        26122
+    """
+    return nn.Sequential(
+        nn.Linear(64, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
+def load_digits_split() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """scikit-learn's 8x8 digits (1,797 images, shipped in the package): 80/20 train/test.
+
+    The split is fixed (seed 0), whatever ``--seed`` is, so accuracies compare across runs.
+
+    Returns:
+        ``(x_train, y_train, x_test, y_test)``, pixels scaled to [0, 1].
+    """
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    n_test = len(y) // 5
+    test, train = perm[:n_test], perm[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path: str | os.PathLike[str], payload: Mapping[str, object]) -> None:
+    """Write ``payload`` with ``torch.save`` atomically: a crash mid-write keeps the old file.
+
+    The bytes go to a temporary file in the same directory, are flushed to disk, and then
+    ``os.replace`` renames it over ``path`` (atomic on POSIX and Windows).
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(payload), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _first_line(e: BaseException) -> str:
+    """The informative line of an exception (torch's load_state_dict puts it second)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading"):
+        lines = lines[1:]
+    return (lines or [type(e).__name__])[0][:300]
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check a checkpoint written by this job.
+
+    Raises:
+        CheckpointError: Missing, unreadable, not this job's format, or a model state that does
+            not fit the MLP its own ``args`` describe.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"checkpoint {p} does not exist (or is not a file)")
+    if not zipfile.is_zipfile(p):
+        raise CheckpointError(f"checkpoint {p} is corrupt or truncated: not a torch.save archive")
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {p} is corrupt: {_first_line(e)}") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {p} was not written by `zero-functional train --checkpoint` "
+            f"(no format {CHECKPOINT_FORMAT!r})"
+        )
+    missing = {"model", "optimizer", "epoch", "args"} - ckpt.keys()
+    if missing:
+        raise CheckpointError(f"checkpoint {p} lacks {sorted(missing)}; it is truncated or edited")
+    try:
+        build_model(int(ckpt["args"]["hidden"])).load_state_dict(ckpt["model"])
+        opt = ckpt["optimizer"]
+        if not (isinstance(opt, dict) and {"state", "param_groups"} <= opt.keys()):
+            raise ValueError("optimizer state_dict lacks 'state' or 'param_groups'")
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {p} does not fit the demo MLP: {_first_line(e)}") from e
+    return dict(ckpt)
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def _zero_class(impl: Impl) -> Callable[..., Optimizer]:
+    if impl == "torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+        return TorchZero
+    from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer
+
+
+def _state_bytes(opt: Optimizer) -> int:
+    """Bytes of the tensors in this rank's optimizer state (torch's ZeRO keeps them in .optim)."""
+    local = getattr(opt, "optim", opt)
+    return sum(
+        v.numel() * v.element_size()
+        for s in local.state.values()
+        for v in s.values()
+        if isinstance(v, Tensor)
+    )
+
+
+@dataclass
+class _RunResult:
+    params: list[Tensor]
+    step_times: list[float]
+    state_bytes: int
+    accuracy: float
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled, leave=True
+    )
+
+
+def _train(
+    cfg: TrainConfig,
+    rank: int,
+    world_size: int,
+    ckpt: Mapping[str, Any] | None,
+    use_zero: bool,
+) -> _RunResult:
+    x_train, y_train, x_test, y_test = load_digits_split()
+    torch.manual_seed(cfg.seed)
+    hidden = int(ckpt["args"]["hidden"]) if ckpt is not None else cfg.hidden
+    model = build_model(hidden)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+    ddp = DistributedDataParallel(model)
+    opt: Optimizer
+    if use_zero:
+        opt = _zero_class(cfg.impl)(
+            ddp.parameters(), torch.optim.Adam, overlap_with_ddp=cfg.overlap, lr=cfg.lr
+        )
+        if cfg.overlap:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            from zero_functional.hooks import hook_with_zero_step
+            from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+            assert isinstance(opt, ZeroRedundancyOptimizer), (
+                "--overlap needs --impl zero_functional"
+            )
+
+            ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, opt))
+    else:
+        opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
+    if ckpt is not None:
+        # torch's ZeroRedundancyOptimizer.load_state_dict sets the entries of parameters it does
+        # not own to None in the dict it is given; the reference run needs them intact.
+        opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr
+    start = int(ckpt["epoch"]) if ckpt is not None else 0
+    batches = [
+        (epoch, b)
+        for epoch in range(start, cfg.epochs)
+        for b in epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch)
+    ]
+    name = "ZeRO + DDP" if use_zero else "plain DDP"
+    step_times: list[float] = []
+    samples = 0
+    t_start = time.perf_counter()
+    with _progress(len(batches), name, cfg.progress and rank == 0) as bar:
+        for i, (epoch, batch) in enumerate(batches):
+            idx = rank_slice(batch, rank, world_size)
+            t0 = time.perf_counter()
+            out = ddp(x_train[idx])
+            loss = nn.functional.cross_entropy(out, y_train[idx], reduction="sum")
+            torch.autograd.backward(loss * (world_size / len(batch)))
+            if not (use_zero and cfg.overlap):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            step_times.append(time.perf_counter() - t0)
+            samples += len(batch)
+            bar.set_postfix(
+                loss=f"{loss.item() / max(len(idx), 1):.4f}",
+                samples_s=f"{samples / (time.perf_counter() - t_start):,.0f}",
+                refresh=False,
+            )
+            bar.update()
+            last_of_epoch = i + 1 == len(batches) or batches[i + 1][0] != epoch
+            if use_zero and cfg.checkpoint is not None and last_of_epoch:
+                _write_checkpoint(cfg, rank, model, opt, epoch + 1, hidden)
+    with torch.no_grad():
+        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+    return _RunResult(
+        params=[p.detach().clone() for p in model.parameters()],
+        step_times=step_times,
+        state_bytes=_state_bytes(opt),
+        accuracy=accuracy,
+    )
+
+
+def _write_checkpoint(
+    cfg: TrainConfig, rank: int, model: nn.Module, opt: Optimizer, epoch: int, hidden: int
+) -> None:
+    opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+    if rank == 0:
+        assert cfg.checkpoint is not None
+        args = {**asdict(cfg), "hidden": hidden}
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "epoch": epoch,
+            "args": args,
+        }
+        save_checkpoint(cfg.checkpoint, payload)
+
+
+def run_job(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
+    """Train with ZeRO (and the plain-DDP reference); call on every rank of the default group.
+
+    Returns:
+        On rank 0 the summary table, elsewhere ``None``.
+    """
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None
+    zero = _train(cfg, rank, world_size, ckpt, use_zero=True)
+    ref = _train(cfg, rank, world_size, ckpt, use_zero=False) if cfg.reference else None
+    mine: dict[str, Any] = {
+        "state_bytes": zero.state_bytes,
+        "step_s": sum(zero.step_times) / max(len(zero.step_times), 1),
+        "ref_state_bytes": ref.state_bytes if ref else None,
+        "ref_step_s": sum(ref.step_times) / max(len(ref.step_times), 1) if ref else None,
+        "max_diff": (
+            max((a - b).abs().max().item() for a, b in zip(zero.params, ref.params))
+            if ref
+            else None
+        ),
+        "equal": (
+            all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(zero.params, ref.params))
+            if ref
+            else None
+        ),
+    }
+    rows: list[dict[str, Any]] = [{} for _ in range(world_size)]
+    dist.all_gather_object(rows, mine)
+    if rank != 0:
+        return None
+    return _summary(cfg, rows, zero.accuracy, ref.accuracy if ref else None, world_size)
+
+
+def _summary(
+    cfg: TrainConfig,
+    rows: Sequence[Mapping[str, Any]],
+    accuracy: float,
+    ref_accuracy: float | None,
+    world_size: int,
+) -> str:
+    impl = "zero_functional" if cfg.impl == "zero_functional" else "torch.distributed.optim"
+    mode = "overlap_with_ddp" if cfg.overlap else "step after backward"
+    lines = [
+        f"ZeroRedundancyOptimizer ({impl}, {mode}) over Adam, {world_size} rank(s), "
+        f"epochs up to {cfg.epochs}",
+        f"{'rank':>4}  {'optimizer state':>15}  {'unsharded Adam':>14}  {'share':>6}  "
+        f"{'mean step (ZeRO)':>16}  {'mean step (DDP)':>15}",
+    ]
+    for r, row in enumerate(rows):
+        full = row["ref_state_bytes"]
+        share = f"{row['state_bytes'] / full:6.1%}" if full else f"{'-':>6}"
+        ref_step = f"{row['ref_step_s'] * 1e3:12.2f} ms" if row["ref_step_s"] else f"{'-':>15}"
+        lines.append(
+            f"{r:>4}  {format_bytes(row['state_bytes']):>15}  "
+            f"{format_bytes(full) if full else '-':>14}  {share}  "
+            f"{row['step_s'] * 1e3:13.2f} ms  {ref_step}"
+        )
+    ref_acc = f", plain DDP + Adam {ref_accuracy:.4f}" if ref_accuracy is not None else ""
+    lines.append(f"test accuracy: ZeRO {accuracy:.4f}{ref_acc}")
+    if rows[0]["equal"] is None:
+        lines.append("parity with plain DDP + torch.optim.Adam: not run (--no-reference)")
+    else:
+        equal = all(row["equal"] for row in rows)
+        diff = max(row["max_diff"] for row in rows)
+        verdict = "equal" if equal else "NOT equal"
+        lines.append(
+            f"parity with plain DDP + torch.optim.Adam (seed {cfg.seed}): {verdict} "
+            f"(max |diff| {diff:.1e}, allclose rtol=atol=1e-6)"
+        )
+    if cfg.checkpoint is not None:
+        lines.append(f"checkpoint: {cfg.checkpoint}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawned_rank(
+    rank: int, world_size: int, port: int, cfg: TrainConfig, pg_timeout_s: float, results: Any
+) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        results.put((rank, True, run_job(cfg, rank, world_size)))
+    except BaseException:  # every failure, assertions included, goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect(
+    results: Any, procs: Sequence[Any], world_size: int, timeout_s: float
+) -> Iterator[tuple[int, bool, str | None]]:
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    while seen < world_size and time.monotonic() < deadline:
+        try:
+            item = results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+        except queue_mod.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                return
+            continue
+        seen += 1
+        yield item
+
+
+def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
+    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (a free port), run the job, print the summary.
+
+    A rank that fails or hangs past ``timeout_s`` ends the run: the other ranks are killed and
+    the first traceback goes to stderr.
+
+    Returns:
+        The exit code: 0 on success, 1 if a rank failed or timed out.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    pg_timeout_s = min(60.0, timeout_s)
+    procs = [
+        ctx.Process(target=_spawned_rank, args=(r, nproc, port, cfg, pg_timeout_s, results))
+        for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    summary: str | None = None
+    failures: dict[int, str] = {}
+    done: set[int] = set()
+    try:
+        for rank, ok, value in _collect(results, procs, nproc, timeout_s):
+            done.add(rank)
+            if not ok:
+                failures[rank] = str(value)
+                break  # the others would wait on the failed rank until their timeout
+            if rank == 0:
+                summary = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if failures:
+        rank, tb = min(failures.items())
+        print(f"zero-functional train: rank {rank} failed:\n{tb}", file=sys.stderr, end="")
+        return 1
+    if len(done) < nproc:
+        missing = sorted(set(range(nproc)) - done)
+        print(
+            f"zero-functional train: ranks {missing} gave no result within {timeout_s:.0f} s "
+            "(hang or crash); raise --timeout if the job is just slow",
+            file=sys.stderr,
+        )
+        return 1
+    print(summary)
+    return 0
+
+
+def run_torchrun(cfg: TrainConfig) -> int:
+    """Join the process group torchrun set up (``RANK``, ``WORLD_SIZE``, ...) and run the job.
+
+    Returns:
+        The exit code (0); errors propagate so that torchrun reports the failing rank.
+    """
+    dist.init_process_group("gloo")
+    try:
+        summary = run_job(cfg, dist.get_rank(), dist.get_world_size())
+        if summary is not None:
+            print(summary, flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0

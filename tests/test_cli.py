@@ -1,0 +1,236 @@
+"""The ``zero-functional`` command line: plans, and every user error as one line with exit 2."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zero_functional import train
+from zero_functional.cli import main
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+needs_partition = pytest.mark.skipif(
+    not _importable("zero_functional.partition"),
+    reason="zero_functional.partition (another session's module) has not landed yet",
+)
+
+
+def huge_linear() -> nn.Module:
+    """10 billion parameters: 40 GB in fp32 unless `plan` builds it on the meta device."""
+    return nn.Linear(100_000, 100_000)
+
+
+def not_a_module() -> int:
+    return 3
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of ``main(argv)``, whether it returns or exits."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.split()[0].isdigit()]
+
+
+@needs_partition
+def test_plan_of_builtin_model_reports_both_partitions_at_each_world_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_cli(["plan", "gpt2-small", "--world-sizes", "2", "8", "64"], capsys)
+    assert code == 0, err
+    assert "124,439,808 parameters" in out
+    rows = plan_rows(out)
+    assert [(r[0], r[1]) for r in rows] == [
+        (w, p) for w in ("2", "8", "64") for p in ("sorted-greedy", "flat")
+    ]
+    # the token embedding (38.6M) bounds sorted-greedy's max load once world_size > 3
+    greedy_64 = rows[4]
+    assert greedy_64[6] == "38,597,376"
+    assert float(greedy_64[4]) == 1.0  # max equals the lower bound: greedy is optimal here
+
+
+@needs_partition
+def test_plan_of_module_function_builds_on_meta_device_so_costs_no_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_cli(["plan", "test_cli:huge_linear", "--world-sizes", "4"], capsys)
+    assert code == 0, err
+    assert "2 tensors, 10,000,100,000 parameters" in out
+    flat_row = plan_rows(out)[1]
+    assert flat_row[1] == "flat" and flat_row[2] == "1.000"
+
+
+@needs_partition
+def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(["plan", "bert-base", "--world-sizes", "8"], capsys)
+    assert code == 0
+    flat_row = plan_rows(out)[1]
+    assert flat_row[-1] == "1.000"  # max/formula
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["train", "--bogus"],
+        ["train", "--epochs", "0"],
+        ["train", "--lr", "-1"],
+        ["train", "--lr", "nan"],
+        ["train", "--nproc", "two"],
+        ["train", "--nproc", "4", "--batch-size", "2"],
+        ["train", "--overlap", "--impl", "torch"],
+        ["plan"],
+        ["plan", "gpt2-small", "--world-sizes", "0"],
+        ["plan", "no-such-model"],
+        ["plan", "no_such_module_xyz:f"],
+        ["plan", "test_cli:missing"],
+        ["plan", "test_cli:not_a_module"],
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_on_stderr(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1, err
+    assert "error:" in err
+
+
+def _resume(tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    out_path = tmp_path / "out.pt"
+    code, out, err = run_cli(
+        ["train", "--resume", str(ckpt), "--checkpoint", str(out_path)], capsys
+    )
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert not out_path.exists()  # nothing touched
+    return code, err
+
+
+def test_missing_checkpoint_exits_2_and_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _resume(tmp_path, tmp_path / "missing.pt", capsys)
+    assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"not a checkpoint", b"PK\x03\x04 truncated zip"], ids=repr
+)
+def test_corrupt_checkpoint_exits_2_and_touches_nothing(
+    content: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(content)
+    code, err = _resume(tmp_path, bad, capsys)
+    assert code == 2 and "corrupt" in err
+
+
+def test_foreign_torch_file_is_refused_as_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2)}, other)
+    code, err = _resume(tmp_path, other, capsys)
+    assert code == 2 and "not written by" in err
+
+
+def _checkpoint(path: Path, epoch: int, hidden: int = 8) -> None:
+    train.save_checkpoint(
+        path,
+        {
+            "format": train.CHECKPOINT_FORMAT,
+            "model": train.build_model(hidden).state_dict(),
+            "optimizer": {"state": {}, "param_groups": []},
+            "epoch": epoch,
+            "args": {"hidden": hidden},
+        },
+    )
+
+
+def test_checkpoint_with_wrong_shapes_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ck.pt"
+    _checkpoint(ckpt, epoch=1)
+    payload = torch.load(ckpt)
+    payload["args"]["hidden"] = 9
+    torch.save(payload, ckpt)
+    code, err = _resume(tmp_path, ckpt, capsys)
+    assert code == 2 and "does not fit" in err
+
+
+def test_resuming_a_finished_checkpoint_names_the_epochs_to_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ck.pt"
+    _checkpoint(ckpt, epoch=3)
+    code, _, err = run_cli(["train", "--resume", str(ckpt), "--epochs", "3"], capsys)
+    assert code == 2 and "--epochs 4" in err
+
+
+def test_checkpoint_in_missing_directory_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_cli(["train", "--checkpoint", str(tmp_path / "no" / "ck.pt")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_save_checkpoint_interrupted_mid_write_keeps_previous_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = tmp_path / "ck.pt"
+    _checkpoint(ckpt, epoch=1)
+    before = ckpt.read_bytes()
+
+    def crash(obj: object, f: object) -> None:
+        f.write(b"partial")  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _checkpoint(ckpt, epoch=2)
+    assert ckpt.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]  # no temp file left behind
+
+
+def test_bench_lists_the_scripts_in_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["bench", "--list"], capsys)
+    assert code == 0
+    assert all(Path(line).name.startswith("bench_") for line in out.splitlines())
+    assert out
+
+
+@needs_partition
+def test_python_dash_m_runs_the_cli() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_functional", "plan", "resnet50", "--world-sizes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "25,557,032 parameters" in proc.stdout
