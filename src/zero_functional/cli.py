@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(train, epochs=10)
     train.set_defaults(func=_cmd_train)
     demo = sub.add_parser("demo", help="what `make demo` runs: a short train, then a plan")
-    _add_train_flags(demo, epochs=10)
+    _add_train_flags(demo, epochs=20)
     demo.set_defaults(func=_cmd_demo)
     plan = sub.add_parser(
         "plan",
