@@ -46,7 +46,18 @@ def test_train_checkpoint_then_resume_at_another_world_size_matches_plain_ddp(
     assert sorted(saved["optimizer"]["state"]) == list(range(6))  # every rank's shard
 
     code = main(
-        ["train", "--nproc", "3", "--epochs", "2", "--resume", str(ckpt), "--checkpoint", str(ckpt), *common]
+        [
+            "train",
+            "--nproc",
+            "3",
+            "--epochs",
+            "2",
+            "--resume",
+            str(ckpt),
+            "--checkpoint",
+            str(ckpt),
+            *common,
+        ]
     )
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -451,6 +451,8 @@ def _summary(
             f"parity with plain DDP + torch.optim.Adam (seed {cfg.seed}): {verdict} "
             f"(max |diff| {diff:.1e}, allclose rtol=atol=1e-6)"
         )
+    if cfg.resume is not None:
+        lines.append(f"resumed from: {cfg.resume}")
     if cfg.checkpoint is not None:
         lines.append(f"checkpoint: {cfg.checkpoint}")
     return "\n".join(lines)
