@@ -175,6 +175,13 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
                 f"checkpoint {args.resume} has finished epoch {ckpt['epoch']} of --epochs "
                 f"{args.epochs}; pass --epochs {int(ckpt['epoch']) + 1} or more to continue",
             )
+    if args.impl == "zero_functional":
+        try:
+            import zero_functional.optimizer  # noqa: F401
+        except ImportError as e:
+            return None, _fail(
+                command, f"zero_functional.optimizer does not import ({e}); try --impl torch"
+            )
     try:
         cfg = TrainConfig(
             epochs=args.epochs,
