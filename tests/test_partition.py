@@ -1,0 +1,209 @@
+"""Examples for zero_functional.partition, and parity with torch's own partitioning code."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from zero_functional.partition import (
+    BalanceReport,
+    FlatPartition,
+    Segment,
+    balance_report,
+    flat,
+    owners,
+    rank_loads,
+    sorted_greedy,
+    sorted_greedy_groups,
+)
+
+
+def torch_partition(group_numels: list[list[int]], world_size: int) -> list[list[list[int]]]:
+    """torch's real `_partition_parameters` on stand-in tensors: result[group][rank] = indices.
+
+    The method only reads `param_groups`, `world_size`, `_partition_parameters_cache` and two
+    helper methods from `self`, so a namespace with those, bound to torch's functions, runs it
+    without a process group.
+    """
+    groups = [{"params": [torch.empty(n) for n in g]} for g in group_numels]
+    obj = types.SimpleNamespace(
+        param_groups=groups, world_size=world_size, _partition_parameters_cache=[]
+    )
+    for name in ("_get_min_index", "_partition_param_group"):
+        setattr(obj, name, types.MethodType(getattr(ZeroRedundancyOptimizer, name), obj))
+    per_rank = ZeroRedundancyOptimizer._partition_parameters(obj)  # type: ignore[arg-type]
+    index = [{id(p): i for i, p in enumerate(g["params"])} for g in groups]
+    return [
+        [[index[g][id(p)] for p in per_rank[r][g]["params"]] for r in range(world_size)]
+        for g in range(len(groups))
+    ]
+
+
+def _as_lists(partition: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    return [list(r) for r in partition]
+
+
+def test_sorted_greedy_example() -> None:
+    assert sorted_greedy([5, 1, 7, 3], 2) == ((2, 1), (0, 3))
+
+
+def test_sorted_greedy_ties_go_to_lowest_rank_and_keep_order() -> None:
+    assert sorted_greedy([2, 2, 2, 2, 2], 3) == ((0, 3), (1, 4), (2,))
+
+
+def test_sorted_greedy_more_ranks_than_params_leaves_ranks_empty() -> None:
+    assert sorted_greedy([3, 1], 4) == ((0,), (1,), (), ())
+
+
+def test_sorted_greedy_initial_loads_steer_assignment() -> None:
+    assert sorted_greedy([4, 4], 2, initial_loads=[10, 0]) == ((), (0, 1))
+
+
+@pytest.mark.parametrize(
+    "numels",
+    [
+        [5, 1, 7, 3],
+        [2, 2, 2, 2, 2],
+        [0, 0, 3, 0],
+        [768 * 2304, 2304, 768, 768, 768 * 768, 768, 3072 * 768, 3072] * 3,
+        list(range(50, 0, -3)) + list(range(1, 40, 2)),
+    ],
+)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_sorted_greedy_equals_torch(numels: list[int], world_size: int) -> None:
+    assert _as_lists(sorted_greedy(numels, world_size)) == torch_partition([numels], world_size)[0]
+
+
+def test_sorted_greedy_groups_equals_torch_and_carries_loads_over() -> None:
+    groups = [[10, 3, 3], [4, 4, 1], [], [7]]
+    ours = sorted_greedy_groups(groups, 3)
+    assert [_as_lists(g) for g in ours] == torch_partition(groups, 3)
+    # Rank 0 took the 10 in group 0, so it gets nothing of group 1.
+    assert ours[1] == ((), (0, 2), (1,))
+
+
+def test_sorted_greedy_groups_is_not_per_group_greedy() -> None:
+    groups = [[4, 2], [3]]
+    assert sorted_greedy_groups(groups, 2)[1] == ((), (0,))
+    assert sorted_greedy(groups[1], 2) == ((0,), ())
+
+
+def test_owners_and_rank_loads() -> None:
+    part = sorted_greedy([5, 1, 7, 3], 2)
+    assert owners(part, 4) == (1, 0, 0, 1)
+    assert rank_loads([5, 1, 7, 3], part) == (8, 8)
+
+
+@pytest.mark.parametrize(
+    ("partition", "message"),
+    [
+        (((0, 1), (1,)), "owned by ranks 0 and 1"),
+        (((0,), ()), "owned by no rank"),
+        (((0, 5),), "outside"),
+    ],
+)
+def test_owners_rejects_bad_partitions(
+    partition: tuple[tuple[int, ...], ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        owners(partition, 2)
+
+
+def test_rank_loads_rejects_indices_for_other_numels() -> None:
+    with pytest.raises(ValueError, match="other numels"):
+        rank_loads([1, 2], ((0, -1),))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: sorted_greedy([1], 0), "world_size must be an int >= 1"),
+        (lambda: sorted_greedy([1, -2], 2), r"numels\[1\] is -2.*tensor.numel\(\)"),
+        (lambda: sorted_greedy([1], 2, initial_loads=[0]), "pass one load per rank"),
+        (lambda: sorted_greedy([1], 2, initial_loads=[0, -1]), "negative load"),
+        (lambda: sorted_greedy_groups([[1]], 0), "world_size"),
+        (lambda: flat([1], 2, align=0), "align must be an int >= 1.*pass 1"),
+        (lambda: flat([1], -1), "world_size"),
+        (lambda: flat([-1], 1), "sizes must be >= 0"),
+    ],
+)
+def test_errors_name_the_fix(call: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()  # type: ignore[operator]
+
+
+def test_flat_example_straddles() -> None:
+    p = flat([6, 3], 2)
+    assert p.bounds == ((0, 5), (5, 9))
+    assert p.segments == (
+        (Segment(0, 0, 5),),
+        (Segment(0, 5, 6), Segment(1, 0, 3)),
+    )
+    assert p.loads == (5, 4)
+
+
+def test_flat_align_rounds_ranges_up_and_last_ranks_may_be_empty() -> None:
+    p = flat([10], 4, align=4)  # ceil(10 / 4) = 3 -> 4
+    assert p.bounds == ((0, 4), (4, 8), (8, 10), (10, 10))
+    assert p.segments[3] == ()
+    p = flat([1, 1], 4, align=8)
+    assert p.bounds == ((0, 2), (2, 2), (2, 2), (2, 2))
+
+
+def test_flat_skips_zero_size_params_and_handles_empty() -> None:
+    p = flat([0, 3, 0, 1], 2)
+    assert p.segments == ((Segment(1, 0, 2),), (Segment(1, 2, 3), Segment(3, 0, 1)))
+    assert flat([], 3).bounds == ((0, 0), (0, 0), (0, 0))
+
+
+def test_flat_partition_validates_itself() -> None:
+    good = flat([6, 3], 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        FlatPartition(good.numels, 2, 1, ((0, 5), (6, 9)), good.segments)
+    with pytest.raises(ValueError, match="tile the rank's range"):
+        FlatPartition(good.numels, 2, 1, good.bounds, (good.segments[0], good.segments[1][::-1]))
+    with pytest.raises(ValueError, match="cover"):
+        FlatPartition((6, 4), 2, 1, good.bounds, good.segments)
+    with pytest.raises(ValueError, match="align=2"):
+        FlatPartition(good.numels, 2, 2, good.bounds, good.segments)
+    with pytest.raises(ValueError, match="0 <= start < stop"):
+        Segment(0, 3, 3)
+
+
+def test_balance_report_sorted_greedy_and_flat() -> None:
+    numels = [10, 1, 1]
+    r = balance_report(numels, sorted_greedy(numels, 3))
+    assert r == BalanceReport(
+        loads=(10, 1, 1), max_load=10, mean_load=4.0, largest=10, lower_bound=10.0
+    )
+    assert r.max_over_mean == 2.5 and r.max_over_lower_bound == 1.0
+    f = balance_report(numels, flat(numels, 3))
+    assert f.loads == (4, 4, 4) and f.max_over_mean == 1.0 and f.max_over_lower_bound == 0.4
+    assert "3 ranks" in str(r) and "\n" not in str(r)
+
+
+def test_balance_report_of_nothing_is_perfect() -> None:
+    r = balance_report([0, 0], sorted_greedy([0, 0], 2))
+    assert r.max_over_mean == 1.0 and r.max_over_lower_bound == 1.0
+
+
+def test_balance_report_rejects_flat_of_other_numels() -> None:
+    with pytest.raises(ValueError, match="other numels"):
+        balance_report([1, 2], flat([2, 1], 2))
+
+
+def test_sorted_greedy_and_balance_report_scale_to_10k_params_4096_ranks() -> None:
+    # The one timing check: the issue asks for "well under a second"; 2 s allows a shared box.
+    numels = [(i * 7919) % 100_003 + 1 for i in range(10_000)]
+    start = time.perf_counter()
+    part = sorted_greedy(numels, 4096)
+    report = balance_report(numels, part)
+    flat_report = balance_report(numels, flat(numels, 4096))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.0, f"took {elapsed:.2f} s"
+    assert report.max_load <= report.mean_load + report.largest
+    assert flat_report.max_load == -(-sum(numels) // 4096)
