@@ -1,0 +1,103 @@
+"""Properties of zero_functional.buckets: layouts round-trip, DDP bucket assignment as torch."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.optim.zero_redundancy_optimizer import _OverlapInfo, _OverlapStatus
+
+from zero_functional.buckets import bucket_layout, ddp_bucket_assignments, flatten, views
+
+shapes_st = st.lists(st.lists(st.integers(0, 4), max_size=3), min_size=1, max_size=8)
+buckets_st = st.lists(st.lists(st.integers(0, 100), min_size=1, max_size=6), max_size=8)
+
+
+def torch_bucket_assignments(
+    bucket_numels: list[list[int]], world_size: int, shard_buckets: bool
+) -> list[list[tuple[int, int, int, int]]]:
+    """torch's real `_bucket_assignments_per_rank` (see tests/test_buckets.py)."""
+    info = _OverlapInfo(world_size)
+    info.status = _OverlapStatus.INITIALIZED
+    info.shard_buckets = shard_buckets
+    info.params_per_bucket = [[torch.empty(n) for n in b] for b in bucket_numels]
+    info.total_size = sum(map(sum, bucket_numels)) if shard_buckets else None
+    obj = types.SimpleNamespace(
+        _overlap_info=info,
+        world_size=world_size,
+        global_rank=0,
+        _overlap_with_ddp=True,
+        _bucket_assignments_per_rank_cache=[],
+    )
+    for name in ("_get_min_index", "_get_assigned_rank", "_assign_bucket_subset_to_rank"):
+        setattr(obj, name, types.MethodType(getattr(ZeroRedundancyOptimizer, name), obj))
+    per_rank = ZeroRedundancyOptimizer._bucket_assignments_per_rank.fget(obj)  # type: ignore[attr-defined]
+    return [
+        [(a.bucket_index, rank, a.offset, len(a.parameters)) for a in d.values()]
+        for rank, d in enumerate(per_rank)
+    ]
+
+
+@given(st.lists(st.integers(0, 50), max_size=10), st.integers(1, 16))
+def test_bucket_layout_offsets_aligned_disjoint_and_in_size(numels: list[int], align: int) -> None:
+    layout = bucket_layout(numels, align=align)
+    ends = [o + n for o, n in zip(layout.offsets, numels)]
+    assert all(o % align == 0 for o in layout.offsets)
+    assert all(e <= o for e, o in zip(ends, layout.offsets[1:]))
+    assert layout.size % align == 0 and layout.size >= max(ends, default=0)
+    assert layout.size < max(ends, default=0) + align
+
+
+@given(shapes_st, st.integers(1, 8), st.sampled_from([torch.float32, torch.float64, torch.int64]))
+def test_flatten_then_views_round_trips(
+    shapes: list[list[int]], align: int, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(len(shapes))
+    ts = [(torch.rand(s, generator=g) * 100).to(dtype) for s in shapes]
+    copies = [t.clone() for t in ts]
+    layout = bucket_layout([t.numel() for t in ts], align=align)
+    buffer = flatten(ts, layout)
+    out = views(buffer, layout, shapes)
+    assert buffer.dtype == dtype and buffer.shape == (layout.size,)
+    assert all(torch.equal(o, t) and o.shape == t.shape for o, t in zip(out, ts))
+    assert all(torch.equal(t, c) for t, c in zip(ts, copies))  # inputs untouched
+    covered = torch.zeros(layout.size, dtype=torch.bool)
+    for o, n in zip(layout.offsets, layout.numels):
+        covered[o : o + n] = True
+    assert not buffer[~covered].any()  # padding is zero
+
+
+@given(buckets_st, st.integers(1, 6), st.booleans())
+def test_ddp_bucket_assignments_cover_every_param_exactly_once(
+    buckets: list[list[int]], n: int, shard: bool
+) -> None:
+    try:
+        per_rank = ddp_bucket_assignments(buckets, n, shard_buckets=shard)
+    except ValueError:
+        assert shard  # only torch's sharding rule can run out of ranks
+        return
+    seen = [[0] * len(b) for b in buckets]
+    for rank, assignments in enumerate(per_rank):
+        assert len({a.bucket for a in assignments}) == len(assignments)  # one piece per bucket
+        for a in assignments:
+            assert a.rank == rank
+            for i in range(a.offset, a.offset + a.length):
+                seen[a.bucket][i] += 1
+    assert all(c == 1 for b in seen for c in b)
+
+
+@given(buckets_st, st.integers(1, 6), st.booleans())
+def test_ddp_bucket_assignments_equal_torch(buckets: list[list[int]], n: int, shard: bool) -> None:
+    try:
+        expected = torch_bucket_assignments(buckets, n, shard)
+    except AssertionError:
+        try:
+            ddp_bucket_assignments(buckets, n, shard_buckets=shard)
+        except ValueError:
+            return
+        raise AssertionError("torch failed where ours did not") from None
+    per_rank = ddp_bucket_assignments(buckets, n, shard_buckets=shard)
+    assert [[(a.bucket, a.rank, a.offset, a.length) for a in r] for r in per_rank] == expected
