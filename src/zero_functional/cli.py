@@ -65,9 +65,9 @@ def _positive_float(text: str) -> float:
 def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) -> str:
     """The balance of sorted-greedy and flat partitions of ``numels`` at each world size.
 
-    Per world size and partition: max/mean load, the lower bound on the max load
-    (``max(mean, largest tensor)`` for whole tensors), max/lower bound, the smallest and largest
-    rank load, and the Adam state of the fullest rank (2 fp32 states: ``8 * load`` bytes)
+    Per world size and partition: max/mean load, the lower bound on the max load of any
+    whole-tensor partition (``max(mean, largest tensor)``), max/lower bound (below 1 for
+    ``flat``, which splits tensors), the smallest and largest rank load, and the Adam state of the fullest rank (2 fp32 states: ``8 * load`` bytes)
     against ZeRO's formula (``8 * total / world_size``).
 
     Args:
