@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from distributed import run_ranks
 
 

@@ -1,0 +1,237 @@
+"""Collectives: the only module of zero_functional that talks to ``torch.distributed``.
+
+Everything here is issued from the calling thread in an order that depends only on values every
+rank shares (the partition, the bucket layout), never on timing. That is the rule that keeps gloo
+from hanging: gloo matches collectives across ranks by the order they are issued.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "ProcessGroup",
+    "Work",
+    "all_agree",
+    "broadcast_shards",
+    "collective_device",
+    "default_group",
+    "exchange_objects",
+    "gather_objects",
+    "global_rank",
+    "group_rank",
+    "group_size",
+    "recv_object",
+    "send_object",
+    "sync_params",
+    "unflatten_into",
+]
+
+ProcessGroup = dist.ProcessGroup
+
+
+class Work(Protocol):
+    """The handle an asynchronous collective returns."""
+
+    def wait(self) -> bool: ...
+
+
+def default_group(group: ProcessGroup | None) -> ProcessGroup:
+    """``group``, or the default (world) group when it is ``None``."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group(...) before building a ZeroRedundancyOptimizer"
+        )
+    world = dist.group.WORLD
+    assert world is not None
+    return world
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Number of ranks in ``group``."""
+    return int(dist.get_world_size(group))
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's rank within ``group``."""
+    return int(dist.get_rank(group))
+
+
+def global_rank(group: ProcessGroup, rank: int) -> int:
+    """The global rank of ``rank`` of ``group`` (collectives take global ranks as sources)."""
+    return int(dist.get_global_rank(group, rank))
+
+
+def collective_device(group: ProcessGroup, fallback: torch.device) -> torch.device:
+    """The device that object messages travel on: CUDA for NCCL, else the CPU.
+
+    NCCL moves only device tensors; gloo moves CPU tensors fastest.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        if fallback.type == "cuda":
+            return fallback
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_agree(values: Sequence[int], group: ProcessGroup, device: torch.device) -> bool:
+    """Whether every rank passed the same ``values`` (one small all-reduce).
+
+    The tensor holds ``values`` and their negations, reduced with MAX: equality on every rank
+    means every rank's values were the same. All ranks get the same answer, so all can raise.
+    """
+    local = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=device)
+    reduced = local.clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    n = len(values)
+    return bool(torch.equal(reduced[:n], -reduced[n:]))
+
+
+def broadcast_shards(
+    buffers: Sequence[Tensor], sources: Sequence[int], group: ProcessGroup
+) -> list[Work]:
+    """Start one broadcast per buffer, from the group rank in ``sources``; return the handles.
+
+    The buffers are issued in list order, which every rank must share.
+    """
+    handles: list[Work] = []
+    for buffer, src in zip(buffers, sources, strict=True):
+        work = dist.broadcast(buffer, src=global_rank(group, src), group=group, async_op=True)
+        assert work is not None
+        handles.append(work)
+    return handles
+
+
+def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
+    """Copy consecutive pieces of the 1-D ``buffer`` into ``tensors`` (in place)."""
+    if not tensors:
+        return
+    pieces = torch.split(buffer, [t.numel() for t in tensors])
+    torch._foreach_copy_(list(tensors), [p.view_as(t) for p, t in zip(pieces, tensors)])
+
+
+def sync_params(
+    params: Sequence[Tensor],
+    owners: Sequence[int],
+    group: ProcessGroup | None = None,
+) -> None:
+    """Make every rank hold the owner's value of each parameter, in place.
+
+    This is the synchronisation a functional ZeRO step needs after each rank updated the
+    parameters it owns: one broadcast per (owner rank, device, dtype), not one per parameter.
+
+    Args:
+        params: The same list of tensors on every rank (model order).
+        owners: For each tensor, the group rank that holds its up-to-date value.
+        group: The process group (default: the world).
+    """
+    group = default_group(group)
+    if len(params) != len(owners):
+        raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
+    me = group_rank(group)
+    keys: dict[tuple[int, torch.device, torch.dtype], list[Tensor]] = {}
+    for t, owner in zip(params, owners):
+        keys.setdefault((owner, t.device, t.dtype), []).append(t)
+    buffers: list[Tensor] = []
+    sources: list[int] = []
+    receivers: list[tuple[Tensor, list[Tensor]]] = []
+    for (owner, device, dtype), tensors in sorted(
+        keys.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))
+    ):
+        if owner == me:
+            buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
+        else:
+            buffer = torch.empty(sum(t.numel() for t in tensors), device=device, dtype=dtype)
+            receivers.append((buffer, tensors))
+        buffers.append(buffer)
+        sources.append(owner)
+    for work in broadcast_shards(buffers, sources, group):
+        work.wait()
+    with torch.no_grad():
+        for buffer, tensors in receivers:
+            unflatten_into(buffer, tensors)
+
+
+def _to_bytes(obj: object) -> Tensor:
+    stream = io.BytesIO()
+    torch.save(obj, stream)
+    return torch.frombuffer(bytearray(stream.getbuffer()), dtype=torch.uint8)
+
+
+def _from_bytes(data: Tensor) -> object:
+    # bytes(untyped_storage) needs no numpy, unlike torch's own consolidation (tensor.numpy()).
+    raw = bytes(data.cpu().contiguous().untyped_storage())[: data.numel()]
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+
+
+def gather_objects(
+    obj: Mapping[str, object], to: int, group: ProcessGroup, device: torch.device
+) -> list[object] | None:
+    """Collect one picklable object from every rank on group rank ``to``, in rank order.
+
+    Point-to-point, one rank at a time: ``to`` holds at most one other rank's serialized shard
+    in ``device`` memory at once, and moves it to the CPU before receiving the next (torch's
+    consolidation broadcasts every shard to every rank: pytorch#68181). Returns the list on
+    ``to`` and ``None`` elsewhere.
+    """
+    me = group_rank(group)
+    world = group_size(group)
+    if not 0 <= to < world:
+        raise ValueError(f"to={to} is not a rank of this group (size {world})")
+    if me != to:
+        send_object(obj, to, group, device)
+        return None
+    return [obj if src == me else recv_object(src, group, device) for src in range(world)]
+
+
+def send_object(obj: object, dst: int, group: ProcessGroup, device: torch.device) -> None:
+    """Send one picklable object to group rank ``dst`` (pairs with :func:`recv_object`)."""
+    payload = _to_bytes(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.send(size, dst=global_rank(group, dst), group=group)
+    dist.send(payload.to(device), dst=global_rank(group, dst), group=group)
+
+
+def recv_object(src: int, group: ProcessGroup, device: torch.device) -> object:
+    """Receive one object sent by :func:`send_object` from group rank ``src``, on the CPU."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=global_rank(group, src), group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(data, src=global_rank(group, src), group=group)
+    cpu = data.cpu()
+    del data
+    return _from_bytes(cpu)
+
+
+def exchange_objects(
+    outgoing: Mapping[int, object],
+    pairs: Sequence[tuple[int, int]],
+    group: ProcessGroup,
+    device: torch.device,
+) -> dict[int, object]:
+    """Move objects along ``(src, dst)`` pairs that every rank lists in the same order.
+
+    Each rank sends ``outgoing[dst]`` for its pairs as source and returns what it received,
+    keyed by source. Walking one shared total order of pairs cannot deadlock: the earliest
+    unfinished pair always has both its ranks waiting on it.
+    """
+    me = group_rank(group)
+    received: dict[int, object] = {}
+    for src, dst in pairs:
+        if src == dst:
+            continue
+        if me == src:
+            send_object(outgoing.get(dst, {}), dst, group, device)
+        elif me == dst:
+            received[src] = recv_object(src, group, device)
+    return received

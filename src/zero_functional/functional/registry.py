@@ -1,0 +1,344 @@
+"""Registry: torch.optim classes -> the functional core that reproduces them.
+
+The stateful shell reads a param group, asks :func:`supports_group` whether the core implements
+every option with torch's semantics, picks the keys with :func:`group_hyperparams` and calls
+the spec's ``init``/``update_`` with them; state crosses to and from torch's format through
+``state_to_dicts``/``state_from_dicts``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from zero_functional.functional.adam import adam_init, adam_update, adam_update_
+from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
+from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
+
+__all__ = [
+    "IGNORED_GROUP_KEYS",
+    "SUPPORTED",
+    "FunctionalSpec",
+    "functional_spec",
+    "group_hyperparams",
+    "supports_group",
+]
+
+# Keys a param group may carry that do not change the update: torch's bookkeeping, LR/momentum
+# schedulers' bookkeeping (they write the keys the update reads, which are read fresh each step).
+IGNORED_GROUP_KEYS: tuple[str, ...] = (
+    "params",
+    "param_names",
+    "foreach",
+    "initial_lr",
+    "max_lr",
+    "min_lr",
+    "base_momentum",
+    "max_momentum",
+    "base_lr",
+)
+
+
+@dataclass(frozen=True)
+class FunctionalSpec:
+    """How one torch.optim class maps onto the functional core.
+
+    Attributes:
+        name: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+        factory: the keyword factory (:func:`sgd`, :func:`adam`, :func:`adamw`).
+        hyperparam_keys: param-group keys the update reads.
+        defaults: torch's default for each hyperparam key (used when a group lacks one).
+        state_keys: torch's per-param state keys.
+        init: ``init(params, **group_hyperparams) -> state``.
+        update_: ``update_(params, grads, state, **group_hyperparams)`` in place.
+        update: pure ``update(params, grads, state, **group_hyperparams)``.
+    """
+
+    name: str
+    factory: Callable[..., FunctionalOptimizer]
+    hyperparam_keys: tuple[str, ...]
+    defaults: Mapping[str, object]
+    state_keys: tuple[str, ...]
+    init: Callable[..., State]
+    update_: Callable[..., None]
+    update: Callable[..., tuple[list[Tensor], State]]
+
+    def __post_init__(self) -> None:
+        if set(self.defaults) != set(self.hyperparam_keys):
+            raise ValueError(
+                f"spec {self.name!r}: defaults keys {sorted(self.defaults)} must equal "
+                f"hyperparam_keys {sorted(self.hyperparam_keys)}"
+            )
+
+    def state_to_dicts(self, state: State) -> list[dict[str, Tensor]]:
+        """Per-param state in torch.optim's format; tensors are shared, not copied.
+
+        SGD: ``{"momentum_buffer": buf}`` once a buffer exists, else ``{}`` (torch stores
+        nothing for momentum=0 or before the first step). Adam: ``step``, ``exp_avg``,
+        ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``; a never-stepped param gives
+        step 0 and zero moments (torch would have no entry; loading them is equivalent).
+
+        Args:
+            state: an ``SGDState`` or ``AdamState`` matching this spec.
+
+        Returns:
+            One dict per param.
+
+        Example:
+            >>> import torch
+            >>> spec = functional_spec(torch.optim.SGD)
+            >>> spec.state_to_dicts(SGDState([None, torch.ones(1)]))
+            [{}, {'momentum_buffer': tensor([1.])}]
+        """
+        if isinstance(state, SGDState):
+            if self.name != "sgd":
+                raise TypeError(f"spec {self.name!r} got an SGDState")
+            return [{} if b is None else {"momentum_buffer": b} for b in state.momentum_buffer]
+        if self.name == "sgd":
+            raise TypeError("spec 'sgd' got an AdamState")
+        amsgrad = bool(state.max_exp_avg_sq)
+        out: list[dict[str, Tensor]] = []
+        for i in range(len(state.step)):
+            d = {
+                "step": state.step[i],
+                "exp_avg": state.exp_avg[i],
+                "exp_avg_sq": state.exp_avg_sq[i],
+            }
+            if amsgrad:
+                d["max_exp_avg_sq"] = state.max_exp_avg_sq[i]
+            out.append(d)
+        return out
+
+    def state_from_dicts(
+        self, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], **hyper: object
+    ) -> State:
+        """Inverse of :meth:`state_to_dicts`: build the state from torch-format per-param dicts.
+
+        Tensors are used as-is (no copy). The one exception is Adam's ``step``: torch keeps
+        it on the CPU (float32, or float64 under a float64 default dtype) unless fused or
+        capturable, so a step that is not a float32 tensor on its param's device is converted
+        (a Python number is accepted too). An empty dict gives fresh state for that param.
+
+        Args:
+            dicts: one mapping per param, as ``torch.optim.Optimizer.state[p]``.
+            params: the params, in the same order.
+            **hyper: the group's hyperparams (``amsgrad`` is read for Adam).
+
+        Returns:
+            The ``SGDState`` or ``AdamState``.
+
+        Raises:
+            ValueError: lengths differ, or amsgrad is on and a stepped param lacks
+                ``max_exp_avg_sq``.
+
+        Example:
+            >>> import torch
+            >>> spec = functional_spec(torch.optim.Adam)
+            >>> p = [torch.zeros(2)]
+            >>> s = spec.state_from_dicts([{}], p, amsgrad=False)
+            >>> s.step[0], s.exp_avg[0]
+            (tensor(0.), tensor([0., 0.]))
+        """
+        if len(dicts) != len(params):
+            raise ValueError(
+                f"state_from_dicts: got {len(dicts)} state dicts for {len(params)} params; "
+                "pass one (possibly empty) dict per param, in the params' order"
+            )
+        if self.name == "sgd":
+            return SGDState(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
+        amsgrad = bool(hyper.get("amsgrad", False))
+        fresh = adam_init(params, amsgrad=amsgrad)
+        for i, (d, p) in enumerate(zip(dicts, params)):
+            if not d:
+                continue
+            step = d["step"]
+            if not isinstance(step, Tensor):
+                step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+            elif step.device != p.device or step.dtype != torch.float32:
+                step = step.to(device=p.device, dtype=torch.float32)
+            fresh.step[i] = step
+            fresh.exp_avg[i] = d["exp_avg"]
+            fresh.exp_avg_sq[i] = d["exp_avg_sq"]
+            if amsgrad:
+                if "max_exp_avg_sq" not in d:
+                    raise ValueError(
+                        f"state_from_dicts: amsgrad=True but the state of param {i} has no "
+                        "'max_exp_avg_sq' (it was stepped with amsgrad=False); torch.optim "
+                        "would fail here too: keep amsgrad as it was when the state was made"
+                    )
+                fresh.max_exp_avg_sq[i] = d["max_exp_avg_sq"]
+        return fresh
+
+
+_SGD_DEFAULTS: dict[str, object] = {
+    "lr": 1e-3,
+    "momentum": 0,
+    "dampening": 0,
+    "weight_decay": 0,
+    "nesterov": False,
+    "maximize": False,
+}
+_ADAM_DEFAULTS: dict[str, object] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0,
+    "amsgrad": False,
+    "maximize": False,
+    "decoupled_weight_decay": False,
+    "fused": None,
+}
+_ADAMW_DEFAULTS: dict[str, object] = {
+    **_ADAM_DEFAULTS,
+    "weight_decay": 1e-2,
+    "decoupled_weight_decay": True,
+}
+
+
+def _sgd_init(params: Sequence[Tensor], **hyper: object) -> State:
+    return sgd_init(params)
+
+
+def _adam_init(params: Sequence[Tensor], **hyper: object) -> State:
+    return adam_init(params, amsgrad=bool(hyper.get("amsgrad", False)))
+
+
+_SGD_SPEC = FunctionalSpec(
+    name="sgd",
+    factory=sgd,
+    hyperparam_keys=tuple(_SGD_DEFAULTS),
+    defaults=_SGD_DEFAULTS,
+    state_keys=("momentum_buffer",),
+    init=_sgd_init,
+    update_=sgd_update_,
+    update=sgd_update,
+)
+_ADAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_ADAM_SPEC = FunctionalSpec(
+    name="adam",
+    factory=adam,
+    hyperparam_keys=tuple(_ADAM_DEFAULTS),
+    defaults=_ADAM_DEFAULTS,
+    state_keys=_ADAM_STATE_KEYS,
+    init=_adam_init,
+    update_=adam_update_,
+    update=adam_update,
+)
+# AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
+# the update reads decoupled_weight_decay from the group like Adam's does.
+_ADAMW_SPEC = FunctionalSpec(
+    name="adamw",
+    factory=adamw,
+    hyperparam_keys=tuple(_ADAMW_DEFAULTS),
+    defaults=_ADAMW_DEFAULTS,
+    state_keys=_ADAM_STATE_KEYS,
+    init=_adam_init,
+    update_=adam_update_,
+    update=adam_update,
+)
+
+SUPPORTED: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_SPECS: dict[type, FunctionalSpec] = {
+    torch.optim.SGD: _SGD_SPEC,
+    torch.optim.Adam: _ADAM_SPEC,
+    torch.optim.AdamW: _ADAMW_SPEC,
+}
+
+
+def functional_spec(optimizer_class: type) -> FunctionalSpec | None:
+    """The spec for a torch.optim class, or ``None`` when the core does not implement it.
+
+    Exact class match: a subclass may override ``step``, so it is not assumed to be the same.
+
+    Args:
+        optimizer_class: e.g. ``torch.optim.Adam``.
+
+    Returns:
+        The ``FunctionalSpec`` or ``None``.
+
+    Example:
+        >>> import torch
+        >>> functional_spec(torch.optim.AdamW).name
+        'adamw'
+        >>> functional_spec(torch.optim.RMSprop) is None
+        True
+    """
+    return _SPECS.get(optimizer_class)
+
+
+def group_hyperparams(spec: FunctionalSpec, group: Mapping[str, object]) -> dict[str, object]:
+    """Pick the keys the update reads from a torch param group, torch's defaults for missing ones.
+
+    Args:
+        spec: from :func:`functional_spec`.
+        group: a ``torch.optim.Optimizer.param_groups`` entry.
+
+    Returns:
+        Keyword arguments for ``spec.init``/``spec.update_``/``spec.update``.
+
+    Example:
+        >>> import torch
+        >>> spec = functional_spec(torch.optim.SGD)
+        >>> group_hyperparams(spec, {"params": [], "lr": 0.1, "momentum": 0.9})["momentum"]
+        0.9
+    """
+    return {k: group.get(k, spec.defaults[k]) for k in spec.hyperparam_keys}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, Tensor))
+
+
+def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
+    """Whether every option in the group is implemented by the core with torch's semantics.
+
+    False for ``capturable=True``, ``differentiable=True``, tensor ``lr``/``betas``/
+    ``weight_decay``, SGD ``fused=True``, ``foreach=True`` together with ``fused=True``, and
+    keys neither read by the update nor in :data:`IGNORED_GROUP_KEYS`; the shell then falls
+    back to a real torch optimizer.
+
+    Args:
+        spec: from :func:`functional_spec`.
+        group: a ``torch.optim.Optimizer.param_groups`` entry.
+
+    Returns:
+        ``True`` when ``spec.update_(..., **group_hyperparams(spec, group))`` is torch's step.
+
+    Example:
+        >>> import torch
+        >>> spec = functional_spec(torch.optim.Adam)
+        >>> supports_group(spec, {"params": [], "lr": 0.1, "foreach": True})
+        True
+        >>> supports_group(spec, {"params": [], "lr": 0.1, "capturable": True})
+        False
+    """
+    for key, value in group.items():
+        if key in ("differentiable", "capturable"):
+            if value:
+                return False
+        elif key == "fused" and spec.name == "sgd":
+            if value:
+                return False
+        elif key not in spec.hyperparam_keys and key not in IGNORED_GROUP_KEYS:
+            return False
+    if spec.name != "sgd" and group.get("fused") and group.get("foreach"):
+        return False
+    hp = group_hyperparams(spec, group)
+    numeric = ["lr", "weight_decay"] + (
+        ["momentum", "dampening"] if spec.name == "sgd" else ["eps"]
+    )
+    if not all(_is_number(hp[k]) for k in numeric):
+        return False
+    if spec.name != "sgd":
+        betas = hp["betas"]
+        if not (
+            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_number, betas))
+        ):
+            return False
+        if spec.name == "adamw" and not hp["decoupled_weight_decay"]:
+            return False
+    return True

@@ -1,0 +1,265 @@
+"""overlap_with_ddp on gloo: DDP + our hooks against DDP + a local torch.optim optimizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zero_functional.hooks import (
+    choose_collectives,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+)
+from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from distributed import run_ranks
+
+ATOL = 1e-6
+
+
+class Net(nn.Module):
+    """Small MLP with an optional frozen sub-module and a layer used twice."""
+
+    def __init__(self, twice: bool = False, frozen: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.mid = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 2)
+        self.twice = twice
+        if frozen:
+            self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.mid(h))
+        if self.twice:
+            h = torch.tanh(self.mid(h))
+        h = torch.tanh(self.frozen(h))
+        return self.out(h)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+
+
+CONFIGS: list[dict[str, Any]] = [
+    {
+        "opt": "adam",
+        "interleaved": False,
+        "shard": False,
+        "gabv": False,
+        "static": False,
+        "cap": 25.0,
+    },
+    {
+        "opt": "adam",
+        "interleaved": True,
+        "shard": False,
+        "gabv": False,
+        "static": False,
+        "cap": 1e-4,
+    },
+    {"opt": "adam", "interleaved": True, "shard": True, "gabv": True, "static": False, "cap": 1e-4},
+    {
+        "opt": "adam",
+        "interleaved": False,
+        "shard": True,
+        "gabv": False,
+        "static": True,
+        "cap": 1e-4,
+    },
+    {"opt": "sgd", "interleaved": False, "shard": False, "gabv": True, "static": True, "cap": 25.0},
+    {
+        "opt": "sgd",
+        "interleaved": True,
+        "shard": True,
+        "gabv": False,
+        "static": False,
+        "cap": 1e-4,
+        "twice": True,
+    },
+    {
+        "opt": "adamw",
+        "interleaved": True,
+        "shard": False,
+        "gabv": False,
+        "static": True,
+        "cap": 1e-4,
+        "frozen": True,
+    },
+    {
+        "opt": "sgd",
+        "interleaved": False,
+        "shard": True,
+        "gabv": True,
+        "static": False,
+        "cap": 1e-4,
+        "frozen": True,
+    },
+]
+
+OPTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+}
+
+
+def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[str, float, float]]:
+    out: list[tuple[str, float, float]] = []
+    for cfg in CONFIGS:
+        cls, kw = OPTS[cfg["opt"]]
+        torch.manual_seed(0)
+        model = Net(cfg.get("twice", False), cfg.get("frozen", False))
+        torch.manual_seed(0)
+        ref_model = Net(cfg.get("twice", False), cfg.get("frozen", False))
+        ddp_kw = {
+            "bucket_cap_mb": cfg["cap"],
+            "gradient_as_bucket_view": cfg["gabv"],
+            "static_graph": cfg["static"],
+        }
+        ddp = DDP(model, **ddp_kw)
+        ref = DDP(ref_model, **ddp_kw)
+        zero = ZeroRedundancyOptimizer(
+            [p for p in ddp.parameters() if p.requires_grad], cls, overlap_with_ddp=True, **kw
+        )
+        wrap = hook_with_zero_step_interleaved if cfg["interleaved"] else hook_with_zero_step
+        ddp.register_comm_hook(None, wrap(allreduce_hook, ddp, zero, shard_buckets=cfg["shard"]))
+        ref_opt = cls([p for p in ref.parameters() if p.requires_grad], **kw)
+        with pytest.raises(RuntimeError, match="fully initialized"):
+            zero.state_dict()
+        worst = 0.0
+        for step in range(iterations):
+            x, y = _batch(rank, step)
+            zero.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()  # the step runs inside backward
+            ref_opt.zero_grad()
+            ((ref(x) - y) ** 2).mean().backward()
+            ref_opt.step()
+            worst = max(
+                worst,
+                max(
+                    (a - b).abs().max().item()
+                    for a, b in zip(model.parameters(), ref_model.parameters())
+                ),
+            )
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        spread = max((g - flat).abs().max().item() for g in gathered)
+        moved = (
+            (
+                flat
+                - torch.cat(
+                    [p.detach().reshape(-1) for p in Net(cfg.get("twice", False)).parameters()]
+                )
+            )
+            .abs()
+            .max()
+            .item()
+        )
+        assert moved > 0
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:
+            sd = zero.state_dict()
+            n = len([p for p in model.parameters() if p.requires_grad])
+            assert len(sd["state"]) == n, (len(sd["state"]), n)
+        out.append((str(cfg), worst, spread))
+    # LR schedulers work in overlap mode: lr 0 freezes the parameters (torch's keeps moving them)
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+    )
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    x, y = _batch(rank, 0)
+    ((ddp(x) - y) ** 2).mean().backward()
+    zero.param_groups[0]["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    ((ddp(x) - y) ** 2).mean().backward()
+    out.append(
+        ("lr=0", max((a - b).abs().max().item() for a, b in zip(model.parameters(), before)), 0.0)
+    )
+    assert zero.step() is None
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_overlap_matches_ddp_with_a_local_optimizer_from_the_first_iteration(
+    world_size: int,
+) -> None:
+    for rank_result in run_ranks(_overlap_worker, world_size, 4, timeout_s=300):
+        for name, worst, spread in rank_result:
+            assert worst < ATOL, (name, worst)
+            assert spread == 0.0, (name, spread)
+
+
+def _kill_worker(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=1e-4)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+    )
+    hook = hook_with_zero_step_interleaved(allreduce_hook, ddp, zero)
+
+    def dying_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if rank == 1 and bucket.index() == 1 and getattr(dying_hook, "armed", False):
+            os._exit(3)
+        return hook(state, bucket)
+
+    dying_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    ddp.register_comm_hook(None, dying_hook)
+    for step in range(3):
+        dying_hook.armed = step == 2  # type: ignore[attr-defined]
+        x, y = _batch(rank, step)
+        ((ddp(x) - y) ** 2).mean().backward()
+    return "survived"
+
+
+def test_a_rank_killed_mid_backward_makes_the_others_fail_not_hang() -> None:
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_kill_worker, 2, timeout_s=90, pg_timeout_s=15)
+    message = str(info.value)
+    assert "rank 0 failed" in message, message
+
+
+def _errors_worker(rank: int, world_size: int) -> bool:
+    model = Net()
+    with pytest.raises(ValueError, match="Supported: SGD, Adam, AdamW"):
+        ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.RMSprop, overlap_with_ddp=True, lr=0.01
+        )
+    ddp = DDP(model)
+    plain = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+    with pytest.raises(ValueError, match="overlap_with_ddp=True"):
+        hook_with_zero_step(allreduce_hook, ddp, plain)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+    )
+    with pytest.raises(RuntimeError, match="single parameter group"):
+        zero.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    logging.disable(logging.WARNING)
+    assert zero.step() is None
+    return True
+
+
+def test_overlap_rejects_what_it_cannot_do() -> None:
+    assert all(run_ranks(_errors_worker, 1, timeout_s=60))
+
+
+def test_collective_policy_is_allreduce_broadcast_on_gloo() -> None:
+    assert choose_collectives("gloo") == "allreduce+broadcast"
+    with pytest.raises(ValueError):
+        choose_collectives("")
