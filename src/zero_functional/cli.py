@@ -195,6 +195,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             impl=args.impl,
             reference=not args.no_reference,
             progress=not args.no_progress,
+            bucket_cap_mb=args.bucket_cap_mb,
         )
     except ValueError as e:
         return None, _fail(command, str(e))
@@ -273,6 +274,12 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     )
     p.add_argument(
         "--no-reference", action="store_true", help="skip the plain DDP + Adam comparison run"
+    )
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=_positive_float,
+        default=25.0,
+        help="DDP bucket size in MB (25); with --overlap, ranks own whole buckets",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

@@ -75,6 +75,7 @@ class TrainConfig:
         impl: ``"zero_functional"`` (ours) or ``"torch"`` (``torch.distributed.optim``'s).
         reference: Also run plain DDP + ``torch.optim.Adam`` and compare parameters.
         progress: Show a tqdm bar on rank 0.
+        bucket_cap_mb: DDP's gradient bucket size; in overlap mode buckets are what ranks own.
     """
 
     epochs: int = 10
@@ -88,6 +89,7 @@ class TrainConfig:
     impl: Impl = "zero_functional"
     reference: bool = True
     progress: bool = True
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.hidden < 1:
@@ -300,7 +302,7 @@ def _train(
     model = build_model(hidden)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt: Optimizer
     if use_zero:
         opt = _zero_class(cfg.impl)(
