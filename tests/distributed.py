@@ -8,6 +8,7 @@ list of per-rank results (rank order) or raises with every failing rank's traceb
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -49,7 +50,9 @@ def _entry(
             timeout=timedelta(seconds=pg_timeout_s),
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # plain pickle bytes: tensors through torch's queue go by shared memory, which breaks
+        # once this process has exited
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -95,7 +98,10 @@ def run_ranks(
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
                 continue
-            (results if ok else failures)[rank] = value
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                failures[rank] = value
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -219,7 +219,10 @@ def _kill_worker(rank: int, world_size: int) -> str:
             os._exit(3)
         return hook(state, bucket)
 
-    dying_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    dying_hook.__annotations__ = {
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
     ddp.register_comm_hook(None, dying_hook)
     for step in range(3):
         dying_hook.armed = step == 2  # type: ignore[attr-defined]

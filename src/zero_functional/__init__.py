@@ -1,6 +1,78 @@
-"""zero_functional: ZeRO stage-1 sharded optimizers with a pure functional core."""
+"""zero_functional: ZeRO stage-1 sharded optimizers with a pure functional core.
+
+The public surface is what this module re-exports:
+
+* the drop-in shell :class:`ZeroRedundancyOptimizer` and the overlap hooks
+  :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved`;
+* the pure core: partitions (:func:`sorted_greedy`, :func:`flat`, :func:`balance_report`),
+  bucket layouts, and functional optimizers (:func:`sgd`, :func:`adam`, :func:`adamw`);
+* the functional ZeRO step for custom loops (:func:`shard_init`, :func:`shard_update`) with
+  :func:`sync_params`, its one collective.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from zero_functional.buckets import (
+    BucketAssignment,
+    BucketLayout,
+    bucket_layout,
+    ddp_bucket_assignments,
+    flatten,
+    views,
+)
+from zero_functional.comm import sync_params
+from zero_functional.functional import (
+    AdamState,
+    FunctionalOptimizer,
+    SGDState,
+    adam,
+    adamw,
+    functional_spec,
+    sgd,
+)
+from zero_functional.hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.partition import (
+    BalanceReport,
+    FlatPartition,
+    Segment,
+    balance_report,
+    flat,
+    owners,
+    sorted_greedy,
+    sorted_greedy_groups,
+)
+from zero_functional.sharded import ShardState, shard_init, shard_owners, shard_update
+
+__all__ = [
+    "AdamState",
+    "BalanceReport",
+    "BucketAssignment",
+    "BucketLayout",
+    "FlatPartition",
+    "FunctionalOptimizer",
+    "SGDState",
+    "Segment",
+    "ShardState",
+    "ZeroRedundancyOptimizer",
+    "adam",
+    "adamw",
+    "balance_report",
+    "bucket_layout",
+    "ddp_bucket_assignments",
+    "flat",
+    "flatten",
+    "functional_spec",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
+    "owners",
+    "sgd",
+    "shard_init",
+    "shard_owners",
+    "shard_update",
+    "sorted_greedy",
+    "sorted_greedy_groups",
+    "sync_params",
+    "views",
+]
 __version__ = "0.1.0"

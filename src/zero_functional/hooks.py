@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 Collectives = Literal["allreduce+broadcast", "reduce_scatter+all_gather"]
-Hook = Callable[[Any, dist.GradBucket], Future[Tensor]]
+Hook = Callable[[Any, GradBucket], Future[Tensor]]
 
 
 def choose_collectives(backend: str) -> Collectives:
@@ -96,7 +97,7 @@ class _Overlap:
 
     # -------------------------------------------------------------- per bucket
 
-    def on_bucket(self, bucket: dist.GradBucket, fut: Future[Any]) -> None:
+    def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
         i = bucket.index()
         if i == 0 or self.it is None:
             self.it = _Iteration()
@@ -241,7 +242,7 @@ def _make_hook(
     overlap = _Overlap(zero, shard_buckets, interleaved)
     zero._overlap = overlap
 
-    def hook_with_zero_fn(state: Any, bucket: dist.GradBucket) -> Future[Tensor]:
+    def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         assert ddp_ref() is not None, "the DDP module was garbage-collected"
         fut = hook(state, bucket)
         overlap.on_bucket(bucket, fut)
@@ -251,7 +252,7 @@ def _make_hook(
     # into strings: give it the real objects.
     hook_with_zero_fn.__annotations__ = {
         "state": Any,
-        "bucket": dist.GradBucket,
+        "bucket": GradBucket,
         "return": torch.futures.Future[torch.Tensor],
     }
     return hook_with_zero_fn

@@ -154,7 +154,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_ready = False
         Optimizer.__init__(self, items, full_defaults)
         Joinable.__init__(self)
-        self._default_device = self.param_groups[0]["params"][0].device
+        self._default_device: torch.device = self.param_groups[0]["params"][0].device
         self._spec: FunctionalSpec | None = functional_spec(optimizer_class)
         if self._spec is not None and not all(
             supports_group(self._spec, g) for g in self.param_groups
@@ -482,7 +482,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             state[index] = value
         return state
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load the shard of a consolidated (or plain ``torch.optim``) state dict that this rank owns.
 
         Works at any world size (the state is keyed by global index); never changes the

@@ -22,23 +22,22 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Generic, NamedTuple, TypeVar, overload
+from typing import NamedTuple, overload
 
 from torch import Tensor
 
-from zero_functional.functional import FunctionalOptimizer
+from zero_functional.functional import FunctionalOptimizer, State
 
 __all__ = ["ShardState", "owned_indices", "shard_init", "shard_update", "shard_owners"]
 
-S = TypeVar("S")
 Params = Mapping[str, Tensor] | Sequence[Tensor]
 
 
-class ShardState(NamedTuple, Generic[S]):
+class ShardState(NamedTuple):
     """Optimizer state of this rank's parameters: ``indices`` into the parameter list."""
 
     indices: tuple[int, ...]
-    inner: S
+    inner: State
 
 
 def owned_indices(partition: Sequence[Sequence[int]], rank: int) -> tuple[int, ...]:
@@ -77,7 +76,7 @@ def _as_list(params: Params) -> list[Tensor]:
 
 def shard_init(
     opt: FunctionalOptimizer, params: Params, partition: Sequence[Sequence[int]], rank: int
-) -> ShardState[object]:
+) -> ShardState:
     """State for the parameters ``rank`` owns, and nothing for the others.
 
     Args:
@@ -97,27 +96,27 @@ def shard_update(
     opt: FunctionalOptimizer,
     params: Mapping[str, Tensor],
     grads: Mapping[str, Tensor],
-    state: ShardState[object],
+    state: ShardState,
     partition: Sequence[Sequence[int]],
     rank: int,
-) -> tuple[dict[str, Tensor], ShardState[object]]: ...
+) -> tuple[dict[str, Tensor], ShardState]: ...
 @overload
 def shard_update(
     opt: FunctionalOptimizer,
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
-    state: ShardState[object],
+    state: ShardState,
     partition: Sequence[Sequence[int]],
     rank: int,
-) -> tuple[list[Tensor], ShardState[object]]: ...
+) -> tuple[list[Tensor], ShardState]: ...
 def shard_update(
     opt: FunctionalOptimizer,
     params: Params,
     grads: Params,
-    state: ShardState[object],
+    state: ShardState,
     partition: Sequence[Sequence[int]],
     rank: int,
-) -> tuple[dict[str, Tensor] | list[Tensor], ShardState[object]]:
+) -> tuple[dict[str, Tensor] | list[Tensor], ShardState]:
     """Pure update of this rank's parameters; the others come back as they were.
 
     Never mutates an argument. Follow it with ``comm.sync_params`` on the new parameters (after
