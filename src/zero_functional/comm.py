@@ -7,6 +7,7 @@ from hanging: gloo matches collectives across ranks by the order they are issued
 
 from __future__ import annotations
 
+import ctypes
 import io
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -29,6 +30,7 @@ __all__ = [
     "group_size",
     "recv_object",
     "send_object",
+    "COALESCE_BELOW",
     "sync_params",
     "unflatten_into",
 ]
@@ -120,38 +122,52 @@ def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
     torch._foreach_copy_(list(tensors), [p.view_as(t) for p, t in zip(pieces, tensors)])
 
 
+COALESCE_BELOW = 1 << 16
+"""Tensors with fewer elements than this travel in one staging buffer per owner and dtype;
+larger contiguous ones are broadcast in place (no copies; gloo runs them concurrently)."""
+
+
 def sync_params(
     params: Sequence[Tensor],
     owners: Sequence[int],
     group: ProcessGroup | None = None,
+    *,
+    coalesce_below: int = COALESCE_BELOW,
 ) -> None:
     """Make every rank hold the owner's value of each parameter, in place.
 
     This is the synchronisation a functional ZeRO step needs after each rank updated the
-    parameters it owns: one broadcast per (owner rank, device, dtype), not one per parameter.
+    parameters it owns. Large tensors are broadcast in place; small ones are packed into one
+    buffer per (owner rank, device, dtype), so a model of many small tensors costs few
+    collectives and a model of large ones costs no copies.
 
     Args:
         params: The same list of tensors on every rank (model order).
         owners: For each tensor, the group rank that holds its up-to-date value.
         group: The process group (default: the world).
+        coalesce_below: Size under which tensors are packed rather than sent alone.
     """
     group = default_group(group)
     if len(params) != len(owners):
         raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
     me = group_rank(group)
-    keys: dict[tuple[int, torch.device, torch.dtype], list[Tensor]] = {}
-    for t, owner in zip(params, owners):
-        keys.setdefault((owner, t.device, t.dtype), []).append(t)
+    keys: dict[tuple[int, str, str], list[Tensor]] = {}
     buffers: list[Tensor] = []
     sources: list[int] = []
+    for t, owner in zip(params, owners):
+        if t.numel() >= coalesce_below and t.is_contiguous():
+            buffers.append(t.detach())
+            sources.append(owner)
+        else:
+            keys.setdefault((owner, str(t.device), str(t.dtype)), []).append(t)
     receivers: list[tuple[Tensor, list[Tensor]]] = []
-    for (owner, device, dtype), tensors in sorted(
-        keys.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))
-    ):
+    for (owner, _, _), tensors in sorted(keys.items(), key=lambda kv: kv[0]):
         if owner == me:
             buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
         else:
-            buffer = torch.empty(sum(t.numel() for t in tensors), device=device, dtype=dtype)
+            buffer = torch.empty(
+                sum(t.numel() for t in tensors), device=tensors[0].device, dtype=tensors[0].dtype
+            )
             receivers.append((buffer, tensors))
         buffers.append(buffer)
         sources.append(owner)
@@ -169,8 +185,10 @@ def _to_bytes(obj: object) -> Tensor:
 
 
 def _from_bytes(data: Tensor) -> object:
-    # bytes(untyped_storage) needs no numpy, unlike torch's own consolidation (tensor.numpy()).
-    raw = bytes(data.cpu().contiguous().untyped_storage())[: data.numel()]
+    cpu = data.cpu().contiguous()
+    # A straight memory copy: no numpy (torch's consolidation calls tensor.numpy() and fails
+    # without it), and not bytes(untyped_storage), which walks the bytes in Python.
+    raw = ctypes.string_at(cpu.data_ptr(), cpu.numel()) if cpu.numel() else b""
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 

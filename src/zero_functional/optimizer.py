@@ -27,6 +27,7 @@ from zero_functional.functional import (
     group_hyperparams,
     supports_group,
 )
+from zero_functional.partition import owners as owner_of_each
 from zero_functional.partition import sorted_greedy_groups
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -185,12 +186,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._partition = sorted_greedy_groups(numels, self.world_size)
         self._group_starts = [0, *accumulate(len(g["params"]) for g in self.param_groups)]
         self._trainable = [p.requires_grad for p in self._all_params()]
-        owner = [0] * self._group_starts[-1]
-        for g, per_rank in enumerate(self._partition):
-            for r, indices in enumerate(per_rank):
-                for i in indices:
-                    owner[self._group_starts[g] + i] = r
-        self._owner_of: list[int] = owner
+        global_partition = [
+            [start + i for start, part in zip(self._group_starts, self._partition) for i in part[r]]
+            for r in range(self.world_size)
+        ]
+        self._owner_of: list[int] = list(owner_of_each(global_partition, self._group_starts[-1]))
         if self._spec is None and not self._overlap_with_ddp:
             self._rebuild_local_optimizer()
         self._build_buckets()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zero_functional.functional.adam import adam_init, adam_update, adam_update_
+from zero_functional.functional.adam import AdamState, adam_init, adam_update, adam_update_
 from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
 from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
 
@@ -151,18 +151,28 @@ class FunctionalSpec:
         if self.name == "sgd":
             return SGDState(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
         amsgrad = bool(hyper.get("amsgrad", False))
-        fresh = adam_init(params, amsgrad=amsgrad)
+        # Allocate fresh state only where a dict is empty: this runs on every step of the shell.
+        empty = [i for i, d in enumerate(dicts) if not d]
+        init = adam_init([params[i] for i in empty], amsgrad=amsgrad)
+        born = {i: j for j, i in enumerate(empty)}
+        out = AdamState(step=[], exp_avg=[], exp_avg_sq=[], max_exp_avg_sq=[])
         for i, (d, p) in enumerate(zip(dicts, params)):
             if not d:
+                j = born[i]
+                out.step.append(init.step[j])
+                out.exp_avg.append(init.exp_avg[j])
+                out.exp_avg_sq.append(init.exp_avg_sq[j])
+                if amsgrad:
+                    out.max_exp_avg_sq.append(init.max_exp_avg_sq[j])
                 continue
             step = d["step"]
             if not isinstance(step, Tensor):
                 step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
             elif step.device != p.device or step.dtype != torch.float32:
                 step = step.to(device=p.device, dtype=torch.float32)
-            fresh.step[i] = step
-            fresh.exp_avg[i] = d["exp_avg"]
-            fresh.exp_avg_sq[i] = d["exp_avg_sq"]
+            out.step.append(step)
+            out.exp_avg.append(d["exp_avg"])
+            out.exp_avg_sq.append(d["exp_avg_sq"])
             if amsgrad:
                 if "max_exp_avg_sq" not in d:
                     raise ValueError(
@@ -170,8 +180,8 @@ class FunctionalSpec:
                         "'max_exp_avg_sq' (it was stepped with amsgrad=False); torch.optim "
                         "would fail here too: keep amsgrad as it was when the state was made"
                     )
-                fresh.max_exp_avg_sq[i] = d["max_exp_avg_sq"]
-        return fresh
+                out.max_exp_avg_sq.append(d["max_exp_avg_sq"])
+        return out
 
 
 _SGD_DEFAULTS: dict[str, object] = {
