@@ -99,10 +99,17 @@ def main() -> None:
         print(
             f"\n== world size {ws}, {results[0]['params']:,} parameters, Adam, median of {args.rounds}"
         )
-        print(f"{'variant':<18}{'step ms':>10}{'vs torch best':>15}{'state MiB/rank':>16}")
+        print(
+            f"{'variant':<18}{'step ms':>10}{'vs torch best':>15}{'state MiB/rank':>16}"
+            f"{'peak RSS growth MiB/rank':>26}"
+        )
         for name, _, _ in VARIANTS:
             state = max(r["state_bytes"][name] for r in results) / 2**20
-            print(f"{name:<18}{med[name] * 1e3:>10.1f}{best / med[name]:>14.2f}x{state:>16.1f}")
+            rss = max(r["peak_rss_growth_mib"][name] for r in results)
+            print(
+                f"{name:<18}{med[name] * 1e3:>10.1f}{best / med[name]:>14.2f}x{state:>16.1f}"
+                f"{rss:>26.1f}"
+            )
         print(
             f"ours default is {med['torch default'] / med['ours default']:.2f}x faster than torch "
             f"default and {best / med['ours default']:.2f}x torch best"
