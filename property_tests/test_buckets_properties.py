@@ -2,43 +2,16 @@
 
 from __future__ import annotations
 
-import types
-
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.optim.zero_redundancy_optimizer import _OverlapInfo, _OverlapStatus
 
 from zero_functional.buckets import bucket_layout, ddp_bucket_assignments, flatten, views
 
+from torch_reference import torch_bucket_assignments
+
 shapes_st = st.lists(st.lists(st.integers(0, 4), max_size=3), min_size=1, max_size=8)
 buckets_st = st.lists(st.lists(st.integers(0, 100), min_size=1, max_size=6), max_size=8)
-
-
-def torch_bucket_assignments(
-    bucket_numels: list[list[int]], world_size: int, shard_buckets: bool
-) -> list[list[tuple[int, int, int, int]]]:
-    """torch's real `_bucket_assignments_per_rank` (see tests/test_buckets.py)."""
-    info = _OverlapInfo(world_size)
-    info.status = _OverlapStatus.INITIALIZED
-    info.shard_buckets = shard_buckets
-    info.params_per_bucket = [[torch.empty(n) for n in b] for b in bucket_numels]
-    info.total_size = sum(map(sum, bucket_numels)) if shard_buckets else None
-    obj = types.SimpleNamespace(
-        _overlap_info=info,
-        world_size=world_size,
-        global_rank=0,
-        _overlap_with_ddp=True,
-        _bucket_assignments_per_rank_cache=[],
-    )
-    for name in ("_get_min_index", "_get_assigned_rank", "_assign_bucket_subset_to_rank"):
-        setattr(obj, name, types.MethodType(getattr(ZeroRedundancyOptimizer, name), obj))
-    per_rank = ZeroRedundancyOptimizer._bucket_assignments_per_rank.fget(obj)  # type: ignore[attr-defined]
-    return [
-        [(a.bucket_index, rank, a.offset, len(a.parameters)) for a in d.values()]
-        for rank, d in enumerate(per_rank)
-    ]
 
 
 @given(st.lists(st.integers(0, 50), max_size=10), st.integers(1, 16))

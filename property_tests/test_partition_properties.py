@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import types
-
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zero_functional.partition import (
     balance_report,
@@ -18,24 +14,10 @@ from zero_functional.partition import (
     sorted_greedy_groups,
 )
 
+from torch_reference import torch_partition
+
 numels_st = st.lists(st.integers(0, 1000), max_size=40)
 world_st = st.integers(1, 9)
-
-
-def torch_partition(group_numels: list[list[int]], world_size: int) -> list[list[list[int]]]:
-    """torch's real `_partition_parameters` on stand-in tensors (see tests/test_partition.py)."""
-    groups = [{"params": [torch.empty(n) for n in g]} for g in group_numels]
-    obj = types.SimpleNamespace(
-        param_groups=groups, world_size=world_size, _partition_parameters_cache=[]
-    )
-    for name in ("_get_min_index", "_partition_param_group"):
-        setattr(obj, name, types.MethodType(getattr(ZeroRedundancyOptimizer, name), obj))
-    per_rank = ZeroRedundancyOptimizer._partition_parameters(obj)  # type: ignore[arg-type]
-    index = [{id(p): i for i, p in enumerate(g["params"])} for g in groups]
-    return [
-        [[index[g][id(p)] for p in per_rank[r][g]["params"]] for r in range(world_size)]
-        for g in range(len(groups))
-    ]
 
 
 @given(numels_st, world_st)

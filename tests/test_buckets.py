@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.optim.zero_redundancy_optimizer import _OverlapInfo, _OverlapStatus
 
 from zero_functional.buckets import (
     BucketAssignment,
@@ -20,34 +16,7 @@ from zero_functional.buckets import (
     views,
 )
 
-
-def torch_bucket_assignments(
-    bucket_numels: list[list[int]], world_size: int, shard_buckets: bool
-) -> list[list[tuple[int, int, int, int]]]:
-    """torch's real `_bucket_assignments_per_rank` as (bucket, rank, offset, length) per rank.
-
-    The property reads only `_overlap_info`, `world_size`, `global_rank`, its cache and three
-    helper methods, so a namespace bound to torch's own methods runs it without DDP.
-    """
-    info = _OverlapInfo(world_size)
-    info.status = _OverlapStatus.INITIALIZED
-    info.shard_buckets = shard_buckets
-    info.params_per_bucket = [[torch.empty(n) for n in b] for b in bucket_numels]
-    info.total_size = sum(map(sum, bucket_numels)) if shard_buckets else None
-    obj = types.SimpleNamespace(
-        _overlap_info=info,
-        world_size=world_size,
-        global_rank=0,
-        _overlap_with_ddp=True,
-        _bucket_assignments_per_rank_cache=[],
-    )
-    for name in ("_get_min_index", "_get_assigned_rank", "_assign_bucket_subset_to_rank"):
-        setattr(obj, name, types.MethodType(getattr(ZeroRedundancyOptimizer, name), obj))
-    per_rank = ZeroRedundancyOptimizer._bucket_assignments_per_rank.fget(obj)  # type: ignore[attr-defined]
-    return [
-        [(a.bucket_index, rank, a.offset, len(a.parameters)) for a in d.values()]
-        for rank, d in enumerate(per_rank)
-    ]
+from torch_reference import torch_bucket_assignments
 
 
 def _ours(

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import time
-import types
 
 import pytest
-import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zero_functional.partition import (
     BalanceReport,
@@ -21,26 +18,7 @@ from zero_functional.partition import (
     sorted_greedy_groups,
 )
 
-
-def torch_partition(group_numels: list[list[int]], world_size: int) -> list[list[list[int]]]:
-    """torch's real `_partition_parameters` on stand-in tensors: result[group][rank] = indices.
-
-    The method only reads `param_groups`, `world_size`, `_partition_parameters_cache` and two
-    helper methods from `self`, so a namespace with those, bound to torch's functions, runs it
-    without a process group.
-    """
-    groups = [{"params": [torch.empty(n) for n in g]} for g in group_numels]
-    obj = types.SimpleNamespace(
-        param_groups=groups, world_size=world_size, _partition_parameters_cache=[]
-    )
-    for name in ("_get_min_index", "_partition_param_group"):
-        setattr(obj, name, types.MethodType(getattr(ZeroRedundancyOptimizer, name), obj))
-    per_rank = ZeroRedundancyOptimizer._partition_parameters(obj)  # type: ignore[arg-type]
-    index = [{id(p): i for i, p in enumerate(g["params"])} for g in groups]
-    return [
-        [[index[g][id(p)] for p in per_rank[r][g]["params"]] for r in range(world_size)]
-        for g in range(len(groups))
-    ]
+from torch_reference import torch_partition
 
 
 def _as_lists(partition: tuple[tuple[int, ...], ...]) -> list[list[int]]:
