@@ -54,7 +54,7 @@ def sorted_greedy(
     """torch's partition: largest parameter first, each to the first least-loaded rank.
 
     The sort is stable (equal sizes keep their order) and ties between ranks go to the lowest
-    rank, exactly as ``torch.distributed.optim.ZeroRedundancyOptimizer`` assigns them.
+    rank, exactly as torch's ``ZeroRedundancyOptimizer`` assigns them.
 
     Args:
         numels: Number of elements of each parameter.
