@@ -29,6 +29,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "recv_object",
+    "reduce_shards",
     "send_object",
     "COALESCE_BELOW",
     "sync_params",
@@ -109,6 +110,24 @@ def broadcast_shards(
     handles: list[Work] = []
     for buffer, src in zip(buffers, sources, strict=True):
         work = dist.broadcast(buffer, src=global_rank(group, src), group=group, async_op=True)
+        assert work is not None
+        handles.append(work)
+    return handles
+
+
+def reduce_shards(
+    buffers: Sequence[Tensor], destinations: Sequence[int], group: ProcessGroup
+) -> list[Work]:
+    """Start one sum-reduce per buffer, onto the group rank in ``destinations``; return the handles.
+
+    Only the destination's buffer holds the sum afterwards (elsewhere it is undefined). One
+    reduce per owner of a contiguous piece is the uneven reduce-scatter (NCCL runs its uneven
+    reduce-scatter as exactly these reduces, grouped), with half the bytes of an all-reduce.
+    The buffers are issued in list order, which every rank must share.
+    """
+    handles: list[Work] = []
+    for buffer, dst in zip(buffers, destinations, strict=True):
+        work = dist.reduce(buffer, dst=global_rank(group, dst), group=group, async_op=True)
         assert work is not None
         handles.append(work)
     return handles

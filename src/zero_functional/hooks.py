@@ -6,6 +6,11 @@ different orders, and gloo pairs collectives by issue order. Here every collecti
 the hook itself, which DDP calls on the autograd thread in bucket order on every rank; the only
 waits are on futures of collectives already issued in that shared order.
 
+Why torch's send 1.5x DDP's bytes (pytorch#69591): every rank all-reduces every gradient, then
+every owner broadcasts its parameters. Here, with DDP's default hook, each owner's piece of a
+bucket is reduced onto that owner only (the uneven reduce-scatter), so gradients cost half an
+all-reduce and parameters the other half: DDP's bytes (see :func:`choose_collectives`).
+
 Why torch's lose 2 to 3 iterations: they wait for DDP to rebuild its buckets before they assign
 buckets to ranks. Here the bucket structure is read off the buckets as they arrive; the first
 backward (and any backward after DDP rebuilt its buckets) defers the updates to the last bucket,
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import GradBucket
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,33 +44,62 @@ __all__ = [
     "hook_with_zero_step_interleaved",
 ]
 
-Collectives = Literal["allreduce+broadcast", "reduce_scatter+all_gather"]
+Collectives = Literal["allreduce+broadcast", "reduce+broadcast"]
 Hook = Callable[[Any, GradBucket], Future[Tensor]]
 
+_COLLECTIVES: tuple[Collectives, ...] = ("allreduce+broadcast", "reduce+broadcast")
 
-def choose_collectives(backend: str) -> Collectives:
-    """The collectives overlap mode uses on ``backend``.
 
-    All-reduce of the gradient bucket, then one broadcast per owner rank of its updated
-    parameters. On gloo this measures fastest (its reduce-scatter and all-gather are slower
-    than all-reduce and broadcast on CPU). Reduce-scatter + all-gather would move the bytes of
-    one all-reduce on NCCL; it needs a per-element partition of each bucket and is not built
-    yet, so every backend gets all-reduce + broadcast for now.
+def choose_collectives(
+    backend: str, world_size: int, hook_is_allreduce: bool = True
+) -> Collectives:
+    """The collectives overlap mode uses for each gradient bucket (a pure policy).
+
+    ``"reduce+broadcast"``: one sum-reduce of each owner's piece of the bucket onto its owner,
+    then one broadcast of the updated parameters from each owner. That is the uneven
+    reduce-scatter + all-gather (NCCL implements its uneven ones as these same grouped reduces
+    and broadcasts), so it moves the bytes of one all-reduce: plain DDP's traffic.
+
+    ``"allreduce+broadcast"``: the user's hook reduces the whole bucket on every rank, then each
+    owner broadcasts: 1.5x DDP's bytes (torch's scheme, pytorch#69591), but it keeps any hook
+    (compression, ...) exactly as written, and on gloo over loopback it can be faster.
+
+    The rule: a hook other than DDP's default all-reduce keeps its own reduction; one rank
+    sends nothing either way; NCCL (and any backend but gloo) gets reduce+broadcast; gloo gets
+    reduce+broadcast from 3 ranks up, where its reduce beats its all-reduce, and
+    allreduce+broadcast on 2 ranks, where its all-reduce is the faster (benchmarks/bench_overlap.py
+    measures both).
 
     Args:
         backend: A ``torch.distributed`` backend name.
+        world_size: Ranks in the process group.
+        hook_is_allreduce: Whether the wrapped hook is DDP's default all-reduce hook.
 
     Returns:
         The strategy name.
 
     Example:
-        >>> choose_collectives("gloo")
+        >>> choose_collectives("nccl", 8)
+        'reduce+broadcast'
+        >>> choose_collectives("gloo", 2)
+        'allreduce+broadcast'
+        >>> choose_collectives("nccl", 8, hook_is_allreduce=False)
         'allreduce+broadcast'
     """
     name = backend.lower()
     if not name:
         raise ValueError("backend must be a non-empty backend name such as 'gloo' or 'nccl'")
-    return "allreduce+broadcast"
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not hook_is_allreduce or world_size == 1:
+        return "allreduce+broadcast"
+    if name == "gloo" and world_size < GLOO_REDUCE_FROM:
+        return "allreduce+broadcast"
+    return "reduce+broadcast"
+
+
+GLOO_REDUCE_FROM = 3
+"""World size from which gloo gets reduce+broadcast (measured, see :func:`choose_collectives`)."""
 
 
 @dataclass
@@ -73,6 +108,8 @@ class _Iteration:
 
     indices: list[tuple[int, ...]] = field(default_factory=list)
     futures: list[Future[Any]] = field(default_factory=list)
+    # per bucket issued with reduce+broadcast: its reduce handles and the future handed to DDP
+    reduces: dict[int, tuple[list[comm.Work], Future[Tensor], Tensor]] = field(default_factory=dict)
     processed: int = 0
     deferred: bool = False
     works: list[comm.Work] = field(default_factory=list)
@@ -83,21 +120,36 @@ class _Overlap:
     """The state overlap mode keeps between buckets and iterations (one per ZeRO instance)."""
 
     def __init__(
-        self, zero: ZeroRedundancyOptimizer, shard_buckets: bool, interleaved: bool
+        self,
+        zero: ZeroRedundancyOptimizer,
+        shard_buckets: bool,
+        interleaved: bool,
+        collectives: Collectives,
     ) -> None:
         self.zero = zero
         self.shard_buckets = shard_buckets
         self.interleaved = interleaved
+        self.collectives = collectives
         self.params = zero._all_params()
         self.index = {p: i for i, p in enumerate(self.params)}
         self.group_of = [g for g, group in enumerate(zero.param_groups) for _ in group["params"]]
         self.structure: tuple[tuple[int, ...], ...] | None = None
         self.by_bucket: list[list[BucketAssignment]] = []
         self.it: _Iteration | None = None
+        # what happened, for tests and benchmarks
+        self.adoptions = 0
+        self.restructures = 0  # backwards whose buckets differed from the adopted structure
+        self.reduced_buckets = 0
+        self.allreduced_buckets = 0
 
     # -------------------------------------------------------------- per bucket
 
-    def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
+    def start(self, bucket: GradBucket) -> bool:
+        """Register ``bucket``; whether to reduce it onto its owners (else the user's hook runs).
+
+        Every input of this decision (bucket indices, the structure adopted so far) is the same
+        on every rank, so all ranks issue the same collectives in the same order.
+        """
         i = bucket.index()
         if i == 0 or self.it is None:
             self.it = _Iteration()
@@ -110,12 +162,50 @@ class _Overlap:
                 "manage: build it from ddp.parameters() (or model.parameters())"
             ) from e
         it.indices.append(indices)
-        it.futures.append(fut)
         s = self.structure
-        if s is None or i >= len(s) or s[i] != indices or (bucket.is_last() and len(s) != i + 1):
+        known = (
+            s is not None
+            and i < len(s)
+            and s[i] == indices
+            and not (bucket.is_last() and len(s) != i + 1)
+        )
+        if not known and not it.deferred:
             it.deferred = True
+            if s is not None:
+                self.restructures += 1
+            # Buckets before this one match the adopted structure and may have been reduced onto
+            # their owners under it: finish them with that assignment before _adopt moves state.
+            while it.processed < i:
+                self._process(it.processed)
+        return (
+            not it.deferred and self.collectives == "reduce+broadcast" and self.zero.world_size > 1
+        )
+
+    def reduce(self, bucket: GradBucket) -> Future[Tensor]:
+        """Average ``bucket`` onto the owners of its pieces; the future DDP waits on."""
+        it = self.it
+        assert it is not None
+        i = bucket.index()
+        zero = self.zero
+        flat = bucket.buffer()
+        flat.div_(zero.world_size)  # as DDP's allreduce_hook: divide, then sum
+        starts = self._starts(it.indices[i])
+        pieces = [flat[starts[a.offset] : starts[a.offset + a.length]] for a in self.by_bucket[i]]
+        works = comm.reduce_shards(pieces, [a.rank for a in self.by_bucket[i]], zero.process_group)
+        fut: Future[Tensor] = Future(devices=[flat.device] if flat.device.type == "cuda" else None)
+        it.reduces[i] = (works, fut, flat)
+        self.reduced_buckets += 1
+        return fut
+
+    def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
+        it = self.it
+        assert it is not None
+        i = bucket.index()
+        it.futures.append(fut)
+        if i not in it.reduces:
+            self.allreduced_buckets += 1
         if self.interleaved and not it.deferred:
-            while it.processed < i:  # one bucket behind: its all-reduce has had time to finish
+            while it.processed < i:  # one bucket behind: its reduction has had time to finish
                 self._process(it.processed)
         if bucket.is_last():
             if it.deferred:
@@ -123,6 +213,12 @@ class _Overlap:
             while it.processed < len(it.indices):
                 self._process(it.processed)
             self._finish()
+
+    def _starts(self, indices: tuple[int, ...]) -> list[int]:
+        starts = [0]
+        for k in indices:
+            starts.append(starts[-1] + self.params[k].numel())
+        return starts
 
     def _adopt(self, structure: tuple[tuple[int, ...], ...]) -> None:
         """Assign the buckets of ``structure`` to ranks; move state whose owner changed."""
@@ -167,6 +263,7 @@ class _Overlap:
         zero._owner_of = new
         zero._overlap_ready = True
         self.structure = structure
+        self.adoptions += 1
 
     def _process(self, j: int) -> None:
         """Update this rank's part of bucket ``j`` and start the broadcasts of every part."""
@@ -175,11 +272,16 @@ class _Overlap:
         zero = self.zero
         it.processed = j + 1
         indices = it.indices[j]
-        value = it.futures[j].wait()
-        flat = value if isinstance(value, Tensor) else value[0]
-        starts = [0]
-        for k in indices:
-            starts.append(starts[-1] + self.params[k].numel())
+        if j in it.reduces:
+            works, fut, flat = it.reduces.pop(j)
+            for work in works:
+                work.wait()
+            # on a rank, only the pieces it owns hold the averaged gradient now
+            fut.set_result(flat)
+        else:
+            value = it.futures[j].wait()
+            flat = value if isinstance(value, Tensor) else value[0]
+        starts = self._starts(indices)
         for a in self.by_bucket[j]:
             if a.rank != zero.rank:
                 continue
@@ -222,6 +324,7 @@ def _make_hook(
     zero: ZeroRedundancyOptimizer,
     shard_buckets: bool,
     interleaved: bool,
+    collectives: Collectives | None,
 ) -> Hook:
     if not isinstance(zero, ZeroRedundancyOptimizer) or not zero._overlap_with_ddp:
         raise ValueError(
@@ -238,13 +341,32 @@ def _make_hook(
             f"{len(missing)} trainable parameters of the DDP module are not in the "
             "ZeroRedundancyOptimizer: build it from ddp.parameters()"
         )
-    choose_collectives(str(dist.get_backend(ddp.process_group)))
-    overlap = _Overlap(zero, shard_buckets, interleaved)
+    ddp_group = getattr(ddp, "process_group", None) or zero.process_group
+    if comm.group_size(ddp_group) != zero.world_size:
+        raise ValueError(
+            f"the DDP module runs on {comm.group_size(ddp_group)} ranks but the "
+            f"ZeroRedundancyOptimizer on {zero.world_size}: give both the same process group"
+        )
+    default = hook is default_hooks.allreduce_hook
+    if collectives is None:
+        collectives = choose_collectives(
+            str(dist.get_backend(zero.process_group)), zero.world_size, hook_is_allreduce=default
+        )
+    elif collectives not in _COLLECTIVES:
+        raise ValueError(f"collectives must be one of {_COLLECTIVES}, got {collectives!r}")
+    elif collectives == "reduce+broadcast" and not default:
+        raise ValueError(
+            "collectives='reduce+broadcast' replaces DDP's default allreduce_hook; a custom "
+            f"hook ({getattr(hook, '__name__', hook)!r}) keeps its own reduction: use "
+            "'allreduce+broadcast'"
+        )
+    overlap = _Overlap(zero, shard_buckets, interleaved, collectives)
     zero._overlap = overlap
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         assert ddp_ref() is not None, "the DDP module was garbage-collected"
-        fut = hook(state, bucket)
+        substitute = overlap.start(bucket) and (state is None or state is zero.process_group)
+        fut = overlap.reduce(bucket) if substitute else hook(state, bucket)
         overlap.on_bucket(bucket, fut)
         return fut
 
@@ -263,12 +385,20 @@ def hook_with_zero_step(
     ddp: DistributedDataParallel,
     zero: ZeroRedundancyOptimizer,
     shard_buckets: bool = False,
+    *,
+    collectives: Collectives | None = None,
 ) -> Hook:
     """Wrap a DDP comm hook so that the ZeRO step runs at the end of backward.
 
-    Each gradient bucket is reduced by ``hook``; when the last bucket arrives, the ranks that
-    own each bucket update its parameters with the reduced gradients and broadcast them, bucket
-    by bucket. Works on every backend, gloo included, and updates from the first iteration.
+    Each gradient bucket is reduced (by ``hook``, or, for DDP's default ``allreduce_hook``
+    where :func:`choose_collectives` says so, by one reduce per owner onto its owner: plain
+    DDP's bytes); when the last bucket arrives, the ranks that own each bucket update its
+    parameters with the averaged gradients and broadcast them, bucket by bucket. Works on every
+    backend, gloo included, and updates from the first iteration.
+
+    After backward, ``p.grad`` holds the averaged gradient on every rank with
+    ``"allreduce+broadcast"``; with ``"reduce+broadcast"`` only on the rank that owns ``p``
+    (elsewhere it is a partial sum), as in any reduce-scatter ZeRO.
 
     Args:
         hook: A DDP communication hook, e.g. ``default_hooks.allreduce_hook``.
@@ -276,6 +406,8 @@ def hook_with_zero_step(
         zero: A ``ZeroRedundancyOptimizer`` built with ``overlap_with_ddp=True`` from
             ``ddp.parameters()``.
         shard_buckets: Split each bucket across ranks to balance the update (torch's rule).
+        collectives: Override :func:`choose_collectives` (``"reduce+broadcast"`` needs the
+            default ``allreduce_hook``, which it replaces by reduces onto the owners).
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(None, ...)``.
@@ -283,7 +415,7 @@ def hook_with_zero_step(
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
     """
-    return _make_hook(hook, ddp, zero, shard_buckets, interleaved=False)
+    return _make_hook(hook, ddp, zero, shard_buckets, interleaved=False, collectives=collectives)
 
 
 def hook_with_zero_step_interleaved(
@@ -291,6 +423,8 @@ def hook_with_zero_step_interleaved(
     ddp: DistributedDataParallel,
     zero: ZeroRedundancyOptimizer,
     shard_buckets: bool = False,
+    *,
+    collectives: Collectives | None = None,
 ) -> Hook:
     """Like :func:`hook_with_zero_step`, but each bucket is updated while backward goes on.
 
@@ -301,4 +435,4 @@ def hook_with_zero_step_interleaved(
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
     """
-    return _make_hook(hook, ddp, zero, shard_buckets, interleaved=True)
+    return _make_hook(hook, ddp, zero, shard_buckets, interleaved=True, collectives=collectives)
