@@ -5,12 +5,13 @@ state: torch's defaults, torch's best (parameters_as_bucket_view=True, fused=Tru
 defaults, ours with bucket views. Prints the median step time, ratios against torch's best, and
 each rank's optimizer-state bytes and resident-memory growth.
 
-    python benchmarks/bench_step.py [--world-sizes 2 4] [--rounds 15] [--numel 8000000]
+    python benchmarks/bench_step.py [--world-sizes 2 4] [--rounds 15] [--numel 8000000] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import sys
@@ -90,7 +91,9 @@ def main() -> None:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--numel", type=int, default=8_000_000)
+    ap.add_argument("--json", help="also write the rows as JSON to this path")
     args = ap.parse_args()
+    rows = []
     for ws in args.world_sizes:
         results = run_ranks(_worker, ws, args.numel, args.rounds, timeout_s=1800)
         # a step is as slow as its slowest rank
@@ -110,10 +113,22 @@ def main() -> None:
                 f"{name:<18}{med[name] * 1e3:>10.1f}{best / med[name]:>14.2f}x{state:>16.1f}"
                 f"{rss:>26.1f}"
             )
+            rows.append(
+                {
+                    "benchmark": f"step ({results[0]['params'] / 1e6:.0f}M Adam)",
+                    "world_size": ws,
+                    "variant": name,
+                    "ms": med[name] * 1e3,
+                    "vs_torch_best": best / med[name],
+                    "state_mib": state,
+                }
+            )
         print(
             f"ours default is {med['torch default'] / med['ours default']:.2f}x faster than torch "
             f"default and {best / med['ours default']:.2f}x torch best"
         )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

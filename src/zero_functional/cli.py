@@ -12,16 +12,18 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["build_parser", "format_plan", "main"]
+__all__ = ["build_parser", "format_bench", "format_plan", "main"]
 
 DEMO_WORLD_SIZES = (2, 8, 64)
 
@@ -233,6 +235,43 @@ def _benchmarks_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+def format_bench(rows: Sequence[dict[str, object]]) -> str:
+    """One table of benchmark rows (as the ``--json`` of ``benchmarks/bench_*.py`` writes them).
+
+    ``x torch best`` is torch's best configuration's time over the variant's: above 1 is faster.
+
+    Example:
+        >>> print(format_bench([
+        ...     {"benchmark": "step", "world_size": 2, "variant": "torch best", "ms": 40.0,
+        ...      "vs_torch_best": 1.0},
+        ...     {"benchmark": "step", "world_size": 2, "variant": "ours", "ms": 32.0,
+        ...      "vs_torch_best": 1.25, "mb_sent": 16.0},
+        ... ]))
+        benchmark       ranks  variant      ms  x torch best  MB sent/rank
+        step                2  torch best  40.0         1.00x             -
+        step                2  ours        32.0         1.25x          16.0
+    """
+    if not rows:
+        return "(no benchmark rows)"
+    bench_w = max(len("benchmark"), *(len(str(r["benchmark"])) for r in rows))
+    var_w = max(len("variant"), *(len(str(r["variant"])) for r in rows))
+    extra = "mb_sent" in {k for r in rows for k in r}
+    lines = [
+        f"{'benchmark':<{bench_w}}  ranks  {'variant':<{var_w}}  {'ms':>6}  x torch best"
+        + ("  MB sent/rank" if extra else "")
+    ]
+    for r in rows:
+        line = (
+            f"{str(r['benchmark']):<{bench_w}}  {r['world_size']:>5}  {str(r['variant']):<{var_w}}"
+            f"  {float(str(r['ms'])):>6.1f}  {float(str(r['vs_torch_best'])):>11.2f}x"
+        )
+        if extra:
+            mb = r.get("mb_sent")
+            line += f"  {float(str(mb)):>12.1f}" if mb is not None else f"  {'-':>12}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     bench_dir = Path(args.dir) if args.dir else _benchmarks_dir()
     scripts = sorted(p for p in bench_dir.glob("bench_*.py")) if bench_dir.is_dir() else []
@@ -244,10 +283,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(str(s) for s in scripts))
         return 0
+    world_sizes = args.world_sizes or ([2] if args.quick else None)
+    rounds = args.rounds or (3 if args.quick else None)
+    numel = args.numel or (2_000_000 if args.quick else None)
+    forwarded: list[str] = []
+    if world_sizes:
+        forwarded += ["--world-sizes", *map(str, world_sizes)]
+    if rounds:
+        forwarded += ["--rounds", str(rounds)]
+    if numel:
+        forwarded += ["--numel", str(numel)]
+    rows: list[dict[str, object]] = []
     worst = 0
-    for script in scripts:
-        print(f"== {script.name}", flush=True)
-        worst = max(worst, subprocess.run([sys.executable, str(script)], check=False).returncode)
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in scripts:
+            out = Path(tmp) / f"{script.stem}.json"
+            print(f"== {script.name}", flush=True)
+            code = subprocess.run(
+                [sys.executable, str(script), *forwarded, "--json", str(out)], check=False
+            ).returncode
+            worst = max(worst, code)
+            if code == 0 and out.is_file():
+                rows.extend(json.loads(out.read_text()))
+    print("\n== summary: every benchmark against torch's best configuration, same run")
+    print(format_bench(rows))
     return worst
 
 
@@ -321,8 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="world sizes to report (2 8 64)",
     )
     plan.set_defaults(func=_cmd_plan)
-    bench = sub.add_parser("bench", help="run the scripts in benchmarks/ and print their output")
+    bench = sub.add_parser(
+        "bench", help="run benchmarks/bench_*.py and print one table of ratios against torch's best"
+    )
     bench.add_argument("--list", action="store_true", help="only list the scripts")
+    bench.add_argument(
+        "--quick", action="store_true", help="2 ranks, 3 rounds, 2M parameters (a smoke run)"
+    )
+    bench.add_argument("--world-sizes", type=_positive_int, nargs="+", help="(scripts: 2 4)")
+    bench.add_argument("--rounds", type=_positive_int, help="timed rounds per variant")
+    bench.add_argument("--numel", type=_positive_int, help="model parameters (8,000,000)")
     bench.add_argument("--dir", help="the benchmarks directory (default: the checkout's)")
     bench.set_defaults(func=_cmd_bench)
     return parser

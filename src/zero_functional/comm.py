@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "PendingBroadcast",
     "ProcessGroup",
     "Work",
     "all_agree",
@@ -32,6 +33,7 @@ __all__ = [
     "reduce_shards",
     "send_object",
     "COALESCE_BELOW",
+    "start_sync_params",
     "sync_params",
     "unflatten_into",
 ]
@@ -146,27 +148,35 @@ COALESCE_BELOW = 1 << 16
 larger contiguous ones are broadcast in place (no copies; gloo runs them concurrently)."""
 
 
-def sync_params(
+class PendingBroadcast:
+    """Broadcasts in flight (from :func:`start_sync_params`); :meth:`wait` finishes them."""
+
+    def __init__(self, works: list[Work], receivers: list[tuple[Tensor, list[Tensor]]]) -> None:
+        self.works = works
+        self.receivers = receivers
+
+    def wait(self) -> None:
+        """Wait for every broadcast and copy the packed ones into their tensors."""
+        for work in self.works:
+            work.wait()
+        with torch.no_grad():
+            for buffer, tensors in self.receivers:
+                unflatten_into(buffer, tensors)
+        self.works, self.receivers = [], []
+
+
+def start_sync_params(
     params: Sequence[Tensor],
     owners: Sequence[int],
-    group: ProcessGroup | None = None,
+    group: ProcessGroup,
     *,
     coalesce_below: int = COALESCE_BELOW,
-) -> None:
-    """Make every rank hold the owner's value of each parameter, in place.
+) -> PendingBroadcast:
+    """Start the broadcasts of :func:`sync_params`; the tensors are final after ``wait()``.
 
-    This is the synchronisation a functional ZeRO step needs after each rank updated the
-    parameters it owns. Large tensors are broadcast in place; small ones are packed into one
-    buffer per (owner rank, device, dtype), so a model of many small tensors costs few
-    collectives and a model of large ones costs no copies.
-
-    Args:
-        params: The same list of tensors on every rank (model order).
-        owners: For each tensor, the group rank that holds its up-to-date value.
-        group: The process group (default: the world).
-        coalesce_below: Size under which tensors are packed rather than sent alone.
+    Large contiguous tensors travel in place; smaller ones in one staging buffer per
+    (owner rank, device, dtype), issued after the large ones in a deterministic order.
     """
-    group = default_group(group)
     if len(params) != len(owners):
         raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
     me = group_rank(group)
@@ -190,11 +200,31 @@ def sync_params(
             receivers.append((buffer, tensors))
         buffers.append(buffer)
         sources.append(owner)
-    for work in broadcast_shards(buffers, sources, group):
-        work.wait()
-    with torch.no_grad():
-        for buffer, tensors in receivers:
-            unflatten_into(buffer, tensors)
+    return PendingBroadcast(broadcast_shards(buffers, sources, group), receivers)
+
+
+def sync_params(
+    params: Sequence[Tensor],
+    owners: Sequence[int],
+    group: ProcessGroup | None = None,
+    *,
+    coalesce_below: int = COALESCE_BELOW,
+) -> None:
+    """Make every rank hold the owner's value of each parameter, in place.
+
+    This is the synchronisation a functional ZeRO step needs after each rank updated the
+    parameters it owns. Large tensors are broadcast in place; small ones are packed into one
+    buffer per (owner rank, device, dtype), so a model of many small tensors costs few
+    collectives and a model of large ones costs no copies.
+
+    Args:
+        params: The same list of tensors on every rank (model order).
+        owners: For each tensor, the group rank that holds its up-to-date value.
+        group: The process group (default: the world).
+        coalesce_below: Size under which tensors are packed rather than sent alone.
+    """
+    group = default_group(group)
+    start_sync_params(params, owners, group, coalesce_below=coalesce_below).wait()
 
 
 def _to_bytes(obj: object) -> Tensor:

@@ -112,8 +112,7 @@ class _Iteration:
     reduces: dict[int, tuple[list[comm.Work], Future[Tensor], Tensor]] = field(default_factory=dict)
     processed: int = 0
     deferred: bool = False
-    works: list[comm.Work] = field(default_factory=list)
-    receivers: list[tuple[Tensor, list[Tensor]]] = field(default_factory=list)
+    pending: list[comm.PendingBroadcast] = field(default_factory=list)
 
 
 class _Overlap:
@@ -266,55 +265,57 @@ class _Overlap:
         self.adoptions += 1
 
     def _process(self, j: int) -> None:
-        """Update this rank's part of bucket ``j`` and start the broadcasts of every part."""
+        """Update this rank's part of bucket ``j`` and start the broadcasts of every part.
+
+        Piece by piece, in assignment order (the same on every rank): with reduce+broadcast, a
+        piece's broadcast starts as soon as its own reduce is done and its owner updated it,
+        while the next piece's reduce is still in flight.
+        """
         it = self.it
         assert it is not None
         zero = self.zero
         it.processed = j + 1
         indices = it.indices[j]
+        pieces = self.by_bucket[j]
+        fut: Future[Tensor] | None = None
         if j in it.reduces:
             works, fut, flat = it.reduces.pop(j)
-            for work in works:
-                work.wait()
-            # on a rank, only the pieces it owns hold the averaged gradient now
-            fut.set_result(flat)
+            waits: list[comm.Work | None] = list(works)
         else:
             value = it.futures[j].wait()
             flat = value if isinstance(value, Tensor) else value[0]
+            waits = [None] * len(pieces)
         starts = self._starts(indices)
-        for a in self.by_bucket[j]:
-            if a.rank != zero.rank:
-                continue
-            span = range(a.offset, a.offset + a.length)
-            by_group: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
-            for pos in span:
-                p = self.params[indices[pos]]
-                ps, gs = by_group.setdefault(self.group_of[indices[pos]], ([], []))
-                ps.append(p)
-                gs.append(flat[starts[pos] : starts[pos + 1]].view_as(p))
-            for g, (ps, gs) in by_group.items():
-                zero._update(g, ps, gs)
-        if zero.world_size == 1:
-            return
-        for a in self.by_bucket[j]:
-            ps = [self.params[k] for k in indices[a.offset : a.offset + a.length]]
+        for a, work in zip(pieces, waits, strict=True):
+            if work is not None:
+                work.wait()
+            span = indices[a.offset : a.offset + a.length]
             if a.rank == zero.rank:
-                buffer = torch.cat([p.detach().reshape(-1) for p in ps])
-            else:
-                buffer = torch.empty(
-                    sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device
+                by_group: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+                for pos in range(a.offset, a.offset + a.length):
+                    p = self.params[indices[pos]]
+                    ps, gs = by_group.setdefault(self.group_of[indices[pos]], ([], []))
+                    ps.append(p)
+                    gs.append(flat[starts[pos] : starts[pos + 1]].view_as(p))
+                for g, (ps, gs) in by_group.items():
+                    zero._update(g, ps, gs)
+            if zero.world_size > 1:
+                # in place where large: these parameters' grads are final, so backward no
+                # longer reads them; the owner's values are on every rank by _finish
+                it.pending.append(
+                    comm.start_sync_params(
+                        [self.params[k] for k in span], [a.rank] * a.length, zero.process_group
+                    )
                 )
-                it.receivers.append((buffer, ps))
-            it.works.extend(comm.broadcast_shards([buffer], [a.rank], zero.process_group))
+        if fut is not None:
+            # on each rank only the pieces it owns hold the averaged gradient
+            fut.set_result(flat)
 
     def _finish(self) -> None:
         it = self.it
         assert it is not None
-        for work in it.works:
-            work.wait()
-        with torch.no_grad():
-            for buffer, ps in it.receivers:
-                comm.unflatten_into(buffer, ps)
+        for pending in it.pending:
+            pending.wait()
         self.it = None
 
 
