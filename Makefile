@@ -35,7 +35,7 @@ unit: $(STAMP)
 test: lint typecheck doctest unit
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python -m zero_functional bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -38,8 +38,6 @@ from zero_functional.optimizer import ZeroRedundancyOptimizer  # noqa: E402
 
 from distributed import run_ranks  # noqa: E402
 
-BUCKET_CAP_MB = 25.0  # DDP's default; --bucket-cap-mb sets it for every variant alike
-
 NAMES = [
     "ddp + fused adam",
     "torch zero best",
@@ -58,7 +56,9 @@ def _mlp(numel: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _build(name: str, numel: int, cap_mb: float = BUCKET_CAP_MB) -> tuple[DDP, Any]:
+def _build(name: str, numel: int, cap_mb: float | None = None) -> tuple[DDP, Any]:
+    # cap_mb None keeps DDP's defaults: 25 MB buckets after a small (1 MB) first one, which an
+    # explicit bucket_cap_mb turns off
     ddp = DDP(_mlp(numel), bucket_cap_mb=cap_mb)
     if name == "ddp + fused adam":
         return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=True)
@@ -92,7 +92,9 @@ def bytes_sent(name: str, model_bytes: int, world_size: int) -> float:
     return 3 * share
 
 
-def _worker(rank: int, world_size: int, numel: int, rounds: int, cap_mb: float) -> dict[str, float]:
+def _worker(
+    rank: int, world_size: int, numel: int, rounds: int, cap_mb: float | None
+) -> dict[str, float]:
     torch.set_num_threads(max(1, 2 // world_size))
     variants = {name: _build(name, numel, cap_mb) for name in NAMES}
     x = torch.randn(32, 1000, generator=torch.Generator().manual_seed(rank))
@@ -116,12 +118,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--numel", type=int, default=8_000_000)
     ap.add_argument(
-        "--bucket-cap-mb", type=float, default=BUCKET_CAP_MB, help="DDP's, all variants"
+        "--bucket-cap-mb", type=float, help="DDP's, for every variant (default: DDP's own)"
     )
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     args = ap.parse_args()
     model = _mlp(args.numel)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
     rows = []
     for ws in args.world_sizes:
         results = run_ranks(
@@ -141,7 +144,7 @@ def main() -> None:
             )
             rows.append(
                 {
-                    "benchmark": "iteration (8M MLP, overlap)",
+                    "benchmark": f"iteration ({n_params / 1e6:.0f}M MLP)",
                     "world_size": ws,
                     "variant": name,
                     "ms": med[name] * 1e3,

@@ -224,6 +224,28 @@ def test_bench_lists_the_scripts_in_benchmarks(capsys: pytest.CaptureFixture[str
     assert out
 
 
+def test_bench_quick_ends_with_one_table_against_torch_best(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(["bench", "--quick"], capsys)
+    assert code == 0
+    table = out.split("== summary")[1].splitlines()[2:]
+    benchmarks = {line.split("  ")[0] for line in table}
+    assert benchmarks == {"iteration (2M MLP)", "step (2M Adam)"}, table
+    for line in table:  # each benchmark's own torch baseline is 1.00x by construction
+        if "torch zero best" in line or " torch best " in line:
+            assert "1.00x" in line, line
+    assert any("ours overlap reduce" in line for line in table)
+
+
+def test_bench_rejects_a_directory_without_benchmarks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_cli(["bench", "--dir", str(tmp_path)], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "no benchmarks/bench_*.py" in err
+
+
 @needs_partition
 def test_python_dash_m_runs_the_cli() -> None:
     proc = subprocess.run(

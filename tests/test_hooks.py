@@ -298,20 +298,47 @@ def test_overlap_rejects_what_it_cannot_do() -> None:
 
 
 def test_collective_policy() -> None:
-    # DDP's bytes (reduce onto owners + broadcast) wherever the hook is DDP's default all-reduce,
-    # except gloo on 2 ranks, where all-reduce + broadcast measures faster.
-    assert choose_collectives("nccl", 2) == "reduce+broadcast"
-    assert choose_collectives("NCCL", 64) == "reduce+broadcast"
-    assert choose_collectives("gloo", 2) == "allreduce+broadcast"
-    for ws in (3, 4, 16):
-        assert choose_collectives("gloo", ws) == "reduce+broadcast"
-    for backend in ("nccl", "gloo"):
-        assert choose_collectives(backend, 1) == "allreduce+broadcast"
-        for ws in (2, 4):
+    # DDP's bytes (reduce onto owners + broadcast) wherever the hook is DDP's default all-reduce
+    # and there is anyone to talk to; a custom hook keeps its own reduction.
+    for backend in ("nccl", "NCCL", "gloo"):
+        for ws in (2, 3, 4, 64):
+            assert choose_collectives(backend, ws) == "reduce+broadcast"
             assert choose_collectives(backend, ws, hook_is_allreduce=False) == (
                 "allreduce+broadcast"
             )
+        assert choose_collectives(backend, 1) == "allreduce+broadcast"
     with pytest.raises(ValueError, match="backend"):
         choose_collectives("", 2)
     with pytest.raises(ValueError, match="world_size"):
         choose_collectives("gloo", 0)
+
+
+def _policy_worker(rank: int, world_size: int) -> list[str]:
+    """What the hooks pick by default, and that reduce+broadcast refuses a custom hook."""
+    picked = []
+    for hook in (allreduce_hook, _custom_hook):
+        ddp = DDP(Net())
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+        )
+        hook_with_zero_step(hook, ddp, zero)
+        assert zero._overlap is not None
+        picked.append(zero._overlap.collectives)
+    ddp = DDP(Net())
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+    )
+    with pytest.raises(ValueError, match="custom hook"):
+        hook_with_zero_step(_custom_hook, ddp, zero, collectives="reduce+broadcast")
+    with pytest.raises(ValueError, match="collectives must be one of"):
+        hook_with_zero_step(allreduce_hook, ddp, zero, collectives="all_to_all")  # type: ignore[arg-type]
+    return picked
+
+
+def _custom_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return allreduce_hook(state, bucket)
+
+
+def test_hooks_default_to_reduce_broadcast_for_allreduce_hook_only() -> None:
+    for picked in run_ranks(_policy_worker, 2, timeout_s=60):
+        assert picked == ["reduce+broadcast", "allreduce+broadcast"]

@@ -126,6 +126,17 @@ def reduce_shards(
     reduce per owner of a contiguous piece is the uneven reduce-scatter (NCCL runs its uneven
     reduce-scatter as exactly these reduces, grouped), with half the bytes of an all-reduce.
     The buffers are issued in list order, which every rank must share.
+
+    Example (one rank, so the sum is the value itself):
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> t = torch.arange(4.0)
+        >>> [w.wait() for w in reduce_shards([t[:2], t[2:]], [0, 0], dist.group.WORLD)]
+        [True, True]
+        >>> t
+        tensor([0., 1., 2., 3.])
+        >>> dist.destroy_process_group()
     """
     handles: list[Work] = []
     for buffer, dst in zip(buffers, destinations, strict=True):
@@ -176,6 +187,17 @@ def start_sync_params(
 
     Large contiguous tensors travel in place; smaller ones in one staging buffer per
     (owner rank, device, dtype), issued after the large ones in a deterministic order.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> ps = [torch.zeros(2), torch.ones(3)]
+        >>> pending = start_sync_params(ps, [0, 0], dist.group.WORLD)
+        >>> pending.wait()
+        >>> ps[1]
+        tensor([1., 1., 1.])
+        >>> dist.destroy_process_group()
     """
     if len(params) != len(owners):
         raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
@@ -222,6 +244,20 @@ def sync_params(
         owners: For each tensor, the group rank that holds its up-to-date value.
         group: The process group (default: the world).
         coalesce_below: Size under which tensors are packed rather than sent alone.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> ps = [torch.full((2,), 3.0)]
+        >>> sync_params(ps, [0])
+        >>> ps[0]
+        tensor([3., 3.])
+        >>> sync_params(ps, [0, 1])
+        Traceback (most recent call last):
+        ...
+        ValueError: got 1 tensors but 2 owners; pass one per tensor
+        >>> dist.destroy_process_group()
     """
     group = default_group(group)
     start_sync_params(params, owners, group, coalesce_below=coalesce_below).wait()

@@ -61,14 +61,17 @@ def choose_collectives(
     and broadcasts), so it moves the bytes of one all-reduce: plain DDP's traffic.
 
     ``"allreduce+broadcast"``: the user's hook reduces the whole bucket on every rank, then each
-    owner broadcasts: 1.5x DDP's bytes (torch's scheme, pytorch#69591), but it keeps any hook
-    (compression, ...) exactly as written, and on gloo over loopback it can be faster.
+    owner broadcasts: 1.5x DDP's bytes (torch's scheme, pytorch#69591), but any hook
+    (compression, ...) keeps its own reduction exactly as written.
 
-    The rule: a hook other than DDP's default all-reduce keeps its own reduction; one rank
-    sends nothing either way; NCCL (and any backend but gloo) gets reduce+broadcast; gloo gets
-    reduce+broadcast from 3 ranks up, where its reduce beats its all-reduce, and
-    allreduce+broadcast on 2 ranks, where its all-reduce is the faster (benchmarks/bench_overlap.py
-    measures both).
+    The rule: a hook other than DDP's default all-reduce keeps its own reduction, and so does a
+    single rank (nothing is sent); otherwise reduce+broadcast, on every backend. On gloo that is
+    what measures fastest: gloo's even reduce-scatter and all-gather (``reduce_scatter_tensor``,
+    ``all_gather_into_tensor``) are slower than its all-reduce and broadcasts on CPU (32 MB,
+    2 ranks: 35 and 47 ms against 24 and 14), and its uneven all-gather is refused; per-owner
+    reduces are slower than one all-reduce in isolation at 2 ranks, but whole DDP iterations
+    (``benchmarks/bench_overlap.py``, 8M parameters) are as fast or faster with them at 2, 3
+    and 4 ranks, and they send a third fewer bytes.
 
     Args:
         backend: A ``torch.distributed`` backend name.
@@ -82,24 +85,19 @@ def choose_collectives(
         >>> choose_collectives("nccl", 8)
         'reduce+broadcast'
         >>> choose_collectives("gloo", 2)
-        'allreduce+broadcast'
+        'reduce+broadcast'
         >>> choose_collectives("nccl", 8, hook_is_allreduce=False)
         'allreduce+broadcast'
+        >>> choose_collectives("gloo", 1)
+        'allreduce+broadcast'
     """
-    name = backend.lower()
-    if not name:
+    if not backend:
         raise ValueError("backend must be a non-empty backend name such as 'gloo' or 'nccl'")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not hook_is_allreduce or world_size == 1:
         return "allreduce+broadcast"
-    if name == "gloo" and world_size < GLOO_REDUCE_FROM:
-        return "allreduce+broadcast"
     return "reduce+broadcast"
-
-
-GLOO_REDUCE_FROM = 3
-"""World size from which gloo gets reduce+broadcast (measured, see :func:`choose_collectives`)."""
 
 
 @dataclass
