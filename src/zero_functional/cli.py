@@ -247,9 +247,9 @@ def format_bench(rows: Sequence[dict[str, object]]) -> str:
         ...     {"benchmark": "step", "world_size": 2, "variant": "ours", "ms": 32.0,
         ...      "vs_torch_best": 1.25, "mb_sent": 16.0},
         ... ]))
-        benchmark       ranks  variant      ms  x torch best  MB sent/rank
-        step                2  torch best  40.0         1.00x             -
-        step                2  ours        32.0         1.25x          16.0
+        benchmark  ranks  variant         ms  x torch best  MB sent/rank
+        step           2  torch best    40.0         1.00x             -
+        step           2  ours          32.0         1.25x          16.0
     """
     if not rows:
         return "(no benchmark rows)"
