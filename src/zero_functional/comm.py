@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -109,12 +109,7 @@ def broadcast_shards(
 
     The buffers are issued in list order, which every rank must share.
     """
-    handles: list[Work] = []
-    for buffer, src in zip(buffers, sources, strict=True):
-        work = dist.broadcast(buffer, src=global_rank(group, src), group=group, async_op=True)
-        assert work is not None
-        handles.append(work)
-    return handles
+    return _issue_rooted(dist.broadcast, buffers, sources, group)
 
 
 def reduce_shards(
@@ -138,9 +133,19 @@ def reduce_shards(
         tensor([0., 1., 2., 3.])
         >>> dist.destroy_process_group()
     """
+    return _issue_rooted(dist.reduce, buffers, destinations, group)
+
+
+def _issue_rooted(
+    op: Callable[..., Work | None],
+    buffers: Sequence[Tensor],
+    roots: Sequence[int],
+    group: ProcessGroup,
+) -> list[Work]:
+    """Start ``op(buffer, root, group=..., async_op=True)`` per buffer, in list order."""
     handles: list[Work] = []
-    for buffer, dst in zip(buffers, destinations, strict=True):
-        work = dist.reduce(buffer, dst=global_rank(group, dst), group=group, async_op=True)
+    for buffer, root in zip(buffers, roots, strict=True):
+        work = op(buffer, global_rank(group, root), group=group, async_op=True)
         assert work is not None
         handles.append(work)
     return handles

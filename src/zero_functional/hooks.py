@@ -137,7 +137,6 @@ class _Overlap:
         self.adoptions = 0
         self.restructures = 0  # backwards whose buckets differed from the adopted structure
         self.reduced_buckets = 0
-        self.allreduced_buckets = 0
 
     # -------------------------------------------------------------- per bucket
 
@@ -199,8 +198,6 @@ class _Overlap:
         assert it is not None
         i = bucket.index()
         it.futures.append(fut)
-        if i not in it.reduces:
-            self.allreduced_buckets += 1
         if self.interleaved and not it.deferred:
             while it.processed < i:  # one bucket behind: its reduction has had time to finish
                 self._process(it.processed)
