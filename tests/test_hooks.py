@@ -17,6 +17,7 @@ from zero_functional.hooks import (
     choose_collectives,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
+    overlap_state,
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
@@ -108,6 +109,36 @@ CONFIGS: list[dict[str, Any]] = [
         "cap": 1e-4,
         "frozen": True,
     },
+    # partition="flat": every rank owns 1/world_size of every bucket, even of a single one
+    {
+        "opt": "adam",
+        "interleaved": False,
+        "shard": False,
+        "gabv": False,
+        "static": False,
+        "cap": 25.0,
+        "partition": "flat",
+    },
+    {
+        "opt": "adamw",
+        "interleaved": True,
+        "shard": False,
+        "gabv": True,
+        "static": False,
+        "cap": 1e-4,
+        "frozen": True,
+        "partition": "flat",
+    },
+    {
+        "opt": "sgd",
+        "interleaved": True,
+        "shard": False,
+        "gabv": False,
+        "static": True,
+        "cap": 1e-4,
+        "twice": True,
+        "partition": "flat",
+    },
 ]
 
 OPTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -137,7 +168,11 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
         ddp = DDP(model, **ddp_kw)
         ref = DDP(ref_model, **ddp_kw)
         zero = ZeroRedundancyOptimizer(
-            [p for p in ddp.parameters() if p.requires_grad], cls, overlap_with_ddp=True, **kw
+            [p for p in ddp.parameters() if p.requires_grad],
+            cls,
+            overlap_with_ddp=True,
+            partition=cfg.get("partition", "sorted_greedy"),
+            **kw,
         )
         wrap = hook_with_zero_step_interleaved if cfg["interleaved"] else hook_with_zero_step
         ddp.register_comm_hook(
@@ -145,8 +180,10 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
             wrap(allreduce_hook, ddp, zero, shard_buckets=cfg["shard"], collectives=cfg["coll"]),
         )
         ref_opt = cls([p for p in ref.parameters() if p.requires_grad], **kw)
-        with pytest.raises(RuntimeError, match="fully initialized"):
-            zero.state_dict()
+        # unlike torch's, state dicts work before the first backward (they are empty)
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:
+            assert zero.state_dict()["state"] == {}
         worst = 0.0
         faked: int | None = None
         faked_once = False
@@ -165,13 +202,14 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
                     for a, b in zip(model.parameters(), ref_model.parameters())
                 ),
             )
-            overlap = zero._overlap
+            overlap = overlap_state(zero)
             assert overlap is not None
             s = overlap.structure
             assert s is not None
             if faked is not None:
                 assert overlap.restructures == faked + 1, (faked, overlap.restructures)
-                moved_bucket0 = moved_bucket0 or fake_owners != overlap.by_bucket[0]
+                now = [zero.ownership.holders(k) for k in s[0]]
+                moved_bucket0 = moved_bucket0 or fake_owners != now
                 faked = None
             elif not faked_once and len(s) > 2 and step + 1 < iterations:
                 # A structure change after the first bucket (as a DDP rebuild can make): the next
@@ -180,10 +218,14 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
                 # rule give bucket 0 to another rank than the real structure does.
                 rest = [k for b in s[1:] for k in b]
                 small = min(rest, key=lambda k: overlap.params[k].numel())
-                overlap._adopt((s[0], (small,), tuple(k for k in rest if k != small)))
-                fake_owners = list(overlap.by_bucket[0])
+                overlap.adopt((s[0], (small,), tuple(k for k in rest if k != small)))
+                fake_owners = [zero.ownership.holders(k) for k in s[0]]
                 faked, faked_once = overlap.restructures, True
-        overlap = zero._overlap
+            if cfg.get("partition") == "flat" and world_size > 1:
+                # every rank owns a piece of every bucket: state is sharded even in one bucket
+                assert all(zero.ownership.loads), zero.ownership.loads
+        overlap = overlap_state(zero)
+        assert overlap is not None
         expect_reduce = cfg["coll"] == "reduce+broadcast" and world_size > 1
         assert (overlap.reduced_buckets > 0) == expect_reduce, (cfg, overlap.reduced_buckets)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -307,6 +349,13 @@ def test_collective_policy() -> None:
                 "allreduce+broadcast"
             )
         assert choose_collectives(backend, 1) == "allreduce+broadcast"
+    # even shards (partition="flat") take NCCL's reduce-scatter and all-gather; gloo's are
+    # all-reduces in disguise, so gloo keeps reduces and broadcasts
+    assert choose_collectives("nccl", 4, even=True) == "reduce_scatter+all_gather"
+    assert choose_collectives("gloo", 4, even=True) == "reduce+broadcast"
+    assert choose_collectives("nccl", 4, hook_is_allreduce=False, even=True) == (
+        "allreduce+broadcast"
+    )
     with pytest.raises(ValueError, match="backend"):
         choose_collectives("", 2)
     with pytest.raises(ValueError, match="world_size"):
@@ -322,8 +371,9 @@ def _policy_worker(rank: int, world_size: int) -> list[str]:
             ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
         )
         hook_with_zero_step(hook, ddp, zero)
-        assert zero._overlap is not None
-        picked.append(zero._overlap.collectives)
+        overlap = overlap_state(zero)
+        assert overlap is not None
+        picked.append(overlap.collectives)
     ddp = DDP(Net())
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01

@@ -106,7 +106,7 @@ def test_rank_loads_rejects_indices_for_other_numels() -> None:
         (lambda: sorted_greedy_groups([[1]], 0), "world_size"),
         (lambda: flat([1], 2, align=0), "align must be an int >= 1.*pass 1"),
         (lambda: flat([1], -1), "world_size"),
-        (lambda: flat([-1], 1), "sizes must be >= 0"),
+        (lambda: flat([-1], 1), "sizes must be ints >= 0"),
     ],
 )
 def test_errors_name_the_fix(call: object, message: str) -> None:
@@ -148,8 +148,9 @@ def test_flat_partition_validates_itself() -> None:
         FlatPartition((6, 4), 2, 1, good.bounds, good.segments)
     with pytest.raises(ValueError, match="align=2"):
         FlatPartition(good.numels, 2, 2, good.bounds, good.segments)
-    with pytest.raises(ValueError, match="0 <= start < stop"):
-        Segment(0, 3, 3)
+    with pytest.raises(ValueError, match="0 <= start <= stop"):
+        Segment(0, 4, 3)
+    assert Segment(0, 3, 3).numel == 0  # the piece a zero-size parameter is owned as
 
 
 def test_balance_report_sorted_greedy_and_flat() -> None:

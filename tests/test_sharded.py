@@ -11,8 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import comm
 from zero_functional.functional import adam
-from zero_functional.partition import sorted_greedy
-from zero_functional.sharded import owned_indices, shard_init, shard_owners, shard_update
+from zero_functional.ownership import flat_ownership, piece_views
+from zero_functional.partition import owners, sorted_greedy
+from zero_functional.sharded import shard_init, shard_update
 
 from distributed import run_ranks
 
@@ -27,44 +28,82 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 5, generator=g), torch.randn(6, 2, generator=g)
 
 
-def _loop_worker(rank: int, world_size: int) -> float:
-    model = _net()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    partition = sorted_greedy([p.numel() for p in params.values()], world_size)
-    owners = shard_owners(partition, len(params))
-    opt = adam(lr=0.01)
-    state = shard_init(opt, params, partition, rank)
+def _loop_worker(rank: int, world_size: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for label in ("sorted_greedy partition, all-reduce", "flat ownership, reduce_to_owners"):
+        model = _net()
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        numels = [p.numel() for p in params.values()]
+        flat = label.startswith("flat")
+        ownership = (
+            flat_ownership(numels, world_size) if flat else sorted_greedy(numels, world_size)
+        )
+        opt = adam(lr=0.01)
+        state = shard_init(opt, params, ownership, rank)
 
-    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
+        def loss_fn(
+            p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: nn.Module = model
+        ) -> torch.Tensor:
+            return ((functional_call(m, p, (x,)) - y) ** 2).mean()
 
-    ref = DDP(_net())
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for step in range(5):
-        x, y = _batch(rank, step)
-        grads = grad(loss_fn)(params, x, y)
-        for g in grads.values():
-            dist.all_reduce(g)
-            g /= world_size
-        before = {k: v.clone() for k, v in params.items()}
-        params, state = shard_update(opt, params, grads, state, partition, rank)
-        assert all(torch.equal(before[k], v) for k, v in before.items())
-        comm.sync_params(list(params.values()), owners)
-        ref_opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-    return max((params[k] - v).abs().max().item() for k, v in ref.module.named_parameters())
+        ref = DDP(_net())
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        for step in range(5):
+            x, y = _batch(rank, step)
+            grads = grad(loss_fn)(params, x, y)
+            if flat:
+                comm.reduce_to_owners(*piece_views(list(grads.values()), ownership))
+            else:
+                for g in grads.values():
+                    dist.all_reduce(g)
+                    g /= world_size
+            before = {k: v.clone() for k, v in params.items()}
+            params, state = shard_update(opt, params, grads, state, ownership, rank)
+            assert all(torch.equal(before[k], v) for k, v in before.items())
+            if flat:
+                comm.sync_params(*piece_views(list(params.values()), ownership))
+            else:
+                comm.sync_params(list(params.values()), owners(ownership, len(numels)))
+            ref_opt.zero_grad()
+            ((ref(x) - y) ** 2).mean().backward()
+            ref_opt.step()
+        out[label] = max(
+            (params[k] - v).abs().max().item() for k, v in ref.module.named_parameters()
+        )
+    return out
 
 
-def test_torch_func_loop_with_sharded_adam_matches_ddp() -> None:
-    for diff in run_ranks(_loop_worker, 2, timeout_s=120):
-        assert diff < 1e-6
+def test_torch_func_loop_with_sharded_adam_matches_ddp_under_both_ownerships() -> None:
+    for result in run_ranks(_loop_worker, 2, timeout_s=120):
+        for label, diff in result.items():
+            assert diff < 1e-6, (label, diff)
 
 
 def test_shard_update_rejects_state_of_another_rank() -> None:
     params = [torch.ones(3), torch.ones(5)]
-    partition = sorted_greedy([3, 5], 2)
-    state = shard_init(adam(), params, partition, rank=0)
+    ownership = flat_ownership([3, 5], 2)
+    state = shard_init(adam(), params, ownership, rank=0)
     with pytest.raises(ValueError, match="another rank"):
-        shard_update(adam(), params, params, state, partition, rank=1)
-    assert owned_indices(partition, 1) == (0,)
+        shard_update(adam(), params, params, state, ownership, rank=1)
+    with pytest.raises(ValueError, match="built for parameter sizes"):
+        shard_init(adam(), [torch.ones(4)], ownership, rank=0)
+
+
+def test_simulated_flat_ranks_together_equal_the_unsharded_update_bitwise() -> None:
+    torch.manual_seed(0)
+    params = [torch.randn(7, 3), torch.randn(5), torch.randn(1), torch.randn(0), torch.randn(4, 4)]
+    grads = [torch.randn_like(p) for p in params]
+    opt = adam(lr=0.1, weight_decay=0.01)
+    full, _ = opt.update(params, grads, opt.init(params))
+    for world_size in (1, 2, 3, 4, 7):
+        ownership = flat_ownership([p.numel() for p in params], world_size)
+        result = [p.clone() for p in params]
+        for rank in range(world_size):
+            state = shard_init(opt, params, ownership, rank)
+            mine, _ = shard_update(opt, params, grads, state, ownership, rank)
+            for seg in ownership.owned(rank):
+                result[seg.param].view(-1)[seg.start : seg.stop] = mine[seg.param].view(-1)[
+                    seg.start : seg.stop
+                ]
+        for a, b in zip(result, full):
+            assert torch.equal(a, b), world_size

@@ -6,8 +6,11 @@ The public surface is what this module re-exports:
   :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved`;
 * the pure core: partitions (:func:`sorted_greedy`, :func:`flat`, :func:`balance_report`),
   bucket layouts, and functional optimizers (:func:`sgd`, :func:`adam`, :func:`adamw`);
+* ownership, the one value that says which rank owns which pieces of which parameters
+  (:class:`Ownership`, built by :func:`sorted_greedy_ownership`, :func:`flat_ownership`,
+  :func:`bucket_ownership`), and the collectives policy (:func:`choose_collectives`);
 * the functional ZeRO step for custom loops (:func:`shard_init`, :func:`shard_update`) with
-  :func:`sync_params`, its one collective.
+  its collectives :func:`reduce_to_owners` and :func:`sync_params`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from zero_functional.buckets import (
     flatten,
     views,
 )
-from zero_functional.comm import sync_params
+from zero_functional.collectives import bytes_sent, choose_collectives
+from zero_functional.comm import reduce_to_owners, sync_params
 from zero_functional.functional import (
     AdamState,
     FunctionalOptimizer,
@@ -30,8 +34,21 @@ from zero_functional.functional import (
     functional_spec,
     sgd,
 )
-from zero_functional.hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+from zero_functional.hooks import (
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    overlap_state,
+    reduce_scatter_hook,
+)
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.ownership import (
+    Ownership,
+    bucket_ownership,
+    flat_ownership,
+    piece_view,
+    piece_views,
+    sorted_greedy_ownership,
+)
 from zero_functional.partition import (
     BalanceReport,
     FlatPartition,
@@ -42,7 +59,7 @@ from zero_functional.partition import (
     sorted_greedy,
     sorted_greedy_groups,
 )
-from zero_functional.sharded import ShardState, shard_init, shard_owners, shard_update
+from zero_functional.sharded import ShardState, shard_init, shard_update
 
 __all__ = [
     "AdamState",
@@ -51,6 +68,7 @@ __all__ = [
     "BucketLayout",
     "FlatPartition",
     "FunctionalOptimizer",
+    "Ownership",
     "SGDState",
     "Segment",
     "ShardState",
@@ -59,18 +77,27 @@ __all__ = [
     "adamw",
     "balance_report",
     "bucket_layout",
+    "bucket_ownership",
+    "bytes_sent",
+    "choose_collectives",
     "ddp_bucket_assignments",
     "flat",
+    "flat_ownership",
     "flatten",
     "functional_spec",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
+    "overlap_state",
     "owners",
+    "piece_view",
+    "piece_views",
+    "reduce_scatter_hook",
+    "reduce_to_owners",
     "sgd",
     "shard_init",
-    "shard_owners",
     "shard_update",
     "sorted_greedy",
+    "sorted_greedy_ownership",
     "sorted_greedy_groups",
     "sync_params",
     "views",

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from zero_functional._validate import check_align, check_numels, check_world_size, round_up
+
 __all__ = [
     "BucketAssignment",
     "BucketLayout",
     "bucket_layout",
     "ddp_bucket_assignments",
     "flatten",
-    "group_by_device_dtype",
-    "ranks_of_bucket",
     "views",
 ]
 
@@ -36,7 +36,7 @@ class BucketLayout:
     align: int
 
     def __post_init__(self) -> None:
-        _check_align(self.align)
+        check_align(self.align)
         if len(self.numels) != len(self.offsets):
             raise ValueError("a BucketLayout needs one offset per tensor")
         edge = 0
@@ -50,11 +50,6 @@ class BucketLayout:
             raise ValueError(
                 f"size {self.size} is too small or not a multiple of align {self.align}"
             )
-
-
-def _check_align(align: int) -> None:
-    if not isinstance(align, int) or align < 1:
-        raise ValueError(f"align must be an int >= 1, got {align!r}: pass 1 for no alignment")
 
 
 def bucket_layout(numels: Sequence[int], *, align: int = 1) -> BucketLayout:
@@ -74,16 +69,15 @@ def bucket_layout(numels: Sequence[int], *, align: int = 1) -> BucketLayout:
         >>> bucket_layout([3, 5, 2], align=4)
         BucketLayout(numels=(3, 5, 2), offsets=(0, 4, 12), size=16, align=4)
     """
-    _check_align(align)
+    check_align(align)
+    check_numels(numels)
     offsets = []
     edge = 0
-    for i, n in enumerate(numels):
-        if n < 0:
-            raise ValueError(f"numels[{i}] is {n}; sizes must be >= 0: pass tensor.numel()")
-        edge = -(-edge // align) * align
+    for n in numels:
+        edge = round_up(edge, align)
         offsets.append(edge)
         edge += n
-    return BucketLayout(tuple(numels), tuple(offsets), -(-edge // align) * align, align)
+    return BucketLayout(tuple(numels), tuple(offsets), round_up(edge, align), align)
 
 
 def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Tensor:
@@ -111,7 +105,7 @@ def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Te
     if len(kinds) > 1:
         found = ", ".join(sorted(f"{d} on {v}" for d, v in kinds))
         raise ValueError(
-            f"tensors have {found}; one buffer holds one dtype on one device: group them first (group_by_device_dtype)"
+            f"tensors have {found}; one buffer holds one dtype on one device: flatten each (device, dtype) group on its own"
         )
     if tuple(t.numel() for t in tensors) != layout.numels:
         raise ValueError(
@@ -158,27 +152,6 @@ def views(buffer: Tensor, layout: BucketLayout, shapes: Sequence[Sequence[int]])
             raise ValueError(f"shape {tuple(shape)} does not hold {n} elements")
         out.append(buffer[off : off + n].view(tuple(shape)))
     return out
-
-
-def group_by_device_dtype(
-    tensors: Sequence[Tensor],
-) -> dict[tuple[torch.device, torch.dtype], tuple[int, ...]]:
-    """Indices of ``tensors`` per (device, dtype), groups in first-seen order.
-
-    Args:
-        tensors: Any tensors.
-
-    Returns:
-        For each (device, dtype) met, the indices of the tensors with it, in order.
-
-    Example:
-        >>> group_by_device_dtype([torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)])
-        {(device(type='cpu'), torch.float32): (0, 2), (device(type='cpu'), torch.float64): (1,)}
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return {k: tuple(v) for k, v in groups.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +217,7 @@ def ddp_bucket_assignments(
         >>> [len(r) for r in ddp_bucket_assignments([[4, 4], [2]], 2, shard_buckets=True)]
         [2, 1]
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(
-            f"world_size must be an int >= 1, got {world_size!r}: pass dist.get_world_size()"
-        )
+    check_world_size(world_size)
     for b, numels in enumerate(bucket_numels):
         if len(numels) == 0:
             raise ValueError(
@@ -283,34 +253,3 @@ def ddp_bucket_assignments(
         taken.add(r)
         loads[r] += size
     return tuple(tuple(r) for r in per_rank)
-
-
-def ranks_of_bucket(
-    assignments: Sequence[Sequence[BucketAssignment]], num_buckets: int
-) -> tuple[tuple[int, ...], ...]:
-    """Per bucket, the sorted ranks that update a part of it.
-
-    Args:
-        assignments: :func:`ddp_bucket_assignments`' result.
-        num_buckets: Number of DDP buckets.
-
-    Returns:
-        For each bucket, the ranks assigned a part of it, ascending.
-
-    Raises:
-        ValueError: An assignment for a bucket outside ``range(num_buckets)``.
-
-    Example:
-        >>> ranks_of_bucket(ddp_bucket_assignments([[4, 4], [2]], 2), 2)
-        ((0,), (1,))
-    """
-    ranks: list[set[int]] = [set() for _ in range(num_buckets)]
-    for per_rank in assignments:
-        for a in per_rank:
-            if a.bucket >= num_buckets:
-                raise ValueError(
-                    f"{a} refers to bucket {a.bucket} but num_buckets is {num_buckets}: "
-                    "pass len(bucket_numels)"
-                )
-            ranks[a.bucket].add(a.rank)
-    return tuple(tuple(sorted(r)) for r in ranks)

@@ -8,6 +8,7 @@ from hanging: gloo matches collectives across ranks by the order they are issued
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -15,12 +16,17 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.futures import Future
 
 __all__ = [
-    "PendingBroadcast",
+    "COALESCE_BELOW",
+    "Pending",
     "ProcessGroup",
     "Work",
     "all_agree",
+    "all_gather_ints",
+    "all_reduce_scalar",
+    "backend",
     "broadcast_shards",
     "collective_device",
     "default_group",
@@ -29,10 +35,13 @@ __all__ = [
     "global_rank",
     "group_rank",
     "group_size",
+    "is_nccl",
     "recv_object",
     "reduce_shards",
+    "reduce_to_owners",
     "send_object",
-    "COALESCE_BELOW",
+    "start_broadcast",
+    "start_reduce",
     "start_sync_params",
     "sync_params",
     "unflatten_into",
@@ -45,6 +54,8 @@ class Work(Protocol):
     """The handle an asynchronous collective returns."""
 
     def wait(self) -> bool: ...
+
+    def get_future(self) -> Future[object]: ...
 
 
 def default_group(group: ProcessGroup | None) -> ProcessGroup:
@@ -102,6 +113,91 @@ def all_agree(values: Sequence[int], group: ProcessGroup, device: torch.device) 
     return bool(torch.equal(reduced[:n], -reduced[n:]))
 
 
+def backend(group: ProcessGroup) -> str:
+    """The name of ``group``'s backend (``"gloo"``, ``"nccl"``, ...)."""
+    return str(dist.get_backend(group))
+
+
+def is_nccl(group: ProcessGroup) -> bool:
+    """Whether ``group`` runs on NCCL (whose collectives can be grouped into one launch)."""
+    return "nccl" in backend(group).lower()
+
+
+def all_gather_ints(
+    values: Sequence[int], group: ProcessGroup, device: torch.device
+) -> list[list[int]]:
+    """Every rank's ``values`` (equally long int lists), in rank order, on every rank.
+
+    One small all-gather: what lets every rank name the ranks that disagree.
+    """
+    local = torch.tensor(list(values), dtype=torch.int64, device=device)
+    out = [torch.empty_like(local) for _ in range(group_size(group))]
+    dist.all_gather(out, local, group=group)
+    return [[int(v) for v in t.tolist()] for t in out]
+
+
+class Pending:
+    """Collectives in flight; :meth:`wait` finishes them, then runs their follow-up copies."""
+
+    def __init__(self, works: list[Work], finish: list[Callable[[], None]] | None = None) -> None:
+        self.works = works
+        self.finish = finish or []
+
+    def wait(self) -> None:
+        """Wait for every collective, then copy received data where it belongs (once)."""
+        for work in self.works:
+            work.wait()
+        self._run_finish()
+
+    def _run_finish(self) -> None:
+        with torch.no_grad():
+            for fn in self.finish:
+                fn()
+        self.works, self.finish = [], []
+
+    def future(self, value: Tensor) -> Future[Tensor]:
+        """A future that completes with ``value`` once every collective and copy is done.
+
+        What a DDP communication hook returns; the copies run in the completion callback
+        (no collective is issued there, so ranks cannot issue them in different orders).
+        """
+        if not self.works:
+            self._run_finish()
+            done: Future[Tensor] = Future()
+            done.set_result(value)
+            return done
+        futures = [w.get_future() for w in self.works]
+
+        def complete(_: object) -> Tensor:
+            self._run_finish()
+            return value
+
+        return torch.futures.collect_all(futures).then(complete)
+
+
+def _issue(
+    op: Callable[..., Work | None], calls: Sequence[tuple[Tensor, int]], group: ProcessGroup
+) -> list[Work]:
+    """Start ``op(tensor, root, group=..., async_op=True)`` per call, in list order.
+
+    On NCCL several calls go into one coalesced group (one launch, as NCCL's own uneven
+    reduce-scatter and all-gather are built); elsewhere each is its own collective. ``root``
+    is a group rank.
+    """
+    if len(calls) > 1 and is_nccl(group):
+        coalescing = dist.distributed_c10d._coalescing_manager
+        with coalescing(group, calls[0][0].device, async_ops=True) as cm:
+            for tensor, root in calls:
+                op(tensor, global_rank(group, root), group=group, async_op=True)
+        return list(cm.works)
+    handles: list[Work] = []
+    for tensor, root in calls:
+        work = op(tensor, global_rank(group, root), group=group, async_op=True)
+        assert work is not None
+        handles.append(work)
+    return handles
+
+
 def broadcast_shards(
     buffers: Sequence[Tensor], sources: Sequence[int], group: ProcessGroup
 ) -> list[Work]:
@@ -109,7 +205,7 @@ def broadcast_shards(
 
     The buffers are issued in list order, which every rank must share.
     """
-    return _issue_rooted(dist.broadcast, buffers, sources, group)
+    return _issue(dist.broadcast, list(zip(buffers, sources, strict=True)), group)
 
 
 def reduce_shards(
@@ -133,22 +229,99 @@ def reduce_shards(
         tensor([0., 1., 2., 3.])
         >>> dist.destroy_process_group()
     """
-    return _issue_rooted(dist.reduce, buffers, destinations, group)
+    return _issue(dist.reduce, list(zip(buffers, destinations, strict=True)), group)
 
 
-def _issue_rooted(
-    op: Callable[..., Work | None],
-    buffers: Sequence[Tensor],
-    roots: Sequence[int],
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _padded(buffer: Tensor, size: int) -> Tensor:
+    if buffer.numel() == size:
+        return buffer
+    out = torch.zeros(size, dtype=buffer.dtype, device=buffer.device)
+    out[: buffer.numel()].copy_(buffer)
+    return out
+
+
+def start_reduce(
+    buffer: Tensor,
+    runs: Sequence[tuple[int, int, int]],
     group: ProcessGroup,
-) -> list[Work]:
-    """Start ``op(buffer, root, group=..., async_op=True)`` per buffer, in list order."""
-    handles: list[Work] = []
-    for buffer, root in zip(buffers, roots, strict=True):
-        work = op(buffer, global_rank(group, root), group=group, async_op=True)
-        assert work is not None
-        handles.append(work)
-    return handles
+    *,
+    chunk: int | None = None,
+) -> Pending:
+    """Start the reduce-scatter of a 1-D ``buffer``: each run summed onto its rank.
+
+    ``runs`` are ``(start, stop, rank)`` stretches covering the buffer
+    (:meth:`~zero_functional.ownership.Ownership.runs`). With ``chunk`` (the runs are the even split ``[r * chunk, (r + 1) * chunk)``), one
+    ``reduce_scatter_single`` over the buffer padded to ``chunk * world_size``; otherwise one
+    reduce per run (grouped on NCCL). Afterwards each rank's runs hold the sums; other elements
+    are undefined.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> t = torch.arange(3.0)
+        >>> start_reduce(t, [(0, 3, 0)], dist.group.WORLD, chunk=3).wait()
+        >>> t
+        tensor([0., 1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    if chunk is None:
+        pieces = [(buffer[a:b], rank) for a, b, rank in runs]
+        return Pending(_issue(dist.reduce, pieces, group))
+    world, me = group_size(group), group_rank(group)
+    source = _padded(buffer, chunk * world)
+    out = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
+    work = _reduce_scatter_single(out, source, group=group, async_op=True)
+    assert work is not None
+    lo, hi = min(me * chunk, buffer.numel()), min((me + 1) * chunk, buffer.numel())
+
+    def copy_back() -> None:
+        buffer[lo:hi].copy_(out[: hi - lo])
+
+    return Pending([work], [copy_back])
+
+
+def start_broadcast(
+    buffer: Tensor,
+    runs: Sequence[tuple[int, int, int]],
+    group: ProcessGroup,
+    *,
+    chunk: int | None = None,
+) -> Pending:
+    """Start the all-gather of a 1-D ``buffer``: every rank gets each run from its rank.
+
+    ``runs`` are ``(start, stop, rank)`` stretches covering the buffer. With ``chunk`` (even runs), one ``all_gather_single`` (in place when the buffer is padded to
+    ``chunk * world_size``); otherwise one broadcast per run (grouped on NCCL).
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> t = torch.arange(3.0)
+        >>> start_broadcast(t, [(0, 3, 0)], dist.group.WORLD).wait()
+        >>> t
+        tensor([0., 1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    if chunk is None:
+        pieces = [(buffer[a:b], rank) for a, b, rank in runs]
+        return Pending(_issue(dist.broadcast, pieces, group))
+    world, me = group_size(group), group_rank(group)
+    target = _padded(buffer, chunk * world)
+    mine = target[me * chunk : (me + 1) * chunk]
+    work = _all_gather_single(target, mine, group=group, async_op=True)
+    assert work is not None
+    if target is buffer:
+        return Pending([work])
+
+    def copy_back() -> None:
+        buffer.copy_(target[: buffer.numel()])
+
+    return Pending([work], [copy_back])
 
 
 def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
@@ -164,34 +337,18 @@ COALESCE_BELOW = 1 << 16
 larger contiguous ones are broadcast in place (no copies; gloo runs them concurrently)."""
 
 
-class PendingBroadcast:
-    """Broadcasts in flight (from :func:`start_sync_params`); :meth:`wait` finishes them."""
-
-    def __init__(self, works: list[Work], receivers: list[tuple[Tensor, list[Tensor]]]) -> None:
-        self.works = works
-        self.receivers = receivers
-
-    def wait(self) -> None:
-        """Wait for every broadcast and copy the packed ones into their tensors."""
-        for work in self.works:
-            work.wait()
-        with torch.no_grad():
-            for buffer, tensors in self.receivers:
-                unflatten_into(buffer, tensors)
-        self.works, self.receivers = [], []
-
-
 def start_sync_params(
     params: Sequence[Tensor],
     owners: Sequence[int],
     group: ProcessGroup,
     *,
     coalesce_below: int = COALESCE_BELOW,
-) -> PendingBroadcast:
+) -> Pending:
     """Start the broadcasts of :func:`sync_params`; the tensors are final after ``wait()``.
 
     Large contiguous tensors travel in place; smaller ones in one staging buffer per
-    (owner rank, device, dtype), issued after the large ones in a deterministic order.
+    (owner rank, device, dtype), issued after the large ones in a deterministic order. The
+    tensors may be pieces of parameters (:func:`~zero_functional.ownership.piece_view`).
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -208,15 +365,13 @@ def start_sync_params(
         raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
     me = group_rank(group)
     keys: dict[tuple[int, str, str], list[Tensor]] = {}
-    buffers: list[Tensor] = []
-    sources: list[int] = []
+    calls: list[tuple[Tensor, int]] = []
     for t, owner in zip(params, owners):
         if t.numel() >= coalesce_below and t.is_contiguous():
-            buffers.append(t.detach())
-            sources.append(owner)
-        else:
+            calls.append((t.detach(), owner))
+        elif t.numel():
             keys.setdefault((owner, str(t.device), str(t.dtype)), []).append(t)
-    receivers: list[tuple[Tensor, list[Tensor]]] = []
+    finish: list[Callable[[], None]] = []
     for (owner, _, _), tensors in sorted(keys.items(), key=lambda kv: kv[0]):
         if owner == me:
             buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -224,10 +379,9 @@ def start_sync_params(
             buffer = torch.empty(
                 sum(t.numel() for t in tensors), device=tensors[0].device, dtype=tensors[0].dtype
             )
-            receivers.append((buffer, tensors))
-        buffers.append(buffer)
-        sources.append(owner)
-    return PendingBroadcast(broadcast_shards(buffers, sources, group), receivers)
+            finish.append(functools.partial(unflatten_into, buffer, tensors))
+        calls.append((buffer, owner))
+    return Pending(_issue(dist.broadcast, calls, group), finish)
 
 
 def sync_params(
@@ -237,15 +391,16 @@ def sync_params(
     *,
     coalesce_below: int = COALESCE_BELOW,
 ) -> None:
-    """Make every rank hold the owner's value of each parameter, in place.
+    """Make every rank hold the owner's value of each tensor, in place.
 
-    This is the synchronisation a functional ZeRO step needs after each rank updated the
-    parameters it owns. Large tensors are broadcast in place; small ones are packed into one
-    buffer per (owner rank, device, dtype), so a model of many small tensors costs few
-    collectives and a model of large ones costs no copies.
+    This is the synchronisation a functional ZeRO step needs after each rank updated what it
+    owns: the all-gather half of ZeRO's traffic. Large tensors are broadcast in place; small
+    ones are packed into one buffer per (owner rank, device, dtype), so a model of many small
+    tensors costs few collectives and a model of large ones costs no copies. For parameters
+    that straddle ranks, pass their pieces: ``sync_params(*piece_views(params, ownership))``.
 
     Args:
-        params: The same list of tensors on every rank (model order).
+        params: The same list of tensors on every rank (model order), or pieces of them.
         owners: For each tensor, the group rank that holds its up-to-date value.
         group: The process group (default: the world).
         coalesce_below: Size under which tensors are packed rather than sent alone.
@@ -266,6 +421,51 @@ def sync_params(
     """
     group = default_group(group)
     start_sync_params(params, owners, group, coalesce_below=coalesce_below).wait()
+
+
+def reduce_to_owners(
+    tensors: Sequence[Tensor], owners: Sequence[int], group: ProcessGroup | None = None
+) -> None:
+    """Average tensors onto their owners, in place: the reduce-scatter of a functional step.
+
+    Each tensor is divided by the world size and summed onto its owner (DDP's averaging, with
+    half an all-reduce's bytes); afterwards the owner holds the average and other ranks'
+    copies are undefined. For gradients of parameters that straddle ranks, pass their pieces:
+    ``reduce_to_owners(*piece_views(grads, ownership))``; follow the update with
+    :func:`sync_params` over the same pieces: together they send what one all-reduce sends.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> gs = [torch.ones(3)]
+        >>> reduce_to_owners(gs, [0])
+        >>> gs[0]
+        tensor([1., 1., 1.])
+        >>> dist.destroy_process_group()
+    """
+    if len(tensors) != len(owners):
+        raise ValueError(
+            f"got {len(tensors)} tensors but {len(owners)} owners; pass one per tensor"
+        )
+    group = default_group(group)
+    world = group_size(group)
+    with torch.no_grad():
+        for t in tensors:
+            t.div_(world)
+    calls = [(t, r) for t, r in zip(tensors, owners) if t.numel()]
+    Pending(_issue(dist.reduce, calls, group)).wait()
+
+
+def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
+    """The sum (or max) of a 0-d tensor over the group, on every rank (one small all-reduce).
+
+    The tensor travels on :func:`collective_device`; the result comes back on ``value``'s.
+    """
+    device = collective_device(group, value.device)
+    t = value.detach().reshape(1).to(device, copy=True)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return t.reshape(()).to(value.device)
 
 
 def _to_bytes(obj: object) -> Tensor:

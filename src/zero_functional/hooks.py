@@ -1,21 +1,26 @@
-"""DDP communication hooks that run the sharded step inside backward (``overlap_with_ddp``).
+"""DDP communication hooks: the ZeRO step inside backward, and DDP's bytes after it.
 
-Why torch's hooks hang on gloo (pytorch#62300): they issue broadcasts from future callbacks,
-which run on whichever communication thread finishes first, so ranks issue collectives in
-different orders, and gloo pairs collectives by issue order. Here every collective is issued from
-the hook itself, which DDP calls on the autograd thread in bucket order on every rank; the only
-waits are on futures of collectives already issued in that shared order.
+Two uses:
 
-Why torch's send 1.5x DDP's bytes (pytorch#69591): every rank all-reduces every gradient, then
-every owner broadcasts its parameters. Here, with DDP's default hook, each owner's piece of a
-bucket is reduced onto that owner only (the uneven reduce-scatter), so gradients cost half an
-all-reduce and parameters the other half: DDP's bytes (see :func:`choose_collectives`).
+* :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved` (``overlap_with_ddp``):
+  the step runs inside DDP's backward, bucket by bucket.
+* :func:`reduce_scatter_hook` (step after backward): each bucket's gradients are reduced onto
+  the ranks that own them only, so that ``step()``'s parameter all-gather completes one
+  all-reduce's worth of bytes instead of adding half of one to DDP's (pytorch#69591).
+
+Why torch's overlap hooks hang on gloo (pytorch#62300): they issue broadcasts from future
+callbacks, which run on whichever communication thread finishes first, so ranks issue
+collectives in different orders, and gloo pairs collectives by issue order. Here every collective
+is issued from the hook itself, which DDP calls on the autograd thread in bucket order on every
+rank; the only waits are on futures of collectives already issued in that shared order.
 
 Why torch's lose 2 to 3 iterations: they wait for DDP to rebuild its buckets before they assign
 buckets to ranks. Here the bucket structure is read off the buckets as they arrive; the first
 backward (and any backward after DDP rebuilt its buckets) defers the updates to the last bucket,
-where the whole structure is known, recomputes the assignment, moves any optimizer state whose
-owner changed, and updates. Later backwards update bucket by bucket.
+where the whole structure is known, builds the ownership of that structure
+(:func:`~zero_functional.ownership.bucket_ownership`), asks the optimizer to
+:meth:`~zero_functional.optimizer.ZeroRedundancyOptimizer.reshard` its state to it, and updates.
+Later backwards update bucket by bucket.
 """
 
 from __future__ import annotations
@@ -23,10 +28,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -34,70 +38,25 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
-from zero_functional.buckets import BucketAssignment, ddp_bucket_assignments
+from zero_functional.collectives import COLLECTIVES, Collectives, choose_collectives, even_chunk
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.ownership import Run, bucket_ownership, piece_view
 
 __all__ = [
     "Collectives",
+    "OverlapState",
     "choose_collectives",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
+    "overlap_state",
+    "reduce_scatter_hook",
 ]
 
-Collectives = Literal["allreduce+broadcast", "reduce+broadcast"]
 Hook = Callable[[Any, GradBucket], Future[Tensor]]
 
-_COLLECTIVES: tuple[Collectives, ...] = ("allreduce+broadcast", "reduce+broadcast")
-
-
-def choose_collectives(
-    backend: str, world_size: int, hook_is_allreduce: bool = True
-) -> Collectives:
-    """The collectives overlap mode uses for each gradient bucket (a pure policy).
-
-    ``"reduce+broadcast"``: one sum-reduce of each owner's piece of the bucket onto its owner,
-    then one broadcast of the updated parameters from each owner. That is the uneven
-    reduce-scatter + all-gather (NCCL implements its uneven ones as these same grouped reduces
-    and broadcasts), so it moves the bytes of one all-reduce: plain DDP's traffic.
-
-    ``"allreduce+broadcast"``: the user's hook reduces the whole bucket on every rank, then each
-    owner broadcasts: 1.5x DDP's bytes (torch's scheme, pytorch#69591), but any hook
-    (compression, ...) keeps its own reduction exactly as written.
-
-    The rule: a hook other than DDP's default all-reduce keeps its own reduction, and so does a
-    single rank (nothing is sent); otherwise reduce+broadcast, on every backend. On gloo that is
-    what measures fastest: gloo's even reduce-scatter and all-gather (``reduce_scatter_tensor``,
-    ``all_gather_into_tensor``) are slower than its all-reduce and broadcasts on CPU (32 MB,
-    2 ranks: 35 and 47 ms against 24 and 14), and its uneven all-gather is refused; per-owner
-    reduces are slower than one all-reduce in isolation at 2 ranks, but whole DDP iterations
-    (``benchmarks/bench_overlap.py``, 8M parameters) are as fast or faster with them at 2, 3
-    and 4 ranks, and they send a third fewer bytes.
-
-    Args:
-        backend: A ``torch.distributed`` backend name.
-        world_size: Ranks in the process group.
-        hook_is_allreduce: Whether the wrapped hook is DDP's default all-reduce hook.
-
-    Returns:
-        The strategy name.
-
-    Example:
-        >>> choose_collectives("nccl", 8)
-        'reduce+broadcast'
-        >>> choose_collectives("gloo", 2)
-        'reduce+broadcast'
-        >>> choose_collectives("nccl", 8, hook_is_allreduce=False)
-        'allreduce+broadcast'
-        >>> choose_collectives("gloo", 1)
-        'allreduce+broadcast'
-    """
-    if not backend:
-        raise ValueError("backend must be a non-empty backend name such as 'gloo' or 'nccl'")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if not hook_is_allreduce or world_size == 1:
-        return "allreduce+broadcast"
-    return "reduce+broadcast"
+_STATES: weakref.WeakKeyDictionary[ZeroRedundancyOptimizer, OverlapState] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass
@@ -106,15 +65,31 @@ class _Iteration:
 
     indices: list[tuple[int, ...]] = field(default_factory=list)
     futures: list[Future[Any]] = field(default_factory=list)
-    # per bucket issued with reduce+broadcast: its reduce handles and the future handed to DDP
-    reduces: dict[int, tuple[list[comm.Work], Future[Tensor], Tensor]] = field(default_factory=dict)
+    # per bucket reduced onto its owners: the reduce in flight and the future handed to DDP
+    reduces: dict[int, tuple[comm.Pending, Future[Tensor], Tensor]] = field(default_factory=dict)
     processed: int = 0
     deferred: bool = False
-    pending: list[comm.PendingBroadcast] = field(default_factory=list)
+    pending: list[comm.Pending] = field(default_factory=list)
 
 
-class _Overlap:
-    """The state overlap mode keeps between buckets and iterations (one per ZeRO instance)."""
+def _starts(params: list[Tensor], indices: tuple[int, ...]) -> list[int]:
+    starts = [0]
+    for k in indices:
+        starts.append(starts[-1] + params[k].numel())
+    return starts
+
+
+class OverlapState:
+    """What overlap mode keeps between buckets and iterations (one per optimizer).
+
+    Attributes:
+        collectives: The strategy the hook uses (see :func:`choose_collectives`).
+        structure: The bucket structure adopted (per bucket, its parameters' global indices),
+            or ``None`` before the first backward.
+        adoptions: Structures adopted so far.
+        restructures: Backwards whose buckets differed from the adopted structure.
+        reduced_buckets: Buckets reduced onto their owners (rather than by the user's hook).
+    """
 
     def __init__(
         self,
@@ -126,17 +101,15 @@ class _Overlap:
         self.zero = zero
         self.shard_buckets = shard_buckets
         self.interleaved = interleaved
-        self.collectives = collectives
-        self.params = zero._all_params()
+        self.collectives: Collectives = collectives
+        self.params = [p for g in zero.param_groups for p in g["params"]]
         self.index = {p: i for i, p in enumerate(self.params)}
-        self.group_of = [g for g, group in enumerate(zero.param_groups) for _ in group["params"]]
         self.structure: tuple[tuple[int, ...], ...] | None = None
-        self.by_bucket: list[list[BucketAssignment]] = []
         self.it: _Iteration | None = None
-        # what happened, for tests and benchmarks
         self.adoptions = 0
-        self.restructures = 0  # backwards whose buckets differed from the adopted structure
+        self.restructures = 0
         self.reduced_buckets = 0
+        self._runs: dict[int, tuple[tuple[Run, ...], int | None]] = {}
 
     # -------------------------------------------------------------- per bucket
 
@@ -170,30 +143,27 @@ class _Overlap:
             if s is not None:
                 self.restructures += 1
             # Buckets before this one match the adopted structure and may have been reduced onto
-            # their owners under it: finish them with that assignment before _adopt moves state.
+            # their owners under it: finish them with that ownership before adopt() moves state.
             while it.processed < i:
                 self._process(it.processed)
-        return (
-            not it.deferred and self.collectives == "reduce+broadcast" and self.zero.world_size > 1
-        )
+        return not it.deferred and self.collectives != "allreduce+broadcast"
 
     def reduce(self, bucket: GradBucket) -> Future[Tensor]:
         """Average ``bucket`` onto the owners of its pieces; the future DDP waits on."""
         it = self.it
         assert it is not None
         i = bucket.index()
-        zero = self.zero
         flat = bucket.buffer()
-        flat.div_(zero.world_size)  # as DDP's allreduce_hook: divide, then sum
-        starts = self._starts(it.indices[i])
-        pieces = [flat[starts[a.offset] : starts[a.offset + a.length]] for a in self.by_bucket[i]]
-        works = comm.reduce_shards(pieces, [a.rank for a in self.by_bucket[i]], zero.process_group)
+        flat.div_(self.zero.world_size)  # as DDP's allreduce_hook: divide, then sum
+        runs, chunk = self._runs[i]
+        pending = comm.start_reduce(flat, runs, self.zero.process_group, chunk=chunk)
         fut: Future[Tensor] = Future(devices=[flat.device] if flat.device.type == "cuda" else None)
-        it.reduces[i] = (works, fut, flat)
+        it.reduces[i] = (pending, fut, flat)
         self.reduced_buckets += 1
         return fut
 
     def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
+        """Record the bucket's future; update finished buckets (the last bucket: all of them)."""
         it = self.it
         assert it is not None
         i = bucket.index()
@@ -203,108 +173,89 @@ class _Overlap:
                 self._process(it.processed)
         if bucket.is_last():
             if it.deferred:
-                self._adopt(tuple(it.indices))
+                self.adopt(tuple(it.indices))
             while it.processed < len(it.indices):
                 self._process(it.processed)
             self._finish()
 
-    def _starts(self, indices: tuple[int, ...]) -> list[int]:
-        starts = [0]
-        for k in indices:
-            starts.append(starts[-1] + self.params[k].numel())
-        return starts
+    def adopt(self, structure: tuple[tuple[int, ...], ...]) -> None:
+        """Own the buckets of ``structure`` and move the optimizer's state accordingly.
 
-    def _adopt(self, structure: tuple[tuple[int, ...], ...]) -> None:
-        """Assign the buckets of ``structure`` to ranks; move state whose owner changed."""
+        Collective: every rank calls it with the same structure (the hook does, at the last
+        bucket of a backward whose buckets are new). Tests call it to simulate a rebuild.
+        """
         zero = self.zero
-        numels = [[self.params[k].numel() for k in b] for b in structure]
-        try:
-            per_rank = ddp_bucket_assignments(
-                numels, zero.world_size, shard_buckets=self.shard_buckets
-            )
-        except ValueError:
-            # torch's shard_buckets rule cannot cut some bucket into at most world_size pieces
-            # (DDP's first-iteration buckets are often one big bucket); whole buckets are always
-            # placeable, and correctness does not depend on the balance.
-            per_rank = ddp_bucket_assignments(numels, zero.world_size, shard_buckets=False)
-        old = zero._owners()
-        new = list(old)
-        self.by_bucket = [[] for _ in structure]
-        for assignments in per_rank:
-            for a in assignments:
-                self.by_bucket[a.bucket].append(a)
-                for k in structure[a.bucket][a.offset : a.offset + a.length]:
-                    new[k] = a.rank
-        for b in self.by_bucket:
-            b.sort(key=lambda a: a.rank)
-        moving = [k for k in range(len(new)) if new[k] != old[k]]
-        if moving and zero.world_size > 1:
-            pairs = sorted({(old[k], new[k]) for k in moving})
-            outgoing: dict[int, dict[int, dict[str, Any]]] = {}
-            for k in moving:
-                if old[k] == zero.rank and zero.state.get(self.params[k]):
-                    outgoing.setdefault(new[k], {})[k] = dict(zero.state.pop(self.params[k]))
-            received = comm.exchange_objects(
-                outgoing, pairs, zero.process_group, zero._collective_device()
-            )
-            for payload in received.values():
-                assert isinstance(payload, dict)
-                for k, value in payload.items():
-                    p = self.params[k]
-                    zero.state[p] = {
-                        key: zero._to_param_policy(key, v, p) for key, v in value.items()
-                    }
-        zero._owner_of = new
-        zero._overlap_ready = True
+        ownership = bucket_ownership(
+            structure,
+            zero.ownership.numels,
+            zero.world_size,
+            partition=zero.partition,
+            shard_buckets=self.shard_buckets,
+        )
+        zero.reshard(ownership)
+        self._runs = {}
+        backend = comm.backend(zero.process_group)
+        for b, indices in enumerate(structure):
+            runs = ownership.runs(indices)
+            total = sum(self.params[k].numel() for k in indices)
+            chunk = even_chunk(runs, total, zero.world_size)
+            if self.collectives != "reduce_scatter+all_gather" or (
+                choose_collectives(backend, zero.world_size, even=chunk is not None)
+                != "reduce_scatter+all_gather"
+            ):
+                chunk = None
+            self._runs[b] = (runs, chunk)
         self.structure = structure
         self.adoptions += 1
 
     def _process(self, j: int) -> None:
-        """Update this rank's part of bucket ``j`` and start the broadcasts of every part.
-
-        Piece by piece, in assignment order (the same on every rank): with reduce+broadcast, a
-        piece's broadcast starts as soon as its own reduce is done and its owner updated it,
-        while the next piece's reduce is still in flight.
-        """
+        """Update this rank's pieces of bucket ``j`` and start the all-gather of the bucket."""
         it = self.it
         assert it is not None
         zero = self.zero
         it.processed = j + 1
         indices = it.indices[j]
-        pieces = self.by_bucket[j]
         fut: Future[Tensor] | None = None
         if j in it.reduces:
-            works, fut, flat = it.reduces.pop(j)
-            waits: list[comm.Work | None] = list(works)
+            pending, fut, flat = it.reduces.pop(j)
+            pending.wait()
         else:
             value = it.futures[j].wait()
             flat = value if isinstance(value, Tensor) else value[0]
-            waits = [None] * len(pieces)
-        starts = self._starts(indices)
-        for a, work in zip(pieces, waits, strict=True):
-            if work is not None:
-                work.wait()
-            span = indices[a.offset : a.offset + a.length]
-            if a.rank == zero.rank:
-                by_group: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
-                for pos in range(a.offset, a.offset + a.length):
-                    p = self.params[indices[pos]]
-                    ps, gs = by_group.setdefault(self.group_of[indices[pos]], ([], []))
-                    ps.append(p)
-                    gs.append(flat[starts[pos] : starts[pos + 1]].view_as(p))
-                for g, (ps, gs) in by_group.items():
-                    zero._update(g, ps, gs)
-            if zero.world_size > 1:
-                # in place where large: these parameters' grads are final, so backward no
-                # longer reads them; the owner's values are on every rank by _finish
-                it.pending.append(
-                    comm.start_sync_params(
-                        [self.params[k] for k in span], [a.rank] * a.length, zero.process_group
-                    )
-                )
+        starts = _starts(self.params, indices)
+        ownership = zero.ownership
+        grads: dict[int, Tensor] = {}
+        for pos, k in enumerate(indices):
+            seg = ownership.piece(zero.rank, k)
+            if seg is not None:
+                grads[k] = flat[starts[pos] + seg.start : starts[pos] + seg.stop]
+        zero.update_owned(grads)
+        if zero.world_size > 1:
+            # in place: these parameters' grads are final, so backward no longer reads them;
+            # the owners' values are on every rank by _finish
+            it.pending.append(self._start_gather(indices, j))
         if fut is not None:
             # on each rank only the pieces it owns hold the averaged gradient
             fut.set_result(flat)
+
+    def _start_gather(self, indices: tuple[int, ...], j: int) -> comm.Pending:
+        zero = self.zero
+        runs, chunk = self._runs.get(j, ((), None))
+        if chunk is None:
+            tensors: list[Tensor] = []
+            owners: list[int] = []
+            for k in indices:
+                for rank, seg in zero.ownership.holders(k):
+                    tensors.append(piece_view(self.params[k], seg))
+                    owners.append(rank)
+            return comm.start_sync_params(tensors, owners, zero.process_group)
+        # even shards: pack the bucket's parameters, all-gather, unpack (NCCL's fast path)
+        ps = [self.params[k] for k in indices]
+        with torch.no_grad():
+            staging = torch.cat([p.detach().reshape(-1) for p in ps])
+        pending = comm.start_broadcast(staging, runs, zero.process_group, chunk=chunk)
+        pending.finish.append(lambda: comm.unflatten_into(staging, ps))
+        return pending
 
     def _finish(self) -> None:
         it = self.it
@@ -314,24 +265,15 @@ class _Overlap:
         self.it = None
 
 
-def _make_hook(
-    hook: Hook,
-    ddp: DistributedDataParallel,
-    zero: ZeroRedundancyOptimizer,
-    shard_buckets: bool,
-    interleaved: bool,
-    collectives: Collectives | None,
-) -> Hook:
-    if not isinstance(zero, ZeroRedundancyOptimizer) or not zero._overlap_with_ddp:
-        raise ValueError(
-            "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use "
-            "this hook properly"
-        )
-    if getattr(zero, "_overlap", None) is not None:
-        raise RuntimeError("this ZeroRedundancyOptimizer already has an overlap hook registered")
-    ddp_ref = weakref.ref(ddp)
+def overlap_state(zero: ZeroRedundancyOptimizer) -> OverlapState | None:
+    """The overlap state of the hook registered for ``zero``, or ``None`` (for inspection)."""
+    return _STATES.get(zero)
+
+
+def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> None:
     ddp_params = {p for p in ddp.parameters() if p.requires_grad}
-    missing = ddp_params - set(zero._all_params())
+    mine = {p for g in zero.param_groups for p in g["params"]}
+    missing = ddp_params - mine
     if missing:
         raise ValueError(
             f"{len(missing)} trainable parameters of the DDP module are not in the "
@@ -343,21 +285,56 @@ def _make_hook(
             f"the DDP module runs on {comm.group_size(ddp_group)} ranks but the "
             f"ZeroRedundancyOptimizer on {zero.world_size}: give both the same process group"
         )
+
+
+def _with_annotations(fn: Hook) -> Hook:
+    # DDP checks the annotations themselves, which `from __future__ import annotations` turns
+    # into strings: give it the real objects.
+    fn.__annotations__ = {
+        "state": Any,
+        "bucket": GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return fn
+
+
+def _make_hook(
+    hook: Hook,
+    ddp: DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    shard_buckets: bool,
+    interleaved: bool,
+    collectives: Collectives | None,
+) -> Hook:
+    if not isinstance(zero, ZeroRedundancyOptimizer) or not zero.overlap_with_ddp:
+        raise ValueError(
+            "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use "
+            "this hook properly"
+        )
+    if zero in _STATES:
+        raise RuntimeError("this ZeroRedundancyOptimizer already has an overlap hook registered")
+    _check_ddp(ddp, zero)
+    ddp_ref = weakref.ref(ddp)
     default = hook is default_hooks.allreduce_hook
     if collectives is None:
         collectives = choose_collectives(
-            str(dist.get_backend(zero.process_group)), zero.world_size, hook_is_allreduce=default
+            comm.backend(zero.process_group),
+            zero.world_size,
+            hook_is_allreduce=default,
+            even=zero.partition == "flat",
         )
-    elif collectives not in _COLLECTIVES:
-        raise ValueError(f"collectives must be one of {_COLLECTIVES}, got {collectives!r}")
-    elif collectives == "reduce+broadcast" and not default:
+    elif collectives not in COLLECTIVES:
+        raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
+    elif collectives != "allreduce+broadcast" and not default:
         raise ValueError(
-            "collectives='reduce+broadcast' replaces DDP's default allreduce_hook; a custom "
+            f"collectives={collectives!r} replaces DDP's default allreduce_hook; a custom "
             f"hook ({getattr(hook, '__name__', hook)!r}) keeps its own reduction: use "
             "'allreduce+broadcast'"
         )
-    overlap = _Overlap(zero, shard_buckets, interleaved, collectives)
-    zero._overlap = overlap
+    if zero.world_size == 1:
+        collectives = "allreduce+broadcast"
+    overlap = OverlapState(zero, shard_buckets, interleaved, collectives)
+    _STATES[zero] = overlap
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         assert ddp_ref() is not None, "the DDP module was garbage-collected"
@@ -366,14 +343,7 @@ def _make_hook(
         overlap.on_bucket(bucket, fut)
         return fut
 
-    # DDP checks the annotations themselves, which `from __future__ import annotations` turns
-    # into strings: give it the real objects.
-    hook_with_zero_fn.__annotations__ = {
-        "state": Any,
-        "bucket": GradBucket,
-        "return": torch.futures.Future[torch.Tensor],
-    }
-    return hook_with_zero_fn
+    return _with_annotations(hook_with_zero_fn)
 
 
 def hook_with_zero_step(
@@ -387,23 +357,25 @@ def hook_with_zero_step(
     """Wrap a DDP comm hook so that the ZeRO step runs at the end of backward.
 
     Each gradient bucket is reduced (by ``hook``, or, for DDP's default ``allreduce_hook``
-    where :func:`choose_collectives` says so, by one reduce per owner onto its owner: plain
-    DDP's bytes); when the last bucket arrives, the ranks that own each bucket update its
-    parameters with the averaged gradients and broadcast them, bucket by bucket. Works on every
-    backend, gloo included, and updates from the first iteration.
+    where :func:`choose_collectives` says so, onto the owners of its pieces only: plain DDP's
+    bytes); when the last bucket arrives, each rank updates the pieces of every bucket it owns
+    and the owners' values are gathered everywhere, bucket by bucket. Works on every backend,
+    gloo included, and updates from the first iteration. Under ``partition="flat"`` every rank
+    owns ``1 / world_size`` of every bucket, so a model in one bucket is sharded too.
 
     After backward, ``p.grad`` holds the averaged gradient on every rank with
-    ``"allreduce+broadcast"``; with ``"reduce+broadcast"`` only on the rank that owns ``p``
-    (elsewhere it is a partial sum), as in any reduce-scatter ZeRO.
+    ``"allreduce+broadcast"``; otherwise only in the pieces this rank owns (elsewhere it is a
+    partial sum), as in any reduce-scatter ZeRO.
 
     Args:
         hook: A DDP communication hook, e.g. ``default_hooks.allreduce_hook``.
         ddp: The ``DistributedDataParallel`` module.
         zero: A ``ZeroRedundancyOptimizer`` built with ``overlap_with_ddp=True`` from
             ``ddp.parameters()``.
-        shard_buckets: Split each bucket across ranks to balance the update (torch's rule).
-        collectives: Override :func:`choose_collectives` (``"reduce+broadcast"`` needs the
-            default ``allreduce_hook``, which it replaces by reduces onto the owners).
+        shard_buckets: Under ``"sorted_greedy"``, split each bucket across ranks to balance
+            the update (torch's rule).
+        collectives: Override :func:`choose_collectives` (anything but
+            ``"allreduce+broadcast"`` needs the default ``allreduce_hook``, which it replaces).
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(None, ...)``.
@@ -425,10 +397,87 @@ def hook_with_zero_step_interleaved(
     """Like :func:`hook_with_zero_step`, but each bucket is updated while backward goes on.
 
     When bucket ``i`` arrives, bucket ``i - 1`` (whose reduction has had the time of one
-    bucket's backward to finish) is updated and its broadcasts started, so the step overlaps
+    bucket's backward to finish) is updated and its all-gather started, so the step overlaps
     the backward computation too. Never hangs on gloo, however many buckets.
 
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
     """
     return _make_hook(hook, ddp, zero, shard_buckets, interleaved=True, collectives=collectives)
+
+
+def reduce_scatter_hook(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> Hook:
+    """DDP's gradient averaging, but each piece summed onto its owner only (step after backward).
+
+    The recipe that gives ZeRO plain DDP's bytes outside overlap mode::
+
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, partition="flat")
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+        loss.backward()   # gradients reduced onto their owners: half an all-reduce
+        zero.step()       # owners update, then all-gather: the other half
+
+    Without it, DDP all-reduces every gradient and ``step()`` broadcasts on top: 1.5x. After
+    backward, ``p.grad`` holds the averaged gradient only in the pieces this rank owns; use
+    :meth:`~zero_functional.optimizer.ZeroRedundancyOptimizer.clip_grad_norm_` rather than
+    ``torch.nn.utils.clip_grad_norm_``, which would read other ranks' pieces. Gradient
+    accumulation with ``ddp.no_sync()`` works as with DDP (the hook runs on the syncing
+    backward). Each bucket's reduces are issued from the hook, in bucket order on every rank,
+    so it is safe on gloo.
+
+    Args:
+        ddp: The ``DistributedDataParallel`` module.
+        zero: A ``ZeroRedundancyOptimizer`` (not in overlap mode) over ``ddp.parameters()``.
+
+    Returns:
+        The hook to pass to ``ddp.register_comm_hook(None, ...)``.
+
+    Example:
+        >>> # ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+    """
+    if not isinstance(zero, ZeroRedundancyOptimizer) or zero.overlap_with_ddp:
+        raise ValueError(
+            "reduce_scatter_hook serves a ZeroRedundancyOptimizer that steps after backward; "
+            "with overlap_with_ddp=True use hook_with_zero_step(allreduce_hook, ddp, zero)"
+        )
+    _check_ddp(ddp, zero)
+    params = [p for g in zero.param_groups for p in g["params"]]
+    index = {p: i for i, p in enumerate(params)}
+    backend = comm.backend(zero.process_group)
+    world = zero.world_size
+    cache: dict[tuple[int, ...], tuple[tuple[Run, ...], int | None]] = {}
+    seen: list[object] = [zero.ownership]
+
+    def runs_of(indices: tuple[int, ...]) -> tuple[tuple[Run, ...], int | None]:
+        ownership = zero.ownership
+        if ownership is not seen[0]:
+            cache.clear()
+            seen[0] = ownership
+        if indices not in cache:
+            runs = ownership.runs(indices)
+            total = sum(params[k].numel() for k in indices)
+            chunk = even_chunk(runs, total, world)
+            if choose_collectives(backend, world, even=chunk is not None) != (
+                "reduce_scatter+all_gather"
+            ):
+                chunk = None
+            cache[indices] = (runs, chunk)
+        return cache[indices]
+
+    def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
+        flat = bucket.buffer()
+        if world == 1:
+            done: Future[Tensor] = Future()
+            done.set_result(flat)
+            return done
+        try:
+            indices = tuple(index[p] for p in bucket.parameters())
+        except KeyError as e:
+            raise RuntimeError(
+                "a DDP gradient bucket holds a parameter this ZeroRedundancyOptimizer does not "
+                "manage: build it from ddp.parameters() (or model.parameters())"
+            ) from e
+        runs, chunk = runs_of(indices)
+        flat.div_(world)
+        return comm.start_reduce(flat, runs, zero.process_group, chunk=chunk).future(flat)
+
+    return _with_annotations(reduce_scatter_fn)

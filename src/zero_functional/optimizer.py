@@ -1,16 +1,21 @@
 """ZeroRedundancyOptimizer: the thin stateful shell over the pure core.
 
-A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``. The partition is a value
-computed once by :func:`zero_functional.partition.sorted_greedy_groups` (torch's algorithm, so
-consolidated state dicts line up with torch's); SGD, Adam and AdamW run the functional core
-directly (fused kernels where torch has them); any other ``torch.optim`` class runs as a local
-optimizer over this rank's shard, as torch does.
+A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``. Which rank owns what is one
+value, an :class:`~zero_functional.ownership.Ownership`, built by the pure core from the
+``partition`` option (``"sorted_greedy"``, torch's whole-tensor assignment and the default; or
+``"flat"``, an even split in which a parameter may straddle ranks) or, in overlap mode, from
+DDP's buckets. The shell holds exactly one; :meth:`ZeroRedundancyOptimizer.reshard` is the only
+code that moves state when it changes. SGD, Adam and AdamW run the functional core directly
+(fused kernels where torch has them); any other ``torch.optim`` class runs as a real instance of
+that class over this rank's parameters or pieces (:mod:`zero_functional.steppers`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, cast
 
@@ -21,20 +26,42 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.buckets import bucket_layout, flatten, views
+from zero_functional.collectives import choose_collectives, even_chunk
 from zero_functional.functional import (
-    FunctionalSpec,
+    SUPPORTED,
     functional_spec,
-    group_hyperparams,
     supports_group,
+    update_kind,
 )
-from zero_functional.partition import owners as owner_of_each
-from zero_functional.partition import sorted_greedy_groups
+from zero_functional.ownership import (
+    Ownership,
+    PartitionName,
+    Run,
+    check_partition,
+    check_splittable,
+    flat_ownership,
+    piece_view,
+    sorted_greedy_ownership,
+)
+from zero_functional.partition import Segment
+from zero_functional.state_dict import join_states, slice_state
+from zero_functional.steppers import (
+    FunctionalStepper,
+    RealStepper,
+    ShadowStepper,
+    Stepper,
+    hyperparameters,
+)
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
 StateDict = dict[str, Any]
+
+FLAT_ALIGN_BYTES = 16
+"""Under ``partition="flat"`` range bounds fall on multiples of 16 bytes (4 fp32 elements), so
+every shard starts where vectorised kernels and NCCL like it."""
 
 
 def _check_params(params: object) -> list[Any]:
@@ -87,6 +114,17 @@ def _check_params(params: object) -> list[Any]:
     return items
 
 
+def _fingerprint(param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Count, elements and a hash of every parameter's shape, dtype and device type, by group:
+    what every rank must agree on (a fp32 and a fp64 model of equal size differ here)."""
+    described = repr(
+        [[(tuple(p.shape), str(p.dtype), p.device.type) for p in g["params"]] for g in param_groups]
+    )
+    digest = int.from_bytes(hashlib.blake2b(described.encode(), digest_size=7).digest(), "big")
+    params = [p for g in param_groups for p in g["params"]]
+    return [len(param_groups), len(params), sum(p.numel() for p in params), digest]
+
+
 class _ZeroJoinHook(JoinHook):
     """Shadows the step's collectives on a rank that has run out of inputs."""
 
@@ -97,22 +135,49 @@ class _ZeroJoinHook(JoinHook):
         self.zero.step()
 
 
+@dataclass
+class _Buffer:
+    """A bucket view: parameters alias ``tensor``; ``runs`` say who broadcasts which part."""
+
+    tensor: Tensor
+    runs: tuple[Run, ...]
+    chunk: int | None  # the even shard size when reduce_scatter/all_gather can take it
+
+
+class LocalView:
+    """torch's ``optim`` attribute: this rank's share as a local optimizer would show it.
+
+    ``param_groups`` hold, per group, the hyperparameters and the parameters this rank owns
+    (all or part of); ``state`` is this rank's state. For an optimizer class that runs as a
+    real instance over whole parameters, ``ZeroRedundancyOptimizer.optim`` is that instance.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> None:
+        self.param_groups = param_groups
+        self.state = state
+
+
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shards any ``torch.optim`` optimizer's state across the ranks of a process group.
 
-    Each rank owns the parameters that :func:`~zero_functional.partition.sorted_greedy_groups`
-    gives it, keeps optimizer state for those only, updates them, then every rank receives the
-    updated parameters of every other rank (one broadcast per owner rank and dtype).
+    Each rank owns what the ownership value gives it, keeps optimizer state for that only,
+    updates it, then every rank receives every other rank's updated parameters.
 
     Args:
         params: Tensors or parameter-group dicts, as ``torch.optim`` accepts.
         optimizer_class: Any ``torch.optim.Optimizer`` subclass; SGD, Adam and AdamW run the
-            functional core (fused kernels where torch has them), others run locally per shard.
+            functional core (fused kernels where torch has them), others as real instances.
         process_group: The group to shard over (default: the world).
-        parameters_as_bucket_view: Make each rank's parameters views into one contiguous buffer
-            per (device, dtype), so the sync moves buffers without copies.
+        parameters_as_bucket_view: Make parameters views into one contiguous buffer per
+            owner (``"sorted_greedy"``) or per (device, dtype) (``"flat"``), so the parameter
+            sync moves buffers without copies.
         overlap_with_ddp: Run the step inside DDP's backward through a hook from
             :mod:`zero_functional.hooks`; ``step()`` then only warns.
+        partition: ``"sorted_greedy"`` (torch's: whole tensors, largest first to the least
+            loaded rank) or ``"flat"`` (each (device, dtype) group, and in overlap mode each
+            DDP bucket, split into ``world_size`` even ranges; a parameter may straddle ranks;
+            needs an elementwise optimizer, see
+            :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
         **defaults: Hyperparameters for ``optimizer_class``.
 
     Example:
@@ -128,6 +193,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         process_group: comm.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
+        *,
+        partition: PartitionName = "sorted_greedy",
         **defaults: Any,
     ) -> None:
         items = _check_params(params)
@@ -135,13 +202,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
             )
+        self.partition: PartitionName = check_partition(partition)
         self._initialized = False
         self.optimizer_class = optimizer_class
         self._user_defaults = dict(defaults)
         # The class's full defaults (betas, eps, ...), validated with torch's own messages, so that
         # param_groups carry every key torch's ZeroRedundancyOptimizer would show.
         probe = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)
-        full_defaults = dict(probe.defaults)
         self.process_group = comm.default_group(process_group)
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
@@ -149,22 +216,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = overlap_with_ddp
         self._all_state_dicts: list[StateDict] = []
-        self._buckets: list[tuple[int, Tensor]] = []
-        self._local: Optimizer | None = None
-        self._overlap: object | None = None  # set by a zero_functional.hooks hook
-        self._overlap_ready = False
-        Optimizer.__init__(self, items, full_defaults)
+        self._buffers: list[_Buffer] = []
+        Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
-        self._spec: FunctionalSpec | None = functional_spec(optimizer_class)
-        if self._spec is not None and not all(
-            supports_group(self._spec, g) for g in self.param_groups
-        ):
-            self._spec = None
+        spec = functional_spec(optimizer_class)
+        if spec is not None and not all(supports_group(spec, g) for g in self.param_groups):
+            spec = None
+        kind = update_kind(optimizer_class)
+        if self.partition == "flat" and kind != "elementwise":
+            raise ValueError(
+                f"{optimizer_class.__name__} is registered as {kind!r}, not 'elementwise': its "
+                "update needs whole tensors, which partition='flat' splits across ranks. Use "
+                "partition='sorted_greedy', or, if its update is elementwise, declare it with "
+                f"zero_functional.functional.register_optimizer({optimizer_class.__name__}, "
+                "'elementwise')"
+            )
         if overlap_with_ddp:
-            if self._spec is None:
-                from zero_functional.functional import SUPPORTED
-
+            if spec is None:
                 raise ValueError(
                     f"overlap_with_ddp=True needs an optimizer with a functional form; "
                     f"{optimizer_class.__name__} with these options has none. Supported: "
@@ -175,118 +244,232 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "parameters_as_bucket_view=True is ignored when overlap_with_ddp=True: "
                     "parameters are grouped by DDP's gradient buckets instead"
                 )
-        self._repartition()
+        self._spec = spec
+        self._probe = probe
+        if self.partition == "flat":
+            check_splittable(self._params())
+        self._check_agreement("ZeroRedundancyOptimizer()")
+        self._set_ownership(self._computed_ownership())
         self._initialized = True
 
-    # ------------------------------------------------------------------ partition and layout
+    # ------------------------------------------------------------------ ownership
 
-    def _repartition(self) -> None:
-        """Recompute the partition value, this rank's local optimizer and the buckets."""
-        numels = [[p.numel() for p in g["params"]] for g in self.param_groups]
-        self._partition = sorted_greedy_groups(numels, self.world_size)
-        self._group_starts = [0, *accumulate(len(g["params"]) for g in self.param_groups)]
-        self._trainable = [p.requires_grad for p in self._all_params()]
-        global_partition = [
-            [start + i for start, part in zip(self._group_starts, self._partition) for i in part[r]]
-            for r in range(self.world_size)
-        ]
-        self._owner_of: list[int] = list(owner_of_each(global_partition, self._group_starts[-1]))
-        if self._spec is None and not self._overlap_with_ddp:
-            self._rebuild_local_optimizer()
-        self._build_buckets()
+    @property
+    def overlap_with_ddp(self) -> bool:
+        """Whether the step runs inside DDP's backward (through a hook of :mod:`.hooks`)."""
+        return self._overlap_with_ddp
 
-    def _all_params(self) -> list[Tensor]:
+    @property
+    def ownership(self) -> Ownership:
+        """Which rank owns which pieces of which parameters (global indices, state-dict order)."""
+        return self._ownership
+
+    def _params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _owned(self, group: int, rank: int | None = None) -> list[Tensor]:
-        """The parameters of ``group`` that ``rank`` (default: this rank) owns."""
-        ps = self.param_groups[group]["params"]
-        return [ps[i] for i in self._partition[group][self.rank if rank is None else rank]]
+    def _computed_ownership(self) -> Ownership:
+        """The ownership the ``partition`` option gives the current parameter groups."""
+        if self.partition == "sorted_greedy":
+            numels = [[p.numel() for p in g["params"]] for g in self.param_groups]
+            return sorted_greedy_ownership(numels, self.world_size)
+        params = self._params()
+        keys = [(str(p.device), p.dtype) for p in params]
+        align: dict[Hashable, int] = {
+            k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(keys, params)
+        }
+        return flat_ownership([p.numel() for p in params], self.world_size, keys=keys, align=align)
 
-    def _owners(self) -> list[int]:
-        """Owning rank of each parameter, in global (state-dict) order."""
-        return list(self._owner_of)
+    def _index_groups(self) -> None:
+        """Where each group's parameters start in the global order, and each one's group."""
+        self._group_starts = [0, *accumulate(len(g["params"]) for g in self.param_groups)]
+        self._group_of = [g for g, grp in enumerate(self.param_groups) for _ in grp["params"]]
 
-    def _rebuild_local_optimizer(self) -> None:
-        """torch's behaviour for classes without a functional form: one optimizer per shard."""
-        old = self._local
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": self._owned(i)}
-            for i, g in enumerate(self.param_groups)
-        ]
-        self._local = self.optimizer_class(groups, **self._user_defaults)
-        if old is not None:
-            for p, s in old.state.items():
-                self._local.state[p] = s
-        self.state = self._local.state
+    def _set_ownership(self, ownership: Ownership) -> None:
+        """Adopt ``ownership`` and everything derived from it (no state moves here)."""
+        self._ownership = ownership
+        self._index_groups()
+        params = self._params()
+        self._own: dict[int, Segment] = {s.param: s for s in ownership.owned(self.rank)}
+        self._stepper: Stepper | RealStepper
+        if self._spec is not None:
+            self._stepper = FunctionalStepper(self._spec)
+        elif ownership.is_whole and not self._overlap_with_ddp:
+            owned = [
+                [p for i, p in enumerate(g["params"]) if start + i in self._own]
+                for g, start in zip(self.param_groups, self._group_starts)
+            ]
+            self._stepper = RealStepper(
+                self.optimizer_class, self.param_groups, owned, self.state, self._user_defaults
+            )
+        else:
+            self._stepper = ShadowStepper(self._probe)
+        self._trainable = [p.requires_grad for p in params]
+        self._build_buffers()
 
-    def _sync_groups(self, src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
-        for s, d in zip(src, dst, strict=True):
-            d.update({k: v for k, v in s.items() if k != "params"})
+    def reshard(self, ownership: Ownership) -> None:
+        """Move this optimizer's state to ``ownership``; call it on every rank (collective).
 
-    def _shard_groups(self) -> list[tuple[int, list[Tensor]]]:
-        """(owner, trainable params) per owner rank and (device, dtype): the sync's unit."""
-        keyed: dict[tuple[int, str, str], list[Tensor]] = {}
-        for p, owner in zip(self._all_params(), self._owners()):
-            if p.requires_grad:
-                keyed.setdefault((owner, str(p.device), str(p.dtype)), []).append(p)
-        return [(key[0], ps) for key, ps in sorted(keyed.items(), key=lambda kv: kv[0])]
+        The one place state moves between ranks: each stretch of each parameter whose owner
+        changes travels from its old owner to its new one (point to point, in an order every
+        rank shares); pieces that change bounds on the same rank are cut or joined locally.
+        Overlap mode calls it when DDP's buckets become known or change.
 
-    def _build_buckets(self) -> None:
-        """With ``parameters_as_bucket_view``, make parameters views of one buffer per shard."""
-        self._buckets = []
+        Raises:
+            ValueError: ``ownership`` is over other parameters or another world size.
+        """
+        old = self._ownership
+        moves = old.transfers(ownership)  # validates before anything changes
+        params = self._params()
+        me = self.rank
+        outgoing: dict[int, dict[tuple[int, int, int], dict[str, Any]]] = {}
+        kept: dict[tuple[int, int, int], dict[str, Any]] = {}
+        for t in moves:
+            if me != t.src:
+                continue
+            held = old.piece(me, t.param)
+            state = self.state.get(params[t.param])
+            if held is None or not state:
+                continue
+            part = slice_state(state, (held.start, held.stop), (t.start, t.stop))
+            if t.dst == me:
+                kept[(t.param, t.start, t.stop)] = part
+            else:
+                outgoing.setdefault(t.dst, {})[(t.param, t.start, t.stop)] = part
+        pairs = sorted({(t.src, t.dst) for t in moves if t.src != t.dst})
+        received = comm.exchange_objects(
+            outgoing, pairs, self.process_group, self._collective_device()
+        )
+        for payload in received.values():
+            kept.update(cast(dict[tuple[int, int, int], dict[str, Any]], payload))
+        for t in moves:  # every piece this rank held is replaced (or dropped)
+            if t.src == me:
+                self.state.pop(params[t.param], None)
+        for seg in ownership.owned(me):
+            p = params[seg.param]
+            parts = [
+                ((t.start, t.stop), kept[(t.param, t.start, t.stop)])
+                for t in moves
+                if t.dst == me and t.param == seg.param and (t.param, t.start, t.stop) in kept
+            ]
+            if not parts:
+                continue
+            whole = seg.start == 0 and seg.stop == p.numel()
+            joined = join_states(parts, tuple(p.shape) if whole else None)
+            group = self.param_groups[self._group_of[seg.param]]
+            self.state[p] = {k: self._placed(k, v, p, group) for k, v in joined.items()}
+        self._set_ownership(ownership)
+
+    def _build_buffers(self) -> None:
+        """With ``parameters_as_bucket_view``, make parameters views of contiguous buffers."""
+        self._buffers = []
         if not self.parameters_as_bucket_view or self._overlap_with_ddp:
             return
-        for p in self._all_params():
-            if not p.requires_grad and p.data._base is not None:
-                p.data = p.data.detach().clone()  # leave a bucket without losing the value
-        for owner, ps in self._shard_groups():
-            buffer = flatten([p.detach() for p in ps])
-            for p, view in zip(
-                ps, views(buffer, bucket_layout([p.numel() for p in ps]), [p.shape for p in ps])
+        params = self._params()
+        by_key: dict[tuple[Any, ...], list[int]] = {}
+        if self._ownership.is_whole:
+            # torch's buckets: per owner and (device, dtype), trainable parameters only
+            for p in params:
+                if not p.requires_grad and p.data._base is not None:
+                    p.data = p.data.detach().clone()  # leave a bucket without losing the value
+            for k, p in enumerate(params):
+                if p.requires_grad:
+                    key = (self._ownership.owner(k), str(p.device), str(p.dtype))
+                    by_key.setdefault(key, []).append(k)
+        else:
+            # the flat split's groups: every parameter of a (device, dtype), in index order
+            for k, p in enumerate(params):
+                by_key.setdefault((str(p.device), str(p.dtype)), []).append(k)
+        backend = comm.backend(self.process_group)
+        for _, members in sorted(by_key.items(), key=lambda kv: kv[0]):
+            ps = [params[k] for k in members]
+            runs = self._ownership.runs(members)
+            total = sum(p.numel() for p in ps)
+            chunk = even_chunk(runs, total, self.world_size)
+            if choose_collectives(backend, self.world_size, even=chunk is not None) != (
+                "reduce_scatter+all_gather"
             ):
+                chunk = None
+            size = chunk * self.world_size if chunk is not None else total
+            layout = bucket_layout([p.numel() for p in ps])
+            buffer = torch.zeros(size, dtype=ps[0].dtype, device=ps[0].device)
+            buffer[:total].copy_(flatten([p.detach() for p in ps], layout))
+            for p, view in zip(ps, views(buffer, layout, [p.shape for p in ps])):
                 p.data = view
-            self._buckets.append((owner, buffer))
+            self._buffers.append(_Buffer(buffer, runs, chunk))
 
     # ------------------------------------------------------------------ the step
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group and re-partition; must be called on every rank.
+        """Add a parameter group and recompute the ownership; call it on every rank.
 
-        Parameters already present keep their owner (greedy loads carry over from group to group),
-        so no state moves. A rank that calls this alone makes the next ``step()`` raise on every
-        rank instead of hanging.
+        Under ``"sorted_greedy"`` parameters already present keep their owner (greedy loads
+        carry over from group to group), so no state moves; under ``"flat"`` the split changes
+        and :meth:`reshard` moves the state that changes owner.
+
+        Raises:
+            RuntimeError: The ranks' parameters now differ (shapes, dtypes or devices).
         """
         if getattr(self, "_initialized", False) and self._overlap_with_ddp:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single parameter "
                 "group; build it with all parameters instead of calling add_param_group"
             )
-        if getattr(self, "_initialized", False):
-            _check_params([param_group])
+        if not getattr(self, "_initialized", False):
+            super().add_param_group(param_group)
+            return
+        _check_params([param_group])
         super().add_param_group(param_group)
-        if getattr(self, "_initialized", False):
-            self._repartition()
+        try:
+            if self.partition == "flat":
+                check_splittable(self.param_groups[-1]["params"])
+            self._check_agreement("add_param_group()")
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        self._index_groups()
+        old = self._ownership
+        numels = tuple(p.numel() for p in self._params())
+        # the old ownership extended by the new parameters, owned where they will be owned,
+        # so that reshard only moves what changes hands
+        new = self._computed_ownership()
+        grown = Ownership(
+            numels,
+            self.world_size,
+            tuple(
+                old.pieces[r] + tuple(s for s in new.pieces[r] if s.param >= len(old.numels))
+                for r in range(self.world_size)
+            ),
+        )
+        self._ownership = grown
+        self.reshard(new)
 
-    def _check_consistent(self) -> None:
-        shapes = [len(g["params"]) for g in self.param_groups]
-        values = [len(shapes), sum(shapes), sum(p.numel() for p in self._all_params())]
-        if not comm.all_agree(values, self.process_group, self._collective_device()):
+    def _check_agreement(self, call: str) -> None:
+        """Raise on every rank unless all ranks hold the same parameters (one small gather)."""
+        mine = _fingerprint(self.param_groups)
+        everyone = comm.all_gather_ints(mine, self.process_group, self._collective_device())
+        differing = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differing:
+            lines = "; ".join(
+                f"rank {r}: {v[1]} parameters in {v[0]} groups, {v[2]} elements, fingerprint "
+                f"{v[3]:x}"
+                for r, v in enumerate(everyone)
+            )
             raise RuntimeError(
-                f"ranks disagree on the parameters (this rank, {self.rank}, has "
-                f"{values[1]} parameters in {values[0]} groups, {values[2]} elements): "
-                "add_param_group must be called on every rank, with the same parameters"
+                f"{call}: ranks disagree on the parameters (shapes, dtypes or devices) ({lines}): "
+                "build the optimizer, and call add_param_group, on every rank with the same "
+                "parameters in the same order"
             )
 
     def _collective_device(self) -> torch.device:
         return comm.collective_device(self.process_group, self._default_device)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
-        """Update this rank's shard, then sync every shard to every rank.
+        """Update this rank's pieces, then sync every piece to every rank.
 
         Args:
             closure: Re-evaluates the model and returns the loss.
-            **kwargs: Passed to the local optimizer's ``step`` (non-functional classes).
+            **kwargs: Passed to ``optimizer_class.step`` where it runs as a real instance over
+                whole parameters.
 
         Returns:
             The closure's loss, if a closure was given.
@@ -297,65 +480,140 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             )
             return None
         Join.notify_join_context(self)
-        self._check_consistent()
-        if [p.requires_grad for p in self._all_params()] != self._trainable:
-            self._trainable = [p.requires_grad for p in self._all_params()]
-            self._build_buckets()
-        if self._local is not None:
-            self._sync_groups(self.param_groups, self._local.param_groups)
-            loss = (
-                self._local.step(closure, **kwargs)
-                if closure is not None
-                else self._local.step(**kwargs)
-            )
-            self._sync_groups(self._local.param_groups, self.param_groups)
+        trainable = [p.requires_grad for p in self._params()]
+        if trainable != self._trainable:
+            self._trainable = trainable
+            self._build_buffers()
+        if isinstance(self._stepper, RealStepper):
+            loss = self._stepper.step(self.param_groups, closure, **kwargs)
         else:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._functional_step()
+            self.update_owned(self._owned_grads())
         self._sync_params()
-        return cast("float | None", loss)
+        return loss
 
-    def _functional_step(self) -> None:
-        for g in range(len(self.param_groups)):
-            params = [p for p in self._owned(g) if p.grad is not None]
-            self._update(g, params, [cast(Tensor, p.grad) for p in params])
+    def _owned_grads(self) -> dict[int, Tensor]:
+        params = self._params()
+        out: dict[int, Tensor] = {}
+        for k, seg in self._own.items():
+            grad = params[k].grad
+            if grad is not None:
+                out[k] = piece_view(grad, seg)
+        return out
 
-    def _update(self, group: int, params: list[Tensor], grads: list[Tensor]) -> None:
-        """The functional core's in-place update of ``params`` (all of ``group``) with ``grads``,
-        hyperparameters read from ``param_groups`` now, so schedulers work."""
-        spec = self._spec
-        assert spec is not None
-        if not params:
-            return
-        if any(gr.is_sparse for gr in grads):
-            raise RuntimeError(f"{self.optimizer_class.__name__} does not support sparse gradients")
-        hyper = group_hyperparams(spec, self.param_groups[group])
-        fresh = [p for p in params if not self.state.get(p)]
-        if fresh:
-            for p, d in zip(fresh, spec.state_to_dicts(spec.init(fresh, **hyper))):
-                self.state[p] = d
-        state = spec.state_from_dicts([self.state[p] for p in params], params, **hyper)
-        with torch.no_grad():
-            spec.update_(params, grads, state, **hyper)
-        for p, d in zip(params, spec.state_to_dicts(state)):
-            self.state[p].update(d)
+    def update_owned(self, grads: Mapping[int, Tensor]) -> None:
+        """Update this rank's pieces of the parameters in ``grads`` with those gradients.
+
+        The hooks of :mod:`zero_functional.hooks` call it with gradients taken from DDP's
+        buckets; ``step()`` with the ``.grad`` of the parameters. Hyperparameters are read from
+        ``param_groups`` now, so schedulers apply.
+
+        Args:
+            grads: Global parameter index -> the gradient of the piece this rank owns (the
+                piece's elements, in any shape that holds them).
+
+        Raises:
+            ValueError: This rank owns no piece of a parameter in ``grads``.
+        """
+        if isinstance(self._stepper, RealStepper):
+            raise RuntimeError(
+                "update_owned needs an optimizer that runs on pieces; this one runs "
+                f"{self.optimizer_class.__name__} over whole parameters: call step()"
+            )
+        params = self._params()
+        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]] = {}
+        for k, grad in grads.items():
+            seg = self._own.get(k)
+            if seg is None:
+                raise ValueError(
+                    f"rank {self.rank} owns no piece of parameter {k}: pass gradients for the "
+                    "pieces ownership.owned(rank) lists"
+                )
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"{self.optimizer_class.__name__} does not support sparse gradients"
+                )
+            p = params[k]
+            view = piece_view(p, seg)
+            ps, gs, ss = by_group.setdefault(self._group_of[k], ([], [], []))
+            ps.append(view)
+            gs.append(grad.view_as(view))
+            ss.append(self.state[p])
+        for g, (ps, gs, ss) in sorted(by_group.items()):
+            self._stepper.step_pieces(self.param_groups[g], ps, gs, ss)
 
     def _sync_params(self) -> None:
         if self.world_size == 1:
             return
-        if self._buckets:
-            owners = [owner for owner, _ in self._buckets]
-            for work in comm.broadcast_shards(
-                [b for _, b in self._buckets], owners, self.process_group
-            ):
-                work.wait()
-            return
-        trainable = [p for p in self._all_params() if p.requires_grad]
-        owners = [o for p, o in zip(self._all_params(), self._owners()) if p.requires_grad]
-        comm.sync_params(trainable, owners, self.process_group)
+        if self._buffers:
+            pending = [
+                comm.start_broadcast(b.tensor, b.runs, self.process_group, chunk=b.chunk)
+                for b in self._buffers
+            ]
+        else:
+            tensors: list[Tensor] = []
+            owners: list[int] = []
+            for k, p in enumerate(self._params()):
+                if p.requires_grad:
+                    for rank, seg in self._ownership.holders(k):
+                        tensors.append(piece_view(p, seg))
+                        owners.append(rank)
+            pending = [comm.start_sync_params(tensors, owners, self.process_group)]
+        for handle in pending:
+            handle.wait()
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over all parameters, from the pieces each rank owns.
+
+        Each rank takes the norm of the gradient pieces it owns (the only ones that hold
+        reduced values after :func:`~zero_functional.hooks.reduce_scatter_hook`), one
+        all-reduce of a scalar combines them, and every gradient is scaled by
+        ``max_norm / (total_norm + 1e-6)`` when that is below 1: the total norm and the update
+        equal torch's on the full reduced gradients. Call it between backward and ``step()``,
+        on every rank.
+
+        Args:
+            max_norm: Largest allowed norm.
+            norm_type: ``p`` of the p-norm (``inf`` for the largest absolute value).
+            error_if_nonfinite: Raise if the total norm is nan or inf.
+
+        Returns:
+            The total norm of the gradients (before clipping), the same on every rank.
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+        pieces = list(self._owned_grads().values())
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        device = grads[0].device if grads else self._default_device
+        with torch.no_grad():
+            if norm_type == float("inf"):
+                local = max(
+                    (g.detach().abs().max().float() for g in pieces if g.numel()),
+                    default=torch.zeros((), device=device),
+                ).to(device)
+                total = comm.all_reduce_scalar(local, self.process_group, op="max")
+            else:
+                powers = [
+                    torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) ** norm_type
+                    for g in pieces
+                ]
+                local = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+                total = comm.all_reduce_scalar(local, self.process_group) ** (1.0 / norm_type)
+            if error_if_nonfinite and not torch.isfinite(total):
+                raise RuntimeError(
+                    f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                    "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+                )
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device, g.dtype))
+        return total
 
     # ------------------------------------------------------------------ join
 
@@ -375,35 +633,49 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ state dicts
 
-    def _check_overlap_initialized(self) -> None:
-        if self._overlap_with_ddp and not self._overlap_ready:
-            raise RuntimeError(
-                "This method should not be called until this ZeroRedundancyOptimizer instance "
-                "has been fully initialized (after the first backward with the DDP hook)"
-            )
+    @property
+    def optim(self) -> Optimizer | LocalView:
+        """This rank's share, as torch's attribute of that name shows it.
 
-    def _local_state(self) -> dict[int, dict[str, Any]]:
-        """This rank's per-parameter state, keyed by global index, copied to the CPU."""
-        out: dict[int, dict[str, Any]] = {}
-        params = self._all_params()
-        for index, owner in enumerate(self._owners()):
-            if owner != self.rank:
-                continue
-            s = self.state.get(params[index])
+        ``optim.param_groups`` lists per group the parameters this rank owns (all or part of)
+        with the group's hyperparameters; ``optim.state`` is this rank's state (its pieces').
+        """
+        if isinstance(self._stepper, RealStepper):
+            return self._stepper.local
+        params = self._params()
+        groups = [
+            {
+                **hyperparameters(g),
+                "params": [
+                    params[start + i] for i in range(len(g["params"])) if start + i in self._own
+                ],
+            }
+            for g, start in zip(self.param_groups, self._group_starts)
+        ]
+        return LocalView(groups, self.state)
+
+    def _local_state(self) -> dict[int, tuple[tuple[int, int], dict[str, Any]]]:
+        """This rank's state per owned piece, keyed by global index, copied to the CPU."""
+        out: dict[int, tuple[tuple[int, int], dict[str, Any]]] = {}
+        params = self._params()
+        for k, seg in self._own.items():
+            s = self.state.get(params[k])
             if s:
-                out[index] = {
-                    k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
-                    for k, v in s.items()
-                }
+                out[k] = (
+                    (seg.start, seg.stop),
+                    {
+                        key: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
+                        for key, v in s.items()
+                    },
+                )
         return out
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard state on rank ``to``; call it on every rank.
+        """Gather every rank's state on rank ``to``; call it on every rank.
 
         Shards travel one at a time, each moved to the CPU on arrival, so rank ``to`` never holds
         more than one other rank's shard in device memory.
         """
-        self._check_overlap_initialized()
         gathered = comm.gather_objects(
             {"state": self._local_state()}, to, self.process_group, self._collective_device()
         )
@@ -414,27 +686,39 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def state_dict(self) -> StateDict:
         """torch's format: ``state`` keyed by global parameter index, ``param_groups``.
 
+        Each parameter's state is in its own shape, joined from the pieces of every rank that
+        holds one, so the dict loads into torch's ``ZeroRedundancyOptimizer``, a plain
+        ``optimizer_class`` and this class under either partition at any world size.
+
         Raises:
             RuntimeError: Before :meth:`consolidate_state_dict` on this rank.
         """
-        self._check_overlap_initialized()
         if not self._all_state_dicts:
             raise RuntimeError(
                 "Optimizer state has not been consolidated on this rank. Please call "
                 f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant "
                 "to save the global state."
             )
-        state: dict[int, Any] = {}
+        parts: dict[int, list[tuple[tuple[int, int], dict[str, Any]]]] = {}
         for shard in self._all_state_dicts:
-            state.update(shard["state"])
+            for k, (rng, s) in shard["state"].items():
+                parts.setdefault(k, []).append((rng, s))
+        params = self._params()
+        state: dict[int, Any] = {}
+        for k in sorted(parts):
+            pieces = sorted(parts[k], key=lambda rs: rs[0])
+            covered = sum(b - a for (a, b), _ in pieces)
+            if covered != params[k].numel():
+                raise RuntimeError(
+                    f"parameter {k} has state for {covered} of its {params[k].numel()} "
+                    "elements: some ranks stepped it and others did not"
+                )
+            state[k] = join_states(pieces, tuple(params[k].shape))
         groups = [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": list(range(start, start + len(g["params"]))),
-            }
+            {**hyperparameters(g), "params": list(range(start, start + len(g["params"])))}
             for g, start in zip(self.param_groups, self._group_starts)
         ]
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return {"state": state, "param_groups": groups}
 
     def _validated_state(self, state_dict: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
         """The state of ``state_dict`` after every check, before anything is changed."""
@@ -464,7 +748,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for s, start in zip(saved_groups, self._group_starts)
             for j, saved in enumerate(s["params"])
         }
-        params = self._all_params()
+        params = self._params()
         state: dict[int, Mapping[str, Any]] = {}
         for key, value in state_dict["state"].items():
             if key not in index_of:
@@ -483,54 +767,38 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load the shard of a consolidated (or plain ``torch.optim``) state dict that this rank owns.
+        """Load the pieces of a consolidated (or plain ``torch.optim``) state dict this rank owns.
 
-        Works at any world size (the state is keyed by global index); never changes the
-        caller's dict; checks everything before changing anything.
+        Works at any world size and under either partition (the state is keyed by global
+        index, in each parameter's shape); never changes the caller's dict; checks everything
+        before changing anything.
         """
-        self._check_overlap_initialized()
         state = self._validated_state(state_dict)
-        params = self._all_params()
-        owners = self._owners()
-        for g, s in zip(self.param_groups, state_dict["param_groups"]):
-            g.update({k: v for k, v in s.items() if k != "params"})
-        if self._local is not None:
-            local_groups = self._local.param_groups
-            self._sync_groups(self.param_groups, local_groups)
-            local_index = {
-                p: i for i, p in enumerate(p for lg in local_groups for p in lg["params"])
-            }
-            local_sd = {
-                "state": {
-                    local_index[params[i]]: dict(v)
-                    for i, v in state.items()
-                    if owners[i] == self.rank
-                },
-                "param_groups": [
-                    {
-                        **{k: v for k, v in lg.items() if k != "params"},
-                        "params": [local_index[p] for p in lg["params"]],
-                    }
-                    for lg in local_groups
-                ],
-            }
-            self._local.load_state_dict(local_sd)
-            return
-        self.state.clear()
-        for index, value in state.items():
-            if owners[index] != self.rank:
+        params = self._params()
+        loaded: dict[Tensor, dict[str, Any]] = {}
+        for k, value in state.items():
+            seg = self._own.get(k)
+            if seg is None:
                 continue
-            p = params[index]
-            self.state[p] = {k: self._to_param_policy(k, v, p) for k, v in value.items()}
+            p = params[k]
+            part = slice_state(value, (0, p.numel()), (seg.start, seg.stop))
+            group = self.param_groups[self._group_of[k]]
+            loaded[p] = {key: self._placed(key, v, p, group) for key, v in part.items()}
+        for g, s in zip(self.param_groups, state_dict["param_groups"]):
+            g.update(hyperparameters(s))
+        self.state.clear()  # in place: the real instance of RealStepper shares this mapping
+        self.state.update(loaded)
 
-    @staticmethod
-    def _to_param_policy(key: str, value: object, param: Tensor) -> object:
-        """Where a loaded state tensor lives: the parameter's device; ``step`` stays float32 there
-        (the fused kernels need it on the device, unlike torch's CPU step: pytorch#124133)."""
+    def _placed(self, key: str, value: object, param: Tensor, group: Mapping[str, Any]) -> object:
+        """Where a loaded or moved state value lives: torch's rule, except that the functional
+        core (and any fused or capturable group) keeps ``step`` as float32 on the parameter's
+        device, where the fused kernels need it (torch's CPU step: pytorch#124133)."""
         if not isinstance(value, Tensor):
             return value
         if key == "step":
-            return value.detach().to(device=param.device, dtype=torch.float32, copy=True)
+            if self._spec is not None or group.get("fused") or group.get("capturable"):
+                return value.detach().to(device=param.device, dtype=torch.float32, copy=True)
+            return value.detach().clone()
         if value.is_floating_point():
             return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
         return value.detach().to(device=param.device, copy=True)
@@ -542,6 +810,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def __repr__(self) -> str:
         return (
             f"ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank}/"
-            f"{self.world_size}, {len(self.param_groups)} groups, functional="
-            f"{self._spec is not None})"
+            f"{self.world_size}, partition={self.partition!r}, {len(self.param_groups)} groups, "
+            f"functional={self._spec is not None})"
         )

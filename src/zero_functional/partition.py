@@ -16,6 +16,15 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zero_functional._validate import (
+    ceil_div,
+    check_align,
+    check_numels,
+    check_world_size,
+    prefix_sums,
+    round_up,
+)
+
 __all__ = [
     "BalanceReport",
     "FlatPartition",
@@ -27,25 +36,6 @@ __all__ = [
     "sorted_greedy",
     "sorted_greedy_groups",
 ]
-
-
-def _check_world_size(world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(
-            f"world_size must be an int >= 1, got {world_size!r}: pass dist.get_world_size() "
-            "(1 for a single process)"
-        )
-
-
-def _check_numels(numels: Sequence[int]) -> None:
-    for i, n in enumerate(numels):
-        if n < 0:
-            raise ValueError(f"numels[{i}] is {n}; sizes must be >= 0: pass tensor.numel()")
-
-
-def _check_align(align: int) -> None:
-    if not isinstance(align, int) or align < 1:
-        raise ValueError(f"align must be an int >= 1, got {align!r}: pass 1 for no alignment")
 
 
 def sorted_greedy(
@@ -71,8 +61,8 @@ def sorted_greedy(
         >>> sorted_greedy([5, 1, 7, 3], world_size=2)
         ((2, 1), (0, 3))
     """
-    _check_world_size(world_size)
-    _check_numels(numels)
+    check_world_size(world_size)
+    check_numels(numels)
     loads = [0] * world_size if initial_loads is None else list(initial_loads)
     if len(loads) != world_size:
         raise ValueError(
@@ -114,7 +104,7 @@ def sorted_greedy_groups(
         >>> sorted_greedy_groups([[4, 2], [3]], world_size=2)
         (((0,), (1,)), ((), (0,)))
     """
-    _check_world_size(world_size)
+    check_world_size(world_size)
     loads = [0] * world_size
     result = []
     for numels in group_numels:
@@ -186,30 +176,22 @@ def rank_loads(numels: Sequence[int], partition: Sequence[Sequence[int]]) -> tup
     return tuple(loads)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _prefix_sums(numels: Sequence[int]) -> list[int]:
-    starts = [0]
-    for n in numels:
-        starts.append(starts[-1] + n)
-    return starts
-
-
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Elements ``[start, stop)`` of the flattened parameter ``param``."""
+    """Elements ``[start, stop)`` of the flattened (row-major) parameter ``param``.
+
+    Empty only for a zero-size parameter, which is owned as the empty piece ``[0, 0)``.
+    """
 
     param: int
     start: int
     stop: int
 
     def __post_init__(self) -> None:
-        if self.param < 0 or not 0 <= self.start < self.stop:
+        if self.param < 0 or not 0 <= self.start <= self.stop:
             raise ValueError(
                 f"Segment(param={self.param}, start={self.start}, stop={self.stop}) needs "
-                "param >= 0 and 0 <= start < stop (empty pieces are left out)"
+                "param >= 0 and 0 <= start <= stop"
             )
 
     @property
@@ -229,15 +211,15 @@ class FlatPartition:
     segments: tuple[tuple[Segment, ...], ...]
 
     def __post_init__(self) -> None:
-        _check_world_size(self.world_size)
-        _check_align(self.align)
-        _check_numels(self.numels)
+        check_world_size(self.world_size)
+        check_align(self.align)
+        check_numels(self.numels)
         if len(self.bounds) != self.world_size or len(self.segments) != self.world_size:
             raise ValueError(
                 f"a FlatPartition over {self.world_size} ranks needs {self.world_size} bounds and "
                 f"segment lists, got {len(self.bounds)} and {len(self.segments)}: build it with flat()"
             )
-        starts = _prefix_sums(self.numels)
+        starts = prefix_sums(self.numels)
         total = starts[-1]
         edge = 0
         for rank, ((start, stop), segs) in enumerate(zip(self.bounds, self.segments)):
@@ -300,13 +282,13 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
         >>> p.segments[1]
         (Segment(param=0, start=5, stop=6), Segment(param=1, start=0, stop=3))
     """
-    _check_world_size(world_size)
-    _check_numels(numels)
-    _check_align(align)
-    starts = _prefix_sums(numels)
+    check_world_size(world_size)
+    check_numels(numels)
+    check_align(align)
+    starts = prefix_sums(numels)
     total = starts[-1]
     # Integer ceilings: total / world_size in floating point loses exactness past 2**53.
-    chunk = _ceil_div(_ceil_div(total, world_size), align) * align
+    chunk = round_up(ceil_div(total, world_size), align)
     bounds = tuple((min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(world_size))
     segments: list[tuple[Segment, ...]] = []
     p = 0
@@ -385,7 +367,7 @@ def balance_report(
         >>> r.max_load, r.lower_bound, r.max_over_lower_bound
         (8, 8.0, 1.0)
     """
-    _check_numels(numels)
+    check_numels(numels)
     if isinstance(partition, FlatPartition):
         if partition.numels != tuple(numels):
             raise ValueError(

@@ -1,22 +1,27 @@
 """The functional ZeRO step for custom training loops (``torch.func`` and friends).
 
-No stateful shell: given a partition (which rank owns which parameter), this rank and a
-functional optimizer, :func:`shard_init` builds state for the owned parameters only and
-:func:`shard_update` updates them purely; then :func:`zero_functional.comm.sync_params` (the one
-collective) makes every rank hold every owner's parameters.
+No stateful shell: given an :class:`~zero_functional.ownership.Ownership` (which rank owns which
+pieces of which parameters: whole tensors, or flat segments that straddle ranks), this rank and
+a functional optimizer, :func:`shard_init` builds state for the owned pieces only and
+:func:`shard_update` updates them purely. Around it, two collectives give the step DDP's bytes:
+:func:`zero_functional.comm.reduce_to_owners` averages each gradient piece onto its owner, and
+:func:`zero_functional.comm.sync_params` gives every rank every owner's updated pieces (both take
+``piece_views(tensors, ownership)``).
 
 Example:
     >>> import torch
     >>> from zero_functional.functional import adam
-    >>> from zero_functional.partition import sorted_greedy
+    >>> from zero_functional.ownership import flat_ownership
     >>> params = {"w": torch.ones(4, 2), "b": torch.zeros(2)}
-    >>> partition = sorted_greedy([p.numel() for p in params.values()], world_size=2)
+    >>> ownership = flat_ownership([p.numel() for p in params.values()], world_size=2)
+    >>> ownership.owned(0)  # rank 0 owns the first 5 of the 10 elements: most of "w"
+    (Segment(param=0, start=0, stop=5),)
     >>> opt = adam(lr=0.1)
-    >>> state = shard_init(opt, params, partition, rank=0)
+    >>> state = shard_init(opt, params, ownership, rank=0)
     >>> grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
-    >>> new_params, state = shard_update(opt, params, grads, state, partition, rank=0)
-    >>> new_params["w"][0, 0].item() < 1.0, new_params["b"].eq(0).all().item()  # rank 0 owns "w"
-    (True, True)
+    >>> new_params, state = shard_update(opt, params, grads, state, ownership, rank=0)
+    >>> [round(v, 4) for v in new_params["w"].reshape(-1)[:6].tolist()]  # rank 0's: 0..4
+    [0.9, 0.9, 0.9, 0.9, 0.9, 1.0]
 """
 
 from __future__ import annotations
@@ -24,71 +29,67 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, overload
 
+import torch
 from torch import Tensor
 
 from zero_functional.functional import FunctionalOptimizer, State
+from zero_functional.ownership import Ownership, piece_view
+from zero_functional.partition import Segment, owners
 
-__all__ = ["ShardState", "owned_indices", "shard_init", "shard_update", "shard_owners"]
+__all__ = ["ShardState", "shard_init", "shard_update"]
 
 Params = Mapping[str, Tensor] | Sequence[Tensor]
+OwnershipLike = Ownership | Sequence[Sequence[int]]
 
 
 class ShardState(NamedTuple):
-    """Optimizer state of this rank's parameters: ``indices`` into the parameter list."""
+    """Optimizer state of this rank's pieces: ``pieces`` as ``ownership.owned(rank)`` lists."""
 
-    indices: tuple[int, ...]
+    pieces: tuple[Segment, ...]
     inner: State
-
-
-def owned_indices(partition: Sequence[Sequence[int]], rank: int) -> tuple[int, ...]:
-    """The parameter indices ``rank`` owns under ``partition``, in ascending order.
-
-    Example:
-        >>> owned_indices(((2, 0), (1,)), rank=0)
-        (0, 2)
-    """
-    if not 0 <= rank < len(partition):
-        raise ValueError(f"rank {rank} is not in a partition over {len(partition)} ranks")
-    return tuple(sorted(partition[rank]))
-
-
-def shard_owners(partition: Sequence[Sequence[int]], num_params: int) -> list[int]:
-    """For each parameter index, the rank that owns it (what ``comm.sync_params`` takes).
-
-    Example:
-        >>> shard_owners(((2, 0), (1,)), 3)
-        [0, 1, 0]
-    """
-    owner = [-1] * num_params
-    for r, indices in enumerate(partition):
-        for i in indices:
-            if not 0 <= i < num_params or owner[i] != -1:
-                raise ValueError(f"parameter index {i} is out of range or owned twice")
-            owner[i] = r
-    if -1 in owner:
-        raise ValueError(f"parameter {owner.index(-1)} has no owner in the partition")
-    return owner
 
 
 def _as_list(params: Params) -> list[Tensor]:
     return list(params.values()) if isinstance(params, Mapping) else list(params)
 
 
+def _ownership(ownership: OwnershipLike, params: Sequence[Tensor]) -> Ownership:
+    """An Ownership as it is; a whole-tensor partition (per rank, parameter indices, as
+    :func:`~zero_functional.partition.sorted_greedy` returns) as the ownership it describes."""
+    if isinstance(ownership, Ownership):
+        if ownership.numels != tuple(p.numel() for p in params):
+            raise ValueError(
+                f"the ownership was built for parameter sizes {ownership.numels}, these are "
+                f"{tuple(p.numel() for p in params)}: build it from these parameters, in order"
+            )
+        return ownership
+    owner = owners(ownership, len(params))
+    per_rank: list[list[Segment]] = [[] for _ in ownership]
+    for k, (p, r) in enumerate(zip(params, owner)):
+        per_rank[r].append(Segment(k, 0, p.numel()))
+    numels = tuple(p.numel() for p in params)
+    return Ownership(numels, len(ownership), tuple(tuple(s) for s in per_rank))
+
+
 def shard_init(
-    opt: FunctionalOptimizer, params: Params, partition: Sequence[Sequence[int]], rank: int
+    opt: FunctionalOptimizer, params: Params, ownership: OwnershipLike, rank: int
 ) -> ShardState:
-    """State for the parameters ``rank`` owns, and nothing for the others.
+    """State for the pieces ``rank`` owns, and nothing for the rest.
 
     Args:
         opt: A functional optimizer (``zero_functional.functional.adam(...)`` etc.).
         params: All parameters, as a list or a ``{name: tensor}`` dict (model order).
-        partition: Per rank the parameter indices it owns (``sorted_greedy``'s result).
+        ownership: Which rank owns what (:func:`~zero_functional.ownership.flat_ownership`
+            etc.), or a whole-tensor partition (per rank, the parameter indices it owns).
         rank: This rank.
+
+    Returns:
+        The state of this rank's pieces (1-D for a piece that is part of a parameter).
     """
     flat = _as_list(params)
-    shard_owners(partition, len(flat))
-    indices = owned_indices(partition, rank)
-    return ShardState(indices, opt.init([flat[i] for i in indices]))
+    own = _ownership(ownership, flat)
+    pieces = own.owned(rank)
+    return ShardState(pieces, opt.init([piece_view(flat[s.param], s) for s in pieces]))
 
 
 @overload
@@ -97,7 +98,7 @@ def shard_update(
     params: Mapping[str, Tensor],
     grads: Mapping[str, Tensor],
     state: ShardState,
-    partition: Sequence[Sequence[int]],
+    ownership: OwnershipLike,
     rank: int,
 ) -> tuple[dict[str, Tensor], ShardState]: ...
 @overload
@@ -106,7 +107,7 @@ def shard_update(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
     state: ShardState,
-    partition: Sequence[Sequence[int]],
+    ownership: OwnershipLike,
     rank: int,
 ) -> tuple[list[Tensor], ShardState]: ...
 def shard_update(
@@ -114,33 +115,47 @@ def shard_update(
     params: Params,
     grads: Params,
     state: ShardState,
-    partition: Sequence[Sequence[int]],
+    ownership: OwnershipLike,
     rank: int,
 ) -> tuple[dict[str, Tensor] | list[Tensor], ShardState]:
-    """Pure update of this rank's parameters; the others come back as they were.
+    """Pure update of this rank's pieces; everything else comes back as it was.
 
-    Never mutates an argument. Follow it with ``comm.sync_params`` on the new parameters (after
-    copying them into the model, or on the tensors themselves) to give every rank every shard.
+    Never mutates an argument: a parameter this rank owns a piece of comes back as a new
+    tensor with that piece updated, the others as the same objects. Follow it with
+    ``comm.sync_params(*piece_views(new_params, ownership))`` (after copying them into the
+    model, or on the tensors themselves) to give every rank every piece.
 
     Returns:
         The new parameters (same container kind as ``params``) and the new shard state.
+
+    Raises:
+        ValueError: Lists of different lengths, or a state built for another rank or ownership.
     """
     flat_p, flat_g = _as_list(params), _as_list(grads)
     if len(flat_p) != len(flat_g):
         raise ValueError(f"got {len(flat_p)} parameters but {len(flat_g)} gradients")
-    indices = owned_indices(partition, rank)
-    if indices != state.indices:
+    pieces = _ownership(ownership, flat_p).owned(rank)
+    if pieces != state.pieces:
         raise ValueError(
-            f"this state holds parameters {state.indices} but rank {rank} owns {indices}: "
-            "the state comes from another rank or partition; call shard_init again"
+            f"this state holds pieces {state.pieces} but rank {rank} owns {pieces}: the state "
+            "comes from another rank or ownership; call shard_init again"
         )
     updated, inner = opt.update(
-        [flat_p[i] for i in indices], [flat_g[i] for i in indices], state.inner
+        [piece_view(flat_p[s.param], s) for s in pieces],
+        [piece_view(flat_g[s.param], s) for s in pieces],
+        state.inner,
     )
     new = list(flat_p)
-    for i, t in zip(indices, updated):
-        new[i] = t
+    for s, t in zip(pieces, updated):
+        p = flat_p[s.param]
+        if s.start == 0 and s.stop == p.numel():
+            new[s.param] = t
+        else:
+            with torch.no_grad():
+                whole = p.detach().clone()
+                whole.view(-1)[s.start : s.stop] = t
+            new[s.param] = whole
     out: dict[str, Tensor] | list[Tensor] = (
         dict(zip(params.keys(), new)) if isinstance(params, Mapping) else new
     )
-    return out, ShardState(indices, inner)
+    return out, ShardState(pieces, inner)

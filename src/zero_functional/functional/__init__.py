@@ -13,22 +13,28 @@ from zero_functional.functional.adam import (
 from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
 from zero_functional.functional.registry import (
     IGNORED_GROUP_KEYS,
+    OPTIMIZER_KINDS,
     SUPPORTED,
     FunctionalSpec,
+    UpdateKind,
     functional_spec,
     group_hyperparams,
+    register_optimizer,
     supports_group,
+    update_kind,
 )
 from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
 
 __all__ = [
     "IGNORED_GROUP_KEYS",
+    "OPTIMIZER_KINDS",
     "SUPPORTED",
     "AdamState",
     "FunctionalOptimizer",
     "FunctionalSpec",
     "SGDState",
     "State",
+    "UpdateKind",
     "adam",
     "adam_init",
     "adam_update",
@@ -38,9 +44,11 @@ __all__ = [
     "adamw_update_",
     "functional_spec",
     "group_hyperparams",
+    "register_optimizer",
     "sgd",
     "sgd_init",
     "sgd_update",
     "sgd_update_",
     "supports_group",
+    "update_kind",
 ]

@@ -11,21 +11,26 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from zero_functional.functional.adam import AdamState, adam_init, adam_update, adam_update_
-from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
-from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
+from zero_functional.functional.adam import AdamState, adam_init, adam_update_
+from zero_functional.functional.factories import State
+from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update_
 
 __all__ = [
     "IGNORED_GROUP_KEYS",
+    "OPTIMIZER_KINDS",
     "SUPPORTED",
     "FunctionalSpec",
+    "UpdateKind",
     "functional_spec",
     "group_hyperparams",
+    "register_optimizer",
     "supports_group",
+    "update_kind",
 ]
 
 # Keys a param group may carry that do not change the update: torch's bookkeeping, LR/momentum
@@ -49,30 +54,21 @@ class FunctionalSpec:
 
     Attributes:
         name: ``"sgd"``, ``"adam"`` or ``"adamw"``.
-        factory: the keyword factory (:func:`sgd`, :func:`adam`, :func:`adamw`).
-        hyperparam_keys: param-group keys the update reads.
-        defaults: torch's default for each hyperparam key (used when a group lacks one).
-        state_keys: torch's per-param state keys.
+        defaults: the param-group keys the update reads, with torch's default for each (used
+            when a group lacks one).
         init: ``init(params, **group_hyperparams) -> state``.
         update_: ``update_(params, grads, state, **group_hyperparams)`` in place.
-        update: pure ``update(params, grads, state, **group_hyperparams)``.
     """
 
     name: str
-    factory: Callable[..., FunctionalOptimizer]
-    hyperparam_keys: tuple[str, ...]
     defaults: Mapping[str, object]
-    state_keys: tuple[str, ...]
     init: Callable[..., State]
     update_: Callable[..., None]
-    update: Callable[..., tuple[list[Tensor], State]]
 
-    def __post_init__(self) -> None:
-        if set(self.defaults) != set(self.hyperparam_keys):
-            raise ValueError(
-                f"spec {self.name!r}: defaults keys {sorted(self.defaults)} must equal "
-                f"hyperparam_keys {sorted(self.hyperparam_keys)}"
-            )
+    @property
+    def hyperparam_keys(self) -> tuple[str, ...]:
+        """The param-group keys the update reads."""
+        return tuple(self.defaults)
 
     def state_to_dicts(self, state: State) -> list[dict[str, Tensor]]:
         """Per-param state in torch.optim's format; tensors are shared, not copied.
@@ -219,36 +215,23 @@ def _adam_init(params: Sequence[Tensor], **hyper: object) -> State:
 
 _SGD_SPEC = FunctionalSpec(
     name="sgd",
-    factory=sgd,
-    hyperparam_keys=tuple(_SGD_DEFAULTS),
     defaults=_SGD_DEFAULTS,
-    state_keys=("momentum_buffer",),
     init=_sgd_init,
     update_=sgd_update_,
-    update=sgd_update,
 )
-_ADAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _ADAM_SPEC = FunctionalSpec(
     name="adam",
-    factory=adam,
-    hyperparam_keys=tuple(_ADAM_DEFAULTS),
     defaults=_ADAM_DEFAULTS,
-    state_keys=_ADAM_STATE_KEYS,
     init=_adam_init,
     update_=adam_update_,
-    update=adam_update,
 )
 # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
 # the update reads decoupled_weight_decay from the group like Adam's does.
 _ADAMW_SPEC = FunctionalSpec(
     name="adamw",
-    factory=adamw,
-    hyperparam_keys=tuple(_ADAMW_DEFAULTS),
     defaults=_ADAMW_DEFAULTS,
-    state_keys=_ADAM_STATE_KEYS,
     init=_adam_init,
     update_=adam_update_,
-    update=adam_update,
 )
 
 SUPPORTED: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -352,3 +335,74 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
         if spec.name == "adamw" and not hp["decoupled_weight_decay"]:
             return False
     return True
+
+
+UpdateKind = Literal["elementwise", "per_tensor", "closure"]
+
+OPTIMIZER_KINDS: dict[type, UpdateKind] = {
+    **{
+        cls: "elementwise"
+        for cls in (
+            torch.optim.SGD,
+            torch.optim.Adam,
+            torch.optim.AdamW,
+            torch.optim.Adamax,
+            torch.optim.NAdam,
+            torch.optim.RAdam,
+            torch.optim.RMSprop,
+            torch.optim.Rprop,
+            torch.optim.Adagrad,
+            torch.optim.Adadelta,
+            torch.optim.ASGD,
+        )
+    },
+    torch.optim.LBFGS: "closure",
+    **({torch.optim.Adafactor: "per_tensor"} if hasattr(torch.optim, "Adafactor") else {}),
+}
+"""How each ``torch.optim`` class updates, which decides where it can run (data; extend it with
+:func:`register_optimizer`):
+
+* ``"elementwise"``: each element's update reads only that element's parameter, gradient and
+  state, plus per-parameter scalars (the step count): it runs on any piece of a tensor, so under
+  ``partition="flat"`` and on the pieces of DDP buckets in overlap mode;
+* ``"per_tensor"``: the update reads a whole tensor (Adafactor's row and column factors): it needs
+  whole-tensor ownership (``partition="sorted_greedy"``);
+* ``"closure"``: ``step`` re-evaluates the model through a closure (LBFGS): whole tensors, and
+  never inside backward.
+
+A class not listed counts as ``"per_tensor"``, the safe assumption."""
+
+
+def register_optimizer(optimizer_class: type, kind: UpdateKind) -> None:
+    """Declare how ``optimizer_class`` updates (see :data:`OPTIMIZER_KINDS`).
+
+    Example:
+        >>> class MySGD(torch.optim.SGD):
+        ...     pass
+        >>> update_kind(MySGD)
+        'per_tensor'
+        >>> register_optimizer(MySGD, "elementwise")
+        >>> update_kind(MySGD)
+        'elementwise'
+    """
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise TypeError(
+            f"register_optimizer takes a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    if kind not in ("elementwise", "per_tensor", "closure"):
+        raise ValueError(f"kind must be 'elementwise', 'per_tensor' or 'closure', got {kind!r}")
+    OPTIMIZER_KINDS[optimizer_class] = kind
+
+
+def update_kind(optimizer_class: type) -> UpdateKind:
+    """How ``optimizer_class`` updates: its registered kind, ``"per_tensor"`` if unregistered.
+
+    Exact class match, as :func:`functional_spec`: a subclass may override ``step``.
+
+    Example:
+        >>> update_kind(torch.optim.RMSprop), update_kind(torch.optim.LBFGS)
+        ('elementwise', 'closure')
+    """
+    return OPTIMIZER_KINDS.get(optimizer_class, "per_tensor")

@@ -1,0 +1,55 @@
+"""Checks and arithmetic that several pure modules share (private): each written once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__: list[str] = []
+
+
+def check_world_size(world_size: object) -> None:
+    """Raise a ValueError naming the fix unless ``world_size`` is an int >= 1."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"world_size must be an int >= 1, got {world_size!r}: pass dist.get_world_size() "
+            "(1 for a single process)"
+        )
+
+
+def check_rank(rank: object, world_size: int) -> None:
+    """Raise a ValueError unless ``rank`` is an int in ``range(world_size)``."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank {rank!r} is not a rank of {world_size}: pass an int in 0..{world_size - 1}"
+        )
+
+
+def check_align(align: object) -> None:
+    """Raise a ValueError naming the fix unless ``align`` is an int >= 1."""
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be an int >= 1, got {align!r}: pass 1 for no alignment")
+
+
+def check_numels(numels: Sequence[int]) -> None:
+    """Raise a ValueError naming the first negative (or non-int) size."""
+    for i, n in enumerate(numels):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"numels[{i}] is {n!r}; sizes must be ints >= 0: pass tensor.numel()")
+
+
+def prefix_sums(numels: Sequence[int]) -> list[int]:
+    """``[0, n0, n0 + n1, ...]``: where each of ``numels`` starts when laid end to end."""
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers (exact past 2**53, where floats are not)."""
+    return -(-a // b)
+
+
+def round_up(a: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``a``."""
+    return ceil_div(a, multiple) * multiple

@@ -1,0 +1,551 @@
+"""Who owns what: one frozen value that every mode of the optimizer asks (pure).
+
+An :class:`Ownership` says, for each rank, which pieces of which parameters it owns: a piece is a
+:class:`~zero_functional.partition.Segment` ``(param, start, stop)`` of the flattened (row-major)
+parameter. Whole-tensor ownership (torch's sorted-greedy, DDP buckets assigned whole) is the
+case where every piece is a whole parameter; the flat split lets a parameter straddle ranks.
+Each rank owns at most one piece of each parameter, so a rank's optimizer state is one dict per
+parameter, as in ``torch.optim``.
+
+Three builders give every mode its value: :func:`sorted_greedy_ownership` (torch's assignment,
+the default), :func:`flat_ownership` (an even split of each (device, dtype) group) and
+:func:`bucket_ownership` (overlap mode: DDP's gradient buckets, whole or split evenly). Two
+queries serve the collectives and the state moves: :meth:`Ownership.runs` (which rank owns which
+stretch of a buffer of parameters laid end to end) and :meth:`Ownership.transfers` (which
+elements change hands from one ownership to another).
+
+Example:
+    >>> o = flat_ownership([6, 3], world_size=2)
+    >>> o.owned(0), o.owned(1)
+    ((Segment(param=0, start=0, stop=5),), (Segment(param=0, start=5, stop=6), Segment(param=1, start=0, stop=3)))
+    >>> o.runs([1, 0])  # a buffer holding parameter 1, then parameter 0
+    (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from zero_functional._validate import check_numels, check_rank, check_world_size, prefix_sums
+from zero_functional.buckets import ddp_bucket_assignments
+from zero_functional.partition import Segment, flat, sorted_greedy, sorted_greedy_groups
+
+__all__ = [
+    "PARTITIONS",
+    "Ownership",
+    "PartitionName",
+    "Run",
+    "Transfer",
+    "bucket_ownership",
+    "check_partition",
+    "check_splittable",
+    "flat_ownership",
+    "piece_view",
+    "piece_views",
+    "sorted_greedy_ownership",
+]
+
+PartitionName = Literal["sorted_greedy", "flat"]
+PARTITIONS: tuple[PartitionName, ...] = ("sorted_greedy", "flat")
+
+
+def check_partition(partition: object) -> PartitionName:
+    """``partition`` if it names a partition, else a ValueError listing the names.
+
+    Example:
+        >>> check_partition("flat")
+        'flat'
+        >>> check_partition("even")
+        Traceback (most recent call last):
+        ...
+        ValueError: partition must be one of 'sorted_greedy', 'flat', got 'even'
+    """
+    if partition not in PARTITIONS:
+        names = ", ".join(repr(p) for p in PARTITIONS)
+        raise ValueError(f"partition must be one of {names}, got {partition!r}")
+    return partition
+
+
+class Run(NamedTuple):
+    """Elements ``[start, stop)`` of a buffer are owned by ``rank`` (a plain tuple for comm)."""
+
+    start: int
+    stop: int
+    rank: int
+
+
+class Transfer(NamedTuple):
+    """Elements ``[start, stop)`` of parameter ``param`` go from rank ``src`` to rank ``dst``."""
+
+    param: int
+    start: int
+    stop: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """For each rank, the pieces of parameters it owns; every element is owned exactly once.
+
+    Attributes:
+        numels: Number of elements of each parameter, by global index (state-dict order).
+        world_size: Number of ranks.
+        pieces: ``pieces[rank]``: that rank's pieces, in ascending parameter order, at most one
+            per parameter. A zero-size parameter is owned by one rank as the piece ``[0, 0)``.
+    """
+
+    numels: tuple[int, ...]
+    world_size: int
+    pieces: tuple[tuple[Segment, ...], ...]
+    _holders: tuple[tuple[tuple[int, Segment], ...], ...] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        check_world_size(self.world_size)
+        check_numels(self.numels)
+        if len(self.pieces) != self.world_size:
+            raise ValueError(
+                f"an Ownership over {self.world_size} ranks needs {self.world_size} piece lists, "
+                f"got {len(self.pieces)}: build it with flat_ownership() or its siblings"
+            )
+        n = len(self.numels)
+        holders: list[list[tuple[int, Segment]]] = [[] for _ in range(n)]
+        for rank, segs in enumerate(self.pieces):
+            last = -1
+            for seg in segs:
+                if not 0 <= seg.param < n or seg.stop > self.numels[seg.param]:
+                    raise ValueError(
+                        f"rank {rank} owns {seg}, outside the {n} parameters of sizes {self.numels}"
+                    )
+                if seg.param <= last:
+                    raise ValueError(
+                        f"rank {rank} lists parameter {seg.param} after {last}: a rank owns at "
+                        "most one piece of each parameter, in ascending parameter order"
+                    )
+                last = seg.param
+                holders[seg.param].append((rank, seg))
+        for k, held in enumerate(holders):
+            held.sort(key=lambda rs: rs[1].start)
+            edge = 0
+            for _, seg in held:
+                if seg.start != edge or (seg.start == seg.stop and self.numels[k]):
+                    raise ValueError(
+                        f"parameter {k} ({self.numels[k]} elements) is owned as "
+                        f"{[(r, s.start, s.stop) for r, s in held]} (rank, start, stop): its "
+                        "pieces must tile it exactly once, without empty pieces"
+                    )
+                edge = seg.stop
+            if edge != self.numels[k] or not held or (self.numels[k] == 0 and len(held) != 1):
+                raise ValueError(
+                    f"parameter {k} ({self.numels[k]} elements) is owned as "
+                    f"{[(r, s.start, s.stop) for r, s in held]} (rank, start, stop): every "
+                    "element must have exactly one owner (a zero-size parameter one empty piece)"
+                )
+        object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
+
+    # ---------------------------------------------------------------- queries
+
+    def owned(self, rank: int) -> tuple[Segment, ...]:
+        """The pieces ``rank`` owns, in ascending parameter order.
+
+        Example:
+            >>> sorted_greedy_ownership([[5, 1, 7]], 2).owned(1)
+            (Segment(param=0, start=0, stop=5), Segment(param=1, start=0, stop=1))
+        """
+        check_rank(rank, self.world_size)
+        return self.pieces[rank]
+
+    def holders(self, param: int) -> tuple[tuple[int, Segment], ...]:
+        """``(rank, piece)`` for each piece of parameter ``param``, in element order.
+
+        Example:
+            >>> flat_ownership([6, 3], 2).holders(0)
+            ((0, Segment(param=0, start=0, stop=5)), (1, Segment(param=0, start=5, stop=6)))
+        """
+        if not 0 <= param < len(self.numels):
+            raise ValueError(f"parameter {param} is not one of the {len(self.numels)} parameters")
+        return self._holders[param]
+
+    def piece(self, rank: int, param: int) -> Segment | None:
+        """The piece of ``param`` that ``rank`` owns, or ``None``.
+
+        Example:
+            >>> flat_ownership([6, 3], 2).piece(1, 0)
+            Segment(param=0, start=5, stop=6)
+        """
+        check_rank(rank, self.world_size)
+        for r, seg in self.holders(param):
+            if r == rank:
+                return seg
+        return None
+
+    def owner(self, param: int) -> int:
+        """The one rank that owns all of ``param``.
+
+        Raises:
+            ValueError: ``param`` straddles ranks.
+
+        Example:
+            >>> sorted_greedy_ownership([[5, 1, 7]], 2).owner(0)
+            1
+        """
+        held = self.holders(param)
+        if len(held) != 1:
+            raise ValueError(
+                f"parameter {param} is split across ranks {[r for r, _ in held]}; ask holders() "
+                "for its pieces (whole-tensor ownership is partition='sorted_greedy')"
+            )
+        return held[0][0]
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether every parameter is owned whole by one rank.
+
+        Example:
+            >>> flat_ownership([6, 3], 2).is_whole, sorted_greedy_ownership([[6, 3]], 2).is_whole
+            (False, True)
+        """
+        return all(len(h) == 1 for h in self._holders)
+
+    @property
+    def loads(self) -> tuple[int, ...]:
+        """Elements each rank owns.
+
+        Example:
+            >>> flat_ownership([6, 3], 2).loads
+            (5, 4)
+        """
+        return tuple(sum(s.stop - s.start for s in segs) for segs in self.pieces)
+
+    def runs(self, order: Sequence[int]) -> tuple[Run, ...]:
+        """Who owns which stretch of a buffer holding the parameters ``order`` end to end.
+
+        Adjacent stretches of one rank merge into one run; zero-size parameters make none.
+        This is the unit of the gradient reduce-scatter and of the parameter all-gather.
+
+        Args:
+            order: Parameter indices in buffer order (a DDP bucket's, or a flat group's).
+
+        Returns:
+            The runs, in buffer order, covering ``[0, total)``.
+
+        Example:
+            >>> flat_ownership([4, 4], 2).runs([1, 0])
+            (Run(start=0, stop=4, rank=1), Run(start=4, stop=8, rank=0))
+        """
+        out: list[Run] = []
+        base = 0
+        for k in order:
+            for rank, seg in self.holders(k):
+                if seg.stop == seg.start:
+                    continue
+                a, b = base + seg.start, base + seg.stop
+                if out and out[-1].rank == rank and out[-1].stop == a:
+                    out[-1] = Run(out[-1].start, b, rank)
+                else:
+                    out.append(Run(a, b, rank))
+            base += self.numels[k]
+        return tuple(out)
+
+    def transfers(self, new: Ownership) -> tuple[Transfer, ...]:
+        """Every stretch of every parameter, with its owner here and its owner in ``new``.
+
+        ``src == dst`` stretches stay on their rank (a piece may still change its bounds);
+        the others are what moves. Sorted by parameter and element, the same on every rank.
+
+        Raises:
+            ValueError: ``new`` is over other parameters or another world size.
+
+        Example:
+            >>> old = sorted_greedy_ownership([[4, 4]], 2)
+            >>> old.transfers(flat_ownership([4, 4], 2))
+            (Transfer(param=0, start=0, stop=4, src=0, dst=0), Transfer(param=1, start=0, stop=4, src=1, dst=1))
+        """
+        if new.numels != self.numels or new.world_size != self.world_size:
+            raise ValueError(
+                f"cannot move state from an ownership of {len(self.numels)} parameters over "
+                f"{self.world_size} ranks to one of {len(new.numels)} over {new.world_size}: "
+                "state moves between ownerships of the same parameters and ranks"
+            )
+        out: list[Transfer] = []
+        for k in range(len(self.numels)):
+            if self.numels[k] == 0:
+                (src, _), (dst, _) = self._holders[k][0], new._holders[k][0]
+                out.append(Transfer(k, 0, 0, src, dst))
+                continue
+            for src, a in self._holders[k]:
+                for dst, b in new._holders[k]:
+                    lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+                    if lo < hi:
+                        out.append(Transfer(k, lo, hi, src, dst))
+        return tuple(out)
+
+
+# -------------------------------------------------------------------- builders
+
+
+def _whole(numels: Sequence[int], owner: Sequence[int], world_size: int) -> Ownership:
+    per_rank: list[list[Segment]] = [[] for _ in range(world_size)]
+    for k, (n, r) in enumerate(zip(numels, owner, strict=True)):
+        per_rank[r].append(Segment(k, 0, n))
+    return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
+
+
+def sorted_greedy_ownership(group_numels: Sequence[Sequence[int]], world_size: int) -> Ownership:
+    """torch's assignment: whole parameters, largest first, loads carried across groups.
+
+    Args:
+        group_numels: For each parameter group, the number of elements of each parameter;
+            global indices run through the groups in order.
+        world_size: Number of ranks.
+
+    Returns:
+        The whole-tensor ownership ``torch.distributed.optim.ZeroRedundancyOptimizer`` uses.
+
+    Example:
+        >>> sorted_greedy_ownership([[4, 2], [3]], 2).owned(1)
+        (Segment(param=1, start=0, stop=2), Segment(param=2, start=0, stop=3))
+    """
+    parts = sorted_greedy_groups(group_numels, world_size)
+    numels = [n for g in group_numels for n in g]
+    owner = [0] * len(numels)
+    start = 0
+    for g, part in zip(group_numels, parts):
+        for rank, indices in enumerate(part):
+            for i in indices:
+                owner[start + i] = rank
+        start += len(g)
+    return _whole(numels, owner, world_size)
+
+
+def flat_ownership(
+    numels: Sequence[int],
+    world_size: int,
+    *,
+    keys: Sequence[Hashable] | None = None,
+    align: int | Mapping[Hashable, int] = 1,
+) -> Ownership:
+    """Even split: the parameters of each key, end to end in index order, cut into ranges.
+
+    Each key's parameters (one key per (device, dtype) in the optimizer) form one flat
+    sequence split by :func:`~zero_functional.partition.flat` into ``world_size`` contiguous
+    ranges on multiples of ``align``: a parameter may straddle ranks, and every rank's load is
+    within ``align`` elements of ``total / world_size`` per key. A zero-size parameter goes to
+    the rank whose range holds its position.
+
+    Args:
+        numels: Number of elements of each parameter, by global index.
+        world_size: Number of ranks.
+        keys: One hashable per parameter; parameters of equal keys are split together
+            (default: all together).
+        align: Range bounds are multiples of this many elements (per key, if a mapping).
+
+    Returns:
+        The ownership.
+
+    Example:
+        >>> o = flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"])
+        >>> o.owned(0)
+        (Segment(param=0, start=0, stop=3), Segment(param=1, start=0, stop=2))
+    """
+    check_world_size(world_size)
+    check_numels(numels)
+    if keys is None:
+        keys = [None] * len(numels)
+    if len(keys) != len(numels):
+        raise ValueError(
+            f"got {len(keys)} keys for {len(numels)} parameters: pass one per parameter"
+        )
+    groups: dict[Hashable, list[int]] = {}
+    for k, key in enumerate(keys):
+        groups.setdefault(key, []).append(k)
+    per_param: list[list[tuple[int, Segment]]] = [[] for _ in numels]
+    for key, members in groups.items():
+        step = align[key] if isinstance(align, Mapping) else align
+        part = flat([numels[k] for k in members], world_size, align=step)
+        for rank, segs in enumerate(part.segments):
+            for s in segs:
+                k = members[s.param]
+                per_param[k].append((rank, Segment(k, s.start, s.stop)))
+        starts = prefix_sums([numels[k] for k in members])
+        for j, k in enumerate(members):
+            if numels[k] == 0:
+                rank = next(
+                    (r for r, (lo, hi) in enumerate(part.bounds) if lo <= starts[j] < hi),
+                    world_size - 1,
+                )
+                per_param[k].append((rank, Segment(k, 0, 0)))
+    per_rank: list[list[Segment]] = [[] for _ in range(world_size)]
+    for held in per_param:
+        for rank, seg in held:
+            per_rank[rank].append(seg)
+    return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
+
+
+def bucket_ownership(
+    buckets: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    world_size: int,
+    *,
+    partition: PartitionName = "sorted_greedy",
+    shard_buckets: bool = False,
+) -> Ownership:
+    """Overlap mode's ownership: DDP's gradient buckets, assigned as torch does or split evenly.
+
+    With ``partition="sorted_greedy"``, torch's rule (``ddp_bucket_assignments``): bucket ``i``
+    whole to rank ``i % world_size``, or with ``shard_buckets`` cut into runs of parameters
+    spread by load (falling back to whole buckets where torch's rule cannot place a bucket).
+    With ``partition="flat"``, each bucket's parameters, end to end in bucket order, are split
+    into ``world_size`` even ranges: every rank updates ``1 / world_size`` of every bucket,
+    however few buckets the model has. Parameters in no bucket (frozen ones, which DDP leaves
+    out) are partitioned among themselves the same way.
+
+    Args:
+        buckets: For each DDP bucket (in index order), the global indices of its parameters,
+            in bucket order.
+        numels: Number of elements of each parameter, by global index.
+        world_size: Number of ranks.
+        partition: ``"sorted_greedy"`` (whole parameters) or ``"flat"``.
+        shard_buckets: With ``"sorted_greedy"``, split buckets by torch's rule.
+
+    Returns:
+        The ownership.
+
+    Example:
+        >>> bucket_ownership([[1, 0]], [4, 4], 2).owned(0)  # one bucket: rank 0 owns it all
+        (Segment(param=0, start=0, stop=4), Segment(param=1, start=0, stop=4))
+        >>> bucket_ownership([[1, 0]], [4, 4], 2, partition="flat").owned(0)
+        (Segment(param=1, start=0, stop=4),)
+    """
+    check_partition(partition)
+    check_world_size(world_size)
+    check_numels(numels)
+    seen = [False] * len(numels)
+    for b, members in enumerate(buckets):
+        for k in members:
+            if not 0 <= k < len(numels) or seen[k]:
+                raise ValueError(
+                    f"bucket {b} lists parameter {k}, which is out of range or in an earlier "
+                    "bucket: pass each bucket's parameter indices once"
+                )
+            seen[k] = True
+    rest = [k for k in range(len(numels)) if not seen[k]]
+    groups = [list(b) for b in buckets] + ([rest] if rest else [])
+    per_param: list[list[tuple[int, Segment]]] = [[] for _ in numels]
+    if partition == "flat":
+        for members in groups:
+            sub = flat_ownership([numels[k] for k in members], world_size)
+            for rank, segs in enumerate(sub.pieces):
+                for s in segs:
+                    per_param[members[s.param]].append(
+                        (rank, Segment(members[s.param], s.start, s.stop))
+                    )
+    else:
+        sizes = [[numels[k] for k in b] for b in buckets]
+        try:
+            assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=shard_buckets)
+        except ValueError:
+            # torch's shard_buckets rule cannot cut some bucket into at most world_size pieces
+            # (DDP's first-iteration buckets are often one big bucket); whole buckets always fit.
+            assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=False)
+        for assignments in assigned:
+            for a in assignments:
+                for k in buckets[a.bucket][a.offset : a.offset + a.length]:
+                    per_param[k].append((a.rank, Segment(k, 0, numels[k])))
+        for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
+            for i in indices:
+                per_param[rest[i]].append((rank, Segment(rest[i], 0, numels[rest[i]])))
+    per_rank: list[list[Segment]] = [[] for _ in range(world_size)]
+    for held in per_param:
+        for rank, seg in held:
+            per_rank[rank].append(seg)
+    return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
+
+
+# -------------------------------------------------------------------- tensors
+
+
+def check_splittable(tensors: Sequence[Tensor]) -> None:
+    """Raise a ValueError naming the fix unless every tensor can be cut into piece views.
+
+    A piece is a view of the row-major flattening, which only a contiguous tensor has.
+
+    Example:
+        >>> check_splittable([torch.zeros(2, 3)])
+        >>> check_splittable([torch.zeros(2, 3).t()])
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter 0 (shape (3, 2), strides (1, 3)) is not contiguous, so a piece of it has no view: call .contiguous() on it (e.g. model.to(memory_format=torch.contiguous_format)) or use partition='sorted_greedy'
+    """
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"parameter {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
+                "contiguous, so a piece of it has no view: call .contiguous() on it (e.g. "
+                "model.to(memory_format=torch.contiguous_format)) or use "
+                "partition='sorted_greedy'"
+            )
+
+
+def piece_view(tensor: Tensor, piece: Segment) -> Tensor:
+    """The elements of ``piece`` in ``tensor``, aliasing it: the tensor itself when whole.
+
+    A partial piece is a 1-D view of the row-major flattening, so writing to it writes the
+    tensor (the optimizer updates a parameter through the views of its owned piece).
+
+    Raises:
+        ValueError: A partial piece of a non-contiguous tensor (no such view exists), or a
+            piece outside the tensor.
+
+    Example:
+        >>> t = torch.arange(6.0).view(2, 3)
+        >>> piece_view(t, Segment(0, 2, 5)).tolist()
+        [2.0, 3.0, 4.0]
+        >>> piece_view(t, Segment(0, 0, 6)) is t
+        True
+    """
+    n = tensor.numel()
+    if piece.stop > n:
+        raise ValueError(f"{piece} is outside a tensor of {n} elements")
+    if piece.start == 0 and piece.stop == n:
+        return tensor
+    check_splittable([tensor])
+    with torch.no_grad():
+        return tensor.detach().view(-1)[piece.start : piece.stop]
+
+
+def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[Tensor], list[int]]:
+    """Every piece of every tensor with the rank that owns it, in parameter then element order.
+
+    The same lists on every rank: what :func:`zero_functional.comm.sync_params` and
+    :func:`zero_functional.comm.reduce_to_owners` take to move pieces between their owners.
+
+    Example:
+        >>> views, ranks = piece_views([torch.arange(6.0)], flat_ownership([6], 2))
+        >>> [v.tolist() for v in views], ranks
+        ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [0, 1])
+    """
+    if len(tensors) != len(ownership.numels):
+        raise ValueError(
+            f"got {len(tensors)} tensors for an ownership of {len(ownership.numels)} "
+            "parameters: pass one tensor per parameter, in the ownership's order"
+        )
+    views: list[Tensor] = []
+    ranks: list[int] = []
+    for k, t in enumerate(tensors):
+        if t.numel() != ownership.numels[k]:
+            raise ValueError(
+                f"tensor {k} has {t.numel()} elements but the ownership was built for "
+                f"{ownership.numels[k]}: pass the tensors it was built from, in order"
+            )
+        for rank, seg in ownership.holders(k):
+            views.append(piece_view(t, seg))
+            ranks.append(rank)
+    return views, ranks

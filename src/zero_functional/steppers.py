@@ -1,0 +1,182 @@
+"""How one rank updates the pieces it owns: the functional core, or a real ``torch.optim`` instance.
+
+The shell hands a stepper, per parameter group, the group (hyperparameters read *now*, so
+schedulers and user edits apply), the views of the owned pieces of the parameters, their
+gradients and their state dicts; the stepper updates parameters and state dicts in place. State
+dicts belong to the shell (``ZeroRedundancyOptimizer.state``); a stepper keeps none of its own.
+
+* :class:`FunctionalStepper`: SGD, Adam and AdamW through :mod:`zero_functional.functional`
+  (fused kernels where torch has them).
+* :class:`ShadowStepper`: any other elementwise class, as a real instance of it stepping fresh
+  detached views of the pieces ("shadows") whose ``.grad`` is the reduced gradient: the class's
+  own code runs on pieces of tensors, in overlap mode too.
+* :class:`RealStepper`: torch's own arrangement, one instance over this rank's whole parameters,
+  for whole-tensor ownership outside overlap mode: closures (LBFGS) and step keyword arguments
+  pass through, exactly as in ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from zero_functional.functional import FunctionalSpec, group_hyperparams
+
+__all__ = ["FunctionalStepper", "RealStepper", "ShadowStepper", "Stepper"]
+
+StateDicts = list[dict[str, Any]]
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group without its ``params``: what a stepper copies in before each step."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class Stepper:
+    """Updates pieces in place: ``step_pieces(group, params, grads, states)``."""
+
+    def step_pieces(
+        self,
+        group: Mapping[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: StateDicts,
+    ) -> None:
+        """Update ``params`` and ``states`` (one dict per param, possibly empty) in place."""
+        raise NotImplementedError
+
+
+class FunctionalStepper(Stepper):
+    """The functional core's in-place update (``spec.update_``), state as torch's dicts."""
+
+    def __init__(self, spec: FunctionalSpec) -> None:
+        self.spec = spec
+
+    def step_pieces(
+        self,
+        group: Mapping[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: StateDicts,
+    ) -> None:
+        """One step of the functional optimizer over ``params`` (see :class:`Stepper`)."""
+        if not params:
+            return
+        spec = self.spec
+        hyper = group_hyperparams(spec, group)
+        fresh = [i for i, s in enumerate(states) if not s]
+        if fresh:
+            born = spec.state_to_dicts(spec.init([params[i] for i in fresh], **hyper))
+            for i, d in zip(fresh, born):
+                states[i].update(d)
+        state = spec.state_from_dicts(states, params, **hyper)
+        with torch.no_grad():
+            spec.update_(params, grads, state, **hyper)
+        for s, d in zip(states, spec.state_to_dicts(state)):
+            s.update(d)
+
+
+class ShadowStepper(Stepper):
+    """A real ``optimizer_class`` instance run on detached views of the pieces.
+
+    Each call builds fresh leaf tensors that share storage with the pieces (so the class's
+    in-place update writes the parameters), sets their ``.grad`` to the given gradients, links
+    the instance's ``state`` to the shell's dicts and its only param group to the group's
+    current hyperparameters, steps, and lets go of all of it.
+    """
+
+    def __init__(self, local: Optimizer) -> None:
+        if len(local.param_groups) != 1:
+            raise ValueError("ShadowStepper takes an instance built with one parameter group")
+        self.local = local
+
+    def step_pieces(
+        self,
+        group: Mapping[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: StateDicts,
+    ) -> None:
+        """One step of the instance over shadows of ``params`` (see :class:`Stepper`)."""
+        if not params:
+            return
+        shadows = []
+        for p, g in zip(params, grads, strict=True):
+            shadow = p.detach()
+            shadow.grad = g.detach()
+            shadows.append(shadow)
+        fresh = [(shadow, s) for shadow, s in zip(shadows, states) if not s]
+        if fresh:
+            _initial_state(type(self.local), group, fresh)
+        local = self.local
+        local.param_groups[0] = {**hyperparameters(group), "params": shadows}
+        local.state = defaultdict(dict, zip(shadows, states))
+        try:
+            with torch.no_grad():
+                local.step()
+        finally:
+            local.param_groups[0] = {**hyperparameters(group), "params": []}
+            local.state = defaultdict(dict)
+
+
+def _initial_state(
+    optimizer_class: type[Optimizer],
+    group: Mapping[str, Any],
+    fresh: Sequence[tuple[Tensor, dict[str, Any]]],
+) -> None:
+    """Fill empty state dicts the way ``optimizer_class``'s constructor would (Adagrad makes
+    its ``sum`` there, not in ``step``); classes that make state lazily leave them empty."""
+    born = optimizer_class([{**hyperparameters(group), "params": [t for t, _ in fresh]}])  # type: ignore[call-arg]
+    for t, s in fresh:
+        s.update(born.state.get(t, {}))
+
+
+class RealStepper:
+    """torch's own arrangement: one instance over this rank's whole parameters, state shared.
+
+    ``state`` is the shell's mapping itself, so the instance reads and writes the shell's dicts
+    directly and a closure (LBFGS) or step keywords reach ``optimizer_class.step`` unchanged.
+    """
+
+    def __init__(
+        self,
+        optimizer_class: type[Optimizer],
+        groups: Sequence[Mapping[str, Any]],
+        owned: Sequence[Sequence[Tensor]],
+        state: MutableMapping[Tensor, Any],
+        defaults: Mapping[str, Any],
+    ) -> None:
+        placeholder = torch.nn.Parameter(torch.zeros(1))
+        local_groups = [
+            {**hyperparameters(g), "params": list(ps) or [placeholder]}
+            for g, ps in zip(groups, owned, strict=True)
+        ]
+        self.local = optimizer_class(local_groups, **defaults)
+        # a rank may own nothing of a group: the placeholder only got the constructor through
+        for lg, ps in zip(self.local.param_groups, owned):
+            lg["params"] = list(ps)
+        for p, s in self.local.state.items():  # state a constructor made (Adagrad's sum)
+            if p is not placeholder and not state.get(p):
+                state[p] = s
+        self.local.state = state  # type: ignore[assignment]
+
+    def step(
+        self,
+        groups: Sequence[dict[str, Any]],
+        closure: Callable[[], float] | None,
+        **kwargs: Any,
+    ) -> float | None:
+        """``optimizer_class.step`` with the shell's hyperparameters; they are copied back."""
+        for g, lg in zip(groups, self.local.param_groups, strict=True):
+            lg.update(hyperparameters(g))
+        loss = (
+            self.local.step(closure, **kwargs) if closure is not None else self.local.step(**kwargs)
+        )
+        for g, lg in zip(groups, self.local.param_groups, strict=True):
+            g.update(hyperparameters(lg))
+        return cast("float | None", loss)
