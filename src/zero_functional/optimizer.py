@@ -302,7 +302,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.optimizer_class, self.param_groups, owned, self.state, self._user_defaults
             )
         else:
-            self._stepper = ShadowStepper(self._probe)
+            self._stepper = ShadowStepper(self._probe, self._user_defaults)
         self._trainable = [p.requires_grad for p in params]
         self._build_buffers()
 

@@ -90,10 +90,11 @@ class ShadowStepper(Stepper):
     current hyperparameters, steps, and lets go of all of it.
     """
 
-    def __init__(self, local: Optimizer) -> None:
+    def __init__(self, local: Optimizer, defaults: Mapping[str, Any]) -> None:
         if len(local.param_groups) != 1:
             raise ValueError("ShadowStepper takes an instance built with one parameter group")
         self.local = local
+        self.defaults = dict(defaults)
 
     def step_pieces(
         self,
@@ -112,7 +113,7 @@ class ShadowStepper(Stepper):
             shadows.append(shadow)
         fresh = [(shadow, s) for shadow, s in zip(shadows, states) if not s]
         if fresh:
-            _initial_state(type(self.local), group, fresh)
+            _initial_state(type(self.local), group, fresh, self.defaults)
         local = self.local
         local.param_groups[0] = {**hyperparameters(group), "params": shadows}
         local.state = defaultdict(dict, zip(shadows, states))
@@ -128,10 +129,15 @@ def _initial_state(
     optimizer_class: type[Optimizer],
     group: Mapping[str, Any],
     fresh: Sequence[tuple[Tensor, dict[str, Any]]],
+    defaults: Mapping[str, Any],
 ) -> None:
     """Fill empty state dicts the way ``optimizer_class``'s constructor would (Adagrad makes
     its ``sum`` there, not in ``step``); classes that make state lazily leave them empty."""
-    born = optimizer_class([{**hyperparameters(group), "params": [t for t, _ in fresh]}])  # type: ignore[call-arg]
+    # compat: Adagrad's constructor fills ``sum`` from its own initial_accumulator_value
+    # argument, not from the group's, so the constructor gets the user's defaults too
+    born = optimizer_class(
+        [{**hyperparameters(group), "params": [t for t, _ in fresh]}], **defaults
+    )
     for t, s in fresh:
         s.update(born.state.get(t, {}))
 
