@@ -1,0 +1,200 @@
+"""Properties of zero_functional.ownership, state_dict and collectives: the pure ownership core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zero_functional._validate import ceil_div, round_up
+from zero_functional.collectives import even_chunk
+from zero_functional.ownership import (
+    Ownership,
+    bucket_ownership,
+    flat_ownership,
+    piece_view,
+    piece_views,
+    sorted_greedy_ownership,
+)
+from zero_functional.partition import Segment, sorted_greedy_groups
+from zero_functional.state_dict import join_states, slice_state
+
+numels_st = st.lists(st.integers(0, 200), max_size=25)
+world_st = st.integers(1, 9)
+
+
+def _every_element_once(o: Ownership) -> None:
+    seen = [[0] * n for n in o.numels]
+    for rank in range(o.world_size):
+        params = [s.param for s in o.owned(rank)]
+        assert params == sorted(set(params)), "one piece per parameter per rank, ascending"
+        for s in o.owned(rank):
+            for e in range(s.start, s.stop):
+                seen[s.param][e] += 1
+    assert all(c == 1 for per in seen for c in per)
+    assert all(len(o.holders(k)) == 1 for k, n in enumerate(o.numels) if n == 0)
+
+
+@given(numels_st, world_st, st.integers(1, 8))
+def test_flat_ownership_owns_every_element_once_and_splits_evenly(
+    numels: list[int], n: int, align: int
+) -> None:
+    o = flat_ownership(numels, n, align=align)
+    _every_element_once(o)
+    chunk = round_up(ceil_div(sum(numels), n), align)
+    assert all(load <= chunk for load in o.loads)
+    assert sum(o.loads) == sum(numels)
+
+
+@given(st.lists(st.tuples(st.integers(0, 100), st.sampled_from("abc")), max_size=20), world_st)
+def test_flat_ownership_splits_each_key_on_its_own(items: list[tuple[int, str]], n: int) -> None:
+    numels, keys = [m for m, _ in items], [k for _, k in items]
+    o = flat_ownership(numels, n, keys=keys)
+    _every_element_once(o)
+    for key in set(keys):
+        total = sum(m for m, k in items if k == key)
+        per_rank = [
+            sum(s.stop - s.start for s in o.owned(r) if keys[s.param] == key) for r in range(n)
+        ]
+        assert max(per_rank) <= -(-total // n)
+
+
+@given(st.lists(st.lists(st.integers(0, 100), max_size=6), min_size=1, max_size=4), world_st)
+def test_sorted_greedy_ownership_is_torchs_partition_as_whole_pieces(
+    groups: list[list[int]], n: int
+) -> None:
+    o = sorted_greedy_ownership(groups, n)
+    _every_element_once(o)
+    assert o.is_whole
+    parts = sorted_greedy_groups(groups, n)
+    start = 0
+    for g, part in zip(groups, parts):
+        for rank, indices in enumerate(part):
+            for i in indices:
+                assert o.owner(start + i) == rank
+        start += len(g)
+
+
+@given(
+    st.lists(st.integers(0, 60), min_size=1, max_size=14),
+    st.integers(1, 4),
+    st.data(),
+    st.sampled_from(["sorted_greedy", "flat"]),
+    st.booleans(),
+)
+def test_bucket_ownership_covers_buckets_and_frozen_leftovers(
+    numels: list[int], n: int, data: st.DataObject, partition: str, shard: bool
+) -> None:
+    order = data.draw(st.permutations(range(len(numels))))
+    in_buckets = data.draw(st.integers(0, len(numels)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(in_buckets - 1, 1)), max_size=3)))
+    bucketed = order[:in_buckets]
+    bounds = zip([0, *cuts], [*cuts, len(bucketed)])
+    buckets = [bucketed[a:b] for a, b in bounds if bucketed[a:b]]
+    o = bucket_ownership(buckets, numels, n, partition=partition, shard_buckets=shard)  # type: ignore[arg-type]
+    _every_element_once(o)
+    if partition == "flat":
+        for b in buckets:  # every bucket split evenly: no rank holds more than its share
+            total = sum(numels[k] for k in b)
+            for rank in range(n):
+                held = sum(s.stop - s.start for s in o.owned(rank) if s.param in b)
+                assert held <= -(-total // n)
+    else:
+        assert o.is_whole
+
+
+@given(numels_st, world_st, st.data())
+def test_runs_tile_the_buffer_in_order_with_each_elements_owner(
+    numels: list[int], n: int, data: st.DataObject
+) -> None:
+    o = flat_ownership(numels, n)
+    order = data.draw(st.permutations(range(len(numels))))
+    runs = o.runs(order)
+    edge = 0
+    for r in runs:
+        assert r.start == edge and r.stop > r.start
+        edge = r.stop
+    assert edge == sum(numels)
+    assert all(a.rank != b.rank for a, b in zip(runs, runs[1:]))  # adjacent runs merged
+    base = 0
+    for k in order:  # spot-check: each element's run names its owner
+        for rank, s in o.holders(k):
+            for e in (s.start, s.stop - 1) if s.stop > s.start else ():
+                (run,) = [r for r in runs if r.start <= base + e < r.stop]
+                assert run.rank == rank
+        base += numels[k]
+
+
+@given(numels_st, world_st, world_st)
+def test_transfers_cover_every_element_from_its_old_owner_to_its_new(
+    numels: list[int], n: int, m: int
+) -> None:
+    old = sorted_greedy_ownership([numels], n)
+    for new in (flat_ownership(numels, n), sorted_greedy_ownership([numels], n)):
+        moves = old.transfers(new)
+        covered = [[0] * k for k in numels]
+        for t in moves:
+            assert old.piece(t.src, t.param) is not None and new.piece(t.dst, t.param) is not None
+            for e in range(t.start, t.stop):
+                covered[t.param][e] += 1
+        assert all(c == 1 for per in covered for c in per)
+        assert all(any(t.param == k for t in moves) for k, x in enumerate(numels) if x == 0)
+    if m != n:
+        with pytest.raises(ValueError, match="same parameters and ranks"):
+            old.transfers(flat_ownership(numels, m))
+
+
+@given(numels_st, world_st)
+def test_flat_split_is_even_chunked(numels: list[int], n: int) -> None:
+    o = flat_ownership(numels, n)
+    order = list(range(len(numels)))
+    total = sum(numels)
+    chunk = even_chunk(o.runs(order), total, n)
+    if total:
+        # the runs of a flat group merge into one per rank: the even layout
+        assert chunk == -(-total // n)
+    else:
+        assert chunk is None
+
+
+@given(
+    st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    st.lists(st.integers(0, 30), min_size=1, max_size=4),
+    world_st,
+)
+def test_piece_views_alias_the_tensors_and_slice_join_round_trips(
+    shape: list[int], cuts: list[int], n: int
+) -> None:
+    t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    o = flat_ownership([t.numel()], n)
+    views, ranks = piece_views([t], o)
+    assert torch.equal(torch.cat([v.reshape(-1) for v in views]), t.reshape(-1))
+    for v in views:
+        if v is not t:
+            assert v.data_ptr() >= t.data_ptr()  # a view, not a copy
+    # state of the whole parameter, sliced to pieces and joined back, is bitwise the same
+    state = {"step": torch.tensor(4.0), "exp_avg": t * 2, "note": "x"}
+    parts = [
+        ((s.start, s.stop), slice_state(state, (0, t.numel()), (s.start, s.stop)))
+        for _, s in o.holders(0)
+    ]
+    back = join_states(parts, tuple(t.shape))
+    assert torch.equal(back["exp_avg"], state["exp_avg"]) and back["note"] == "x"
+    assert torch.equal(back["step"], state["step"])
+    assert torch.equal(state["exp_avg"], t * 2)  # pure: the input is untouched
+
+
+def test_ownership_validates_itself() -> None:
+    with pytest.raises(ValueError, match="exactly one owner"):
+        Ownership((4,), 2, ((Segment(0, 0, 2),), ()))
+    with pytest.raises(ValueError, match="tile it exactly once"):
+        Ownership((4,), 2, ((Segment(0, 0, 3),), (Segment(0, 2, 4),)))
+    with pytest.raises(ValueError, match="at most one piece"):
+        Ownership((4,), 1, ((Segment(0, 0, 2), Segment(0, 2, 4)),))
+    with pytest.raises(ValueError, match="piece lists"):
+        Ownership((4,), 2, ((Segment(0, 0, 4),),))
+    with pytest.raises(ValueError, match="split across ranks"):
+        flat_ownership([4], 2).owner(0)
+    with pytest.raises(ValueError, match="outside"):
+        piece_view(torch.zeros(3), Segment(0, 0, 4))
