@@ -102,6 +102,7 @@ def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
         ["train", "--nproc", "two"],
         ["train", "--nproc", "4", "--batch-size", "2"],
         ["train", "--overlap", "--impl", "torch"],
+        ["train", "--partition", "even"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "no-such-model"],

@@ -38,7 +38,9 @@ def test_train_checkpoint_then_resume_at_another_world_size_matches_plain_ddp(
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "parity with plain DDP + torch.optim.Adam (seed 0): equal" in out
-    assert len([line for line in out.splitlines() if line.lstrip()[:1].isdigit()]) == 2  # ranks
+    rank_rows = [line for line in out.splitlines() if line.lstrip()[:1].isdigit()]
+    assert len(rank_rows) == 2  # ranks
+    assert all("50.0%" in row for row in rank_rows), out  # partition=flat: an even split
 
     saved = torch.load(ckpt, weights_only=True)
     assert saved["format"] == CHECKPOINT_FORMAT and saved["epoch"] == 1

@@ -198,6 +198,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             reference=not args.no_reference,
             progress=not args.no_progress,
             bucket_cap_mb=args.bucket_cap_mb,
+            partition=args.partition.replace("-", "_"),
         )
     except ValueError as e:
         return None, _fail(command, str(e))
@@ -339,6 +340,13 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         type=_positive_float,
         default=25.0,
         help="DDP bucket size in MB (25); with --overlap, ranks own whole buckets",
+    )
+    p.add_argument(
+        "--partition",
+        choices=("flat", "sorted-greedy"),
+        default="flat",
+        help="who owns what: flat (even split, a tensor may straddle ranks; default) or "
+        "sorted-greedy (torch's whole tensors)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

@@ -24,7 +24,7 @@ import tempfile
 import time
 import traceback
 import zipfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -76,6 +76,8 @@ class TrainConfig:
         reference: Also run plain DDP + ``torch.optim.Adam`` and compare parameters.
         progress: Show a tqdm bar on rank 0.
         bucket_cap_mb: DDP's gradient bucket size; in overlap mode buckets are what ranks own.
+        partition: ``"flat"`` (even split; the demo's) or ``"sorted_greedy"`` (torch's whole
+            tensors); ignored by ``--impl torch``.
     """
 
     epochs: int = 10
@@ -90,6 +92,7 @@ class TrainConfig:
     reference: bool = True
     progress: bool = True
     bucket_cap_mb: float = 25.0
+    partition: str = "flat"
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.hidden < 1:
@@ -99,6 +102,8 @@ class TrainConfig:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.partition not in ("flat", "sorted_greedy"):
+            raise ValueError(f"partition must be 'flat' or 'sorted_greedy', got {self.partition!r}")
 
 
 class CheckpointError(ValueError):
@@ -252,16 +257,6 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the job
 
 
-def _zero_class(impl: Impl) -> Callable[..., Optimizer]:
-    if impl == "torch":
-        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
-
-        return TorchZero
-    from zero_functional.optimizer import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer
-
-
 def _state_bytes(opt: Optimizer) -> int:
     """Bytes of the tensors in this rank's optimizer state (torch's ZeRO keeps them in .optim)."""
     local = getattr(opt, "optim", opt)
@@ -304,21 +299,30 @@ def _train(
         model.load_state_dict(ckpt["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt: Optimizer
-    if use_zero:
-        opt = _zero_class(cfg.impl)(
-            ddp.parameters(), torch.optim.Adam, overlap_with_ddp=cfg.overlap, lr=cfg.lr
+    if use_zero and cfg.impl == "torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+        opt = TorchZero(ddp.parameters(), torch.optim.Adam, lr=cfg.lr)
+    elif use_zero:
+        from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
+        from zero_functional.optimizer import ZeroRedundancyOptimizer
+        from zero_functional.ownership import check_partition
+
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(),
+            torch.optim.Adam,
+            overlap_with_ddp=cfg.overlap,
+            partition=check_partition(cfg.partition),
+            lr=cfg.lr,
         )
         if cfg.overlap:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-            from zero_functional.hooks import hook_with_zero_step
-            from zero_functional.optimizer import ZeroRedundancyOptimizer
-
-            assert isinstance(opt, ZeroRedundancyOptimizer), (
-                "--overlap needs --impl zero_functional"
-            )
-
-            ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, opt))
+            ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        else:
+            # gradients reduced onto their owners only: with step()'s all-gather, DDP's bytes
+            ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+        opt = zero
     else:
         opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
     if ckpt is not None:
@@ -424,7 +428,11 @@ def _summary(
     ref_accuracy: float | None,
     world_size: int,
 ) -> str:
-    impl = "zero_functional" if cfg.impl == "zero_functional" else "torch.distributed.optim"
+    impl = (
+        f"zero_functional, partition={cfg.partition}"
+        if cfg.impl == "zero_functional"
+        else "torch.distributed.optim"
+    )
     mode = "overlap_with_ddp" if cfg.overlap else "step after backward"
     lines = [
         f"ZeroRedundancyOptimizer ({impl}, {mode}) over Adam, {world_size} rank(s), "
