@@ -2,8 +2,9 @@
 
 Variants, interleaved round by round inside the same gloo ranks so that they share the machine's
 state: torch's defaults, torch's best (parameters_as_bucket_view=True, fused=True), ours at its
-defaults, ours with bucket views. Prints the median step time, ratios against torch's best, and
-each rank's optimizer-state bytes and resident-memory growth.
+defaults (sorted-greedy), ours with bucket views, and ours under partition="flat" with and
+without bucket views. Prints the median step time, ratios against torch's best, and each rank's
+optimizer-state bytes and resident-memory growth.
 
     python benchmarks/bench_step.py [--world-sizes 2 4] [--rounds 15] [--numel 8000000] [--json F]
 """
@@ -14,34 +15,33 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
-
-from zero_functional.optimizer import ZeroRedundancyOptimizer  # noqa: E402
-
-from distributed import run_ranks  # noqa: E402
+from _common import mlp, run_ranks
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 VARIANTS: list[tuple[str, type, dict[str, Any]]] = [
     ("torch default", TorchZero, {}),
     ("torch best", TorchZero, {"parameters_as_bucket_view": True, "fused": True}),
     ("ours default", ZeroRedundancyOptimizer, {}),
     ("ours bucket view", ZeroRedundancyOptimizer, {"parameters_as_bucket_view": True}),
+    ("ours flat", ZeroRedundancyOptimizer, {"partition": "flat"}),
+    (
+        "ours flat bucket view",
+        ZeroRedundancyOptimizer,
+        {"partition": "flat", "parameters_as_bucket_view": True},
+    ),
 ]
 
 
 def _model(numel: int) -> nn.Module:
-    width = 1000
-    layers = max(1, numel // (width * width))
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    return mlp(numel, relu=False)
 
 
 def _state_bytes(opt: Any) -> int:
@@ -103,14 +103,14 @@ def main() -> None:
             f"\n== world size {ws}, {results[0]['params']:,} parameters, Adam, median of {args.rounds}"
         )
         print(
-            f"{'variant':<18}{'step ms':>10}{'vs torch best':>15}{'state MiB/rank':>16}"
+            f"{'variant':<24}{'step ms':>10}{'vs torch best':>15}{'state MiB/rank':>16}"
             f"{'peak RSS growth MiB/rank':>26}"
         )
         for name, _, _ in VARIANTS:
             state = max(r["state_bytes"][name] for r in results) / 2**20
             rss = max(r["peak_rss_growth_mib"][name] for r in results)
             print(
-                f"{name:<18}{med[name] * 1e3:>10.1f}{best / med[name]:>14.2f}x{state:>16.1f}"
+                f"{name:<24}{med[name] * 1e3:>10.1f}{best / med[name]:>14.2f}x{state:>16.1f}"
                 f"{rss:>26.1f}"
             )
             rows.append(

@@ -232,8 +232,15 @@ def reduce_shards(
     return _issue(dist.reduce, list(zip(buffers, destinations, strict=True)), group)
 
 
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
+    # looked up per call (torch < 2.13 has only the older name; tools may wrap either)
+    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return op(output, input, **kw)  # type: ignore[no-any-return]
+
+
+def _all_gather_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
+    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return op(output, input, **kw)  # type: ignore[no-any-return]
 
 
 def _padded(buffer: Tensor, size: int) -> Tensor:

@@ -1,0 +1,160 @@
+"""Whole DDP iterations (forward, backward, step) of the 8M-parameter MLP, every way, same processes.
+
+Variants, round-robin inside the same gloo ranks so that they share the machine's state:
+
+* ``ddp + fused adam``: plain DDP, every rank holds all state (the unsharded baseline);
+* ``torch zero best``: DDP + torch's ZeroRedundancyOptimizer at its best (bucket views, fused
+  Adam); torch's overlap mode refuses gloo (pytorch#62300), so it cannot be measured here;
+* ``ours <partition>``: step after backward with ``reduce_scatter_hook`` (DDP's bytes);
+* ``ours flat, ddp all-reduce``: the same without the hook (DDP all-reduces, then the step
+  broadcasts: torch's 1.5x);
+* ``ours overlap <partition>``: ``hook_with_zero_step_interleaved`` (the step inside backward).
+
+Prints the median iteration time of the slowest rank, ratios against DDP + fused Adam and
+against torch's best ZeRO, the bytes each rank sends per iteration (counted from the collectives
+that ran, under ring algorithms: see ``_common.ByteCounter``), and the largest parameter
+difference from DDP + fused Adam after the timed rounds (every variant trains the same data).
+
+    python benchmarks/bench_iteration.py [--world-sizes 2 4] [--rounds 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _common import ByteCounter, median_ms, mlp, run_ranks
+from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
+from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+NAMES = [
+    "ddp + fused adam",
+    "torch zero best",
+    "ours sorted_greedy",
+    "ours flat",
+    "ours flat, ddp all-reduce",
+    "ours overlap sorted_greedy",
+    "ours overlap flat",
+]
+BASELINE, TORCH_BEST = "ddp + fused adam", "torch zero best"
+
+
+def _build(name: str, numel: int, counting: bool) -> tuple[DDP, Any]:
+    # DDP's default buckets: 25 MB after a small first one (an explicit bucket_cap_mb drops it)
+    ddp = DDP(mlp(numel))
+    if name in (BASELINE, TORCH_BEST):
+        if counting:  # DDP's built-in all-reduce runs in C++: the Python hook is the same, counted
+            ddp.register_comm_hook(None, allreduce_hook)
+        if name == BASELINE:
+            return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=True)
+        return ddp, TorchZero(
+            ddp.parameters(), torch.optim.Adam, lr=1e-4, parameters_as_bucket_view=True, fused=True
+        )
+    partition = "flat" if "flat" in name else "sorted_greedy"
+    overlap = "overlap" in name
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, partition=partition, lr=1e-4
+    )
+    if overlap:
+        hook = hook_with_zero_step_interleaved(
+            allreduce_hook, ddp, zero, shard_buckets=partition == "sorted_greedy"
+        )
+        ddp.register_comm_hook(None, hook)
+    elif "all-reduce" not in name:
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+    elif counting:
+        ddp.register_comm_hook(None, allreduce_hook)
+    return ddp, zero
+
+
+def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    ddp(x).square().mean().backward()
+    if "overlap" not in name:
+        opt.step()
+
+
+def _worker(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, Any]:
+    torch.set_num_threads(max(1, 2 // world_size))
+    x = torch.randn(32, 1000, generator=torch.Generator().manual_seed(rank))
+    variants = {name: _build(name, numel, counting=False) for name in NAMES}
+    times: dict[str, list[float]] = {name: [] for name in NAMES}
+    for r in range(rounds + 2):
+        for name, (ddp, opt) in variants.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            _iteration(name, ddp, opt, x)
+            if r >= 2:  # two warm-up rounds for every variant alike
+                times[name].append(time.perf_counter() - t0)
+    base = list(variants[BASELINE][0].module.parameters())
+    diff = {
+        name: max((a - b).abs().max().item() for a, b in zip(ddp.module.parameters(), base))
+        for name, (ddp, _) in variants.items()
+    }
+    del variants
+    sent: dict[str, float] = {}
+    counter = ByteCounter()
+    for name in NAMES:
+        ddp, opt = _build(name, numel, counting=True)
+        for _ in range(2):  # past DDP's first-iteration buckets and overlap's adoption
+            _iteration(name, ddp, opt, x)
+        counter.reset()
+        with counter.counting():
+            _iteration(name, ddp, opt, x)
+        sent[name] = counter.sent
+        del ddp, opt
+    return {"ms": {k: median_ms(v) for k, v in times.items()}, "sent": sent, "diff": diff}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--numel", type=int, default=8_000_000)
+    ap.add_argument("--json", help="also write the rows as JSON to this path")
+    args = ap.parse_args()
+    model = mlp(args.numel)
+    n_params = sum(p.numel() for p in model.parameters())
+    rows = []
+    for ws in args.world_sizes:
+        results = run_ranks(_worker, ws, args.numel, args.rounds, timeout_s=1800)
+        med = {name: max(r["ms"][name] for r in results) for name in NAMES}  # the slowest rank
+        print(f"\n== world size {ws}, {n_params:,} parameters, median of {args.rounds} rounds")
+        print(
+            f"{'variant':<28}{'iter ms':>9}{'x ddp+fused':>13}{'x torch best':>14}"
+            f"{'MB sent/rank':>14}{'x ddp bytes':>13}{'max|dp| vs ddp':>16}"
+        )
+        ddp_bytes = max(r["sent"][BASELINE] for r in results)
+        for name in NAMES:
+            mb = max(r["sent"][name] for r in results)
+            diff = max(r["diff"][name] for r in results)
+            print(
+                f"{name:<28}{med[name]:>9.1f}{med[name] / med[BASELINE]:>12.2f}x"
+                f"{med[name] / med[TORCH_BEST]:>13.2f}x{mb / 1e6:>14.1f}"
+                f"{mb / ddp_bytes:>12.2f}x{diff:>16.1e}"
+            )
+            rows.append(
+                {
+                    "benchmark": f"iteration ({n_params / 1e6:.0f}M MLP)",
+                    "world_size": ws,
+                    "variant": name,
+                    "ms": med[name],
+                    "vs_torch_best": med[name] / med[TORCH_BEST],
+                    "mb_sent": mb / 1e6,
+                }
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
