@@ -12,9 +12,8 @@ that class over this rank's parameters or pieces (:mod:`zero_functional.steppers
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, cast
@@ -26,6 +25,7 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.buckets import bucket_layout, flatten, views
+from zero_functional.checks import check_devices, check_params, fingerprint, param_tensors
 from zero_functional.collectives import choose_collectives, even_chunk
 from zero_functional.functional import (
     SUPPORTED,
@@ -44,13 +44,14 @@ from zero_functional.ownership import (
     sorted_greedy_ownership,
 )
 from zero_functional.partition import Segment
-from zero_functional.state_dict import join_states, slice_state
+from zero_functional.state_dict import join_states, slice_state, validated_state
 from zero_functional.steppers import (
     FunctionalStepper,
     RealStepper,
     ShadowStepper,
     Stepper,
     hyperparameters,
+    state_schema,
 )
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -62,67 +63,6 @@ StateDict = dict[str, Any]
 FLAT_ALIGN_BYTES = 16
 """Under ``partition="flat"`` range bounds fall on multiples of 16 bytes (4 fp32 elements), so
 every shard starts where vectorised kernels and NCCL like it."""
-
-
-def _check_params(params: object) -> list[Any]:
-    """The parameters (or groups) as a list, after torch's checks and ours."""
-    if isinstance(params, Tensor):
-        raise TypeError(
-            "params argument should be an iterable of Tensors or dicts, but got "
-            f"{torch.typename(params)}; wrap it in a list: [tensor]"
-        )
-    try:
-        items = list(cast(Iterable[Any], params))
-    except TypeError as e:
-        raise TypeError(
-            f"params argument should be an iterable of Tensors or dicts, but got {type(params).__name__}"
-        ) from e
-    if not items:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
-    if all(isinstance(p, dict) for p in items):
-        tensors: list[Any] = []
-        for i, g in enumerate(items):
-            if "params" not in g:
-                raise ValueError(f"parameter group {i} has no 'params' key")
-            ps = g["params"]
-            tensors.extend([ps] if isinstance(ps, Tensor) else list(ps))
-    elif all(isinstance(p, Tensor) for p in items):
-        tensors = items
-    else:
-        bad = next(p for p in items if not isinstance(p, Tensor | dict))
-        raise TypeError(
-            "params must be all Tensors or all parameter-group dicts, but got a "
-            f"{type(bad).__name__}"
-        )
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"parameter {i} is a {type(t).__name__}, not a Tensor")
-        if t.is_sparse or t.layout != torch.strided:
-            raise ValueError(
-                f"parameter {i} is sparse ({t.layout}); ZeroRedundancyOptimizer shards dense "
-                "parameters only: keep sparse embeddings out of it and give them their own "
-                "optimizer (e.g. torch.optim.SparseAdam)"
-            )
-        if not (t.is_floating_point() or t.is_complex()):
-            dtypes = sorted({str(x.dtype).removeprefix("torch.") for x in tensors})
-            raise ValueError(
-                f"parameters have dtypes {', '.join(dtypes)}; parameter {i} is "
-                f"{str(t.dtype).removeprefix('torch.')}, which "
-                "no optimizer can update: pass only floating-point parameters, or freeze this "
-                "one outside the optimizer"
-            )
-    return items
-
-
-def _fingerprint(param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Count, elements and a hash of every parameter's shape, dtype and device type, by group:
-    what every rank must agree on (a fp32 and a fp64 model of equal size differ here)."""
-    described = repr(
-        [[(tuple(p.shape), str(p.dtype), p.device.type) for p in g["params"]] for g in param_groups]
-    )
-    digest = int.from_bytes(hashlib.blake2b(described.encode(), digest_size=7).digest(), "big")
-    params = [p for g in param_groups for p in g["params"]]
-    return [len(param_groups), len(params), sum(p.numel() for p in params), digest]
 
 
 class _ZeroJoinHook(JoinHook):
@@ -197,7 +137,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         partition: PartitionName = "sorted_greedy",
         **defaults: Any,
     ) -> None:
-        items = _check_params(params)
+        items = check_params(params)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
@@ -213,6 +153,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         self.global_rank = comm.global_rank(self.process_group, self.rank)
+        check_devices(
+            [
+                t
+                for item in items
+                for t in (
+                    [item]
+                    if isinstance(item, Tensor)
+                    else (
+                        [item["params"]] if isinstance(item["params"], Tensor) else item["params"]
+                    )
+                )
+            ],
+            comm.backend(self.process_group),
+        )
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = overlap_with_ddp
         self._all_state_dicts: list[StateDict] = []
@@ -417,7 +371,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        _check_params([param_group])
+        check_params([param_group])
+        check_devices(param_tensors([param_group]), comm.backend(self.process_group))
         super().add_param_group(param_group)
         try:
             if self.partition == "flat":
@@ -445,7 +400,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _check_agreement(self, call: str) -> None:
         """Raise on every rank unless all ranks hold the same parameters (one small gather)."""
-        mine = _fingerprint(self.param_groups)
+        mine = fingerprint(self.param_groups)
         everyone = comm.all_gather_ints(mine, self.process_group, self._collective_device())
         differing = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         if differing:
@@ -720,52 +675,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ]
         return {"state": state, "param_groups": groups}
 
-    def _validated_state(self, state_dict: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
-        """The state of ``state_dict`` after every check, before anything is changed."""
-        if (
-            not isinstance(state_dict, Mapping)
-            or "state" not in state_dict
-            or "param_groups" not in state_dict
-        ):
-            raise ValueError(
-                "state_dict must be a dict with 'state' and 'param_groups' keys, as state_dict() returns"
-            )
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        for i, (s, g) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(s["params"]) != len(g["params"]):
-                raise ValueError(
-                    f"parameter group {i} has {len(g['params'])} parameters but the loaded state "
-                    f"dict's has {len(s['params'])}: the state belongs to another model"
-                )
-        # Saved indices may be any ids (torch.optim uses positions); map them to our positions.
-        index_of = {
-            saved: start + j
-            for s, start in zip(saved_groups, self._group_starts)
-            for j, saved in enumerate(s["params"])
-        }
-        params = self._params()
-        state: dict[int, Mapping[str, Any]] = {}
-        for key, value in state_dict["state"].items():
-            if key not in index_of:
-                raise ValueError(
-                    f"loaded state has an entry for parameter {key!r}, which no group lists"
-                )
-            index = index_of[key]
-            p = params[index]
-            for name, t in value.items():
-                if isinstance(t, Tensor) and t.dim() > 0 and t.shape != p.shape:
-                    raise ValueError(
-                        f"parameter {index} has shape {tuple(p.shape)} but its loaded state "
-                        f"'{name}' has shape {tuple(t.shape)}: the state belongs to another model"
-                    )
-            state[index] = value
-        return state
-
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load the pieces of a consolidated (or plain ``torch.optim``) state dict this rank owns.
 
@@ -773,7 +682,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         index, in each parameter's shape); never changes the caller's dict; checks everything
         before changing anything.
         """
-        state = self._validated_state(state_dict)
+        elementwise = update_kind(self.optimizer_class) == "elementwise"
+        schemas = [
+            state_schema(self.optimizer_class, g, self._user_defaults) if elementwise else None
+            for g in self.param_groups
+        ]
+        state = validated_state(state_dict, self.param_groups, schemas)
         params = self._params()
         loaded: dict[Tensor, dict[str, Any]] = {}
         for k, value in state.items():

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 
 from zero_functional.functional import FunctionalSpec, group_hyperparams
 
-__all__ = ["FunctionalStepper", "RealStepper", "ShadowStepper", "Stepper"]
+__all__ = ["FunctionalStepper", "RealStepper", "ShadowStepper", "Stepper", "state_schema"]
 
 StateDicts = list[dict[str, Any]]
 
@@ -186,3 +186,23 @@ class RealStepper:
         for g, lg in zip(groups, self.local.param_groups, strict=True):
             g.update(hyperparameters(lg))
         return cast("float | None", loss)
+
+
+def state_schema(
+    optimizer_class: type[Optimizer], group: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> dict[str, str] | None:
+    """The state keys one step of ``optimizer_class`` makes with ``group``'s options, each
+    ``"elementwise"`` or ``"scalar"``: what a loaded state must look like. ``None`` when a
+    probe step cannot tell (a class that needs a closure or another device)."""
+    probe = torch.nn.Parameter(torch.zeros(2))
+    probe.grad = torch.ones(2)
+    try:
+        opt = optimizer_class([{**hyperparameters(group), "params": [probe]}], **defaults)
+        with torch.no_grad():
+            opt.step()
+    except Exception:  # the class cannot step a CPU probe this way: no schema, generic checks
+        return None
+    return {
+        key: "elementwise" if isinstance(v, Tensor) and tuple(v.shape) == (2,) else "scalar"
+        for key, v in opt.state[probe].items()
+    }

@@ -1,0 +1,156 @@
+"""Checks of what users pass in: parameter lists, devices, and the fingerprint ranks compare (pure).
+
+Every check raises before anything is built or changed, with a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_devices", "check_params", "fingerprint", "param_tensors"]
+
+
+def check_params(params: object) -> list[Any]:
+    """The parameters (or groups) as a list, after torch's checks and ours.
+
+    Raises:
+        TypeError: Not an iterable of tensors or group dicts, or a non-tensor parameter.
+        ValueError: No parameters, a group without ``params``, a sparse or non-floating
+            parameter, or one tensor listed twice.
+
+    Example:
+        >>> w = torch.zeros(2)
+        >>> len(check_params([w]))
+        1
+        >>> check_params([w, w])
+        Traceback (most recent call last):
+        ...
+        ValueError: parameters 0 and 1 are the same tensor: it would be sharded and updated twice; pass each parameter once (e.g. list(dict.fromkeys(params)))
+    """
+    if isinstance(params, Tensor):
+        raise TypeError(
+            "params argument should be an iterable of Tensors or dicts, but got "
+            f"{torch.typename(params)}; wrap it in a list: [tensor]"
+        )
+    try:
+        items = list(cast(Iterable[Any], params))
+    except TypeError as e:
+        raise TypeError(
+            f"params argument should be an iterable of Tensors or dicts, but got {type(params).__name__}"
+        ) from e
+    if not items:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if all(isinstance(p, dict) for p in items):
+        tensors: list[Any] = []
+        for i, g in enumerate(items):
+            if "params" not in g:
+                raise ValueError(f"parameter group {i} has no 'params' key")
+            ps = g["params"]
+            tensors.extend([ps] if isinstance(ps, Tensor) else list(ps))
+    elif all(isinstance(p, Tensor) for p in items):
+        tensors = items
+    else:
+        bad = next(p for p in items if not isinstance(p, Tensor | dict))
+        raise TypeError(
+            "params must be all Tensors or all parameter-group dicts, but got a "
+            f"{type(bad).__name__}"
+        )
+    seen: dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"parameter {i} is a {type(t).__name__}, not a Tensor")
+        if id(t) in seen:
+            raise ValueError(
+                f"parameters {seen[id(t)]} and {i} are the same tensor: it would be sharded and "
+                "updated twice; pass each parameter once (e.g. list(dict.fromkeys(params)))"
+            )
+        seen[id(t)] = i
+        if t.is_sparse or t.layout != torch.strided:
+            raise ValueError(
+                f"parameter {i} is sparse ({t.layout}); ZeroRedundancyOptimizer shards dense "
+                "parameters only: keep sparse embeddings out of it and give them their own "
+                "optimizer (e.g. torch.optim.SparseAdam)"
+            )
+        if not (t.is_floating_point() or t.is_complex()):
+            dtypes = sorted({str(x.dtype).removeprefix("torch.") for x in tensors})
+            raise ValueError(
+                f"parameters have dtypes {', '.join(dtypes)}; parameter {i} is "
+                f"{str(t.dtype).removeprefix('torch.')}, which "
+                "no optimizer can update: pass only floating-point parameters, or freeze this "
+                "one outside the optimizer"
+            )
+    return items
+
+
+def param_tensors(items: Sequence[Any]) -> list[Tensor]:
+    """The tensors of a checked parameter list (tensors, or group dicts with ``params``).
+
+    Example:
+        >>> t = torch.zeros(1)
+        >>> param_tensors([{"params": [t]}, {"params": t}]) == [t, t]
+        True
+    """
+    out: list[Tensor] = []
+    for item in items:
+        if isinstance(item, Tensor):
+            out.append(item)
+        else:
+            ps = item["params"]
+            out.extend([ps] if isinstance(ps, Tensor) else list(ps))
+    return out
+
+
+def check_devices(tensors: Sequence[Tensor], backend: str) -> None:
+    """Every parameter on a device the backend moves: no meta tensors, CUDA for NCCL.
+
+    Raises:
+        ValueError: The first parameter the backend cannot move, and what to do.
+
+    Example:
+        >>> check_devices([torch.zeros(1)], "gloo")
+        >>> check_devices([torch.zeros(1, device="meta")], "gloo")
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter 0 is on the meta device (it has no data); materialise the model first (e.g. model.to_empty(device=...) and initialise it) before building the optimizer
+    """
+    for i, t in enumerate(tensors):
+        kind = t.device.type
+        if kind == "meta":
+            raise ValueError(
+                f"parameter {i} is on the meta device (it has no data); materialise the model "
+                "first (e.g. model.to_empty(device=...) and initialise it) before building the "
+                "optimizer"
+            )
+        if "nccl" in backend.lower() and kind != "cuda":
+            raise ValueError(
+                f"parameter {i} is on {t.device}, but the process group's backend is NCCL, "
+                "which moves CUDA tensors only: move the model to the GPU, or use gloo"
+            )
+        if "gloo" in backend.lower() and kind not in ("cpu", "cuda"):
+            raise ValueError(
+                f"parameter {i} is on {t.device}, which the gloo backend cannot move: put the "
+                "parameters on the CPU (or CUDA), or use the backend for that device"
+            )
+
+
+def fingerprint(param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Count, elements and a hash of every parameter's shape, dtype and device type, by group:
+    what every rank must agree on (a fp32 and a fp64 model of equal size differ here).
+
+    Example:
+        >>> a = fingerprint([{"params": [torch.zeros(3)]}])
+        >>> b = fingerprint([{"params": [torch.zeros(3, dtype=torch.float64)]}])
+        >>> a[:3] == b[:3], a[3] == b[3]
+        (True, False)
+    """
+    described = repr(
+        [[(tuple(p.shape), str(p.dtype), p.device.type) for p in g["params"]] for g in param_groups]
+    )
+    digest = int.from_bytes(hashlib.blake2b(described.encode(), digest_size=7).digest(), "big")
+    params = [p for g in param_groups for p in g["params"]]
+    return [len(param_groups), len(params), sum(p.numel() for p in params), digest]
