@@ -6,13 +6,21 @@ Every check raises before anything is built or changed, with a message that name
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_devices", "check_params", "fingerprint", "param_tensors"]
+from zero_functional.functional import update_kind
+
+__all__ = [
+    "check_devices",
+    "check_params",
+    "check_update_kind",
+    "fingerprint",
+    "param_tensors",
+]
 
 
 def check_params(params: object) -> list[Any]:
@@ -51,7 +59,9 @@ def check_params(params: object) -> list[Any]:
             if "params" not in g:
                 raise ValueError(f"parameter group {i} has no 'params' key")
             ps = g["params"]
-            tensors.extend([ps] if isinstance(ps, Tensor) else list(ps))
+            # a generator (model.parameters()) is read once, here: keep what it gave
+            items[i] = {**g, "params": [ps] if isinstance(ps, Tensor) else list(ps)}
+            tensors.extend(items[i]["params"])
     elif all(isinstance(p, Tensor) for p in items):
         tensors = items
     else:
@@ -138,19 +148,46 @@ def check_devices(tensors: Sequence[Tensor], backend: str) -> None:
             )
 
 
-def fingerprint(param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
+def check_update_kind(optimizer_class: type, partition: str, overlap: bool) -> None:
+    """Whether ``optimizer_class`` can run where the options put it (see ``OPTIMIZER_KINDS``).
+
+    Raises:
+        ValueError: A class that needs whole tensors under ``partition="flat"``, naming the
+            class and what to do instead.
+
+    Example:
+        >>> check_update_kind(torch.optim.Adam, "flat", overlap=False)
+        >>> check_update_kind(torch.optim.LBFGS, "flat", overlap=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: LBFGS is registered as 'closure', not 'elementwise': its update needs whole tensors, which partition='flat' splits across ranks. Use partition='sorted_greedy', or, if its update is elementwise, declare it with zero_functional.functional.register_optimizer(LBFGS, 'elementwise')
+    """
+    kind = update_kind(optimizer_class)
+    name = optimizer_class.__name__
+    if partition == "flat" and kind != "elementwise":
+        raise ValueError(
+            f"{name} is registered as {kind!r}, not 'elementwise': its update needs whole "
+            "tensors, which partition='flat' splits across ranks. Use partition='sorted_greedy', "
+            "or, if its update is elementwise, declare it with "
+            f"zero_functional.functional.register_optimizer({name}, 'elementwise')"
+        )
+
+
+def fingerprint(items: Sequence[Any]) -> list[int]:
     """Count, elements and a hash of every parameter's shape, dtype and device type, by group:
     what every rank must agree on (a fp32 and a fp64 model of equal size differ here).
 
     Example:
-        >>> a = fingerprint([{"params": [torch.zeros(3)]}])
+        >>> a = fingerprint([torch.zeros(3)])  # a list of tensors, or of param groups
         >>> b = fingerprint([{"params": [torch.zeros(3, dtype=torch.float64)]}])
         >>> a[:3] == b[:3], a[3] == b[3]
         (True, False)
     """
-    described = repr(
-        [[(tuple(p.shape), str(p.dtype), p.device.type) for p in g["params"]] for g in param_groups]
-    )
+    if items and all(isinstance(item, Tensor) for item in items):
+        groups = [list(items)]
+    else:
+        groups = [param_tensors([item]) for item in items]
+    described = repr([[(tuple(p.shape), str(p.dtype), p.device.type) for p in g] for g in groups])
     digest = int.from_bytes(hashlib.blake2b(described.encode(), digest_size=7).digest(), "big")
-    params = [p for g in param_groups for p in g["params"]]
-    return [len(param_groups), len(params), sum(p.numel() for p in params), digest]
+    params = [p for g in groups for p in g]
+    return [len(groups), len(params), sum(p.numel() for p in params), digest]

@@ -25,6 +25,7 @@ __all__ = [
     "Work",
     "all_agree",
     "all_gather_ints",
+    "all_gather_objects",
     "all_reduce_scalar",
     "backend",
     "broadcast_shards",
@@ -111,6 +112,13 @@ def all_agree(values: Sequence[int], group: ProcessGroup, device: torch.device) 
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     n = len(values)
     return bool(torch.equal(reduced[:n], -reduced[n:]))
+
+
+def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (for small messages)."""
+    out: list[object] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def backend(group: ProcessGroup) -> str:

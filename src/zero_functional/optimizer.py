@@ -13,7 +13,7 @@ that class over this rank's parameters or pieces (:mod:`zero_functional.steppers
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, cast
@@ -25,7 +25,13 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.buckets import bucket_layout, flatten, views
-from zero_functional.checks import check_devices, check_params, fingerprint, param_tensors
+from zero_functional.checks import (
+    check_devices,
+    check_params,
+    check_update_kind,
+    fingerprint,
+    param_tensors,
+)
 from zero_functional.collectives import choose_collectives, even_chunk
 from zero_functional.functional import (
     SUPPORTED,
@@ -137,36 +143,35 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         partition: PartitionName = "sorted_greedy",
         **defaults: Any,
     ) -> None:
-        items = check_params(params)
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
-            )
-        self.partition: PartitionName = check_partition(partition)
-        self._initialized = False
-        self.optimizer_class = optimizer_class
-        self._user_defaults = dict(defaults)
-        # The class's full defaults (betas, eps, ...), validated with torch's own messages, so that
-        # param_groups carry every key torch's ZeroRedundancyOptimizer would show.
-        probe = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)
         self.process_group = comm.default_group(process_group)
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         self.global_rank = comm.global_rank(self.process_group, self.rank)
-        check_devices(
-            [
-                t
-                for item in items
-                for t in (
-                    [item]
-                    if isinstance(item, Tensor)
-                    else (
-                        [item["params"]] if isinstance(item["params"], Tensor) else item["params"]
-                    )
+        self._initialized = False
+        # Every check is local; its verdict, and each rank's fingerprint, are then exchanged so
+        # that a problem on one rank is an error on every rank rather than a hang on the others.
+        problem: Exception | None = None
+        items: list[Any] = []
+        try:
+            items = check_params(params)
+            if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+                raise TypeError(
+                    "optimizer_class must be a torch.optim.Optimizer subclass, got "
+                    f"{optimizer_class!r}"
                 )
-            ],
-            comm.backend(self.process_group),
-        )
+            self.partition: PartitionName = check_partition(partition)
+            check_devices(param_tensors(items), comm.backend(self.process_group))
+            check_update_kind(optimizer_class, self.partition, overlap_with_ddp)
+            if self.partition == "flat":
+                check_splittable(param_tensors(items))
+            # The class's full defaults (betas, eps, ...), validated with torch's own messages,
+            # so that param_groups carry every key torch's ZeroRedundancyOptimizer would show.
+            probe = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = e
+        self._agree("ZeroRedundancyOptimizer()", problem, items)
+        self.optimizer_class = optimizer_class
+        self._user_defaults = dict(defaults)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = overlap_with_ddp
         self._all_state_dicts: list[StateDict] = []
@@ -177,32 +182,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         spec = functional_spec(optimizer_class)
         if spec is not None and not all(supports_group(spec, g) for g in self.param_groups):
             spec = None
-        kind = update_kind(optimizer_class)
-        if self.partition == "flat" and kind != "elementwise":
+        if overlap_with_ddp and spec is None:
+            # the same class and options on every rank (the fingerprint agreed), so every rank
+            # raises here
             raise ValueError(
-                f"{optimizer_class.__name__} is registered as {kind!r}, not 'elementwise': its "
-                "update needs whole tensors, which partition='flat' splits across ranks. Use "
-                "partition='sorted_greedy', or, if its update is elementwise, declare it with "
-                f"zero_functional.functional.register_optimizer({optimizer_class.__name__}, "
-                "'elementwise')"
+                f"overlap_with_ddp=True needs an optimizer with a functional form; "
+                f"{optimizer_class.__name__} with these options has none. Supported: "
+                + ", ".join(c.__name__ for c in SUPPORTED)
             )
-        if overlap_with_ddp:
-            if spec is None:
-                raise ValueError(
-                    f"overlap_with_ddp=True needs an optimizer with a functional form; "
-                    f"{optimizer_class.__name__} with these options has none. Supported: "
-                    + ", ".join(c.__name__ for c in SUPPORTED)
-                )
-            if parameters_as_bucket_view:
-                logger.warning(
-                    "parameters_as_bucket_view=True is ignored when overlap_with_ddp=True: "
-                    "parameters are grouped by DDP's gradient buckets instead"
-                )
+        if overlap_with_ddp and parameters_as_bucket_view:
+            logger.warning(
+                "parameters_as_bucket_view=True is ignored when overlap_with_ddp=True: "
+                "parameters are grouped by DDP's gradient buckets instead"
+            )
         self._spec = spec
         self._probe = probe
-        if self.partition == "flat":
-            check_splittable(self._params())
-        self._check_agreement("ZeroRedundancyOptimizer()")
         self._set_ownership(self._computed_ownership())
         self._initialized = True
 
@@ -371,16 +365,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        check_params([param_group])
-        check_devices(param_tensors([param_group]), comm.backend(self.process_group))
-        super().add_param_group(param_group)
+        problem: Exception | None = None
         try:
+            check_params([param_group])
+            check_devices(param_tensors([param_group]), comm.backend(self.process_group))
             if self.partition == "flat":
-                check_splittable(self.param_groups[-1]["params"])
-            self._check_agreement("add_param_group()")
-        except BaseException:
-            self.param_groups.pop()
-            raise
+                check_splittable(param_tensors([param_group]))
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = e
+        self._agree("add_param_group()", problem, [*self.param_groups, param_group])
+        super().add_param_group(param_group)
         self._index_groups()
         old = self._ownership
         numels = tuple(p.numel() for p in self._params())
@@ -398,16 +392,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._ownership = grown
         self.reshard(new)
 
-    def _check_agreement(self, call: str) -> None:
-        """Raise on every rank unless all ranks hold the same parameters (one small gather)."""
-        mine = fingerprint(self.param_groups)
-        everyone = comm.all_gather_ints(mine, self.process_group, self._collective_device())
-        differing = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-        if differing:
+    def _agree(self, call: str, problem: Exception | None, items: Sequence[Any]) -> None:
+        """Raise the same error on every rank if any rank's checks failed or the ranks' parameters
+        differ (shapes, dtypes, devices); collective, one small gather of objects."""
+        mine = (type(problem).__name__, str(problem)) if problem is not None else fingerprint(items)
+        everyone = comm.all_gather_objects(mine, self.process_group)
+        failed = {r: v for r, v in enumerate(everyone) if isinstance(v, tuple)}
+        if problem is not None:
+            raise problem
+        if failed:
+            kinds = {"TypeError": TypeError, "ValueError": ValueError}
+            name, message = next(iter(failed.values()))
+            raise kinds.get(name, RuntimeError)(
+                f"{call} failed on rank(s) {sorted(failed)}: {message}"
+            )
+        prints = [cast(list[int], v) for v in everyone]
+        if any(theirs != prints[0] for theirs in prints):
             lines = "; ".join(
                 f"rank {r}: {v[1]} parameters in {v[0]} groups, {v[2]} elements, fingerprint "
                 f"{v[3]:x}"
-                for r, v in enumerate(everyone)
+                for r, v in enumerate(prints)
             )
             raise RuntimeError(
                 f"{call}: ranks disagree on the parameters (shapes, dtypes or devices) ({lines}): "
@@ -680,14 +684,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Works at any world size and under either partition (the state is keyed by global
         index, in each parameter's shape); never changes the caller's dict; checks everything
-        before changing anything.
+        (structure, hyperparameter kinds, every state value's type, dtype and shape against
+        the optimizer class's own state) before changing anything. Call it on every rank: a
+        dict that fails the checks on any rank is an error on every rank.
         """
         elementwise = update_kind(self.optimizer_class) == "elementwise"
-        schemas = [
-            state_schema(self.optimizer_class, g, self._user_defaults) if elementwise else None
-            for g in self.param_groups
-        ]
-        state = validated_state(state_dict, self.param_groups, schemas)
+        problem: Exception | None = None
+        state: dict[int, Mapping[str, Any]] = {}
+        try:
+            schemas = [
+                state_schema(self.optimizer_class, g, self._user_defaults) if elementwise else None
+                for g in self.param_groups
+            ]
+            state = validated_state(state_dict, self.param_groups, schemas)
+        except (TypeError, ValueError) as e:
+            problem = e
+        self._agree("load_state_dict()", problem, self.param_groups)
         params = self._params()
         loaded: dict[Tensor, dict[str, Any]] = {}
         for k, value in state.items():

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -204,10 +205,18 @@ def check_param_state(
                         f"{tuple(value.shape)} and dtype {value.dtype}; it holds one real number "
                         "per parameter (a 0-d tensor): the state belongs to another model"
                     )
+                number = float(value.item())
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
                     f"{where}'s loaded state {key!r} is a {type(value).__name__}; it must be a "
                     "number or a 0-d tensor"
+                )
+            else:
+                number = float(value)
+            if not math.isfinite(number) or (key == "step" and number < 0):
+                raise ValueError(
+                    f"{where}'s loaded state {key!r} is {number}; it must be finite (a step "
+                    "count >= 0): the state is corrupt"
                 )
             continue
         if not isinstance(value, Tensor):

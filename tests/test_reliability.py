@@ -1,0 +1,305 @@
+"""Bad input is a clear error on every rank, with the optimizer, the model and files untouched.
+
+One case per problem a new user found (issue #14), each asserting the message and that nothing
+changed: the optimizer's consolidated state and the model's parameters are compared before and
+after. The command line's cases live in ``test_cli.py`` and ``test_launch.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from distributed import run_ranks
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def train(model: nn.Module, opt: Any, rank: int, world_size: int, steps: int) -> None:
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        for p in model.parameters():
+            if p.grad is not None and world_size > 1:
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+        opt.step()
+
+
+def snapshot(model: nn.Module, opt: Any) -> tuple[list[torch.Tensor], dict[Any, Any]]:
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        {
+            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in opt.state.items()
+        },
+    )
+
+
+def unchanged(
+    before: tuple[list[torch.Tensor], dict[Any, Any]], model: nn.Module, opt: Any
+) -> bool:
+    params, state = before
+    if not all(torch.equal(a, b) for a, b in zip(params, model.parameters())):
+        return False
+    if state.keys() != opt.state.keys():
+        return False
+    return all(
+        all(
+            torch.equal(v, opt.state[p][k]) if isinstance(v, torch.Tensor) else v == opt.state[p][k]
+            for k, v in s.items()
+        )
+        for p, s in state.items()
+    )
+
+
+def _cases_worker(rank: int, world_size: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def expect(label: str, exc: type[BaseException], fn: Any) -> None:
+        with pytest.raises(exc) as info:
+            fn()
+        out[label] = str(info.value)
+
+    for partition in ("sorted_greedy", "flat"):
+        model = make_model()
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, partition=partition, lr=0.01
+        )
+        train(model, opt, rank, world_size, 2)
+        before = snapshot(model, opt)
+
+        # 1. a state dict from another model with as many parameters: a scalar parameter's
+        # state on a matrix (the next fused step used to corrupt the heap)
+        other = nn.ParameterList(
+            [nn.Parameter(torch.tensor(1.0)) for _ in range(len(list(model.parameters())))]
+        )
+        plain = torch.optim.Adam(other, lr=0.01)
+        for p in other:
+            p.grad = torch.ones(())
+        plain.step()
+        foreign = plain.state_dict()
+        # pinned: torch.optim.Adam loads it, and only its next step fails
+        ref_m = make_model()
+        ref = torch.optim.Adam(ref_m.parameters(), lr=0.01)
+        ref.load_state_dict(copy.deepcopy(foreign))
+        for p in ref_m.parameters():
+            p.grad = torch.ones_like(p)
+        with pytest.raises(RuntimeError, match="broadcast shape"):
+            ref.step()
+        expect(
+            f"{partition}: foreign state",
+            ValueError,
+            lambda opt=opt, sd=foreign: opt.load_state_dict(sd),
+        )
+        assert unchanged(before, model, opt)
+
+        # a state dict whose step is a string, or whose moments are integers
+        sd = plain.state_dict()
+        bad_step = copy.deepcopy(sd)
+        bad_step["state"][0]["step"] = "3"
+        expect(
+            f"{partition}: string step",
+            TypeError,
+            lambda opt=opt, sd=bad_step: opt.load_state_dict(sd),
+        )
+        # one rank's dict alone is bad: every rank raises
+        own = copy.deepcopy(plain.state_dict())
+        mine = ZeroRedundancyOptimizer(other.parameters(), torch.optim.Adam, lr=0.01)
+        if rank == world_size - 1:
+            own["state"][0]["exp_avg"] = torch.zeros((), dtype=torch.int64)
+        expect(
+            f"{partition}: one rank's dict",
+            (TypeError, ValueError),
+            lambda mine=mine, sd=own: mine.load_state_dict(sd),
+        )  # type: ignore[arg-type]
+        assert unchanged(before, model, opt)
+        train(model, opt, rank, world_size, 1)  # and the optimizer still works
+
+    # 2. the same parameter twice is refused, as torch.optim is moving to
+    w, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(1))
+    expect(
+        "duplicates",
+        ValueError,
+        lambda: ZeroRedundancyOptimizer([w, w, b], torch.optim.SGD, lr=0.1),
+    )
+
+    # 3. ranks that disagree on the parameters: other shapes with the same element count
+    shape = (2, 3) if rank == 0 else (3, 2)
+    expect(
+        "shapes disagree",
+        RuntimeError,
+        lambda: ZeroRedundancyOptimizer([nn.Parameter(torch.ones(shape))], torch.optim.SGD, lr=0.1),
+    )
+
+    # 4. a parameter on a device the backend cannot move, on one rank only: every rank raises
+    device = "meta" if rank == 0 else "cpu"
+    expect(
+        "meta on one rank",
+        ValueError,
+        lambda: ZeroRedundancyOptimizer(
+            [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, device=device))],
+            torch.optim.SGD,
+            lr=0.1,
+        ),
+    )
+    return out
+
+
+def test_bad_input_is_a_clear_error_on_every_rank_and_changes_nothing() -> None:
+    for rank, out in enumerate(run_ranks(_cases_worker, 2, timeout_s=120)):
+        for partition in ("sorted_greedy", "flat"):
+            assert (
+                "has shape (3, 4) but its loaded state 'exp_avg' has shape ()"
+                in out[f"{partition}: foreign state"]
+            ), out
+            assert "'step' is a str" in out[f"{partition}: string step"]
+            one = out[f"{partition}: one rank's dict"]
+            assert ("failed on rank(s) [1]" in one) if rank == 0 else ("exp_avg" in one), one
+        assert "parameters 0 and 1 are the same tensor" in out["duplicates"]
+        assert "ranks disagree on the parameters" in out["shapes disagree"]
+        meta = out["meta on one rank"]
+        assert "meta device" in meta and (rank == 0 or "failed on rank(s) [0]" in meta), meta
+
+
+# ---------------------------------------------------------------- drop-in: torch's `optim`
+
+
+def _optim_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """What torch's own tests read: ``optim.param_groups`` (this rank's), ``optim.state``."""
+    out: dict[str, Any] = {}
+    for label, cls in (("ours", ZeroRedundancyOptimizer), ("torch", None)):
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+        sizes = [9, 7, 5, 3]
+        params = [nn.Parameter(torch.rand(s, 1)) for s in sizes]
+        o = (cls or TorchZero)(params, torch.optim.SGD, lr=0.1, momentum=0.9)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        o.step()
+        out[label] = (
+            sum(p.numel() for g in o.optim.param_groups for p in g["params"]),
+            sorted(p.numel() for p in o.optim.state),
+            [g["lr"] for g in o.optim.param_groups],
+        )
+    return out
+
+
+def test_optim_attribute_shows_this_ranks_share_as_torchs_does() -> None:
+    for result in run_ranks(_optim_worker, 2, timeout_s=60):
+        assert result["ours"] == result["torch"], result
+
+
+# ---------------------------------------------------------------- fuzz: load_state_dict
+
+MUTATIONS = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # parameter
+        st.sampled_from(["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "extra"]),
+        st.sampled_from(
+            [
+                "delete",
+                "scalar",
+                "wrong shape",
+                "transposed",
+                "int",
+                "float64",
+                "number",
+                "string",
+                "none",
+                "nan",
+                "drop param",
+            ]
+        ),
+    ),
+    max_size=3,
+)
+
+
+def _mutate(sd: dict[str, Any], muts: list[tuple[int, str, str]]) -> dict[str, Any]:
+    for index, key, how in muts:
+        state = sd["state"].get(index)
+        if state is None:
+            continue
+        if how == "drop param":
+            del sd["state"][index]
+            continue
+        old = state.get(key)
+        if not isinstance(old, torch.Tensor):
+            old = torch.zeros(2)
+        if how == "delete":
+            state.pop(key, None)
+        elif how == "scalar":
+            state[key] = torch.tensor(0.5)
+        elif how == "wrong shape":
+            state[key] = torch.zeros(old.numel() + 1)
+        elif how == "transposed":
+            state[key] = old.t().contiguous() if old.dim() == 2 else old.reshape(-1, 1)
+        elif how == "int":
+            state[key] = old.to(torch.int64)
+        elif how == "float64":
+            state[key] = old.double()
+        elif how == "number":
+            state[key] = 2.0
+        elif how == "string":
+            state[key] = "x"
+        elif how == "none":
+            state[key] = None
+        elif how == "nan":
+            state[key] = torch.full_like(old, float("nan"), dtype=torch.float32)
+    return sd
+
+
+def _fuzz_worker(rank: int, world_size: int, examples: int) -> int:
+    model = make_model()
+    base_opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, base_opt, 0, 1, 2)
+    base = base_opt.state_dict()
+    checked = 0
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(MUTATIONS)
+    def loads_equal_to_torch_or_refuses(muts: list[tuple[int, str, str]]) -> None:
+        nonlocal checked
+        sd = _mutate(copy.deepcopy(base), muts)
+        ours_m, ref_m = copy.deepcopy(model), copy.deepcopy(model)
+        ours = ZeroRedundancyOptimizer(ours_m.parameters(), torch.optim.Adam, lr=0.01)
+        try:
+            ours.load_state_dict(sd)
+        except (ValueError, TypeError):
+            assert not ours.state  # refused: nothing loaded
+            return
+        ref = torch.optim.Adam(ref_m.parameters(), lr=0.01)
+        ref.load_state_dict(copy.deepcopy(sd))  # what we accept, torch accepts
+        train(ours_m, ours, 0, 1, 2)
+        train(ref_m, ref, 0, 1, 2)
+        for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True), muts
+        checked += 1
+
+    loads_equal_to_torch_or_refuses()
+    return checked
+
+
+def test_load_state_dict_fuzz_steps_equal_to_torch_or_raises() -> None:
+    (checked,) = run_ranks(_fuzz_worker, 1, 80, timeout_s=240)
+    assert checked > 0  # some mutations (none, float64, extra keys) load and step like torch
