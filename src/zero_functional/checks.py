@@ -152,8 +152,8 @@ def check_update_kind(optimizer_class: type, partition: str, overlap: bool) -> N
     """Whether ``optimizer_class`` can run where the options put it (see ``OPTIMIZER_KINDS``).
 
     Raises:
-        ValueError: A class that needs whole tensors under ``partition="flat"``, naming the
-            class and what to do instead.
+        ValueError: A class that needs whole tensors under ``partition="flat"``, or a closure
+            in overlap mode, naming the class and what to do instead.
 
     Example:
         >>> check_update_kind(torch.optim.Adam, "flat", overlap=False)
@@ -164,6 +164,12 @@ def check_update_kind(optimizer_class: type, partition: str, overlap: bool) -> N
     """
     kind = update_kind(optimizer_class)
     name = optimizer_class.__name__
+    if overlap and kind == "closure":
+        raise ValueError(
+            f"{name} is registered as 'closure': its step re-evaluates the model through a "
+            "closure, which cannot run inside DDP's backward. Use overlap_with_ddp=False and "
+            "call step(closure), or an optimizer without a closure"
+        )
     if partition == "flat" and kind != "elementwise":
         raise ValueError(
             f"{name} is registered as {kind!r}, not 'elementwise': its update needs whole "

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C._distributed_c10d import GradBucket
+from torch.amp import GradScaler
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
@@ -67,6 +68,8 @@ class _Iteration:
     futures: list[Future[Any]] = field(default_factory=list)
     # per bucket reduced onto its owners: the reduce in flight and the future handed to DDP
     reduces: dict[int, tuple[comm.Pending, Future[Tensor], Tensor]] = field(default_factory=dict)
+    # per bucket whose reduction is done: its gradients and the future handed to DDP (if ours)
+    complete: dict[int, tuple[Tensor, Future[Tensor] | None]] = field(default_factory=dict)
     processed: int = 0
     deferred: bool = False
     pending: list[comm.Pending] = field(default_factory=list)
@@ -79,6 +82,47 @@ def _starts(params: list[Tensor], indices: tuple[int, ...]) -> list[int]:
     return starts
 
 
+def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.device) -> Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place; 1.0 if any was non-finite, else 0.0.
+
+    GradScaler's own kernel (``_amp_foreach_non_finite_check_and_unscale_``), grouped by
+    device and dtype as ``GradScaler.unscale_`` groups them, so the gradients and the verdict
+    are the ones ``scaler.step(optimizer)`` would compute from the same values.
+    """
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), gs in groups.items():
+        local = torch.zeros(1, dtype=torch.float32, device=dev)
+        inv = torch.full((), inv_scale, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, local, inv)
+        found = torch.maximum(found, local.to(device))
+    return found.reshape(())
+
+
+class _ScalerFacade:
+    """What ``GradScaler.unscale_`` reads from an optimizer, holding only the verdict.
+
+    ``scaler.update()`` lowers the scale when an optimizer of this iteration found a non-finite
+    gradient; overlap mode has no ``scaler.step(optimizer)`` call, so the hook registers its
+    verdict through the scaler's public ``unscale_`` on this facade, whose one "gradient" is
+    inf exactly when the update was skipped.
+    """
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = [{"params": []}]
+
+    def record(self, scaler: GradScaler, found: Tensor) -> None:
+        verdict = torch.where(found > 0, float("inf"), 0.0).reshape(1)
+        holder = verdict.detach().clone()
+        holder.grad = verdict
+        self.param_groups = [{"params": [holder]}]
+        scaler.unscale_(self)  # type: ignore[arg-type]
+        self.param_groups = [{"params": []}]
+
+
 class OverlapState:
     """What overlap mode keeps between buckets and iterations (one per optimizer).
 
@@ -89,6 +133,8 @@ class OverlapState:
         adoptions: Structures adopted so far.
         restructures: Backwards whose buckets differed from the adopted structure.
         reduced_buckets: Buckets reduced onto their owners (rather than by the user's hook).
+        skipped: Backwards whose update was skipped because a gradient was not finite (with
+            a ``GradScaler``).
     """
 
     def __init__(
@@ -97,11 +143,15 @@ class OverlapState:
         shard_buckets: bool,
         interleaved: bool,
         collectives: Collectives,
+        grad_scaler: GradScaler | None = None,
     ) -> None:
         self.zero = zero
         self.shard_buckets = shard_buckets
         self.interleaved = interleaved
         self.collectives: Collectives = collectives
+        self.scaler = grad_scaler
+        self.skipped = 0  # backwards whose update the scaler skipped (non-finite gradients)
+        self._facade = _ScalerFacade()
         self.params = [p for g in zero.param_groups for p in g["params"]]
         self.index = {p: i for i, p in enumerate(self.params)}
         self.structure: tuple[tuple[int, ...], ...] | None = None
@@ -143,9 +193,15 @@ class OverlapState:
             if s is not None:
                 self.restructures += 1
             # Buckets before this one match the adopted structure and may have been reduced onto
-            # their owners under it: finish them with that ownership before adopt() moves state.
-            while it.processed < i:
-                self._process(it.processed)
+            # their owners under it: finish them with that ownership before adopt() moves state,
+            # or, when a scaler must first see every gradient, give every rank their reduced
+            # values (the owners broadcast their runs) so the new owners can step them.
+            if self._scaling():
+                for j in range(i):
+                    self._complete_everywhere(j)
+            else:
+                while it.processed < i:
+                    self._process(it.processed)
         return not it.deferred and self.collectives != "allreduce+broadcast"
 
     def reduce(self, bucket: GradBucket) -> Future[Tensor]:
@@ -168,15 +224,21 @@ class OverlapState:
         assert it is not None
         i = bucket.index()
         it.futures.append(fut)
-        if self.interleaved and not it.deferred:
+        scaling = self._scaling()
+        if self.interleaved and not it.deferred and not scaling:
             while it.processed < i:  # one bucket behind: its reduction has had time to finish
                 self._process(it.processed)
         if bucket.is_last():
             if it.deferred:
                 self.adopt(tuple(it.indices))
+            if scaling:
+                self._scaled_step()
             while it.processed < len(it.indices):
                 self._process(it.processed)
             self._finish()
+
+    def _scaling(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
 
     def adopt(self, structure: tuple[tuple[int, ...], ...]) -> None:
         """Own the buckets of ``structure`` and move the optimizer's state accordingly.
@@ -208,35 +270,76 @@ class OverlapState:
         self.structure = structure
         self.adoptions += 1
 
-    def _process(self, j: int) -> None:
-        """Update this rank's pieces of bucket ``j`` and start the all-gather of the bucket."""
+    def _reduced(self, j: int) -> tuple[Tensor, Future[Tensor] | None]:
+        """Bucket ``j``'s gradients once reduced, and the future DDP waits on (if ours)."""
         it = self.it
         assert it is not None
-        zero = self.zero
-        it.processed = j + 1
-        indices = it.indices[j]
-        fut: Future[Tensor] | None = None
         if j in it.reduces:
             pending, fut, flat = it.reduces.pop(j)
             pending.wait()
-        else:
-            value = it.futures[j].wait()
-            flat = value if isinstance(value, Tensor) else value[0]
+            it.complete[j] = (flat, fut)
+            return flat, fut
+        if j in it.complete:
+            return it.complete[j]
+        value = it.futures[j].wait()
+        flat = value if isinstance(value, Tensor) else value[0]
+        it.complete[j] = (flat, None)
+        return flat, None
+
+    def _complete_everywhere(self, j: int) -> None:
+        """Give every rank bucket ``j``'s reduced values (owners broadcast their runs)."""
+        flat, _ = self._reduced(j)
+        if self.collectives != "allreduce+broadcast":
+            runs, _ = self._runs[j]
+            comm.start_broadcast(flat, runs, self.zero.process_group).wait()
+
+    def _owned_grads(self, j: int, flat: Tensor) -> dict[int, Tensor]:
+        it = self.it
+        assert it is not None
+        zero = self.zero
+        indices = it.indices[j]
         starts = _starts(self.params, indices)
-        ownership = zero.ownership
         grads: dict[int, Tensor] = {}
         for pos, k in enumerate(indices):
-            seg = ownership.piece(zero.rank, k)
+            seg = zero.ownership.piece(zero.rank, k)
             if seg is not None:
                 grads[k] = flat[starts[pos] + seg.start : starts[pos] + seg.stop]
-        zero.update_owned(grads)
-        if zero.world_size > 1:
-            # in place: these parameters' grads are final, so backward no longer reads them;
-            # the owners' values are on every rank by _finish
-            it.pending.append(self._start_gather(indices, j))
+        return grads
+
+    def _process(self, j: int, *, update: bool = True) -> None:
+        """Update this rank's pieces of bucket ``j`` and start the all-gather of the bucket."""
+        it = self.it
+        assert it is not None
+        it.processed = j + 1
+        flat, fut = self._reduced(j)
+        if update:
+            self.zero.update_owned(self._owned_grads(j, flat))
+            if self.zero.world_size > 1:
+                # in place: these parameters' grads are final, so backward no longer reads
+                # them; the owners' values are on every rank by _finish
+                it.pending.append(self._start_gather(it.indices[j], j))
         if fut is not None:
             # on each rank only the pieces it owns hold the averaged gradient
             fut.set_result(flat)
+
+    def _scaled_step(self) -> None:
+        """With a GradScaler: unscale every owned gradient, decide on every rank together
+        whether any was non-finite, tell the scaler, then update everything or nothing."""
+        it = self.it
+        assert it is not None and self.scaler is not None
+        owned = [
+            g
+            for j in range(len(it.indices))
+            for g in self._owned_grads(j, self._reduced(j)[0]).values()
+        ]
+        device = owned[0].device if owned else self.zero.join_device
+        found = unscale_and_check_(owned, 1.0 / self.scaler.get_scale(), device)
+        found = comm.all_reduce_scalar(found, self.zero.process_group, op="max")
+        self._facade.record(self.scaler, found)
+        if bool(found.item()):
+            self.skipped += 1
+            while it.processed < len(it.indices):
+                self._process(it.processed, update=False)
 
     def _start_gather(self, indices: tuple[int, ...], j: int) -> comm.Pending:
         zero = self.zero
@@ -305,6 +408,7 @@ def _make_hook(
     shard_buckets: bool,
     interleaved: bool,
     collectives: Collectives | None,
+    grad_scaler: GradScaler | None,
 ) -> Hook:
     if not isinstance(zero, ZeroRedundancyOptimizer) or not zero.overlap_with_ddp:
         raise ValueError(
@@ -333,7 +437,11 @@ def _make_hook(
         )
     if zero.world_size == 1:
         collectives = "allreduce+broadcast"
-    overlap = OverlapState(zero, shard_buckets, interleaved, collectives)
+    if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
+        raise TypeError(
+            f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+        )
+    overlap = OverlapState(zero, shard_buckets, interleaved, collectives, grad_scaler)
     _STATES[zero] = overlap
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
@@ -353,6 +461,7 @@ def hook_with_zero_step(
     shard_buckets: bool = False,
     *,
     collectives: Collectives | None = None,
+    grad_scaler: GradScaler | None = None,
 ) -> Hook:
     """Wrap a DDP comm hook so that the ZeRO step runs at the end of backward.
 
@@ -376,14 +485,30 @@ def hook_with_zero_step(
             the update (torch's rule).
         collectives: Override :func:`choose_collectives` (anything but
             ``"allreduce+broadcast"`` needs the default ``allreduce_hook``, which it replaces).
+        grad_scaler: The ``torch.amp.GradScaler`` that scaled the loss. Gradients are unscaled
+            before the update; if any rank has a non-finite gradient in this backward, no
+            parameter changes on any rank, and the next ``scaler.update()`` lowers the scale,
+            exactly as ``scaler.step(optimizer)`` would with DDP. Deciding "skip" needs every
+            bucket, so with a scaler the update waits for the last bucket (no interleaving).
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(None, ...)``.
 
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        >>> # with mixed precision:
+        >>> # hook_with_zero_step(allreduce_hook, ddp, zero, grad_scaler=scaler)
+        >>> # scaler.scale(loss).backward(); scaler.update()   # no scaler.step(zero)
     """
-    return _make_hook(hook, ddp, zero, shard_buckets, interleaved=False, collectives=collectives)
+    return _make_hook(
+        hook,
+        ddp,
+        zero,
+        shard_buckets,
+        interleaved=False,
+        collectives=collectives,
+        grad_scaler=grad_scaler,
+    )
 
 
 def hook_with_zero_step_interleaved(
@@ -393,6 +518,7 @@ def hook_with_zero_step_interleaved(
     shard_buckets: bool = False,
     *,
     collectives: Collectives | None = None,
+    grad_scaler: GradScaler | None = None,
 ) -> Hook:
     """Like :func:`hook_with_zero_step`, but each bucket is updated while backward goes on.
 
@@ -403,10 +529,23 @@ def hook_with_zero_step_interleaved(
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
     """
-    return _make_hook(hook, ddp, zero, shard_buckets, interleaved=True, collectives=collectives)
+    return _make_hook(
+        hook,
+        ddp,
+        zero,
+        shard_buckets,
+        interleaved=True,
+        collectives=collectives,
+        grad_scaler=grad_scaler,
+    )
 
 
-def reduce_scatter_hook(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> Hook:
+def reduce_scatter_hook(
+    ddp: DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    *,
+    grad_scaler: GradScaler | None = None,
+) -> Hook:
     """DDP's gradient averaging, but each piece summed onto its owner only (step after backward).
 
     The recipe that gives ZeRO plain DDP's bytes outside overlap mode::
@@ -424,15 +563,24 @@ def reduce_scatter_hook(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimi
     backward). Each bucket's reduces are issued from the hook, in bucket order on every rank,
     so it is safe on gloo.
 
+    With mixed precision, pass the ``GradScaler``: ``scaler.step(zero)`` decides on each rank
+    from that rank's gradients, and after a reduce-scatter no rank sees them all, so the hook
+    makes the verdict common: at the last bucket it checks the pieces this rank owns, combines
+    the verdicts (one all-reduce of a flag), zeroes the pieces it does not own and, if any rank
+    saw a non-finite gradient, puts a NaN in the last bucket on every rank. Every rank's
+    scaler then skips (or takes) the step together, and lowers the scale together.
+
     Args:
         ddp: The ``DistributedDataParallel`` module.
         zero: A ``ZeroRedundancyOptimizer`` (not in overlap mode) over ``ddp.parameters()``.
+        grad_scaler: The ``torch.amp.GradScaler`` whose ``step(zero)`` follows backward.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(None, ...)``.
 
     Example:
         >>> # ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+        >>> # ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero, grad_scaler=scaler))
     """
     if not isinstance(zero, ZeroRedundancyOptimizer) or zero.overlap_with_ddp:
         raise ValueError(
@@ -478,6 +626,37 @@ def reduce_scatter_hook(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimi
             ) from e
         runs, chunk = runs_of(indices)
         flat.div_(world)
-        return comm.start_reduce(flat, runs, zero.process_group, chunk=chunk).future(flat)
+        pending = comm.start_reduce(flat, runs, zero.process_group, chunk=chunk)
+        if grad_scaler is None or not grad_scaler.is_enabled():
+            return pending.future(flat)
+        if bucket.index() == 0:
+            scaled.clear()
+        scaled.append((flat, runs, pending))
+        if bucket.is_last():
+            _common_verdict(scaled, zero)
+            scaled.clear()
+        return pending.future(flat)
 
+    scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []
     return _with_annotations(reduce_scatter_fn)
+
+
+def _common_verdict(
+    buckets: list[tuple[Tensor, tuple[Run, ...], comm.Pending]], zero: ZeroRedundancyOptimizer
+) -> None:
+    """Make every rank's GradScaler see the same thing: owned pieces as reduced, the others
+    zero, and a NaN everywhere if any rank's owned pieces were not finite."""
+    found = torch.zeros((), dtype=torch.float32, device=buckets[-1][0].device)
+    with torch.no_grad():
+        for flat, runs, pending in buckets:
+            pending.wait()
+            for a, b, rank in runs:
+                if rank == zero.rank:
+                    bad = ~torch.isfinite(flat[a:b]).all()
+                    found = torch.maximum(found, bad.to(found.device, torch.float32))
+                else:
+                    flat[a:b].zero_()
+        found = comm.all_reduce_scalar(found, zero.process_group, op="max")
+        last = buckets[-1][0]
+        if last.numel():
+            last[:1] = torch.where(found > 0, float("nan"), last[:1])

@@ -34,7 +34,6 @@ from zero_functional.checks import (
 )
 from zero_functional.collectives import choose_collectives, even_chunk
 from zero_functional.functional import (
-    SUPPORTED,
     functional_spec,
     supports_group,
     update_kind,
@@ -182,14 +181,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         spec = functional_spec(optimizer_class)
         if spec is not None and not all(supports_group(spec, g) for g in self.param_groups):
             spec = None
-        if overlap_with_ddp and spec is None:
-            # the same class and options on every rank (the fingerprint agreed), so every rank
-            # raises here
-            raise ValueError(
-                f"overlap_with_ddp=True needs an optimizer with a functional form; "
-                f"{optimizer_class.__name__} with these options has none. Supported: "
-                + ", ".join(c.__name__ for c in SUPPORTED)
-            )
         if overlap_with_ddp and parameters_as_bucket_view:
             logger.warning(
                 "parameters_as_bucket_view=True is ignored when overlap_with_ddp=True: "
