@@ -303,3 +303,65 @@ def _fuzz_worker(rank: int, world_size: int, examples: int) -> int:
 def test_load_state_dict_fuzz_steps_equal_to_torch_or_raises() -> None:
     (checked,) = run_ranks(_fuzz_worker, 1, 80, timeout_s=240)
     assert checked > 0  # some mutations (none, float64, extra keys) load and step like torch
+
+
+# ---------------------------------------------------------------- named, bounded collective failures
+
+
+def _mismatch_worker(rank: int, world_size: int) -> tuple[str, float]:
+    import time
+
+    from zero_functional.comm import CollectiveError
+
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01, timeout=3.0)
+    train(model, opt, rank, world_size, 1)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        if rank == 0:
+            opt.step()  # rank 0 steps ...
+        else:
+            opt.consolidate_state_dict(to=1)  # ... while rank 1 consolidates
+    return str(info.value), time.monotonic() - t0
+
+
+def test_ranks_in_different_calls_fail_within_the_timeout_naming_each_others_call() -> None:
+    results = run_ranks(_mismatch_worker, 2, timeout_s=120, pg_timeout_s=60)
+    (msg0, t0), (msg1, t1) = results
+    assert "step() #" in msg0 and "failed on rank 0 of 2" in msg0, msg0
+    assert "rank 1 was in consolidate_state_dict(to=1)" in msg0, msg0
+    assert "consolidate_state_dict(to=1) #" in msg1 and "rank 0 was in step()" in msg1, msg1
+    assert max(t0, t1) < 3.0 + 5.0 + 5.0  # the timeout, the grace for reports, some slack
+
+
+def _killed_worker(rank: int, world_size: int, out_dir: str) -> str:
+    import os
+    import signal
+    import time
+
+    from zero_functional.comm import CollectiveError
+
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01, timeout=20.0)
+    train(model, opt, rank, world_size, 1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies before its step's broadcasts
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        opt.step()
+    message = f"{time.monotonic() - t0:.1f}\n{info.value}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+    return message
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivors(tmp_path: Any) -> None:
+    with pytest.raises(AssertionError, match="rank.*1.*gave no result|killed"):
+        run_ranks(_killed_worker, 3, str(tmp_path), timeout_s=120, pg_timeout_s=60)
+    for rank in (0, 2):
+        seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert "step() #" in message and f"failed on rank {rank} of 3" in message, message
+        assert "rank 1 did not report (it died" in message, message
+        assert float(seconds) < 20.0 + 5.0 + 5.0

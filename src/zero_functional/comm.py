@@ -7,10 +7,16 @@ from hanging: gloo matches collectives across ranks by the order they are issued
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import io
-from collections.abc import Callable, Mapping, Sequence
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -20,6 +26,7 @@ from torch.futures import Future
 
 __all__ = [
     "COALESCE_BELOW",
+    "CollectiveError",
     "Pending",
     "ProcessGroup",
     "Work",
@@ -29,6 +36,7 @@ __all__ = [
     "all_reduce_scalar",
     "backend",
     "broadcast_shards",
+    "call",
     "collective_device",
     "default_group",
     "exchange_objects",
@@ -51,10 +59,127 @@ __all__ = [
 ProcessGroup = dist.ProcessGroup
 
 
+class CollectiveError(RuntimeError):
+    """A collective of this package failed or timed out.
+
+    The message names the call (``step()``, ``consolidate_state_dict()``, ...), its sequence
+    number among this process group's calls through the package, this rank, how long it waited,
+    and what every other rank reported it was doing when it failed too (or that it did not
+    report: it died, or is not in a call of this package).
+    """
+
+
+@dataclass
+class _Call:
+    name: str
+    group: ProcessGroup
+    seq: int
+    timeout: float | None
+    started: float
+
+
+_local = threading.local()
+_SEQ: dict[str, int] = {}
+REPORT_GRACE_S = 5.0
+"""How long a failed rank waits for the others' reports before it raises."""
+
+
+def _group_key(group: ProcessGroup) -> str:
+    return str(getattr(group, "group_name", "") or "default")
+
+
+@contextlib.contextmanager
+def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Iterator[None]:
+    """Run the collectives of one call of the package under ``name``; name its failures.
+
+    Every collective of the block waits at most ``timeout`` seconds (default: the process
+    group's own timeout). A failure or a timeout becomes a :class:`CollectiveError` that says
+    which call, which rank, and what the other ranks were doing: each failed rank writes its
+    call into the process group's store and reads the others' for up to
+    :data:`REPORT_GRACE_S` seconds, so ranks that called different things (one ``step()``,
+    another ``consolidate_state_dict()``) are named, and a dead rank is named by its silence.
+    Nothing is sent when all goes well. Calls nest: the outermost name counts.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> with call("example()", dist.group.WORLD, timeout=5.0):
+        ...     all_gather_ints([1], dist.group.WORLD, torch.device("cpu"))
+        [[1]]
+        >>> dist.destroy_process_group()
+    """
+    outer = getattr(_local, "call", None)
+    if outer is not None:
+        yield
+        return
+    key = _group_key(group)
+    _SEQ[key] = _SEQ.get(key, 0) + 1
+    current = _Call(name, group, _SEQ[key], timeout, time.monotonic())
+    _local.call = current
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(_explain(current, e)) from e
+    finally:
+        _local.call = None
+
+
+def _wait(work: Work | None) -> None:
+    if work is None:
+        return
+    current: _Call | None = getattr(_local, "call", None)
+    if current is not None and current.timeout is not None:
+        left = current.timeout - (time.monotonic() - current.started)
+        work.wait(timedelta(seconds=max(left, 0.001)))
+    else:
+        work.wait()
+
+
+def _explain(current: _Call, error: BaseException) -> str:
+    group = current.group
+    me, world = group_rank(group), group_size(group)
+    waited = time.monotonic() - current.started
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    # gloo's messages start with a source path and end with advice for gloo's own users
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first).split(" This is typically")[0]
+    mine = f"{current.name} #{current.seq}"
+    reports: dict[int, str] = {}
+    try:
+        store = group.get_group_store()
+        prefix = "zero_functional/failed/"
+        store.set(f"{prefix}{me}", mine)
+        deadline = time.monotonic() + REPORT_GRACE_S
+        while len(reports) < world - 1 and time.monotonic() < deadline:
+            for r in range(world):
+                if r != me and r not in reports and store.check([f"{prefix}{r}"]):
+                    reports[r] = store.get(f"{prefix}{r}").decode()
+            if len(reports) < world - 1:
+                time.sleep(0.05)
+    except Exception:  # no store to talk through (or it died with a peer): say what we know
+        pass
+    others = [
+        f"rank {r} was in {reports[r]}"
+        if r in reports
+        else f"rank {r} did not report (it died, or is not in a call of zero_functional)"
+        for r in range(world)
+        if r != me
+    ]
+    return (
+        f"{mine} (this process group's collective call #{current.seq} through "
+        f"zero_functional) failed on rank {me} of {world} after {waited:.1f} s: {first}. "
+        f"The other ranks: {'; '.join(others) or 'none'}. Every rank must make the same calls "
+        "in the same order (step(), consolidate_state_dict(), add_param_group(), "
+        "load_state_dict(), and the backward of a hooked DDP module)."
+    )
+
+
 class Work(Protocol):
     """The handle an asynchronous collective returns."""
 
-    def wait(self) -> bool: ...
+    def wait(self, timeout: timedelta = ...) -> bool: ...
 
     def get_future(self) -> Future[object]: ...
 
@@ -140,7 +265,9 @@ def all_gather_ints(
     """
     local = torch.tensor(list(values), dtype=torch.int64, device=device)
     out = [torch.empty_like(local) for _ in range(group_size(group))]
-    dist.all_gather(out, local, group=group)
+    work = dist.all_gather(out, local, group=group, async_op=True)
+    assert work is not None
+    _wait(work)
     return [[int(v) for v in t.tolist()] for t in out]
 
 
@@ -154,7 +281,7 @@ class Pending:
     def wait(self) -> None:
         """Wait for every collective, then copy received data where it belongs (once)."""
         for work in self.works:
-            work.wait()
+            _wait(work)
         self._run_finish()
 
     def _run_finish(self) -> None:
@@ -479,7 +606,10 @@ def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") ->
     """
     device = collective_device(group, value.device)
     t = value.detach().reshape(1).to(device, copy=True)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    work = dist.all_reduce(t, op=reduce_op, group=group, async_op=True)
+    assert work is not None
+    _wait(work)
     return t.reshape(()).to(value.device)
 
 
@@ -521,16 +651,16 @@ def send_object(obj: object, dst: int, group: ProcessGroup, device: torch.device
     """Send one picklable object to group rank ``dst`` (pairs with :func:`recv_object`)."""
     payload = _to_bytes(obj)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    dist.send(size, dst=global_rank(group, dst), group=group)
-    dist.send(payload.to(device), dst=global_rank(group, dst), group=group)
+    _wait(dist.isend(size, dst=global_rank(group, dst), group=group))
+    _wait(dist.isend(payload.to(device), dst=global_rank(group, dst), group=group))
 
 
 def recv_object(src: int, group: ProcessGroup, device: torch.device) -> object:
     """Receive one object sent by :func:`send_object` from group rank ``src``, on the CPU."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, src=global_rank(group, src), group=group)
+    _wait(dist.irecv(size, src=global_rank(group, src), group=group))
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(data, src=global_rank(group, src), group=group)
+    _wait(dist.irecv(data, src=global_rank(group, src), group=group))
     cpu = data.cpu()
     del data
     return _from_bytes(cpu)

@@ -446,9 +446,11 @@ def _make_hook(
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         assert ddp_ref() is not None, "the DDP module was garbage-collected"
-        substitute = overlap.start(bucket) and (state is None or state is zero.process_group)
-        fut = overlap.reduce(bucket) if substitute else hook(state, bucket)
-        overlap.on_bucket(bucket, fut)
+        name = f"backward() (hook_with_zero_step, bucket {bucket.index()})"
+        with comm.call(name, zero.process_group, timeout=zero.timeout):
+            substitute = overlap.start(bucket) and (state is None or state is zero.process_group)
+            fut = overlap.reduce(bucket) if substitute else hook(state, bucket)
+            overlap.on_bucket(bucket, fut)
         return fut
 
     return _with_annotations(hook_with_zero_fn)
@@ -626,15 +628,17 @@ def reduce_scatter_hook(
             ) from e
         runs, chunk = runs_of(indices)
         flat.div_(world)
-        pending = comm.start_reduce(flat, runs, zero.process_group, chunk=chunk)
-        if grad_scaler is None or not grad_scaler.is_enabled():
-            return pending.future(flat)
-        if bucket.index() == 0:
-            scaled.clear()
-        scaled.append((flat, runs, pending))
-        if bucket.is_last():
-            _common_verdict(scaled, zero)
-            scaled.clear()
+        name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"
+        with comm.call(name, zero.process_group, timeout=zero.timeout):
+            pending = comm.start_reduce(flat, runs, zero.process_group, chunk=chunk)
+            if grad_scaler is None or not grad_scaler.is_enabled():
+                return pending.future(flat)
+            if bucket.index() == 0:
+                scaled.clear()
+            scaled.append((flat, runs, pending))
+            if bucket.is_last():
+                _common_verdict(scaled, zero)
+                scaled.clear()
         return pending.future(flat)
 
     scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, cast
@@ -123,6 +124,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             DDP bucket, split into ``world_size`` even ranges; a parameter may straddle ranks;
             needs an elementwise optimizer, see
             :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
+        timeout: Seconds any collective of this optimizer may wait (default: the process
+            group's timeout). A collective that fails or times out raises
+            :class:`~zero_functional.comm.CollectiveError` naming the call, this rank and what
+            the other ranks were doing.
         **defaults: Hyperparameters for ``optimizer_class``.
 
     Example:
@@ -140,6 +145,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_with_ddp: bool = False,
         *,
         partition: PartitionName = "sorted_greedy",
+        timeout: float | None = None,
         **defaults: Any,
     ) -> None:
         self.process_group = comm.default_group(process_group)
@@ -147,6 +153,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank = comm.group_rank(self.process_group)
         self.global_rank = comm.global_rank(self.process_group, self.rank)
         self._initialized = False
+        self.timeout = timeout
         # Every check is local; its verdict, and each rank's fingerprint, are then exchanged so
         # that a problem on one rank is an error on every rank rather than a hang on the others.
         problem: Exception | None = None
@@ -275,9 +282,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             else:
                 outgoing.setdefault(t.dst, {})[(t.param, t.start, t.stop)] = part
         pairs = sorted({(t.src, t.dst) for t in moves if t.src != t.dst})
-        received = comm.exchange_objects(
-            outgoing, pairs, self.process_group, self._collective_device()
-        )
+        with self._call("reshard()"):
+            received = comm.exchange_objects(
+                outgoing, pairs, self.process_group, self._collective_device()
+            )
         for payload in received.values():
             kept.update(cast(dict[tuple[int, int, int], dict[str, Any]], payload))
         for t in moves:  # every piece this rank held is replaced (or dropped)
@@ -387,7 +395,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Raise the same error on every rank if any rank's checks failed or the ranks' parameters
         differ (shapes, dtypes, devices); collective, one small gather of objects."""
         mine = (type(problem).__name__, str(problem)) if problem is not None else fingerprint(items)
-        everyone = comm.all_gather_objects(mine, self.process_group)
+        with self._call(call):
+            everyone = comm.all_gather_objects(mine, self.process_group)
         failed = {r: v for r, v in enumerate(everyone) if isinstance(v, tuple)}
         if problem is not None:
             raise problem
@@ -409,6 +418,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "build the optimizer, and call add_param_group, on every rank with the same "
                 "parameters in the same order"
             )
+
+    def _call(self, name: str) -> AbstractContextManager[None]:
+        """The context that names this optimizer's collectives when they fail (comm.call)."""
+        return comm.call(name, self.process_group, timeout=self.timeout)
 
     def _collective_device(self) -> torch.device:
         return comm.collective_device(self.process_group, self._default_device)
@@ -442,7 +455,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 with torch.enable_grad():
                     loss = closure()
             self.update_owned(self._owned_grads())
-        self._sync_params()
+        with self._call("step()"):
+            self._sync_params()
         return loss
 
     def _owned_grads(self) -> dict[int, Tensor]:
@@ -547,14 +561,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     (g.detach().abs().max().float() for g in pieces if g.numel()),
                     default=torch.zeros((), device=device),
                 ).to(device)
-                total = comm.all_reduce_scalar(local, self.process_group, op="max")
+                with self._call("clip_grad_norm_()"):
+                    total = comm.all_reduce_scalar(local, self.process_group, op="max")
             else:
                 powers = [
                     torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) ** norm_type
                     for g in pieces
                 ]
                 local = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
-                total = comm.all_reduce_scalar(local, self.process_group) ** (1.0 / norm_type)
+                with self._call("clip_grad_norm_()"):
+                    total = comm.all_reduce_scalar(local, self.process_group) ** (1.0 / norm_type)
             if error_if_nonfinite and not torch.isfinite(total):
                 raise RuntimeError(
                     f"the total norm of order {norm_type} of the gradients is non-finite, so it "
@@ -626,9 +642,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Shards travel one at a time, each moved to the CPU on arrival, so rank ``to`` never holds
         more than one other rank's shard in device memory.
         """
-        gathered = comm.gather_objects(
-            {"state": self._local_state()}, to, self.process_group, self._collective_device()
-        )
+        with self._call(f"consolidate_state_dict(to={to})"):
+            gathered = comm.gather_objects(
+                {"state": self._local_state()}, to, self.process_group, self._collective_device()
+            )
         self._all_state_dicts = (
             [cast(StateDict, x) for x in gathered] if gathered is not None else []
         )
