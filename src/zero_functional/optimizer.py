@@ -148,10 +148,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         timeout: float | None = None,
         **defaults: Any,
     ) -> None:
-        self.process_group = comm.default_group(process_group)
-        self.world_size = comm.group_size(self.process_group)
-        self.rank = comm.group_rank(self.process_group)
-        self.global_rank = comm.global_rank(self.process_group, self.rank)
         self._initialized = False
         self.timeout = timeout
         # Every check is local; its verdict, and each rank's fingerprint, are then exchanged so
@@ -166,7 +162,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     f"{optimizer_class!r}"
                 )
             self.partition: PartitionName = check_partition(partition)
-            check_devices(param_tensors(items), comm.backend(self.process_group))
             check_update_kind(optimizer_class, self.partition, overlap_with_ddp)
             if self.partition == "flat":
                 check_splittable(param_tensors(items))
@@ -175,6 +170,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             probe = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)
         except (TypeError, ValueError, RuntimeError) as e:
             problem = e
+        try:
+            self.process_group = comm.default_group(process_group)
+        except RuntimeError:
+            if problem is not None:  # no process group to tell: the input's own error first
+                raise problem from None
+            raise
+        self.world_size = comm.group_size(self.process_group)
+        self.rank = comm.group_rank(self.process_group)
+        self.global_rank = comm.global_rank(self.process_group, self.rank)
+        if problem is None:
+            try:
+                check_devices(param_tensors(items), comm.backend(self.process_group))
+            except ValueError as e:
+                problem = e
         self._agree("ZeroRedundancyOptimizer()", problem, items)
         self.optimizer_class = optimizer_class
         self._user_defaults = dict(defaults)
