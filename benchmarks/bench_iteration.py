@@ -8,7 +8,9 @@ Variants, round-robin inside the same gloo ranks so that they share the machine'
 * ``ours <partition>``: step after backward with ``reduce_scatter_hook`` (DDP's bytes);
 * ``ours flat, ddp all-reduce``: the same without the hook (DDP all-reduces, then the step
   broadcasts: torch's 1.5x);
-* ``ours overlap <partition>``: ``hook_with_zero_step_interleaved`` (the step inside backward).
+* ``ours overlap <partition>``: ``hook_with_zero_step_interleaved`` (the step inside backward);
+* ``... + gather in forward``: ``overlap_param_gather=True`` (the parameter all-gather finishes
+  during the next forward, module by module).
 
 Prints the median iteration time of the slowest rank, ratios against DDP + fused Adam and
 against torch's best ZeRO, the bytes each rank sends per iteration (counted from the collectives
@@ -44,6 +46,8 @@ NAMES = [
     "ours flat, ddp all-reduce",
     "ours overlap sorted_greedy",
     "ours overlap flat",
+    "ours flat + gather in forward",
+    "ours overlap flat + gather in forward",
 ]
 BASELINE, TORCH_BEST = "ddp + fused adam", "torch zero best"
 
@@ -62,7 +66,12 @@ def _build(name: str, numel: int, counting: bool) -> tuple[DDP, Any]:
     partition = "flat" if "flat" in name else "sorted_greedy"
     overlap = "overlap" in name
     zero = ZeroRedundancyOptimizer(
-        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, partition=partition, lr=1e-4
+        ddp.parameters(),
+        torch.optim.Adam,
+        overlap_with_ddp=overlap,
+        partition=partition,
+        overlap_param_gather="gather in forward" in name,
+        lr=1e-4,
     )
     if overlap:
         hook = hook_with_zero_step_interleaved(
@@ -95,6 +104,9 @@ def _worker(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, An
             _iteration(name, ddp, opt, x)
             if r >= 2:  # two warm-up rounds for every variant alike
                 times[name].append(time.perf_counter() - t0)
+    for _, opt in variants.values():
+        if hasattr(opt, "finish_param_sync"):
+            opt.finish_param_sync()
     base = list(variants[BASELINE][0].module.parameters())
     diff = {
         name: max((a - b).abs().max().item() for a, b in zip(ddp.module.parameters(), base))
@@ -130,7 +142,7 @@ def main() -> None:
         med = {name: max(r["ms"][name] for r in results) for name in NAMES}  # the slowest rank
         print(f"\n== world size {ws}, {n_params:,} parameters, median of {args.rounds} rounds")
         print(
-            f"{'variant':<28}{'iter ms':>9}{'x ddp+fused':>13}{'x torch best':>14}"
+            f"{'variant':<38}{'iter ms':>9}{'x ddp+fused':>13}{'x torch best':>14}"
             f"{'MB sent/rank':>14}{'x ddp bytes':>13}{'max|dp| vs ddp':>16}"
         )
         ddp_bytes = max(r["sent"][BASELINE] for r in results)
@@ -138,7 +150,7 @@ def main() -> None:
             mb = max(r["sent"][name] for r in results)
             diff = max(r["diff"][name] for r in results)
             print(
-                f"{name:<28}{med[name]:>9.1f}{med[name] / med[BASELINE]:>12.2f}x"
+                f"{name:<38}{med[name]:>9.1f}{med[name] / med[BASELINE]:>12.2f}x"
                 f"{med[name] / med[TORCH_BEST]:>13.2f}x{mb / 1e6:>14.1f}"
                 f"{mb / ddp_bytes:>12.2f}x{diff:>16.1e}"
             )

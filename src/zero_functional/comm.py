@@ -52,6 +52,7 @@ __all__ = [
     "start_broadcast",
     "start_reduce",
     "start_sync_params",
+    "start_sync_units",
     "sync_params",
     "unflatten_into",
 ]
@@ -503,27 +504,69 @@ def start_sync_params(
         tensor([1., 1., 1.])
         >>> dist.destroy_process_group()
     """
+    units = start_sync_units(params, owners, group, coalesce_below=coalesce_below)
+    return Pending(
+        [w for unit, _ in units for w in unit.works], [f for unit, _ in units for f in unit.finish]
+    )
+
+
+def start_sync_units(
+    params: Sequence[Tensor],
+    owners: Sequence[int],
+    group: ProcessGroup,
+    *,
+    coalesce_below: int = COALESCE_BELOW,
+) -> list[tuple[Pending, list[int]]]:
+    """:func:`start_sync_params` as separate units: each pending broadcast with the indices of
+    the tensors that are final once it is waited for (a large tensor, or one packed group).
+
+    What lets a reader wait for just the tensors it needs (a module's forward, for the
+    parameter all-gather that overlaps the next forward). On NCCL, where the broadcasts go out
+    as one coalesced launch, there is one unit covering every tensor.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> units = start_sync_units([torch.zeros(2), torch.ones(3)], [0, 0], dist.group.WORLD)
+        >>> [covered for _, covered in units]
+        [[0, 1]]
+        >>> dist.destroy_process_group()
+    """
     if len(params) != len(owners):
         raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
     me = group_rank(group)
-    keys: dict[tuple[int, str, str], list[Tensor]] = {}
+    keys: dict[tuple[int, str, str], list[int]] = {}
     calls: list[tuple[Tensor, int]] = []
-    for t, owner in zip(params, owners):
+    covers: list[list[int]] = []
+    finishes: list[Callable[[], None] | None] = []
+    for i, (t, owner) in enumerate(zip(params, owners)):
         if t.numel() >= coalesce_below and t.is_contiguous():
             calls.append((t.detach(), owner))
+            covers.append([i])
+            finishes.append(None)
         elif t.numel():
-            keys.setdefault((owner, str(t.device), str(t.dtype)), []).append(t)
-    finish: list[Callable[[], None]] = []
-    for (owner, _, _), tensors in sorted(keys.items(), key=lambda kv: kv[0]):
+            keys.setdefault((owner, str(t.device), str(t.dtype)), []).append(i)
+    for (owner, _, _), indices in sorted(keys.items(), key=lambda kv: kv[0]):
+        tensors = [params[i] for i in indices]
+        finish: Callable[[], None] | None = None
         if owner == me:
             buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
         else:
             buffer = torch.empty(
                 sum(t.numel() for t in tensors), device=tensors[0].device, dtype=tensors[0].dtype
             )
-            finish.append(functools.partial(unflatten_into, buffer, tensors))
+            finish = functools.partial(unflatten_into, buffer, tensors)
         calls.append((buffer, owner))
-    return Pending(_issue(dist.broadcast, calls, group), finish)
+        covers.append(indices)
+        finishes.append(finish)
+    works = _issue(dist.broadcast, calls, group)
+    done = [f for f in finishes if f is not None]
+    if len(works) != len(calls):  # one coalesced launch: one unit
+        return [(Pending(works, done), sorted(i for c in covers for i in c))] if calls else []
+    return [
+        (Pending([w], [f] if f is not None else []), c) for w, f, c in zip(works, finishes, covers)
+    ]
 
 
 def sync_params(

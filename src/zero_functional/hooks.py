@@ -72,7 +72,7 @@ class _Iteration:
     complete: dict[int, tuple[Tensor, Future[Tensor] | None]] = field(default_factory=dict)
     processed: int = 0
     deferred: bool = False
-    pending: list[comm.Pending] = field(default_factory=list)
+    pending: list[tuple[comm.Pending, list[Tensor]]] = field(default_factory=list)
 
 
 def _starts(params: list[Tensor], indices: tuple[int, ...]) -> list[int]:
@@ -317,7 +317,7 @@ class OverlapState:
             if self.zero.world_size > 1:
                 # in place: these parameters' grads are final, so backward no longer reads
                 # them; the owners' values are on every rank by _finish
-                it.pending.append(self._start_gather(it.indices[j], j))
+                it.pending.extend(self._start_gather(it.indices[j], j))
         if fut is not None:
             # on each rank only the pieces it owns hold the averaged gradient
             fut.set_result(flat)
@@ -341,30 +341,39 @@ class OverlapState:
             while it.processed < len(it.indices):
                 self._process(it.processed, update=False)
 
-    def _start_gather(self, indices: tuple[int, ...], j: int) -> comm.Pending:
+    def _start_gather(
+        self, indices: tuple[int, ...], j: int
+    ) -> list[tuple[comm.Pending, list[Tensor]]]:
+        """Start the all-gather of bucket ``j``'s parameters: units and what each writes."""
         zero = self.zero
         runs, chunk = self._runs.get(j, ((), None))
         if chunk is None:
             tensors: list[Tensor] = []
             owners: list[int] = []
+            of: list[Tensor] = []
             for k in indices:
                 for rank, seg in zero.ownership.holders(k):
                     tensors.append(piece_view(self.params[k], seg))
                     owners.append(rank)
-            return comm.start_sync_params(tensors, owners, zero.process_group)
+                    of.append(self.params[k])
+            units = comm.start_sync_units(tensors, owners, zero.process_group)
+            return [(pending, [of[i] for i in covered]) for pending, covered in units]
         # even shards: pack the bucket's parameters, all-gather, unpack (NCCL's fast path)
         ps = [self.params[k] for k in indices]
         with torch.no_grad():
             staging = torch.cat([p.detach().reshape(-1) for p in ps])
         pending = comm.start_broadcast(staging, runs, zero.process_group, chunk=chunk)
         pending.finish.append(lambda: comm.unflatten_into(staging, ps))
-        return pending
+        return [(pending, ps)]
 
     def _finish(self) -> None:
         it = self.it
         assert it is not None
-        for pending in it.pending:
-            pending.wait()
+        if self.zero.overlap_param_gather:
+            self.zero.defer_param_sync(it.pending)  # the next forward waits, module by module
+        else:
+            for pending, _ in it.pending:
+                pending.wait()
         self.it = None
 
 

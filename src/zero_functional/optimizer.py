@@ -71,6 +71,12 @@ FLAT_ALIGN_BYTES = 16
 every shard starts where vectorised kernels and NCCL like it."""
 
 
+def _aliases(param: Tensor, buffer: Tensor) -> bool:
+    """Whether ``param``'s data is a view into ``buffer`` (a bucket view)."""
+    base = param.data._base
+    return base is not None and base.data_ptr() == buffer.data_ptr()
+
+
 class _ZeroJoinHook(JoinHook):
     """Shadows the step's collectives on a rank that has run out of inputs."""
 
@@ -124,6 +130,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             DDP bucket, split into ``world_size`` even ranges; a parameter may straddle ranks;
             needs an elementwise optimizer, see
             :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
+        overlap_param_gather: Let ``step()`` return once the all-gather of the updated
+            parameters has started; each module's next forward waits for its own parameters
+            (Megatron-LM's ``overlap_param_gather``). Read parameters outside a forward only
+            after :meth:`finish_param_sync`. Default: off.
         timeout: Seconds any collective of this optimizer may wait (default: the process
             group's timeout). A collective that fails or times out raises
             :class:`~zero_functional.comm.CollectiveError` naming the call, this rank and what
@@ -146,6 +156,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         *,
         partition: PartitionName = "sorted_greedy",
         timeout: float | None = None,
+        overlap_param_gather: bool | None = None,
         **defaults: Any,
     ) -> None:
         self._initialized = False
@@ -191,6 +202,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_with_ddp = overlap_with_ddp
         self._all_state_dicts: list[StateDict] = []
         self._buffers: list[_Buffer] = []
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self._in_flight: list[comm.Pending] = []
+        self._pending_for: dict[Tensor, list[comm.Pending]] = {}
+        self._forward_hook: torch.utils.hooks.RemovableHandle | None = None
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
@@ -317,6 +332,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _build_buffers(self) -> None:
         """With ``parameters_as_bucket_view``, make parameters views of contiguous buffers."""
+        if getattr(self, "_in_flight", None):
+            self.finish_param_sync()  # the old views are still being written
         self._buffers = []
         if not self.parameters_as_bucket_view or self._overlap_with_ddp:
             return
@@ -452,6 +469,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             )
             return None
         Join.notify_join_context(self)
+        self.finish_param_sync()
         trainable = [p.requires_grad for p in self._params()]
         if trainable != self._trainable:
             self._trainable = trainable
@@ -496,6 +514,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "update_owned needs an optimizer that runs on pieces; this one runs "
                 f"{self.optimizer_class.__name__} over whole parameters: call step()"
             )
+        self.finish_param_sync()
         params = self._params()
         by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]] = {}
         for k, grad in grads.items():
@@ -519,24 +538,84 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._stepper.step_pieces(self.param_groups[g], ps, gs, ss)
 
     def _sync_params(self) -> None:
+        """Give every rank every owner's updated pieces: now, or, with
+        ``overlap_param_gather``, started now and waited for by the next forward."""
         if self.world_size == 1:
             return
+        params = self._params()
+        units: list[tuple[comm.Pending, list[Tensor]]] = []
         if self._buffers:
-            pending = [
-                comm.start_broadcast(b.tensor, b.runs, self.process_group, chunk=b.chunk)
-                for b in self._buffers
-            ]
+            for b in self._buffers:
+                pending = comm.start_broadcast(b.tensor, b.runs, self.process_group, chunk=b.chunk)
+                units.append((pending, [p for p in params if _aliases(p, b.tensor)]))
         else:
             tensors: list[Tensor] = []
             owners: list[int] = []
-            for k, p in enumerate(self._params()):
+            of: list[Tensor] = []
+            for k, p in enumerate(params):
                 if p.requires_grad:
                     for rank, seg in self._ownership.holders(k):
                         tensors.append(piece_view(p, seg))
                         owners.append(rank)
-            pending = [comm.start_sync_params(tensors, owners, self.process_group)]
-        for handle in pending:
-            handle.wait()
+                        of.append(p)
+            for pending, covered in comm.start_sync_units(tensors, owners, self.process_group):
+                units.append((pending, [of[i] for i in covered]))
+        if self.overlap_param_gather:
+            self.defer_param_sync(units)
+        else:
+            for pending, _ in units:
+                pending.wait()
+
+    def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
+        """Let collectives in flight finish by the time their parameters are next read.
+
+        Each unit is a pending all-gather and the parameters it writes. A forward pre-hook
+        (on every module, installed while anything is pending) waits for the units of the
+        module's own parameters before the module runs; :meth:`finish_param_sync` waits for
+        everything. The hooks of :mod:`zero_functional.hooks` hand their all-gathers here.
+        """
+        for pending, covered in units:
+            self._in_flight.append(pending)
+            for p in covered:
+                self._pending_for.setdefault(p, []).append(pending)
+        if self._pending_for and self._forward_hook is None:
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                self._before_forward
+            )
+
+    def _before_forward(self, module: torch.nn.Module, args: object) -> None:
+        waits = [
+            pending
+            for p in module.parameters(recurse=False)
+            for pending in self._pending_for.pop(p, ())
+        ]
+        if waits:
+            with self._call("the parameter all-gather of step(), before a forward"):
+                for pending in waits:
+                    pending.wait()
+        if not self._pending_for:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight; call it before reading the
+        parameters outside a forward (``model.state_dict()``, a tied weight used directly in
+        the loss, a comparison across ranks).
+
+        With ``overlap_param_gather`` (the default where it measures faster), ``step()``
+        returns as soon as the all-gather of the updated parameters has started, and each
+        module's forward waits for its own parameters; this package's own readers (the next
+        ``step()``, bucket views being rebuilt, ``zero_functional.checkpoint``) call this
+        first. A no-op when nothing is in flight.
+        """
+        in_flight, self._in_flight = self._in_flight, []
+        self._pending_for = {}
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        if in_flight:
+            with self._call("the parameter all-gather of step()"):
+                for pending in in_flight:
+                    pending.wait()
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
