@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ __all__ = [
     "start_sync_params",
     "start_sync_units",
     "sync_params",
+    "twin_group",
     "unflatten_into",
 ]
 
@@ -184,6 +185,8 @@ class Work(Protocol):
 
     def get_future(self) -> Future[object]: ...
 
+    def is_completed(self) -> bool: ...
+
 
 def default_group(group: ProcessGroup | None) -> ProcessGroup:
     """``group``, or the default (world) group when it is ``None``."""
@@ -247,6 +250,22 @@ def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
     return out
 
 
+def twin_group(group: ProcessGroup) -> ProcessGroup | None:
+    """A second process group over ``group``'s ranks, or ``None`` where one cannot be made.
+
+    Collectives on the twin are ordered among themselves only, so one kind of traffic (the
+    parameter all-gather) can be issued when it is ready without breaking the issue order of
+    the other (the gradient reduce-scatter). Collective over ``group``'s ranks (only they
+    take part); ``None`` on a torch without local synchronisation of new groups.
+    """
+    ranks = [global_rank(group, r) for r in range(group_size(group))]
+    try:
+        twin = dist.new_group(ranks=ranks, use_local_synchronization=True)
+    except TypeError:  # torch < 2.1: new_group would need every rank of the world
+        return None
+    return cast(ProcessGroup | None, twin)
+
+
 def backend(group: ProcessGroup) -> str:
     """The name of ``group``'s backend (``"gloo"``, ``"nccl"``, ...)."""
     return str(dist.get_backend(group))
@@ -278,6 +297,10 @@ class Pending:
     def __init__(self, works: list[Work], finish: list[Callable[[], None]] | None = None) -> None:
         self.works = works
         self.finish = finish or []
+
+    def done(self) -> bool:
+        """Whether every collective has completed (never blocks)."""
+        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         """Wait for every collective, then copy received data where it belongs (once)."""

@@ -150,6 +150,14 @@ class OverlapState:
         self.interleaved = interleaved
         self.collectives: Collectives = collectives
         self.scaler = grad_scaler
+        # interleaved: the all-gather runs on a twin group, so a bucket is updated as soon as
+        # its reduction is done, never waited for on the autograd thread
+        self.gather_group = zero.process_group
+        self.nonblocking = False
+        if interleaved and zero.world_size > 1:
+            twin = comm.twin_group(zero.process_group)
+            if twin is not None:
+                self.gather_group, self.nonblocking = twin, True
         self.skipped = 0  # backwards whose update the scaler skipped (non-finite gradients)
         self._facade = _ScalerFacade()
         self.params = [p for g in zero.param_groups for p in g["params"]]
@@ -226,7 +234,9 @@ class OverlapState:
         it.futures.append(fut)
         scaling = self._scaling()
         if self.interleaved and not it.deferred and not scaling:
-            while it.processed < i:  # one bucket behind: its reduction has had time to finish
+            # buckets whose reduction is done, in order; without a twin group, one bucket
+            # behind whatever it takes (its reduction has had one bucket's backward to finish)
+            while it.processed < i and (not self.nonblocking or self._ready(it.processed)):
                 self._process(it.processed)
         if bucket.is_last():
             if it.deferred:
@@ -269,6 +279,13 @@ class OverlapState:
             self._runs[b] = (runs, chunk)
         self.structure = structure
         self.adoptions += 1
+
+    def _ready(self, j: int) -> bool:
+        it = self.it
+        assert it is not None
+        if j in it.reduces:
+            return it.reduces[j][0].done()
+        return j in it.complete or it.futures[j].done()
 
     def _reduced(self, j: int) -> tuple[Tensor, Future[Tensor] | None]:
         """Bucket ``j``'s gradients once reduced, and the future DDP waits on (if ours)."""
@@ -356,13 +373,13 @@ class OverlapState:
                     tensors.append(piece_view(self.params[k], seg))
                     owners.append(rank)
                     of.append(self.params[k])
-            units = comm.start_sync_units(tensors, owners, zero.process_group)
+            units = comm.start_sync_units(tensors, owners, self.gather_group)
             return [(pending, [of[i] for i in covered]) for pending, covered in units]
         # even shards: pack the bucket's parameters, all-gather, unpack (NCCL's fast path)
         ps = [self.params[k] for k in indices]
         with torch.no_grad():
             staging = torch.cat([p.detach().reshape(-1) for p in ps])
-        pending = comm.start_broadcast(staging, runs, zero.process_group, chunk=chunk)
+        pending = comm.start_broadcast(staging, runs, self.gather_group, chunk=chunk)
         pending.finish.append(lambda: comm.unflatten_into(staging, ps))
         return [(pending, ps)]
 
@@ -533,9 +550,13 @@ def hook_with_zero_step_interleaved(
 ) -> Hook:
     """Like :func:`hook_with_zero_step`, but each bucket is updated while backward goes on.
 
-    When bucket ``i`` arrives, bucket ``i - 1`` (whose reduction has had the time of one
-    bucket's backward to finish) is updated and its all-gather started, so the step overlaps
-    the backward computation too. Never hangs on gloo, however many buckets.
+    When bucket ``i`` arrives, every earlier bucket whose reduction has completed is updated
+    and its all-gather started, in bucket order, so the step overlaps the backward computation
+    too, and the autograd thread never waits for a reduction. The all-gathers go through a
+    second process group over the same ranks (made when the hook is), so each group's
+    collectives are issued in the same order on every rank whatever the timing: it never
+    hangs on gloo. (Where no second group can be made, bucket ``i - 1`` is updated when
+    bucket ``i`` arrives, waiting for its reduction if need be.)
 
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
