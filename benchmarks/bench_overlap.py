@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,15 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
-
-from zero_functional.hooks import hook_with_zero_step_interleaved  # noqa: E402
-from zero_functional.optimizer import ZeroRedundancyOptimizer  # noqa: E402
-
-from distributed import run_ranks  # noqa: E402
+from zero_functional.hooks import hook_with_zero_step_interleaved
+from zero_functional.launch import run_ranks
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 NAMES = [
     "ddp + fused adam",

@@ -14,20 +14,16 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
-
-from zero_functional.optimizer import ZeroRedundancyOptimizer  # noqa: E402
-
-from distributed import run_ranks  # noqa: E402
+from zero_functional.launch import run_ranks
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 VARIANTS: list[tuple[str, type, dict[str, Any]]] = [
     ("torch default", TorchZero, {}),

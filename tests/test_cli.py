@@ -73,7 +73,7 @@ def test_plan_of_builtin_model_reports_both_partitions_at_each_world_size(
 def test_plan_of_module_function_builds_on_meta_device_so_costs_no_memory(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, err = run_cli(["plan", "test_cli:huge_linear", "--world-sizes", "4"], capsys)
+    code, out, err = run_cli(["plan", "tests.test_cli:huge_linear", "--world-sizes", "4"], capsys)
     assert code == 0, err
     assert "2 tensors, 10,000,100,000 parameters" in out
     flat_row = plan_rows(out)[1]
@@ -106,8 +106,8 @@ def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "no-such-model"],
         ["plan", "no_such_module_xyz:f"],
-        ["plan", "test_cli:missing"],
-        ["plan", "test_cli:not_a_module"],
+        ["plan", "tests.test_cli:missing"],
+        ["plan", "tests.test_cli:not_a_module"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_on_stderr(

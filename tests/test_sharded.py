@@ -11,10 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import comm
 from zero_functional.functional import adam
+from zero_functional.launch import run_ranks
 from zero_functional.partition import sorted_greedy
 from zero_functional.sharded import owned_indices, shard_init, shard_owners, shard_update
-
-from distributed import run_ranks
 
 
 def _net() -> nn.Module:
