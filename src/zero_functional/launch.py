@@ -117,7 +117,7 @@ def describe_exit(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankFailure:
     """What went wrong on one rank.
 
@@ -186,7 +186,12 @@ def _last_line(tb: str, limit: int = 300) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now."""
+    """A TCP port on ``host`` that nothing listens on right now (the kernel's pick).
+
+    Example:
+        >>> 0 < free_port() < 2**16
+        True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -212,6 +217,14 @@ def process_group(
         rank: This process's rank; ``None`` reads ``RANK``.
         world_size: The number of ranks; ``None`` reads ``WORLD_SIZE``.
         timeout_s: The group's timeout for collectives; ``None`` is torch's default.
+
+    Example (one rank; :func:`run_ranks` sets ``MASTER_ADDR`` and ``MASTER_PORT`` for its ranks):
+        >>> import os, torch
+        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        >>> with process_group("gloo", rank=0, world_size=1, timeout_s=30):
+        ...     torch.distributed.all_reduce(torch.ones(2))
+        >>> torch.distributed.is_initialized()
+        False
     """
     import torch.distributed as dist
 
