@@ -11,19 +11,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import statistics
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from zero_functional.collectives import bytes_sent  # noqa: E402
-
-from distributed import run_ranks  # noqa: E402
+from zero_functional.collectives import bytes_sent
+from zero_functional.launch import run_ranks
 
 __all__ = ["ByteCounter", "median_ms", "mlp", "run_ranks"]
 

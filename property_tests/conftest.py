@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
@@ -19,6 +17,3 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-
-# tests/torch_reference.py (torch's own code as the parity oracle) is shared with tests/.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

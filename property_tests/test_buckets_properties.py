@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from zero_functional.buckets import bucket_layout, ddp_bucket_assignments, flatten, views
 
-from torch_reference import torch_bucket_assignments
+from tests.torch_reference import torch_bucket_assignments
 
 shapes_st = st.lists(st.lists(st.integers(0, 4), max_size=3), min_size=1, max_size=8)
 buckets_st = st.lists(st.lists(st.integers(0, 100), min_size=1, max_size=6), max_size=8)

@@ -14,7 +14,7 @@ from zero_functional.partition import (
     sorted_greedy_groups,
 )
 
-from torch_reference import torch_partition
+from tests.torch_reference import torch_partition
 
 numels_st = st.lists(st.integers(0, 1000), max_size=40)
 world_st = st.integers(1, 9)

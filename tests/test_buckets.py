@@ -14,7 +14,7 @@ from zero_functional.buckets import (
     views,
 )
 
-from torch_reference import torch_bucket_assignments
+from tests.torch_reference import torch_bucket_assignments
 
 
 def _ours(

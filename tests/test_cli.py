@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,14 @@ def huge_linear() -> nn.Module:
 
 def not_a_module() -> int:
     return 3
+
+
+def needs_arguments(width: int) -> nn.Module:
+    return nn.Linear(width, width)
+
+
+def raises_inside() -> nn.Module:
+    raise RuntimeError("no weights here")
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -73,7 +82,7 @@ def test_plan_of_builtin_model_reports_both_partitions_at_each_world_size(
 def test_plan_of_module_function_builds_on_meta_device_so_costs_no_memory(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, err = run_cli(["plan", "test_cli:huge_linear", "--world-sizes", "4"], capsys)
+    code, out, err = run_cli(["plan", "tests.test_cli:huge_linear", "--world-sizes", "4"], capsys)
     assert code == 0, err
     assert "2 tensors, 10,000,100,000 parameters" in out
     flat_row = plan_rows(out)[1]
@@ -107,8 +116,10 @@ def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "no-such-model"],
         ["plan", "no_such_module_xyz:f"],
-        ["plan", "test_cli:missing"],
-        ["plan", "test_cli:not_a_module"],
+        ["plan", "tests.test_cli:missing"],
+        ["plan", "tests.test_cli:not_a_module"],
+        ["plan", "tests.test_cli:needs_arguments"],
+        ["plan", "tests.test_cli:raises_inside"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_on_stderr(
@@ -257,3 +268,165 @@ def test_python_dash_m_runs_the_cli() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "25,557,032 parameters" in proc.stdout
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the command gets as far as starting ranks."""
+
+    def launch(*args: object, **kwargs: object) -> int:
+        raise AssertionError("ranks were started; the error should have come first")
+
+    monkeypatch.setattr(train, "launch", launch)
+
+
+@pytest.mark.parametrize(
+    ("target", "problem"),
+    [
+        (
+            "tests.test_cli:needs_arguments",
+            "needs arguments (missing a required argument: 'width')",
+        ),
+        ("tests.test_cli:raises_inside", "raised RuntimeError: no weights here"),
+        ("broken_models:build", "syntax error in"),
+    ],
+)
+def test_plan_of_a_bad_model_function_names_the_problem_in_one_line(
+    target: str,
+    problem: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "broken_models.py").write_text("def build(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_cli(["plan", target], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and problem in err, err
+
+
+def test_resume_with_a_conflicting_hidden_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_launch: None
+) -> None:
+    ckpt = tmp_path / "ck.pt"
+    _checkpoint(ckpt, epoch=1, hidden=8)
+    code, out, err = run_cli(
+        ["train", "--resume", str(ckpt), "--epochs", "2", "--hidden", "16"], capsys
+    )
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "--hidden 16 conflicts with checkpoint" in err and "hidden 8" in err
+
+
+@pytest.mark.parametrize("hidden", [[], ["--hidden", "8"]], ids=["no --hidden", "same --hidden"])
+def test_resume_takes_the_checkpoints_hidden(
+    hidden: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ckpt = tmp_path / "ck.pt"
+    _checkpoint(ckpt, epoch=1, hidden=8)
+    started: list[train.TrainConfig] = []
+
+    def launch(cfg: train.TrainConfig, nproc: int, timeout_s: float) -> int:
+        started.append(cfg)
+        return 0
+
+    monkeypatch.setattr(train, "launch", launch)
+    code, _, err = run_cli(["train", "--resume", str(ckpt), "--epochs", "2", *hidden], capsys)
+    assert code == 0, err
+    assert [cfg.hidden for cfg in started] == [8]
+
+
+def test_a_timeout_below_one_second_is_printed_as_it_was_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # one rank cannot even import torch in 0.5 s: the launcher stops it and says so
+    code, _, err = run_cli(
+        ["train", "--nproc", "1", "--timeout", "0.5", "--no-progress", "--no-reference"], capsys
+    )
+    assert code == 1
+    assert err.startswith("zero-functional train: rank 0 gave no result within 0.5 s;"), err
+
+
+def _unwritable_directory(tmp_path: Path) -> Path:
+    """A directory this process cannot create files in (root ignores permission bits)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    candidates = [locked, Path("/sys")]
+    for directory in candidates:
+        try:
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError:
+            return directory
+    pytest.skip("no directory here refuses new files to this process")
+
+
+def test_checkpoint_in_an_unwritable_directory_exits_2_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_launch: None
+) -> None:
+    directory = _unwritable_directory(tmp_path)
+    before = sorted(directory.iterdir())
+    code, out, err = run_cli(["train", "--checkpoint", str(directory / "ck.pt")], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "cannot create files in" in err
+    assert sorted(directory.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+@pytest.mark.parametrize("module", ["sklearn", "tqdm"])
+def test_train_without_the_demo_extra_names_it_and_exits_2(
+    command: str,
+    module: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    no_launch: None,
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # what a missing module looks like to import
+    code, out, err = run_cli([command], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "pip install 'zero_functional[demo]'" in err
+    assert {"sklearn": "scikit-learn", "tqdm": "tqdm"}[module] in err
+
+
+NO_TORCH_SCRIPT = """
+import sys
+from zero_functional.cli import main
+
+for argv in (
+    ["--help"],
+    ["train", "--help"],
+    ["plan", "--help"],
+    ["frobnicate"],
+    ["train", "--bogus"],
+    ["train", "--lr", "nan"],
+    ["train", "--nproc", "4", "--batch-size", "2"],
+    ["train", "--overlap", "--impl", "torch"],
+    ["plan", "gpt2-small", "--world-sizes", "0"],
+):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_help_and_argument_errors_answer_without_importing_torch() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "torch imported: False", proc.stdout
+
+
+def test_python_dash_m_help_exits_0() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_functional", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "train" in proc.stdout, proc.stderr

@@ -20,9 +20,8 @@ from zero_functional.hooks import (
     overlap_state,
     reduce_scatter_hook,
 )
+from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-
-from distributed import run_ranks
 
 ATOL = 1e-6
 

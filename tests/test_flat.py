@@ -16,9 +16,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional.hooks import reduce_scatter_hook
+from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-
-from distributed import run_ranks
 
 ATOL = 1e-6
 

@@ -15,9 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
+from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-
-from distributed import run_ranks
 
 ATOL = 1e-6
 

@@ -18,7 +18,7 @@ from zero_functional.partition import (
     sorted_greedy_groups,
 )
 
-from torch_reference import torch_partition
+from tests.torch_reference import torch_partition
 
 
 def _as_lists(partition: tuple[tuple[int, ...], ...]) -> list[list[int]]:

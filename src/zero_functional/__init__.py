@@ -2,8 +2,9 @@
 
 The public surface is what this module re-exports:
 
-* the drop-in shell :class:`ZeroRedundancyOptimizer` and the overlap hooks
-  :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved`;
+* the drop-in shell :class:`ZeroRedundancyOptimizer` and the DDP hooks
+  :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved` (the step inside
+  backward) and :func:`reduce_scatter_hook` (DDP's bytes when stepping after backward);
 * the pure core: partitions (:func:`sorted_greedy`, :func:`flat`, :func:`balance_report`),
   bucket layouts, and functional optimizers (:func:`sgd`, :func:`adam`, :func:`adamw`);
 * ownership, the one value that says which rank owns which pieces of which parameters
@@ -11,95 +12,85 @@ The public surface is what this module re-exports:
   :func:`bucket_ownership`), and the collectives policy (:func:`choose_collectives`);
 * the functional ZeRO step for custom loops (:func:`shard_init`, :func:`shard_update`) with
   its collectives :func:`reduce_to_owners` and :func:`sync_params`.
+
+Each name is imported from its module on first use (PEP 562), so that importing the package,
+as ``zero-functional --help`` does, does not import torch. ``_MODULES`` is the one list of
+what is public and where it lives; ``__all__`` is derived from it.
 """
 
 from __future__ import annotations
 
-from zero_functional.buckets import (
-    BucketAssignment,
-    BucketLayout,
-    bucket_layout,
-    ddp_bucket_assignments,
-    flatten,
-    views,
-)
-from zero_functional.collectives import bytes_sent, choose_collectives
-from zero_functional.comm import reduce_to_owners, sync_params
-from zero_functional.functional import (
-    AdamState,
-    FunctionalOptimizer,
-    SGDState,
-    adam,
-    adamw,
-    functional_spec,
-    sgd,
-)
-from zero_functional.hooks import (
-    hook_with_zero_step,
-    hook_with_zero_step_interleaved,
-    overlap_state,
-    reduce_scatter_hook,
-)
-from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ownership import (
-    Ownership,
-    bucket_ownership,
-    flat_ownership,
-    piece_view,
-    piece_views,
-    sorted_greedy_ownership,
-)
-from zero_functional.partition import (
-    BalanceReport,
-    FlatPartition,
-    Segment,
-    balance_report,
-    flat,
-    owners,
-    sorted_greedy,
-    sorted_greedy_groups,
-)
-from zero_functional.sharded import ShardState, shard_init, shard_update
+import importlib
+from typing import Any
 
-__all__ = [
-    "AdamState",
-    "BalanceReport",
-    "BucketAssignment",
-    "BucketLayout",
-    "FlatPartition",
-    "FunctionalOptimizer",
-    "Ownership",
-    "SGDState",
-    "Segment",
-    "ShardState",
-    "ZeroRedundancyOptimizer",
-    "adam",
-    "adamw",
-    "balance_report",
-    "bucket_layout",
-    "bucket_ownership",
-    "bytes_sent",
-    "choose_collectives",
-    "ddp_bucket_assignments",
-    "flat",
-    "flat_ownership",
-    "flatten",
-    "functional_spec",
-    "hook_with_zero_step",
-    "hook_with_zero_step_interleaved",
-    "overlap_state",
-    "owners",
-    "piece_view",
-    "piece_views",
-    "reduce_scatter_hook",
-    "reduce_to_owners",
-    "sgd",
-    "shard_init",
-    "shard_update",
-    "sorted_greedy",
-    "sorted_greedy_ownership",
-    "sorted_greedy_groups",
-    "sync_params",
-    "views",
-]
+_MODULES: dict[str, tuple[str, ...]] = {
+    "zero_functional.buckets": (
+        "BucketAssignment",
+        "BucketLayout",
+        "bucket_layout",
+        "ddp_bucket_assignments",
+        "flatten",
+        "views",
+    ),
+    "zero_functional.collectives": ("bytes_sent", "choose_collectives"),
+    "zero_functional.comm": ("reduce_to_owners", "sync_params"),
+    "zero_functional.functional": (
+        "AdamState",
+        "FunctionalOptimizer",
+        "SGDState",
+        "adam",
+        "adamw",
+        "functional_spec",
+        "register_optimizer",
+        "sgd",
+    ),
+    "zero_functional.hooks": (
+        "hook_with_zero_step",
+        "hook_with_zero_step_interleaved",
+        "overlap_state",
+        "reduce_scatter_hook",
+    ),
+    "zero_functional.optimizer": ("ZeroRedundancyOptimizer",),
+    "zero_functional.ownership": (
+        "Ownership",
+        "bucket_ownership",
+        "flat_ownership",
+        "piece_view",
+        "piece_views",
+        "sorted_greedy_ownership",
+    ),
+    "zero_functional.partition": (
+        "BalanceReport",
+        "FlatPartition",
+        "Segment",
+        "balance_report",
+        "flat",
+        "owners",
+        "sorted_greedy",
+        "sorted_greedy_groups",
+    ),
+    "zero_functional.sharded": ("ShardState", "shard_init", "shard_update"),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted(_HOME)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use of the name.
+
+    Example:
+        >>> import zero_functional
+        >>> zero_functional.flat([6, 3], 2).bounds
+        ((0, 5), (5, 9))
+    """
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zero_functional' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

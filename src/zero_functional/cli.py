@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -136,10 +137,47 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
-    """The job's config after every check a parent can make; ``(config, 0)`` or ``(None, 2)``."""
-    from zero_functional.train import CheckpointError, TrainConfig, load_checkpoint
+DEMO_MODULES = {"sklearn": "scikit-learn", "tqdm": "tqdm"}
+"""What the train job imports beyond torch (module: distribution), from the ``demo`` extra."""
 
+
+def _missing_modules(modules: dict[str, str]) -> list[str]:
+    """The distributions of the modules that cannot be imported, found without importing them."""
+    missing = []
+    for module, distribution in modules.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(distribution)
+    return missing
+
+
+def _unwritable_directory(path: Path) -> str | None:
+    """Why no file can be created in ``path``, or None if one can (the test leaves no file)."""
+    try:
+        # on Linux an unnamed O_TMPFILE: nothing appears in the directory, even for a moment
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
+    """The job's config after every check a parent can make; ``(config, 0)`` or ``(None, 2)``.
+
+    The checks that need no torch come first, so that those errors answer at once.
+    """
+    missing = _missing_modules(DEMO_MODULES)
+    if missing:
+        return None, _fail(
+            command,
+            f"the train job needs {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: "
+            "pip install 'zero_functional[demo]'",
+        )
     if args.batch_size < args.nproc:
         return None, _fail(
             command, f"--batch-size {args.batch_size} is smaller than --nproc {args.nproc}"
@@ -155,17 +193,27 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             "--resume with --overlap is not supported: overlap mode loads optimizer state only "
             "after its first backward; resume without --overlap",
         )
-    if args.overlap:
-        try:
-            import zero_functional.hooks  # noqa: F401
-        except ImportError as e:
-            return None, _fail(command, f"--overlap needs zero_functional.hooks, which fails: {e}")
     if args.checkpoint is not None:
         parent = Path(args.checkpoint).resolve().parent
         if not parent.is_dir():
             return None, _fail(command, f"--checkpoint directory {parent} does not exist")
         if Path(args.checkpoint).is_dir():
             return None, _fail(command, f"--checkpoint {args.checkpoint} is a directory")
+        why = _unwritable_directory(parent)
+        if why is not None:
+            return None, _fail(
+                command,
+                f"--checkpoint {args.checkpoint}: cannot create files in {parent} ({why}); "
+                "pass a path in a writable directory",
+            )
+    if args.overlap:
+        try:
+            import zero_functional.hooks  # noqa: F401
+        except ImportError as e:
+            return None, _fail(command, f"--overlap needs zero_functional.hooks, which fails: {e}")
+    from zero_functional.train import CheckpointError, TrainConfig, load_checkpoint
+
+    hidden: int | None = args.hidden
     if args.resume is not None:
         try:
             ckpt = load_checkpoint(args.resume)
@@ -177,6 +225,14 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
                 f"checkpoint {args.resume} has finished epoch {ckpt['epoch']} of --epochs "
                 f"{args.epochs}; pass --epochs {int(ckpt['epoch']) + 1} or more to continue",
             )
+        saved = int(ckpt["args"]["hidden"])
+        if hidden is not None and hidden != saved:
+            return None, _fail(
+                command,
+                f"--hidden {hidden} conflicts with checkpoint {args.resume}, whose model has "
+                f"hidden {saved}; drop --hidden (a resumed run takes the checkpoint's)",
+            )
+        hidden = saved
     if args.impl == "zero_functional":
         try:
             import zero_functional.optimizer  # noqa: F401
@@ -190,7 +246,6 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             lr=args.lr,
             seed=args.seed,
             batch_size=args.batch_size,
-            hidden=args.hidden,
             overlap=args.overlap,
             checkpoint=args.checkpoint,
             resume=args.resume,
@@ -199,6 +254,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             progress=not args.no_progress,
             bucket_cap_mb=args.bucket_cap_mb,
             partition=args.partition.replace("-", "_"),
+            hidden=TrainConfig.hidden if hidden is None else hidden,
         )
     except ValueError as e:
         return None, _fail(command, str(e))
@@ -206,11 +262,11 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from zero_functional.train import TrainConfig, launch, run_torchrun
-
     cfg, code = _train_config(args, args.command)
     if code:
         return code
+    from zero_functional.train import TrainConfig, launch, run_torchrun
+
     assert isinstance(cfg, TrainConfig)
     if _under_torchrun():
         return run_torchrun(cfg)
@@ -322,7 +378,11 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     p.add_argument(
         "--batch-size", type=_positive_int, default=64, help="global batch, split across ranks"
     )
-    p.add_argument("--hidden", type=_positive_int, default=128, help="MLP hidden width (128)")
+    p.add_argument(
+        "--hidden",
+        type=_positive_int,
+        help="MLP hidden width (128; a resumed run takes the checkpoint's)",
+    )
     p.add_argument("--overlap", action="store_true", help="run the ZeRO step inside DDP's backward")
     p.add_argument("--checkpoint", metavar="PATH", help="write a consolidated checkpoint here")
     p.add_argument("--resume", metavar="PATH", help="continue from this checkpoint")

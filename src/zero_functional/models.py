@@ -14,10 +14,9 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
-
-import torch
 
 __all__ = [
     "MODELS",
@@ -189,13 +188,20 @@ def module_shapes(target: str) -> list[Shape]:
         The shapes of ``module.parameters()`` in order.
 
     Raises:
-        ValueError: ``target`` is not ``module:function``, cannot be imported, or does not
-            return an ``nn.Module``.
+        ValueError: ``target`` is not ``module:function``; its module cannot be imported (missing,
+            a syntax error, an exception at import); the function needs arguments, raises, or
+            does not return an ``nn.Module``; the message names which.
 
     Example:
         >>> module_shapes("torch.nn:Identity")
         []
+        >>> module_shapes("torch.nn:Linear")
+        Traceback (most recent call last):
+        ...
+        ValueError: torch.nn:Linear needs arguments (missing a required argument: 'in_features'); plan calls it with none: point it at a function that builds the model without arguments
     """
+    import torch  # here, not at the top: the command line answers --help without torch
+
     module_name, sep, func_name = target.partition(":")
     if not sep or not module_name or not func_name:
         raise ValueError(
@@ -205,11 +211,33 @@ def module_shapes(target: str) -> list[Shape]:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"cannot import {module_name!r} for model {target!r}: {e}") from e
+    except SyntaxError as e:
+        raise ValueError(
+            f"cannot import {module_name!r} for model {target!r}: syntax error in "
+            f"{e.filename}, line {e.lineno}: {e.msg}"
+        ) from e
+    except Exception as e:
+        raise ValueError(
+            f"cannot import {module_name!r} for model {target!r}: importing it raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
     factory = getattr(module, func_name, None)
     if not callable(factory):
         raise ValueError(f"{module_name!r} has no callable {func_name!r} (from model {target!r})")
-    with torch.device("meta"):
-        model = factory()
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as e:
+        raise ValueError(
+            f"{target} needs arguments ({e}); plan calls it with none: point it at a function "
+            "that builds the model without arguments"
+        ) from e
+    except ValueError:
+        pass  # no signature to read (some builtins): find out by calling it
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as e:
+        raise ValueError(f"{target} raised {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):
         raise ValueError(
             f"{target} returned {type(model).__name__}, not a torch.nn.Module; "

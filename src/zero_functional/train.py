@@ -17,25 +17,23 @@ import contextlib
 import copy
 import math
 import os
-import queue as queue_mod
-import socket
 import sys
 import tempfile
+import threading
 import time
-import traceback
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+
+from zero_functional.launch import LaunchError, process_group, run_ranks
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -279,6 +277,9 @@ class _RunResult:
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing RLock: a named semaphore that a rank killed by a
+    # signal can never unlink ("leaked semaphore" at exit); the bars of one rank need a thread lock
+    tqdm.set_lock(threading.RLock())
     return tqdm(
         total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled, leave=True
     )
@@ -389,8 +390,10 @@ def _write_checkpoint(
         save_checkpoint(cfg.checkpoint, payload)
 
 
-def run_job(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
+def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
     """Train with ZeRO (and the plain-DDP reference); call on every rank of the default group.
+
+    The arguments are in :func:`zero_functional.launch.run_ranks`'s order, which calls it.
 
     Returns:
         On rank 0 the summary table, elsewhere ``None``.
@@ -471,96 +474,25 @@ def _summary(
 # ----------------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawned_rank(
-    rank: int, world_size: int, port: int, cfg: TrainConfig, pg_timeout_s: float, results: Any
-) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)  # ranks share the machine's cores
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
-        )
-        results.put((rank, True, run_job(cfg, rank, world_size)))
-    except BaseException:  # every failure, assertions included, goes back to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _collect(
-    results: Any, procs: Sequence[Any], world_size: int, timeout_s: float
-) -> Iterator[tuple[int, bool, str | None]]:
-    deadline = time.monotonic() + timeout_s
-    seen = 0
-    while seen < world_size and time.monotonic() < deadline:
-        try:
-            item = results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
-        except queue_mod.Empty:
-            if all(not p.is_alive() for p in procs) and results.empty():
-                return
-            continue
-        seen += 1
-        yield item
-
-
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
-    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (a free port), run the job, print the summary.
+    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`zero_functional.launch.run_ranks`), run
+    the job, print the summary.
 
-    A rank that fails or hangs past ``timeout_s`` ends the run: the other ranks are killed and
-    the first traceback goes to stderr.
+    A rank that fails, dies or hangs past ``timeout_s`` ends the run: the others are stopped at
+    once, and stderr names the rank that failed first and how (its traceback if it raised).
 
     Returns:
         The exit code: 0 on success, 1 if a rank failed or timed out.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    pg_timeout_s = min(60.0, timeout_s)
-    procs = [
-        ctx.Process(target=_spawned_rank, args=(r, nproc, port, cfg, pg_timeout_s, results))
-        for r in range(nproc)
-    ]
-    for p in procs:
-        p.start()
-    summary: str | None = None
-    failures: dict[int, str] = {}
-    done: set[int] = set()
     try:
-        for rank, ok, value in _collect(results, procs, nproc, timeout_s):
-            done.add(rank)
-            if not ok:
-                failures[rank] = str(value)
-                break  # the others would wait on the failed rank until their timeout
-            if rank == 0:
-                summary = value
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if failures:
-        rank, tb = min(failures.items())
-        print(f"zero-functional train: rank {rank} failed:\n{tb}", file=sys.stderr, end="")
+        summaries = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s)
+    except LaunchError as e:
+        lines = str(e).splitlines()
+        if e.failures[0].reason.startswith("gave no result"):
+            lines[0] += "; raise --timeout if the job is just slow"
+        print("zero-functional train: " + "\n".join(lines), file=sys.stderr)
         return 1
-    if len(done) < nproc:
-        missing = sorted(set(range(nproc)) - done)
-        print(
-            f"zero-functional train: ranks {missing} gave no result within {timeout_s:.0f} s "
-            "(hang or crash); raise --timeout if the job is just slow",
-            file=sys.stderr,
-        )
-        return 1
-    print(summary)
+    print(summaries[0])
     return 0
 
 
@@ -570,11 +502,8 @@ def run_torchrun(cfg: TrainConfig) -> int:
     Returns:
         The exit code (0); errors propagate so that torchrun reports the failing rank.
     """
-    dist.init_process_group("gloo")
-    try:
-        summary = run_job(cfg, dist.get_rank(), dist.get_world_size())
+    with process_group("gloo"):
+        summary = run_job(dist.get_rank(), dist.get_world_size(), cfg)
         if summary is not None:
             print(summary, flush=True)
-    finally:
-        dist.destroy_process_group()
     return 0

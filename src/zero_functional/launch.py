@@ -1,0 +1,539 @@
+"""Start N ranks of a process group on 127.0.0.1, run a function on each, collect the results.
+
+The one launcher of this project: ``zero-functional train``, the tests, the benchmarks and the
+notebooks all start their ranks with :func:`run_ranks`. It picks a free port on 127.0.0.1,
+starts ``world_size`` processes (spawned by default, forked on request), initialises a gloo
+process group in each with a timeout, runs ``fn(rank, world_size, *args)`` and returns the
+values in rank order. Each spawn costs seconds, so run many cases inside one call.
+
+How each rank's end is seen:
+
+* It returns: the value is pickled to bytes and sent over the rank's own pipe (bytes, not
+  tensors: torch's queues pass tensors through shared memory, which is gone once the rank has
+  exited).
+* It raises: its traceback is sent instead.
+* It dies without reporting (a signal, ``os._exit``, a crash in C++): the launcher sees the
+  process end and names the rank and how it died, e.g. ``rank 1 was killed by signal
+  SIGKILL``.
+
+After the first failure the others get :data:`GRACE_S` to report (a rank blocked in a
+collective with a dead peer usually errors out at once), then the launcher kills them: nobody
+waits for the process group's timeout. A rank that neither reports nor dies before
+``timeout_s`` is killed and named too. All failures are raised together in one
+:class:`LaunchError`, whose first line names the rank that failed first.
+
+How a rank shuts down, and why: after reporting, a rank that succeeded waits in a barrier for
+the others (in gloo a barrier also waits for every collective still pending), destroys the
+process group, flushes stdout and stderr, and ends with ``os._exit``, as a forked
+``multiprocessing`` child always does. A spawned child would otherwise finalize the interpreter
+with gloo's threads still running, which can end in ``terminate called without an active
+exception`` and SIGABRT after the rank's work is done: ``torch.distributed.nn.functional``,
+which ``torch._dynamo`` imports on the first use of DDP or of an optimizer, binds
+``group.WORLD`` as a default argument, so imported after ``init_process_group`` it keeps the
+default group, and its threads, alive past ``destroy_process_group``. Each rank therefore
+imports that module before it joins the group, and never finalizes the interpreter.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import connection
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Literal, TypeVar
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "GRACE_S",
+    "LaunchError",
+    "RankFailure",
+    "StartMethod",
+    "describe_exit",
+    "format_seconds",
+    "free_port",
+    "process_group",
+    "run_ranks",
+]
+
+R = TypeVar("R")
+StartMethod = Literal["spawn", "fork", "forkserver"]
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Seconds :func:`run_ranks` waits for every rank's result before it kills the rest."""
+
+GRACE_S = 1.0
+"""Seconds the other ranks get to report after the first failure, before they are killed."""
+
+REAP_S = 5.0
+"""Seconds to reap a rank whose files are closed (it is exiting) before its exit code is read."""
+
+SETTLE_S = 0.25
+"""Seconds the launcher waits, after the first rank that raised, for a death behind it."""
+
+EXIT_WAIT_S = 30.0
+"""Seconds a rank that returned gets to leave its process group and exit."""
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for a message: whole seconds from 10 s on, three digits below.
+
+    Example:
+        >>> format_seconds(600.0), format_seconds(12.7), format_seconds(0.5), format_seconds(1.25)
+        ('600 s', '13 s', '0.5 s', '1.25 s')
+    """
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    return f"{seconds:.3g} s"
+
+
+def describe_exit(exitcode: int) -> str:
+    """How a process ended, from ``multiprocessing.Process.exitcode``.
+
+    Example:
+        >>> describe_exit(-9), describe_exit(3), describe_exit(0)
+        ('was killed by signal SIGKILL', 'exited with code 3', 'exited with code 0')
+    """
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        return f"was killed by signal {name}"
+    return f"exited with code {exitcode}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """What went wrong on one rank.
+
+    Attributes:
+        rank: The rank.
+        reason: How it failed, as the end of a sentence that starts with ``rank N``: ``raised
+            ValueError: boom``, ``was killed by signal SIGKILL``, ``exited with code 3``, ``gave
+            no result within 60 s``, ``was stopped after rank 1 failed``.
+        traceback: The rank's own traceback when it raised, else ``""``.
+        primary: Whether this is the failure that came first (several if they were seen
+            together); the others are most likely its consequences.
+    """
+
+    rank: int
+    reason: str
+    traceback: str = ""
+    primary: bool = True
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} {self.reason}"
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed; ``failures`` says which and how, the first failure first.
+
+    The message has one line per failed rank, the rank that failed first at the top, then the
+    traceback of each rank that raised first. Tracebacks of the ranks that failed later (usually
+    a collective broken by the first failure) are in ``failures`` but not in the message.
+
+    Example:
+        >>> e = LaunchError([RankFailure(1, "was killed by signal SIGKILL"),
+        ...                  RankFailure(0, "was stopped after rank 1 failed", primary=False)])
+        >>> print(e)
+        rank 1 was killed by signal SIGKILL
+        rank 0 was stopped after rank 1 failed
+        >>> e.headline
+        'rank 1 was killed by signal SIGKILL'
+    """
+
+    def __init__(self, failures: Sequence[RankFailure]) -> None:
+        if not failures:
+            raise ValueError("LaunchError needs at least one RankFailure")
+        self.failures = tuple(sorted(failures, key=lambda f: (not f.primary, f.rank)))
+        lines = [str(f) for f in self.failures]
+        lines += [
+            f"--- rank {f.rank}:\n{f.traceback.rstrip()}"
+            for f in self.failures
+            if f.primary and f.traceback
+        ]
+        super().__init__("\n".join(lines))
+
+    @property
+    def headline(self) -> str:
+        """The first failure, in one line."""
+        return str(self.failures[0])
+
+
+def _last_line(tb: str, limit: int = 300) -> str:
+    """The exception line of a traceback, cut to ``limit`` characters."""
+    lines = [line.strip() for line in tb.splitlines() if line.strip()]
+    last = lines[-1] if lines else "an exception"
+    return last if len(last) <= limit else last[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- in each rank
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now (the kernel's pick).
+
+    Example:
+        >>> 0 < free_port() < 2**16
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def process_group(
+    backend: str = "gloo",
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_s: float | None = None,
+) -> Iterator[None]:
+    """Join the default process group for the block; leave it cleanly after.
+
+    Without ``rank`` and ``world_size`` the group is read from the environment, as torchrun
+    sets it. On a clean exit from the block every rank waits in a barrier (in gloo it also waits
+    for collectives still pending), then the group is destroyed while nothing uses it. After an
+    exception the group is destroyed without the barrier: the other ranks may never reach it.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        rank: This process's rank; ``None`` reads ``RANK``.
+        world_size: The number of ranks; ``None`` reads ``WORLD_SIZE``.
+        timeout_s: The group's timeout for collectives; ``None`` is torch's default.
+
+    Example (one rank; :func:`run_ranks` sets ``MASTER_ADDR`` and ``MASTER_PORT`` for its ranks):
+        >>> import os, torch
+        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        >>> with process_group("gloo", rank=0, world_size=1, timeout_s=30):
+        ...     torch.distributed.all_reduce(torch.ones(2))
+        >>> torch.distributed.is_initialized()
+        False
+    """
+    import torch.distributed as dist
+
+    # Imported before the group exists, so that its `group=group.WORLD` defaults are None and
+    # do not keep the default group alive after destroy_process_group (see the module doc).
+    import torch.distributed.nn.functional  # noqa: F401
+
+    dist.init_process_group(
+        backend,
+        rank=-1 if rank is None else rank,
+        world_size=-1 if world_size is None else world_size,
+        timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
+    )
+    try:
+        yield
+        gc.collect()  # objects in reference cycles (modules with hooks, optimizers) hold the group
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Reported(Exception):
+    """``fn`` raised and the launcher has its traceback: leave the group without the barrier."""
+
+
+def _failure(t: float) -> bytes:
+    return pickle.dumps((False, traceback.format_exc(), t))
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    pg_timeout_s: float,
+    num_threads: int | None,
+    fn: Callable[..., object],
+    args: tuple[object, ...],
+    report: Connection,
+) -> None:
+    """The body of each rank's process; ends the process with ``os._exit``.
+
+    The report goes out while the rank is still in the group: once it leaves, its peers'
+    collectives fail, and their reports must not overtake the one that explains why.
+    """
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    code = 1
+    try:
+        sent = False
+        try:
+            import torch
+
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)  # the ranks share the machine's cores
+            with process_group(backend, rank=rank, world_size=world_size, timeout_s=pg_timeout_s):
+                try:
+                    value = fn(rank, world_size, *args)
+                    ok, data = True, pickle.dumps((True, value, time.monotonic()))
+                except BaseException:  # assertions and Ctrl-C included
+                    ok, data = False, _failure(time.monotonic())
+                report.send_bytes(data)
+                sent = True
+                if not ok:
+                    raise _Reported
+            code = 0
+        except _Reported:
+            pass
+        except BaseException:  # joining or leaving the group failed
+            if not sent:
+                report.send_bytes(_failure(time.monotonic()))
+        report.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)  # see the module doc: no interpreter finalization with gloo threads alive
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: BaseProcess
+    conn: Connection | None  # None once closed
+    state: Literal["running", "returned", "failed"] = "running"
+    value: object = None
+
+
+def run_ranks(
+    fn: Callable[..., R],
+    world_size: int,
+    *args: object,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    pg_timeout_s: float | None = None,
+    start_method: StartMethod = "spawn",
+    backend: str = "gloo",
+    num_threads: int | None = 1,
+) -> list[R]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the values in rank order.
+
+    Args:
+        fn: The function every rank runs inside its process group. With ``"spawn"`` it must be
+            importable (a module's top-level function); with ``"fork"`` any callable works.
+        world_size: The number of ranks.
+        *args: Passed to ``fn`` after ``rank`` and ``world_size``; picklable for ``"spawn"``.
+        timeout_s: Every rank must have reported by then; the rest are killed and named.
+        pg_timeout_s: The process group's timeout for each collective; default
+            ``min(60, timeout_s)``.
+        start_method: ``"spawn"`` (a fresh interpreter per rank: the safe default) or
+            ``"fork"`` (Linux and macOS; no second import of torch, so a launch starts in a
+            fraction of the time, but the parent must not have started threads that hold locks).
+        backend: The process group's backend.
+        num_threads: ``torch.set_num_threads`` in each rank (1: the ranks share the cores);
+            ``None`` keeps torch's default.
+
+    Returns:
+        What ``fn`` returned on each rank, in rank order.
+
+    Raises:
+        LaunchError: A rank raised, died, hung past ``timeout_s``, or crashed while exiting
+            after it had returned; every failed rank is named, the first failure first.
+
+    Example:
+        >>> run_ranks(divmod, 2, start_method="fork")  # divmod(rank, world_size) on each rank
+        [(0, 0), (0, 1)]
+        >>> import math
+        >>> run_ranks(math.log, 2, start_method="fork")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        zero_functional.launch.LaunchError: rank 0 raised ValueError: math domain error
+        --- rank 0:
+        Traceback (most recent call last):
+        ...
+        ValueError: math domain error
+    """
+    import multiprocessing
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    ctx = multiprocessing.get_context(start_method)
+    port = free_port()
+    pg_timeout = min(60.0, timeout_s) if pg_timeout_s is None else pg_timeout_s
+    ranks: list[_Rank] = []
+    try:
+        for rank in range(world_size):
+            # one pipe per rank, made just before its process, so no other rank inherits it
+            receive, send = ctx.Pipe(duplex=False)
+            process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]  # every context has it
+                target=_rank_main,
+                args=(rank, world_size, port, backend, pg_timeout, num_threads, fn, args, send),
+                name=f"rank {rank}",
+            )
+            process.start()
+            send.close()
+            ranks.append(_Rank(rank, process, receive))
+        failures = _collect(ranks, timeout_s)
+        if not failures:
+            failures = _await_exit(ranks)
+    finally:
+        _release(ranks)
+    if failures:
+        raise LaunchError(failures)
+    return [r.value for r in ranks]  # type: ignore[misc]
+
+
+def _read(r: _Rank) -> tuple[bool, object, float] | None:
+    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``.
+
+    ``t`` is ``time.monotonic()`` in the rank when it returned or raised: on Linux and macOS one
+    clock for every process, so it orders failures that reach the launcher together.
+    """
+    if r.conn is None:
+        return None
+    try:
+        if not r.conn.poll():
+            return None
+        data = r.conn.recv_bytes()
+    except (EOFError, OSError):  # closed without a report: the process's end will tell how
+        r.conn.close()
+        r.conn = None
+        return None
+    try:
+        ok, value, t = pickle.loads(data)
+    except Exception as e:
+        message = f"{type(e).__name__}: the launcher cannot unpickle its result: {e}"
+        return False, message, time.monotonic()
+    return bool(ok), value, float(t)
+
+
+def _poll(
+    running: Sequence[_Rank], raised: list[tuple[float, RankFailure]], died: list[RankFailure]
+) -> None:
+    """Take in what the running ranks have reported, and which of them have ended."""
+    for r in running:
+        if r.state != "running":
+            continue
+        code = r.process.exitcode
+        if code is None and connection.wait([r.process.sentinel], timeout=0):
+            # Its files are closed, so it is exiting (and its peers' sockets are reset), but it
+            # may not be reapable yet: wait for that, or its death is missed this round.
+            r.process.join(REAP_S)
+            code = r.process.exitcode
+        report = _read(r)  # after the exit code: a rank reports, then ends
+        if report is not None and report[0]:
+            r.state, r.value = "returned", report[1]
+        elif report is not None:
+            r.state, tb = "failed", str(report[1])
+            raised.append((report[2], RankFailure(r.rank, f"raised {_last_line(tb)}", tb)))
+        elif code is not None:
+            r.state = "failed"
+            died.append(RankFailure(r.rank, describe_exit(code)))
+
+
+def _collect(ranks: Sequence[_Rank], timeout_s: float) -> list[RankFailure]:
+    """Wait until every rank has reported or ended, or until the first failure's grace is over."""
+    deadline = time.monotonic() + timeout_s
+    stop_at = deadline
+    failures: list[RankFailure] = []
+    while True:
+        running = [r for r in ranks if r.state == "running"]
+        left = stop_at - time.monotonic()
+        if not running or left <= 0:
+            break
+        handles: list[object] = [r.process.sentinel for r in running]
+        handles += [r.conn for r in running if r.conn is not None]
+        connection.wait(handles, timeout=left)  # type: ignore[arg-type]
+        raised: list[tuple[float, RankFailure]] = []
+        died: list[RankFailure] = []
+        _poll(running, raised, died)
+        first = next((f for f in failures if f.primary), None)
+        if first is None and raised and not died:
+            # A peer's death can reach a survivor (a reset connection) before the dead process
+            # can be reaped: give the deaths behind these errors a moment to show.
+            still = [r for r in running if r.state == "running"]
+            if still:
+                connection.wait([r.process.sentinel for r in still], timeout=SETTLE_S)
+                _poll(still, raised, died)
+        if raised or died:
+            failures += _mark(died, [f for _, f in sorted(raised)], first)
+            if first is None:
+                stop_at = min(deadline, time.monotonic() + GRACE_S)
+    first = next((f for f in failures if f.primary), None)
+    for r in ranks:
+        if r.state == "running":
+            if first is None:
+                reason, primary = f"gave no result within {format_seconds(timeout_s)}", True
+            else:
+                reason, primary = f"was stopped after rank {first.rank} failed", False
+            failures.append(RankFailure(r.rank, reason, primary=primary))
+    return failures
+
+
+def _mark(
+    died: Sequence[RankFailure], raised: Sequence[RankFailure], first: RankFailure | None
+) -> list[RankFailure]:
+    """Which of the failures seen together came first; the rest are marked as its consequences.
+
+    ``raised`` is in the order the ranks raised. A rank that died without reporting comes
+    before the ranks that raised at the same moment: a dead peer breaks the others'
+    collectives, while a rank that raises reports before it leaves the group.
+    """
+    if first is None:
+        primary = list(died) or list(raised[:1])
+        first = primary[0]
+    else:
+        primary = []
+    return [
+        f
+        if f in primary
+        else RankFailure(f.rank, f"{f.reason} after rank {first.rank} failed", f.traceback, False)
+        for f in [*died, *raised]
+    ]
+
+
+def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
+    """After every rank returned: each must leave its group and exit with code 0.
+
+    A rank killed by a signal comes first: the others' exit barrier fails because of it.
+    """
+    deadline = time.monotonic() + EXIT_WAIT_S
+    killed: list[RankFailure] = []
+    other: list[RankFailure] = []
+    for r in ranks:
+        r.process.join(max(deadline - time.monotonic(), 0.0))
+        code = r.process.exitcode
+        if code is None:
+            reason = f"returned its result but had not exited {format_seconds(EXIT_WAIT_S)} later"
+        elif code != 0:
+            reason = f"returned its result, then {describe_exit(code)} while exiting"
+        else:
+            continue
+        (killed if code is not None and code < 0 else other).append(RankFailure(r.rank, reason))
+    return _mark(killed, other, None) if killed or other else []
+
+
+def _release(ranks: Sequence[_Rank]) -> None:
+    """Kill every rank still alive, reap it, and close its pipe and process handles."""
+    for r in ranks:
+        if r.process.is_alive():
+            r.process.kill()
+    for r in ranks:
+        r.process.join()
+        r.process.close()
+        if r.conn is not None:
+            r.conn.close()
+            r.conn = None
