@@ -247,7 +247,7 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
     for line in table:  # each benchmark's own torch baseline is 1.00x by construction
         if "torch zero best" in line or " torch best " in line:
             assert "1.00x" in line, line
-    assert any("ours overlap reduce" in line for line in table)
+    assert any("ours overlap flat" in line for line in table)
 
 
 def test_bench_rejects_a_directory_without_benchmarks(

@@ -43,7 +43,8 @@ def test_train_checkpoint_then_resume_at_another_world_size_matches_plain_ddp(
     assert "parity with plain DDP + torch.optim.Adam (seed 0): equal" in out
     rank_rows = [line for line in out.splitlines() if line.lstrip()[:1].isdigit()]
     assert len(rank_rows) == 2  # ranks
-    assert all("50.0%" in row for row in rank_rows), out  # partition=flat: an even split
+    # partition=flat: an even split (the moments exactly; a 4-byte step per piece on top)
+    assert all(row.split()[3] in ("49.9%", "50.0%", "50.1%") for row in rank_rows), out
 
     saved = torch.load(ckpt, weights_only=True)
     assert saved["format"] == CHECKPOINT_FORMAT and saved["epoch"] == 1

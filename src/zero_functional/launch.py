@@ -45,7 +45,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -157,10 +157,14 @@ class LaunchError(RuntimeError):
         'rank 1 was killed by signal SIGKILL'
     """
 
-    def __init__(self, failures: Sequence[RankFailure]) -> None:
+    def __init__(
+        self, failures: Sequence[RankFailure], results: Mapping[int, object] | None = None
+    ) -> None:
         if not failures:
             raise ValueError("LaunchError needs at least one RankFailure")
         self.failures = tuple(sorted(failures, key=lambda f: (not f.primary, f.rank)))
+        self.results: dict[int, object] = dict(results or {})
+        """What the ranks that returned before the failure returned (a failed exit included)."""
         lines = [str(f) for f in self.failures]
         lines += [
             f"--- rank {f.rank}:\n{f.traceback.rstrip()}"
@@ -326,6 +330,7 @@ def run_ranks(
     start_method: StartMethod = "spawn",
     backend: str = "gloo",
     num_threads: int | None = 1,
+    grace_s: float = GRACE_S,
 ) -> list[R]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the values in rank order.
 
@@ -386,13 +391,13 @@ def run_ranks(
             process.start()
             send.close()
             ranks.append(_Rank(rank, process, receive))
-        failures = _collect(ranks, timeout_s)
+        failures = _collect(ranks, timeout_s, grace_s)
         if not failures:
             failures = _await_exit(ranks)
     finally:
         _release(ranks)
     if failures:
-        raise LaunchError(failures)
+        raise LaunchError(failures, {r.rank: r.value for r in ranks if r.state == "returned"})
     return [r.value for r in ranks]  # type: ignore[misc]
 
 
@@ -444,7 +449,7 @@ def _poll(
             died.append(RankFailure(r.rank, describe_exit(code)))
 
 
-def _collect(ranks: Sequence[_Rank], timeout_s: float) -> list[RankFailure]:
+def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[RankFailure]:
     """Wait until every rank has reported or ended, or until the first failure's grace is over."""
     deadline = time.monotonic() + timeout_s
     stop_at = deadline
@@ -471,7 +476,7 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float) -> list[RankFailure]:
         if raised or died:
             failures += _mark(died, [f for _, f in sorted(raised)], first)
             if first is None:
-                stop_at = min(deadline, time.monotonic() + GRACE_S)
+                stop_at = min(deadline, time.monotonic() + grace_s)
     first = next((f for f in failures if f.primary), None)
     for r in ranks:
         if r.state == "running":
