@@ -50,7 +50,13 @@ from zero_functional.ownership import (
     sorted_greedy_ownership,
 )
 from zero_functional.partition import Segment
-from zero_functional.state_dict import join_states, slice_state, validated_state
+from zero_functional.state_dict import (
+    check_hyperparameters,
+    check_param_state,
+    join_states,
+    slice_state,
+    validated_state,
+)
 from zero_functional.steppers import (
     FunctionalStepper,
     RealStepper,
@@ -784,29 +790,100 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         the optimizer class's own state) before changing anything. Call it on every rank: a
         dict that fails the checks on any rank is an error on every rank.
         """
-        elementwise = update_kind(self.optimizer_class) == "elementwise"
         problem: Exception | None = None
         state: dict[int, Mapping[str, Any]] = {}
         try:
-            schemas = [
-                state_schema(self.optimizer_class, g, self._user_defaults) if elementwise else None
-                for g in self.param_groups
-            ]
-            state = validated_state(state_dict, self.param_groups, schemas)
+            state = validated_state(state_dict, self.param_groups, self._schemas())
         except (TypeError, ValueError) as e:
             problem = e
         self._agree("load_state_dict()", problem, self.param_groups)
         params = self._params()
+        pieces = {
+            k: slice_state(value, (0, params[k].numel()), (self._own[k].start, self._own[k].stop))
+            for k, value in state.items()
+            if k in self._own
+        }
+        self._install(pieces, state_dict["param_groups"])
+
+    def shard_state(self) -> dict[int, tuple[Segment, dict[str, Any]]]:
+        """This rank's state: per global index of a parameter it owns a piece of (and has state
+        for), the piece and the piece's state dict (the optimizer's own tensors, not copies;
+        elementwise ones hold the piece's elements, in the parameter's shape when whole).
+
+        What a sharded checkpoint writes (:mod:`zero_functional.checkpoint`).
+        """
+        params = self._params()
+        return {
+            k: (seg, self.state[params[k]])
+            for k, seg in sorted(self._own.items())
+            if self.state.get(params[k])
+        }
+
+    def load_shard_state(
+        self,
+        state: Mapping[int, Mapping[str, Any]],
+        param_groups: Sequence[Mapping[str, Any]],
+    ) -> None:
+        """Install the state of this rank's pieces, as :meth:`shard_state` gives it; collective.
+
+        Checks everything first (each key a parameter this rank owns a piece of, each value's
+        type, dtype and shape against the piece and the optimizer class's own state, the
+        groups' hyperparameters), and a problem on any rank is an error on every rank with
+        nothing changed. A sharded checkpoint reads each rank's pieces and calls this.
+
+        Args:
+            state: Global parameter index -> the state of this rank's piece of it.
+            param_groups: The groups' hyperparameters (``params`` entries are ignored).
+        """
+        problem: Exception | None = None
+        try:
+            if len(param_groups) != len(self.param_groups):
+                raise ValueError(
+                    f"the loaded state has {len(param_groups)} parameter groups, this optimizer "
+                    f"has {len(self.param_groups)}: the state belongs to another model"
+                )
+            for i, (saved, group) in enumerate(zip(param_groups, self.param_groups)):
+                check_hyperparameters(i, saved, group)
+            schemas = self._schemas()
+            params = self._params()
+            for k, value in state.items():
+                seg = self._own.get(k)
+                if seg is None:
+                    raise ValueError(
+                        f"state for parameter {k!r}, of which rank {self.rank} owns no piece: "
+                        "pass the state of the pieces ownership.owned(rank) lists"
+                    )
+                whole = seg.start == 0 and seg.stop == params[k].numel()
+                check_param_state(
+                    f"parameter {k} (this rank's piece [{seg.start}, {seg.stop}))",
+                    value,
+                    tuple(params[k].shape) if whole else (seg.stop - seg.start,),
+                    is_complex=params[k].is_complex(),
+                    schema=schemas[self._group_of[k]],
+                )
+        except (TypeError, ValueError) as e:
+            problem = e
+        self._agree("load_shard_state()", problem, self.param_groups)
+        self._install(state, param_groups)
+
+    def _schemas(self) -> list[dict[str, str] | None]:
+        elementwise = update_kind(self.optimizer_class) == "elementwise"
+        return [
+            state_schema(self.optimizer_class, g, self._user_defaults) if elementwise else None
+            for g in self.param_groups
+        ]
+
+    def _install(
+        self, pieces: Mapping[int, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Replace this rank's state by ``pieces`` (already checked) and the groups' values."""
+        params = self._params()
         loaded: dict[Tensor, dict[str, Any]] = {}
-        for k, value in state.items():
-            seg = self._own.get(k)
-            if seg is None:
-                continue
+        for k, value in pieces.items():
             p = params[k]
-            part = slice_state(value, (0, p.numel()), (seg.start, seg.stop))
             group = self.param_groups[self._group_of[k]]
-            loaded[p] = {key: self._placed(key, v, p, group) for key, v in part.items()}
-        for g, s in zip(self.param_groups, state_dict["param_groups"]):
+            loaded[p] = {key: self._placed(key, v, p, group) for key, v in value.items()}
+        for g, s in zip(self.param_groups, groups):
             g.update(hyperparameters(s))
         self.state.clear()  # in place: the real instance of RealStepper shares this mapping
         self.state.update(loaded)

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -44,6 +45,7 @@ __all__ = [
     "bucket_ownership",
     "check_partition",
     "check_splittable",
+    "flat_range_boxes",
     "flat_ownership",
     "piece_view",
     "piece_views",
@@ -519,6 +521,65 @@ def piece_view(tensor: Tensor, piece: Segment) -> Tensor:
     check_splittable([tensor])
     with torch.no_grad():
         return tensor.detach().view(-1)[piece.start : piece.stop]
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A box of an N-d tensor: ``(offsets, sizes)``."""
+
+
+def flat_range_boxes(
+    shape: Sequence[int], start: int, stop: int, *, max_numel: int | None = None
+) -> list[tuple[Box, int]]:
+    """The contiguous N-d boxes a row-major flat range covers, each with its first flat index.
+
+    In flat order: a partial row (or plane) at the start, whole rows in the middle, a partial
+    one at the end, recursively, so at most ``2 * ndim - 1`` boxes and never an empty one.
+    Every box is one contiguous run of the range, so ``piece[a - start : b - start].view(sizes)``
+    is the box without a copy: what a checkpoint writes for a piece that straddles rows. With
+    ``max_numel`` the range is first cut at multiples of it (so no box is larger).
+
+    Example:
+        >>> flat_range_boxes((6, 5), 7, 23)
+        [(((1, 2), (1, 3)), 7), (((2, 0), (2, 5)), 10), (((4, 0), (1, 3)), 20)]
+    """
+    shape = tuple(int(d) for d in shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"range [{start}, {stop}) is outside a tensor of shape {shape}")
+    cuts = [start]
+    if max_numel is not None:
+        if max_numel < 1:
+            raise ValueError(f"max_numel must be >= 1, got {max_numel}")
+        cuts += range((start // max_numel + 1) * max_numel, stop, max_numel)
+    out: list[tuple[Box, int]] = []
+    for a, b in zip(cuts, [*cuts[1:], stop]):
+        for box in _boxes(shape, a, b):
+            first = 0
+            for size, offset in zip(shape, box[0]):
+                first = first * size + offset
+            out.append((box, first))
+    return out
+
+
+def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    if start == stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner_shape = shape[1:]
+    inner = math.prod(inner_shape)
+    (i0, r0), (i1, r1) = divmod(start, inner), divmod(stop, inner)
+    if i0 == i1:
+        return [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, r1)]
+    out: list[Box] = []
+    if r0:
+        out += [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, inner)]
+        i0 += 1
+    if i1 > i0:
+        out.append(((i0, *(0,) * len(inner_shape)), (i1 - i0, *inner_shape)))
+    if r1:
+        out += [((i1, *o), (1, *s)) for o, s in _boxes(inner_shape, 0, r1)]
+    return out
 
 
 def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[Tensor], list[int]]:

@@ -1,0 +1,357 @@
+"""Sharded checkpoints: each rank writes what it owns, any world size reads what it will own.
+
+:func:`save` and :func:`load` are collective. A checkpoint is a directory in
+``torch.distributed.checkpoint``'s format (written through :mod:`zero_functional.storage`:
+checksummed, atomic), in *model space*, so it depends on neither the world size nor the
+partition:
+
+* ``model.<name>``: the model's ``state_dict()`` entries. Each rank writes the pieces of the
+  parameters its optimizer owns (the writing is spread like the state); rank 0 writes the rest
+  (buffers, parameters outside the optimizer). Every rank reads all of it (every rank needs
+  the whole model).
+* ``state.<parameter name>.<key>``: the optimizer state, in each parameter's own shape. A rank
+  writes the boxes its pieces cover (never padding) and reads only the boxes its pieces under
+  the new ownership need; a per-parameter scalar (Adam's ``step``) is written once.
+* ``param_groups``: the groups' hyperparameters, each with the names of its parameters;
+  ``extra``: whatever the caller passed (an epoch, a data-loader position); ``format``.
+
+No byte of optimizer state goes through the process group. A checkpoint that does not fit
+(another model, a missing key, another shape) or whose bytes are not what was written (a
+checksum per item) is a :class:`~zero_functional.storage.CheckpointError` on every rank, with
+the model and the optimizer untouched.
+
+To load one into a plain, unsharded optimizer::
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save("ckpt", "ckpt.pt")             # one file, in one process
+    flat = torch.load("ckpt.pt", weights_only=True)
+    model.load_state_dict(model_state_dict(flat))
+    optimizer.load_state_dict(optimizer_state_dict(flat))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.partition import Segment
+from zero_functional.state_dict import is_elementwise
+from zero_functional.storage import (
+    DEFAULT_MAX_BOX_NUMEL,
+    CheckpointError,
+    load_pieces,
+    read_keys,
+    save_pieces,
+)
+
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "load",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "save",
+]
+
+FORMAT = "zero_functional.checkpoint/1"
+"""The ``format`` object of the checkpoints :func:`save` writes."""
+
+
+def _module(model: nn.Module) -> nn.Module:
+    """The wrapped module of a ``DistributedDataParallel``, else the model itself."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _names(model: nn.Module | None, optimizer: Optimizer) -> list[str]:
+    """Each of the optimizer's parameters' name in the model (its index without a model)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if model is None:
+        return [str(i) for i in range(len(params))]
+    name_of: dict[Tensor, str] = {}
+    for name, p in _module(model).named_parameters():
+        name_of.setdefault(p, name)
+    missing = [i for i, p in enumerate(params) if p not in name_of]
+    if missing:
+        raise CheckpointError(
+            f"the optimizer's parameters {missing} are not parameters of the model: pass the "
+            "model the optimizer was built from"
+        )
+    return [name_of[p] for p in params]
+
+
+def _group(
+    optimizer: Optimizer | None, process_group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.process_group
+    return process_group
+
+
+def _shards(optimizer: Optimizer, rank: int) -> tuple[dict[int, Segment], dict[int, Any]]:
+    """The pieces this rank writes and reads, and their state: a ZeroRedundancyOptimizer's own;
+    a plain optimizer's (the same on every rank) all whole, written by rank 0, read by all."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        owned = {s.param: s for s in optimizer.ownership.owned(optimizer.rank)}
+        return owned, {k: state for k, (_, state) in optimizer.shard_state().items()}
+    whole = {k: Segment(k, 0, p.numel()) for k, p in enumerate(params)}
+    state = {k: optimizer.state[p] for k, p in enumerate(params) if optimizer.state.get(p)}
+    return whole, state
+
+
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    optimizer: Optimizer | None = None,
+    extra: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    max_chunk_numel: int = DEFAULT_MAX_BOX_NUMEL,
+) -> None:
+    """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``.
+
+    Collective: call it on every rank. Atomic: the directory is replaced only once every rank
+    has written, so a crash mid-save leaves the previous checkpoint readable.
+
+    Args:
+        path: The checkpoint directory.
+        model: The model (a ``DistributedDataParallel`` or the module inside it).
+        optimizer: A :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` (each rank
+            writes its pieces), or a plain ``torch.optim`` optimizer holding the same state
+            on every rank (rank 0 writes it).
+        extra: Any picklable value, the same on every rank (``load`` returns it).
+        process_group: The ranks without an optimizer to take it from (default: the world).
+        max_chunk_numel: No stored chunk has more elements: the memory a save needs beyond
+            what the rank already holds.
+
+    Raises:
+        CheckpointError: On every rank, naming each rank's cause; ``path`` is untouched.
+
+    Example:
+        >>> # zero_functional.checkpoint.save("ckpt", model=ddp, optimizer=zero, extra={"epoch": 3})
+    """
+    if model is None and optimizer is None:
+        raise ValueError("save needs a model, an optimizer or both")
+    group = _group(optimizer, process_group)
+    rank = int(dist.get_rank(group)) if dist.is_initialized() else 0
+    pieces: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]] = {}
+    objects: dict[str, Any] = {"format": FORMAT, "extra": extra}
+    in_optimizer: set[Tensor] = set()
+    if optimizer is not None:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.finish_param_sync()
+        sharded = isinstance(optimizer, ZeroRedundancyOptimizer)
+        names = _names(model, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        owned, states = _shards(optimizer, rank)
+        for k, state in states.items():
+            if not sharded and rank != 0:
+                break
+            seg, p = owned[k], params[k]
+            for key, value in state.items():
+                name = f"state.{names[k]}.{key}"
+                if is_elementwise(value, seg.stop - seg.start):
+                    flat = value.detach().reshape(-1)
+                    pieces[name] = (tuple(p.shape), flat.dtype, [(seg.start, seg.stop, flat)])
+                elif isinstance(value, Tensor) and value.dim() == 0:
+                    pieces[name] = ((), value.dtype, [(0, 1, value.detach().reshape(1))])
+                else:  # a whole parameter's other values (a per-tensor optimizer's lists, ...)
+                    objects[name] = value
+        if model is not None:
+            for k, p in enumerate(params):
+                in_optimizer.add(p)
+                piece = owned.get(k)
+                if piece is not None and (sharded or rank == 0):
+                    flat = p.detach().reshape(-1)[piece.start : piece.stop]
+                    pieces[f"model.{names[k]}"] = (
+                        tuple(p.shape),
+                        p.dtype,
+                        [(piece.start, piece.stop, flat)],
+                    )
+        objects["param_groups"] = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": names[a : a + n]}
+            for g, (a, n) in zip(optimizer.param_groups, _spans(optimizer))
+        ]
+    if model is not None and rank == 0:  # replicated on every rank: one writer
+        for name, t in _module(model).state_dict(keep_vars=True).items():
+            if isinstance(t, Tensor) and t not in in_optimizer:
+                flat = t.detach().reshape(-1)
+                pieces[f"model.{name}"] = (tuple(t.shape), t.dtype, [(0, t.numel(), flat)])
+    save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
+
+
+def _spans(optimizer: Optimizer) -> list[tuple[int, int]]:
+    """Each group's first global index and length."""
+    out, start = [], 0
+    for g in optimizer.param_groups:
+        out.append((start, len(g["params"])))
+        start += len(g["params"])
+    return out
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    optimizer: Optimizer | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> Any:
+    """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its extra.
+
+    Collective. Works at any world size and under either partition: each rank reads only the
+    boxes of optimizer state its pieces need. Everything is checked (keys, shapes, dtypes,
+    checksums, the optimizer's state against its class) before anything changes.
+
+    Args:
+        path: The checkpoint directory.
+        model: The model to fill (every tensor of its ``state_dict()``).
+        optimizer: The :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` to fill (each
+            rank reads its pieces), or a plain ``torch.optim`` optimizer (every rank reads all).
+        process_group: The ranks without an optimizer to take it from (default: the world).
+        strict: Refuse model tensors the checkpoint lacks or has in excess.
+
+    Returns:
+        The ``extra`` given to :func:`save`.
+
+    Raises:
+        CheckpointError: On every rank, naming the cause; model and optimizer unchanged.
+
+    Example:
+        >>> # extra = zero_functional.checkpoint.load("ckpt", model=ddp, optimizer=zero)
+    """
+    group = _group(optimizer, process_group)
+    saved = read_keys(path)
+    if "format" not in saved or saved["format"] is not None:
+        raise CheckpointError(f"{os.fspath(path)} is not a checkpoint written by {__name__}.save")
+    wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
+    objects = ["format", "extra"]
+    module_state: dict[str, Tensor] = {}
+    if model is not None:
+        module_state = {
+            k: v
+            for k, v in _module(model).state_dict(keep_vars=True).items()
+            if isinstance(v, Tensor)
+        }
+        names_saved = {k[len("model.") :] for k in saved if k.startswith("model.")}
+        missing = sorted(set(module_state) - names_saved)
+        unexpected = sorted(names_saved - set(module_state))
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"the checkpoint does not fit the model: it lacks {missing} and has {unexpected} "
+                "in excess (pass strict=False to load the tensors both have)"
+            )
+        for name, t in module_state.items():
+            if name in names_saved:
+                wanted[f"model.{name}"] = (tuple(t.shape), t.dtype, [(0, t.numel())])
+    pieces_of: dict[int, dict[str, tuple[str, bool]]] = {}
+    owned: dict[int, Segment] = {}
+    if optimizer is not None:
+        names = _names(model, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        owned, _ = _shards(optimizer, rank=0)
+        objects.append("param_groups")
+        for k, seg in owned.items():
+            prefix = f"state.{names[k]}."
+            for key, meta in saved.items():
+                if not key.startswith(prefix) or "." in key[len(prefix) :]:
+                    continue
+                if meta is None:
+                    objects.append(key)
+                elif meta[0] == ():
+                    wanted[key] = ((), meta[1], [(0, 1)])
+                else:
+                    wanted[key] = (tuple(params[k].shape), meta[1], [(seg.start, seg.stop)])
+                pieces_of.setdefault(k, {})[key[len(prefix) :]] = (key, meta is not None)
+    tensors, values = load_pieces(path, wanted, objects, group)
+    if values["format"] != FORMAT:
+        raise CheckpointError(
+            f"{os.fspath(path)} has format {values['format']!r}; this version reads {FORMAT!r}"
+        )
+    if optimizer is not None:
+        state: dict[int, dict[str, Any]] = {}
+        for k, keys in pieces_of.items():
+            p, seg = params[k], owned[k]
+            whole = seg.start == 0 and seg.stop == p.numel()
+            entry: dict[str, Any] = {}
+            for state_key, (key, is_tensor) in keys.items():
+                if not is_tensor:
+                    entry[state_key] = values[key]
+                elif wanted[key][0] == ():
+                    entry[state_key] = tensors[key][0].reshape(())
+                else:
+                    entry[state_key] = tensors[key][0].view(p.shape) if whole else tensors[key][0]
+            state[k] = entry
+        saved_groups = values["param_groups"]
+        expected = [names[a : a + n] for a, n in _spans(optimizer)]
+        if (
+            not isinstance(saved_groups, list)
+            or [g.get("params") for g in saved_groups] != expected
+        ):
+            raise CheckpointError(
+                "the checkpoint's parameter groups list other parameters than the optimizer's: "
+                "it belongs to another model (or the groups were built in another order)"
+            )
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.finish_param_sync()
+            optimizer.load_shard_state(state, saved_groups)
+        else:
+            optimizer.load_state_dict(
+                {
+                    "state": state,
+                    "param_groups": [
+                        {**g, "params": list(range(a, a + n))}
+                        for g, (a, n) in zip(saved_groups, _spans(optimizer))
+                    ],
+                }
+            )
+    if model is not None:
+        with torch.no_grad():
+            for name, t in module_state.items():
+                key = f"model.{name}"
+                if key in tensors:
+                    t.copy_(tensors[key][0].view(t.shape))
+    return values["extra"]
+
+
+def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The model's ``state_dict`` from a ``dcp_to_torch_save`` file of a checkpoint.
+
+    Example:
+        >>> model_state_dict({"model.w": 1, "state.w.step": 2, "extra": None})
+        {'w': 1}
+    """
+    return {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
+
+
+def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint.
+
+    Parameters are numbered as ``torch.optim`` numbers them: by position in the groups'
+    ``params`` lists, concatenated.
+
+    Example:
+        >>> flat = {"state.w.step": 3, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+        >>> optimizer_state_dict(flat)
+        {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
+    """
+    groups = flat["param_groups"]
+    order = [name for g in groups for name in g["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("state."):
+            name, state_key = key[len("state.") :].rsplit(".", 1)  # state keys have no dot
+            state.setdefault(index[name], {})[state_key] = value
+    return {
+        "state": state,
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+    }
