@@ -171,16 +171,48 @@ def test_foreign_torch_file_is_refused_as_checkpoint(
 
 
 def _checkpoint(path: Path, epoch: int, hidden: int = 8) -> None:
+    """A single-file checkpoint, the format earlier versions (and --impl torch) write."""
+    model = train.build_model(hidden)
     train.save_checkpoint(
         path,
         {
             "format": train.CHECKPOINT_FORMAT,
-            "model": train.build_model(hidden).state_dict(),
-            "optimizer": {"state": {}, "param_groups": []},
+            "model": model.state_dict(),
+            "optimizer": torch.optim.Adam(model.parameters()).state_dict(),
             "epoch": epoch,
             "args": {"hidden": hidden},
         },
     )
+
+
+def test_a_single_file_checkpoint_with_flipped_bytes_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ck.pt"
+    _checkpoint(ckpt, epoch=1, hidden=64)
+    raw = bytearray(ckpt.read_bytes())
+    mid = len(raw) // 2
+    raw[mid : mid + 64] = bytes(b ^ 0xFF for b in raw[mid : mid + 64])
+    ckpt.write_bytes(bytes(raw))
+    code, err = _resume(tmp_path, ckpt, capsys)
+    assert code == 2 and "corrupt" in err, err
+
+
+def test_a_checkpoint_whose_optimizer_is_of_another_model_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ck.pt"
+    _checkpoint(ckpt, epoch=1)
+    payload = torch.load(ckpt, weights_only=True)
+    other = train.build_model(9)
+    adam = torch.optim.Adam(other.parameters())
+    for p in other.parameters():
+        p.grad = torch.ones_like(p)
+    adam.step()
+    payload["optimizer"] = adam.state_dict()
+    torch.save(payload, ckpt)
+    code, err = _resume(tmp_path, ckpt, capsys)
+    assert code == 2 and "does not fit the demo MLP" in err and "optimizer state" in err, err
 
 
 def test_checkpoint_with_wrong_shapes_is_refused(

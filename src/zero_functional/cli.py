@@ -187,18 +187,24 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             command,
             "--overlap with --impl torch hangs on gloo (pytorch#62300); drop one of the two",
         )
-    if args.overlap and args.resume:
-        return None, _fail(
-            command,
-            "--resume with --overlap is not supported: overlap mode loads optimizer state only "
-            "after its first backward; resume without --overlap",
-        )
     if args.checkpoint is not None:
         parent = Path(args.checkpoint).resolve().parent
         if not parent.is_dir():
             return None, _fail(command, f"--checkpoint directory {parent} does not exist")
-        if Path(args.checkpoint).is_dir():
-            return None, _fail(command, f"--checkpoint {args.checkpoint} is a directory")
+        # ours writes a sharded checkpoint (a directory); torch's class, one consolidated file
+        sharded = args.impl == "zero_functional"
+        if sharded and Path(args.checkpoint).is_file():
+            return None, _fail(
+                command,
+                f"--checkpoint {args.checkpoint} is a file (a single-file checkpoint); a sharded "
+                "checkpoint is a directory: pass a new path",
+            )
+        if not sharded and Path(args.checkpoint).is_dir():
+            return None, _fail(
+                command,
+                f"--checkpoint {args.checkpoint} is a directory; --impl torch writes one "
+                "consolidated file: pass a file path",
+            )
         why = _unwritable_directory(parent)
         if why is not None:
             return None, _fail(
@@ -384,8 +390,18 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         help="MLP hidden width (128; a resumed run takes the checkpoint's)",
     )
     p.add_argument("--overlap", action="store_true", help="run the ZeRO step inside DDP's backward")
-    p.add_argument("--checkpoint", metavar="PATH", help="write a consolidated checkpoint here")
-    p.add_argument("--resume", metavar="PATH", help="continue from this checkpoint")
+    p.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="after every epoch, write a sharded checkpoint (a directory; each rank writes its "
+        "share) here, atomically; --impl torch writes one consolidated file",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="continue from this checkpoint (a sharded directory, or an older single file), at "
+        "any --nproc",
+    )
     p.add_argument(
         "--impl",
         choices=("zero_functional", "torch"),

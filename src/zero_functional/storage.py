@@ -84,7 +84,9 @@ __all__ = [
     "Wanted",
     "load_pieces",
     "read_keys",
+    "read_objects",
     "save_pieces",
+    "verify",
 ]
 
 Pieces = Mapping[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int, Tensor]]]]
@@ -560,6 +562,61 @@ def save_pieces(
         raise CheckpointError(str(error))
 
 
+def _metadata(path: str | os.PathLike[str]) -> tuple[_ChecksummedReader, Metadata]:
+    if not os.path.isdir(os.fspath(path)):
+        raise CheckpointError(f"there is no checkpoint directory at {os.fspath(path)}")
+    reader = _ChecksummedReader(os.fspath(path))
+    metadata = reader.read_metadata()
+    if reader._metadata_error is not None:
+        raise reader._metadata_error
+    return reader, metadata
+
+
+def verify(path: str | os.PathLike[str]) -> int:
+    """Check every stored item's length and checksum, in this process alone; the item count.
+
+    What a launcher runs before it starts ranks on a checkpoint (it reads every byte once).
+
+    Raises:
+        CheckpointError: No checkpoint at ``path``.
+        CheckpointCorruptError: A missing or truncated file, a checksum that does not match.
+    """
+    reader, metadata = _metadata(path)
+    by_file: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index, info))
+    for relative, items in by_file.items():
+        file = os.path.join(os.fspath(path), relative)
+        if not os.path.exists(file):
+            raise CheckpointCorruptError(f"the checkpoint file {file} is missing")
+        with open(file, "rb") as f:
+            for index, info in sorted(items, key=lambda ii: ii[1].offset):
+                where = f"{index.fqn} at offsets {tuple(index.offset or ())} in {relative}"
+                reader._bytes(f, where, info)
+    return len(metadata.storage_data)
+
+
+def read_objects(path: str | os.PathLike[str], keys: Sequence[str]) -> dict[str, object]:
+    """The objects ``keys`` of a checkpoint, checksums checked, in this process alone.
+
+    Raises:
+        CheckpointError: No checkpoint, or a key it lacks or holds as a tensor.
+        CheckpointCorruptError: An object's bytes are not what was written.
+    """
+    reader, metadata = _metadata(path)
+    out: dict[str, object] = {}
+    for key in keys:
+        meta = metadata.state_dict_metadata.get(key)
+        if not isinstance(meta, BytesStorageMetadata):
+            raise CheckpointError(f"the checkpoint at {os.fspath(path)} holds no object {key!r}")
+        index = MetadataIndex(key)
+        info = metadata.storage_data[index]
+        with open(os.path.join(os.fspath(path), info.relative_path), "rb") as f:
+            raw = reader._bytes(f, f"{key} in {info.relative_path}", info)
+        out[key] = torch.load(io.BytesIO(raw), weights_only=True)
+    return out
+
+
 def read_keys(
     path: str | os.PathLike[str],
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
@@ -569,12 +626,7 @@ def read_keys(
         CheckpointError: No checkpoint at ``path``.
         CheckpointCorruptError: Its index does not match its checksum.
     """
-    reader = _ChecksummedReader(os.fspath(path))
-    if not os.path.isdir(os.fspath(path)):
-        raise CheckpointError(f"there is no checkpoint directory at {os.fspath(path)}")
-    metadata = reader.read_metadata()
-    if reader._metadata_error is not None:
-        raise reader._metadata_error
+    _, metadata = _metadata(path)
     out: dict[str, tuple[tuple[int, ...], torch.dtype] | None] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):

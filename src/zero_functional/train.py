@@ -68,8 +68,9 @@ class TrainConfig:
         batch_size: Global batch size, split across ranks.
         hidden: Width of the MLP's two hidden layers.
         overlap: Run the ZeRO step inside DDP's backward (``overlap_with_ddp``).
-        checkpoint: Write a consolidated checkpoint here after every epoch.
-        resume: Continue from this checkpoint.
+        checkpoint: Write a checkpoint here after every epoch: a sharded directory
+            (``zero_functional.checkpoint``), or with ``impl="torch"`` one consolidated file.
+        resume: Continue from this checkpoint (a directory or a file, any world size).
         impl: ``"zero_functional"`` (ours) or ``"torch"`` (``torch.distributed.optim``'s).
         reference: Also run plain DDP + ``torch.optim.Adam`` and compare parameters.
         progress: Show a tqdm bar on rank 0.
@@ -219,17 +220,31 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and check a checkpoint written by this job.
+    """Read and check a checkpoint written by this job: a sharded directory, or an older file.
+
+    For a directory (``zero_functional.checkpoint``), every stored item's checksum is verified
+    and its model and optimizer state are checked against the MLP its own ``args`` describe;
+    the result holds ``epoch``, ``args`` and ``sharded`` (the path). For a single file (what
+    earlier versions wrote, and ``--impl torch`` writes), the zip archive's CRCs are verified and
+    the result also holds ``model`` and ``optimizer``.
 
     Raises:
-        CheckpointError: Missing, unreadable, not this job's format, or a model state that does
-            not fit the MLP its own ``args`` describe.
+        CheckpointError: Missing, corrupt, not this job's format, or not this job's model.
     """
     p = Path(path)
+    if p.is_dir():
+        return _load_sharded(p)
     if not p.is_file():
-        raise CheckpointError(f"checkpoint {p} does not exist (or is not a file)")
+        raise CheckpointError(f"checkpoint {p} does not exist")
     if not zipfile.is_zipfile(p):
         raise CheckpointError(f"checkpoint {p} is corrupt or truncated: not a torch.save archive")
+    try:
+        with zipfile.ZipFile(p) as archive:
+            bad = archive.testzip()  # every member's CRC32: a flipped byte is caught here
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"checkpoint {p} is corrupt: {e}") from e
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {p} is corrupt: {bad} fails its CRC32 check")
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -243,13 +258,61 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"checkpoint {p} lacks {sorted(missing)}; it is truncated or edited")
     try:
-        build_model(int(ckpt["args"]["hidden"])).load_state_dict(ckpt["model"])
-        opt = ckpt["optimizer"]
-        if not (isinstance(opt, dict) and {"state", "param_groups"} <= opt.keys()):
-            raise ValueError("optimizer state_dict lacks 'state' or 'param_groups'")
+        model = build_model(int(ckpt["args"]["hidden"]))
+        model.load_state_dict(ckpt["model"])
+        torch.optim.Adam(model.parameters()).load_state_dict(ckpt["optimizer"])
+        _check_optimizer_shapes(model, ckpt["optimizer"])
     except Exception as e:
         raise CheckpointError(f"checkpoint {p} does not fit the demo MLP: {_first_line(e)}") from e
     return dict(ckpt)
+
+
+def _check_optimizer_shapes(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    params = list(model.parameters())
+    for index, state in state_dict["state"].items():
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() and value.shape != params[index].shape:
+                raise ValueError(
+                    f"the optimizer state {key!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}"
+                )
+
+
+def _load_sharded(path: Path) -> dict[str, Any]:
+    from zero_functional import storage
+
+    try:
+        storage.verify(path)
+        extra = storage.read_objects(path, ["extra"])["extra"]
+    except storage.CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path}: {_first_line(e)}") from e
+    if not isinstance(extra, dict) or extra.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} was not written by `zero-functional train --checkpoint` "
+            f"(no format {CHECKPOINT_FORMAT!r})"
+        )
+    model = build_model(int(extra["args"]["hidden"]))
+    keys = storage.read_keys(path)
+    names = [name for name, _ in model.named_parameters()]
+    for name, p in model.named_parameters():
+        for key, meta in keys.items():
+            if key == f"model.{name}" or key.startswith(f"state.{name}."):
+                if meta is not None and meta[0] not in ((), tuple(p.shape)):
+                    raise CheckpointError(
+                        f"checkpoint {path} does not fit the demo MLP: {key} has shape "
+                        f"{meta[0]}, the model's {name} {tuple(p.shape)}"
+                    )
+    unknown = sorted(
+        k
+        for k in keys
+        if k.startswith("state.") and k[len("state.") :].rsplit(".", 1)[0] not in names
+    )
+    if unknown or any(f"model.{n}" not in keys for n in names):
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the demo MLP (hidden {extra['args']['hidden']}): "
+            f"{unknown[:3] or 'model tensors are missing'}"
+        )
+    return {**extra, "sharded": str(path)}
 
 
 # ----------------------------------------------------------------------------- the job
@@ -296,7 +359,8 @@ def _train(
     torch.manual_seed(cfg.seed)
     hidden = int(ckpt["args"]["hidden"]) if ckpt is not None else cfg.hidden
     model = build_model(hidden)
-    if ckpt is not None:
+    sharded = ckpt.get("sharded") if ckpt is not None else None
+    if ckpt is not None and sharded is None:
         model.load_state_dict(ckpt["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt: Optimizer
@@ -326,10 +390,16 @@ def _train(
         opt = zero
     else:
         opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
-    if ckpt is not None:
+    if sharded is not None:
+        from zero_functional import checkpoint
+
+        # each rank reads its own share (every rank for plain DDP's Adam), any world size
+        checkpoint.load(sharded, model=model, optimizer=opt)
+    elif ckpt is not None:
         # torch's ZeroRedundancyOptimizer.load_state_dict sets the entries of parameters it does
         # not own to None in the dict it is given; the reference run needs them intact.
         opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+    if ckpt is not None:
         for g in opt.param_groups:
             g["lr"] = cfg.lr
     start = int(ckpt["epoch"]) if ckpt is not None else 0
@@ -376,10 +446,16 @@ def _train(
 def _write_checkpoint(
     cfg: TrainConfig, rank: int, model: nn.Module, opt: Optimizer, epoch: int, hidden: int
 ) -> None:
+    assert cfg.checkpoint is not None
+    args = {**asdict(cfg), "hidden": hidden}
+    if cfg.impl == "zero_functional":
+        from zero_functional import checkpoint
+
+        extra = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "args": args}
+        checkpoint.save(cfg.checkpoint, model=model, optimizer=opt, extra=extra)
+        return
     opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
     if rank == 0:
-        assert cfg.checkpoint is not None
-        args = {**asdict(cfg), "hidden": hidden}
         payload = {
             "format": CHECKPOINT_FORMAT,
             "model": model.state_dict(),
@@ -399,8 +475,22 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
         On rank 0 the summary table, elsewhere ``None``.
     """
     ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None
+    ref_ckpt = ckpt
+    if ckpt is not None and "sharded" in ckpt and cfg.reference:
+        # the ZeRO run may overwrite the directory (--checkpoint = --resume): the reference
+        # reads its start now, whole, into memory
+        from zero_functional import checkpoint
+
+        model = build_model(int(ckpt["args"]["hidden"]))
+        adam = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        checkpoint.load(ckpt["sharded"], model=model, optimizer=adam)
+        ref_ckpt = {
+            **{k: v for k, v in ckpt.items() if k != "sharded"},
+            "model": model.state_dict(),
+            "optimizer": adam.state_dict(),
+        }
     zero = _train(cfg, rank, world_size, ckpt, use_zero=True)
-    ref = _train(cfg, rank, world_size, ckpt, use_zero=False) if cfg.reference else None
+    ref = _train(cfg, rank, world_size, ref_ckpt, use_zero=False) if cfg.reference else None
     mine: dict[str, Any] = {
         "state_bytes": zero.state_bytes,
         "step_s": sum(zero.step_times) / max(len(zero.step_times), 1),
