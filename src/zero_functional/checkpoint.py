@@ -302,7 +302,7 @@ def load(
             )
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer.finish_param_sync()
-            optimizer.load_shard_state(state, saved_groups)
+            optimizer.load_shard_state(state, saved_groups, copy=False)  # fresh tensors
         else:
             optimizer.load_state_dict(
                 {

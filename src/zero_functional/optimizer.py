@@ -333,7 +333,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             whole = seg.start == 0 and seg.stop == p.numel()
             joined = join_states(parts, tuple(p.shape) if whole else None)
             group = self.param_groups[self._group_of[seg.param]]
-            self.state[p] = {k: self._placed(k, v, p, group) for k, v in joined.items()}
+            self.state[p] = {k: self._placed(k, v, p, group, copy=False) for k, v in joined.items()}
         self._set_ownership(ownership)
 
     def _build_buffers(self) -> None:
@@ -803,7 +803,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for k, value in state.items()
             if k in self._own
         }
-        self._install(pieces, state_dict["param_groups"])
+        self._install(pieces, state_dict["param_groups"], copy=False)  # slices are copies
 
     def shard_state(self) -> dict[int, tuple[Segment, dict[str, Any]]]:
         """This rank's state: per global index of a parameter it owns a piece of (and has state
@@ -823,6 +823,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self,
         state: Mapping[int, Mapping[str, Any]],
         param_groups: Sequence[Mapping[str, Any]],
+        *,
+        copy: bool = True,
     ) -> None:
         """Install the state of this rank's pieces, as :meth:`shard_state` gives it; collective.
 
@@ -834,6 +836,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Args:
             state: Global parameter index -> the state of this rank's piece of it.
             param_groups: The groups' hyperparameters (``params`` entries are ignored).
+            copy: Copy the tensors (the default); ``False`` keeps the given ones where they
+                are already on the parameter's device and of its dtype (a loader handing over
+                tensors it made for this, which then need no second copy in memory).
         """
         problem: Exception | None = None
         try:
@@ -864,7 +869,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         except (TypeError, ValueError) as e:
             problem = e
         self._agree("load_shard_state()", problem, self.param_groups)
-        self._install(state, param_groups)
+        self._install(state, param_groups, copy=copy)
 
     def _schemas(self) -> list[dict[str, str] | None]:
         elementwise = update_kind(self.optimizer_class) == "elementwise"
@@ -874,7 +879,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ]
 
     def _install(
-        self, pieces: Mapping[int, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]
+        self,
+        pieces: Mapping[int, Mapping[str, Any]],
+        groups: Sequence[Mapping[str, Any]],
+        *,
+        copy: bool,
     ) -> None:
         """Replace this rank's state by ``pieces`` (already checked) and the groups' values."""
         params = self._params()
@@ -882,13 +891,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for k, value in pieces.items():
             p = params[k]
             group = self.param_groups[self._group_of[k]]
-            loaded[p] = {key: self._placed(key, v, p, group) for key, v in value.items()}
+            loaded[p] = {key: self._placed(key, v, p, group, copy) for key, v in value.items()}
         for g, s in zip(self.param_groups, groups):
             g.update(hyperparameters(s))
         self.state.clear()  # in place: the real instance of RealStepper shares this mapping
         self.state.update(loaded)
 
-    def _placed(self, key: str, value: object, param: Tensor, group: Mapping[str, Any]) -> object:
+    def _placed(
+        self, key: str, value: object, param: Tensor, group: Mapping[str, Any], copy: bool = True
+    ) -> object:
         """Where a loaded or moved state value lives: torch's rule, except that the functional
         core (and any fused or capturable group) keeps ``step`` as float32 on the parameter's
         device, where the fused kernels need it (torch's CPU step: pytorch#124133)."""
@@ -896,11 +907,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return value
         if key == "step":
             if self._spec is not None or group.get("fused") or group.get("capturable"):
-                return value.detach().to(device=param.device, dtype=torch.float32, copy=True)
-            return value.detach().clone()
+                return value.detach().to(device=param.device, dtype=torch.float32, copy=copy)
+            return value.detach().clone() if copy else value.detach()
         if value.is_floating_point():
-            return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
-        return value.detach().to(device=param.device, copy=True)
+            return value.detach().to(device=param.device, dtype=param.dtype, copy=copy)
+        return value.detach().to(device=param.device, copy=copy)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter (all ranks' shards)."""
