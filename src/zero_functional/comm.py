@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -325,7 +325,13 @@ class Pending:
             done: Future[Tensor] = Future()
             done.set_result(value)
             return done
-        futures = [w.get_future() for w in self.works]
+        try:
+            futures = [w.get_future() for w in self.works]
+        except RuntimeError:  # a backend whose work has no future (gloo's reduce-scatter)
+            self.wait()
+            done = Future()
+            done.set_result(value)
+            return done
 
         def complete(_: object) -> Tensor:
             self._run_finish()
@@ -335,23 +341,24 @@ class Pending:
 
 
 def _issue(
-    op: Callable[..., Work | None], calls: Sequence[tuple[Tensor, int]], group: ProcessGroup
+    op: Literal["broadcast", "reduce"], calls: Sequence[tuple[Tensor, int]], group: ProcessGroup
 ) -> list[Work]:
-    """Start ``op(tensor, root, group=..., async_op=True)`` per call, in list order.
+    """Start ``dist.<op>(tensor, root, group=..., async_op=True)`` per call, in list order.
 
     On NCCL several calls go into one coalesced group (one launch, as NCCL's own uneven
-    reduce-scatter and all-gather are built); elsewhere each is its own collective. ``root``
-    is a group rank.
+    reduce-scatter and all-gather are built) and the block's handle is what to wait for;
+    elsewhere each is its own collective. ``root`` is a group rank. The collective is looked
+    up when called, so that it is the one any wrapper installed.
     """
     if len(calls) > 1 and is_nccl(group):
         coalescing = dist.distributed_c10d._coalescing_manager
         with coalescing(group, calls[0][0].device, async_ops=True) as cm:
             for tensor, root in calls:
-                op(tensor, global_rank(group, root), group=group, async_op=True)
+                getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
         return list(cm.works)
     handles: list[Work] = []
     for tensor, root in calls:
-        work = op(tensor, global_rank(group, root), group=group, async_op=True)
+        work = getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
         assert work is not None
         handles.append(work)
     return handles
@@ -364,7 +371,7 @@ def broadcast_shards(
 
     The buffers are issued in list order, which every rank must share.
     """
-    return _issue(dist.broadcast, list(zip(buffers, sources, strict=True)), group)
+    return _issue("broadcast", list(zip(buffers, sources, strict=True)), group)
 
 
 def reduce_shards(
@@ -388,7 +395,7 @@ def reduce_shards(
         tensor([0., 1., 2., 3.])
         >>> dist.destroy_process_group()
     """
-    return _issue(dist.reduce, list(zip(buffers, destinations, strict=True)), group)
+    return _issue("reduce", list(zip(buffers, destinations, strict=True)), group)
 
 
 def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
@@ -437,7 +444,7 @@ def start_reduce(
     """
     if chunk is None:
         pieces = [(buffer[a:b], rank) for a, b, rank in runs]
-        return Pending(_issue(dist.reduce, pieces, group))
+        return Pending(_issue("reduce", pieces, group))
     world, me = group_size(group), group_rank(group)
     source = _padded(buffer, chunk * world)
     out = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
@@ -475,7 +482,7 @@ def start_broadcast(
     """
     if chunk is None:
         pieces = [(buffer[a:b], rank) for a, b, rank in runs]
-        return Pending(_issue(dist.broadcast, pieces, group))
+        return Pending(_issue("broadcast", pieces, group))
     world, me = group_size(group), group_rank(group)
     target = _padded(buffer, chunk * world)
     mine = target[me * chunk : (me + 1) * chunk]
@@ -583,7 +590,7 @@ def start_sync_units(
         calls.append((buffer, owner))
         covers.append(indices)
         finishes.append(finish)
-    works = _issue(dist.broadcast, calls, group)
+    works = _issue("broadcast", calls, group)
     done = [f for f in finishes if f is not None]
     if len(works) != len(calls):  # one coalesced launch: one unit
         return [(Pending(works, done), sorted(i for c in covers for i in c))] if calls else []
@@ -662,7 +669,7 @@ def reduce_to_owners(
         for t in tensors:
             t.div_(world)
     calls = [(t, r) for t, r in zip(tensors, owners) if t.numel()]
-    Pending(_issue(dist.reduce, calls, group)).wait()
+    Pending(_issue("reduce", calls, group)).wait()
 
 
 def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:

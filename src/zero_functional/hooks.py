@@ -266,16 +266,12 @@ class OverlapState:
         )
         zero.reshard(ownership)
         self._runs = {}
-        backend = comm.backend(zero.process_group)
         for b, indices in enumerate(structure):
             runs = ownership.runs(indices)
             total = sum(self.params[k].numel() for k in indices)
             chunk = even_chunk(runs, total, zero.world_size)
-            if self.collectives != "reduce_scatter+all_gather" or (
-                choose_collectives(backend, zero.world_size, even=chunk is not None)
-                != "reduce_scatter+all_gather"
-            ):
-                chunk = None
+            if self.collectives != "reduce_scatter+all_gather":
+                chunk = None  # an uneven bucket takes reduces and broadcasts in either case
             self._runs[b] = (runs, chunk)
         self.structure = structure
         self.adoptions += 1
