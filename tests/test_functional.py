@@ -527,3 +527,26 @@ def test_torch_fused_adam_cpu_bits_depend_on_how_elements_are_cut_into_tensors()
         adam_update_(pieces, [g[:1].clone(), g[1:].clone()], s_pieces, fused=True, **kw)  # type: ignore[arg-type]
     assert not torch.equal(torch.cat(s_pieces.exp_avg_sq), s_full.exp_avg_sq[0])
     torch.testing.assert_close(torch.cat(s_pieces.exp_avg_sq), s_full.exp_avg_sq[0])
+
+
+def test_bf16_adam_equals_torchs_fused_kernel_not_its_default() -> None:
+    """Pinned: our default kernel is torch's fused one, which computes in fp32 and rounds once;
+    torch.optim.Adam's default (foreach) rounds bf16 at every operation."""
+    torch.manual_seed(0)
+    params = [torch.randn(64, 33).bfloat16(), torch.randn(17).bfloat16()]
+    ours = [p.clone() for p in params]
+    opt = adam(lr=1e-2)
+    state = opt.init(ours)
+    refs = {}
+    for label, kw in (("fused", {"fused": True}), ("default", {})):
+        refs[label] = [p.clone().requires_grad_() for p in params]
+        refs[f"{label} opt"] = torch.optim.Adam(refs[label], lr=1e-2, **kw)  # type: ignore[assignment]
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in params]
+        opt.update_(ours, grads, state)
+        for label in ("fused", "default"):
+            for p, g in zip(refs[label], grads):
+                p.grad = g.clone()
+            refs[f"{label} opt"].step()  # type: ignore[attr-defined]
+    assert all(torch.equal(a, b.detach()) for a, b in zip(ours, refs["fused"]))
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(ours, refs["default"]))

@@ -335,7 +335,7 @@ def test_ranks_in_different_calls_fail_within_the_timeout_naming_each_others_cal
     assert max(t0, t1) < 3.0 + 5.0 + 5.0  # the timeout, the grace for reports, some slack
 
 
-def _killed_worker(rank: int, world_size: int) -> tuple[str, float]:
+def _killed_worker(rank: int, world_size: int, where: str) -> tuple[str, float]:
     import os
     import signal
     import time
@@ -348,18 +348,22 @@ def _killed_worker(rank: int, world_size: int) -> tuple[str, float]:
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)  # dies before its step's broadcasts
+        os.kill(os.getpid(), signal.SIGKILL)  # dies before its part of the call
     t0 = time.monotonic()
     with pytest.raises(CollectiveError) as info:
-        opt.step()
+        if where == "step":
+            opt.step()
+        else:
+            opt.consolidate_state_dict(to=0)
     return str(info.value), time.monotonic() - t0
 
 
-def test_a_rank_killed_mid_step_is_named_by_the_survivors() -> None:
+@pytest.mark.parametrize("where", ["step", "consolidate_state_dict"])
+def test_a_rank_killed_mid_call_is_named_by_the_survivors(where: str) -> None:
     with pytest.raises(LaunchError, match="rank 1 was killed by signal SIGKILL") as info:
-        run_ranks(_killed_worker, 3, timeout_s=120, pg_timeout_s=60, grace_s=15)
+        run_ranks(_killed_worker, 3, where, timeout_s=120, pg_timeout_s=60, grace_s=15)
     for rank in (0, 2):
         message, seconds = info.value.results[rank]  # type: ignore[misc]
-        assert "step() #" in message and f"failed on rank {rank} of 3" in message, message
+        assert f"{where}(" in message and f"failed on rank {rank} of 3" in message, message
         assert "rank 1 did not report (it died" in message, message
         assert seconds < 20.0 + 5.0 + 5.0
