@@ -12,10 +12,12 @@ Variants, round-robin inside the same gloo ranks so that they share the machine'
 * ``... + gather in forward``: ``overlap_param_gather=True`` (the parameter all-gather finishes
   during the next forward, module by module).
 
-Prints the median iteration time of the slowest rank, ratios against DDP + fused Adam and
-against torch's best ZeRO, the bytes each rank sends per iteration (counted from the collectives
-that ran, under ring algorithms: see ``_common.ByteCounter``), and the largest parameter
-difference from DDP + fused Adam after the timed rounds (every variant trains the same data).
+RMSprop and Adagrad get DDP with that class, torch's best ZeRO for it (bucket views) and ours
+(flat, after backward and in overlap mode). Prints the median iteration time of the slowest rank,
+its ratio to the same optimizer's plain DDP and to torch's best ZeRO (time ratios: below 1 is
+faster), the bytes each rank sends per iteration (counted from the collectives that ran, under
+ring algorithms: see ``_common.ByteCounter``), and the largest parameter difference from the
+same optimizer's plain DDP after the timed rounds (every variant trains the same data).
 
     python benchmarks/bench_iteration.py [--world-sizes 2 4] [--rounds 10] [--json out.json]
 """
@@ -38,7 +40,7 @@ from _common import ByteCounter, median_ms, mlp, run_ranks
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-NAMES = [
+ADAM_VARIANTS = [
     "ddp + fused adam",
     "torch zero best",
     "ours sorted_greedy",
@@ -49,29 +51,57 @@ NAMES = [
     "ours flat + gather in forward",
     "ours overlap flat + gather in forward",
 ]
-BASELINE, TORCH_BEST = "ddp + fused adam", "torch zero best"
+OTHER_VARIANTS = [
+    "ddp + {o}",
+    "torch zero best ({o})",
+    "ours flat ({o})",
+    "ours overlap flat ({o})",
+]
+CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": (torch.optim.Adam, {"lr": 1e-4}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-4}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 1e-4}),
+}
 
 
-def _build(name: str, numel: int, counting: bool) -> tuple[DDP, Any]:
+def variants(optimizers: list[str]) -> list[tuple[str, str]]:
+    """(optimizer, variant) pairs; each optimizer's plain DDP and torch's best come first."""
+    out = [("adam", name) for name in ADAM_VARIANTS] if "adam" in optimizers else []
+    for o in optimizers:
+        if o != "adam":
+            out += [(o, v.format(o=o)) for v in OTHER_VARIANTS]
+    return out
+
+
+def baseline(optimizer: str) -> str:
+    return "ddp + fused adam" if optimizer == "adam" else f"ddp + {optimizer}"
+
+
+def torch_best(optimizer: str) -> str:
+    return "torch zero best" if optimizer == "adam" else f"torch zero best ({optimizer})"
+
+
+def _build(optimizer: str, name: str, numel: int, counting: bool) -> tuple[DDP, Any]:
+    cls, kw = CLASSES[optimizer]
+    # torch's best: bucket views, and the fused kernel where torch has one (Adam)
+    best = {"fused": True} if optimizer == "adam" else {}
     # DDP's default buckets: 25 MB after a small first one (an explicit bucket_cap_mb drops it)
     ddp = DDP(mlp(numel))
-    if name in (BASELINE, TORCH_BEST):
+    if name in (baseline(optimizer), torch_best(optimizer)):
         if counting:  # DDP's built-in all-reduce runs in C++: the Python hook is the same, counted
             ddp.register_comm_hook(None, allreduce_hook)
-        if name == BASELINE:
-            return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=True)
-        return ddp, TorchZero(
-            ddp.parameters(), torch.optim.Adam, lr=1e-4, parameters_as_bucket_view=True, fused=True
-        )
+        if name == baseline(optimizer):
+            return ddp, cls(ddp.parameters(), **kw, **best)
+        return ddp, TorchZero(ddp.parameters(), cls, parameters_as_bucket_view=True, **kw, **best)
     partition = "flat" if "flat" in name else "sorted_greedy"
     overlap = "overlap" in name
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(),
-        torch.optim.Adam,
+        cls,
         overlap_with_ddp=overlap,
         partition=partition,
         overlap_param_gather="gather in forward" in name,
-        lr=1e-4,
+        **kw,
     )
     if overlap:
         hook = hook_with_zero_step_interleaved(
@@ -92,31 +122,34 @@ def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
         opt.step()
 
 
-def _worker(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, Any]:
+def _worker(
+    rank: int, world_size: int, numel: int, rounds: int, optimizers: list[str]
+) -> dict[str, Any]:
     torch.set_num_threads(max(1, 2 // world_size))
     x = torch.randn(32, 1000, generator=torch.Generator().manual_seed(rank))
-    variants = {name: _build(name, numel, counting=False) for name in NAMES}
-    times: dict[str, list[float]] = {name: [] for name in NAMES}
+    pairs = variants(optimizers)
+    built = {name: _build(o, name, numel, counting=False) for o, name in pairs}
+    times: dict[str, list[float]] = {name: [] for _, name in pairs}
     for r in range(rounds + 2):
-        for name, (ddp, opt) in variants.items():
+        for name, (ddp, opt) in built.items():
             dist.barrier()
             t0 = time.perf_counter()
             _iteration(name, ddp, opt, x)
             if r >= 2:  # two warm-up rounds for every variant alike
                 times[name].append(time.perf_counter() - t0)
-    for _, opt in variants.values():
+    for _, opt in built.values():
         if hasattr(opt, "finish_param_sync"):
             opt.finish_param_sync()
-    base = list(variants[BASELINE][0].module.parameters())
-    diff = {
-        name: max((a - b).abs().max().item() for a, b in zip(ddp.module.parameters(), base))
-        for name, (ddp, _) in variants.items()
-    }
-    del variants
+    diff = {}
+    for o, name in pairs:
+        base = built[baseline(o)][0].module.parameters()
+        mine = built[name][0].module.parameters()
+        diff[name] = max((a - b).abs().max().item() for a, b in zip(mine, base))
+    del built
     sent: dict[str, float] = {}
     counter = ByteCounter()
-    for name in NAMES:
-        ddp, opt = _build(name, numel, counting=True)
+    for o, name in pairs:
+        ddp, opt = _build(o, name, numel, counting=True)
         for _ in range(2):  # past DDP's first-iteration buckets and overlap's adoption
             _iteration(name, ddp, opt, x)
         counter.reset()
@@ -132,35 +165,42 @@ def main() -> None:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--numel", type=int, default=8_000_000)
+    ap.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=sorted(CLASSES),
+        default=["adam", "rmsprop", "adagrad"],
+        help="Adam gets every variant; the others plain DDP, torch's best and ours",
+    )
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     args = ap.parse_args()
-    model = mlp(args.numel)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in mlp(args.numel).parameters())
     rows = []
     for ws in args.world_sizes:
-        results = run_ranks(_worker, ws, args.numel, args.rounds, timeout_s=1800)
-        med = {name: max(r["ms"][name] for r in results) for name in NAMES}  # the slowest rank
+        results = run_ranks(_worker, ws, args.numel, args.rounds, args.optimizers, timeout_s=1800)
         print(f"\n== world size {ws}, {n_params:,} parameters, median of {args.rounds} rounds")
         print(
-            f"{'variant':<38}{'iter ms':>9}{'x ddp+fused':>13}{'x torch best':>14}"
+            f"{'variant':<38}{'iter ms':>9}{'x ddp':>8}{'x torch best':>14}"
             f"{'MB sent/rank':>14}{'x ddp bytes':>13}{'max|dp| vs ddp':>16}"
         )
-        ddp_bytes = max(r["sent"][BASELINE] for r in results)
-        for name in NAMES:
+        for o, name in variants(args.optimizers):
+            ms = max(r["ms"][name] for r in results)  # the slowest rank
+            base = max(r["ms"][baseline(o)] for r in results)
+            best = max(r["ms"][torch_best(o)] for r in results)
             mb = max(r["sent"][name] for r in results)
+            ddp_mb = max(r["sent"][baseline(o)] for r in results)
             diff = max(r["diff"][name] for r in results)
             print(
-                f"{name:<38}{med[name]:>9.1f}{med[name] / med[BASELINE]:>12.2f}x"
-                f"{med[name] / med[TORCH_BEST]:>13.2f}x{mb / 1e6:>14.1f}"
-                f"{mb / ddp_bytes:>12.2f}x{diff:>16.1e}"
+                f"{name:<38}{ms:>9.1f}{ms / base:>7.2f}x{ms / best:>13.2f}x"
+                f"{mb / 1e6:>14.1f}{mb / ddp_mb:>12.2f}x{diff:>16.1e}"
             )
             rows.append(
                 {
                     "benchmark": f"iteration ({n_params / 1e6:.0f}M MLP)",
                     "world_size": ws,
                     "variant": name,
-                    "ms": med[name],
-                    "vs_torch_best": med[name] / med[TORCH_BEST],
+                    "ms": ms,
+                    "vs_torch_best": ms / best,
                     "mb_sent": mb / 1e6,
                 }
             )

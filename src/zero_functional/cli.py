@@ -301,18 +301,19 @@ def _benchmarks_dir() -> Path:
 def format_bench(rows: Sequence[dict[str, object]]) -> str:
     """One table of benchmark rows (as the ``--json`` of ``benchmarks/bench_*.py`` writes them).
 
-    ``x torch best`` is torch's best configuration's time over the variant's: above 1 is faster.
+    ``x torch best`` is the variant's time over torch's best configuration's, measured in the
+    same run: below 1 is faster (the checkpoint rows: save time).
 
     Example:
         >>> print(format_bench([
         ...     {"benchmark": "step", "world_size": 2, "variant": "torch best", "ms": 40.0,
         ...      "vs_torch_best": 1.0},
         ...     {"benchmark": "step", "world_size": 2, "variant": "ours", "ms": 32.0,
-        ...      "vs_torch_best": 1.25, "mb_sent": 16.0},
+        ...      "vs_torch_best": 0.8, "mb_sent": 16.0},
         ... ]))
         benchmark  ranks  variant         ms  x torch best  MB sent/rank
         step           2  torch best    40.0         1.00x             -
-        step           2  ours          32.0         1.25x          16.0
+        step           2  ours          32.0         0.80x          16.0
     """
     if not rows:
         return "(no benchmark rows)"
