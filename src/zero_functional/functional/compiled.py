@@ -96,13 +96,13 @@ def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) 
     Read from :data:`COMPILE_FASTER_FROM`, which is empty: the compiled update is opt-in
     everywhere. Measured with ``benchmarks/adam_kernels.py`` (one step on 8 float32 tensors,
     medians of 30-50 interleaved rounds; torch 2.13 CPU build, AMD EPYC, 2 cores shared with
-    other work, so ratios are ranges over 3-4 runs; "x" is torch's fused median over ours):
+    other work, so ratios are ranges over 4-5 runs; "x" is torch's fused median over ours):
 
-    * Adam, 8 x 1M: compiled 0.70-0.76x (0.52x on one thread); our default, torch's fused
-      kernel, 1.02-1.09x; foreach 0.19-0.23x. The graph reads and writes what the fused
+    * Adam, 8 x 1M: compiled 0.60-0.76x (0.52x on one thread); our default, torch's fused
+      kernel, 1.02-1.09x; foreach 0.16-0.23x. The graph reads and writes what the fused
       kernel does, but inductor's loop runs slower here; 8 x 64K: 0.50x, 8 x 4K: 0.37x, where
       the ~0.3 ms per call of guards and wrappers dominates.
-    * SGD with momentum, 8 x 1M: compiled 0.56-0.88x of torch's fused SGD, which our core
+    * SGD with momentum, 8 x 1M: compiled 0.55-0.90x of torch's fused SGD, which our core
       does not use; against our default (foreach) it is 1.0-2.3x faster. 8 x 64K: 0.64x of
       our foreach, 8 x 4K: 0.36x. So it beats the current default only for large groups,
       and torch's fused SGD kernel would beat it there with no compilation: that, not
