@@ -1,59 +1,144 @@
-"""Time one in-place Adam update on 8M float32 params: foreach vs fused vs torch.optim.Adam."""
+"""One in-place optimizer step on 8M float32 parameters in 8 tensors: every kernel, one process.
+
+Adam: torch.optim.Adam with its CPU default (the for-loop), with foreach=True and with
+fused=True; ours through ``adam_update_`` with fused=False (foreach: torch's default numerics)
+and at its default (torch's fused kernel where it applies); ours compiled
+(``compiled_adam_update_``). SGD with momentum 0.9: the same torch variants, ours (foreach, the
+only eager path) and ours compiled. Variants run interleaved, round by round, so that they share
+the machine's state; each owns its params and state, the grads are shared. Prints median
+milliseconds, the ratio of torch's best median to each variant's (above 1 is faster) and to
+torch's fused, and the compiled variants' warm-up (tracing and compiling, or loading inductor's
+on-disk cache) separately.
+
+    python benchmarks/adam_kernels.py [--rounds 30] [--numel 8388608] [--json F]
+
+It writes ``--json`` rows as the ``bench_*.py`` scripts do, but is not named like them yet:
+``zero-functional bench`` would run it and tests/test_cli.py pins that command's benchmarks.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from zero_functional.functional import adam_init, adam_update_
+from zero_functional.functional import adam_init, adam_update_, sgd_init, sgd_update_
+from zero_functional.functional.compiled import compiled_adam_update_, compiled_sgd_update_
 
-N_TENSORS, NUMEL, REPEATS, WARMUP = 8, 1 << 20, 15, 3
+N_TENSORS = 8
+Step = Callable[[], None]
 
 
-def _median_s(fn: Callable[[], None], device: torch.device) -> float:
-    times = []
-    for i in range(WARMUP + REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _torch_step(
+    cls: type[torch.optim.Optimizer],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    **kw: object,
+) -> Step:
+    ps = [nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = g
+    opt = cls(ps, lr=1e-3, **kw)
+    return lambda: opt.step()
+
+
+def _our_step(
+    update: Callable[..., None],
+    init: Callable[[list[torch.Tensor]], object],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    **kw: object,
+) -> Step:
+    ps = [p.clone() for p in params]
+    state = init(ps)
+    return lambda: update(ps, grads, state, lr=1e-3, **kw)
+
+
+def _variants(params: list[torch.Tensor], grads: list[torch.Tensor]) -> dict[str, dict[str, Step]]:
+    adam, sgd = torch.optim.Adam, torch.optim.SGD
+    return {
+        "Adam": {
+            "torch default (for-loop)": _torch_step(adam, params, grads),
+            "torch foreach": _torch_step(adam, params, grads, foreach=True),
+            "torch fused": _torch_step(adam, params, grads, fused=True),
+            "ours foreach": _our_step(adam_update_, adam_init, params, grads, fused=False),
+            "ours fused (default)": _our_step(adam_update_, adam_init, params, grads),
+            "ours compiled": _our_step(compiled_adam_update_, adam_init, params, grads),
+        },
+        "SGD momentum": {
+            "torch default (for-loop)": _torch_step(sgd, params, grads, momentum=0.9),
+            "torch foreach": _torch_step(sgd, params, grads, momentum=0.9, foreach=True),
+            "torch fused": _torch_step(sgd, params, grads, momentum=0.9, fused=True),
+            "ours foreach (default)": _our_step(sgd_update_, sgd_init, params, grads, momentum=0.9),
+            "ours compiled": _our_step(compiled_sgd_update_, sgd_init, params, grads, momentum=0.9),
+        },
+    }
+
+
+def _time(steps: dict[str, Step], rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds of two warm-up calls (for the compiled variants: tracing and compiling; SGD's
+    first step, which makes the momentum buffers, is another graph), median seconds."""
+    warmup = dict.fromkeys(steps, 0.0)
+    for _ in range(2):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            warmup[name] += time.perf_counter() - t0
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return warmup, {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    params = [torch.randn(NUMEL, device=device) for _ in range(N_TENSORS)]
-    grads = [torch.randn_like(p) for p in params]
-    results: dict[str, float] = {}
-    for fused in (False, True):
-        ps = [p.clone() for p in params]
-        state = adam_init(ps)
-        results[f"zero_functional fused={fused}"] = _median_s(
-            lambda ps=ps, state=state, fused=fused: adam_update_(
-                ps, grads, state, lr=1e-3, fused=fused
-            ),
-            device,
-        )
-    tparams = [nn.Parameter(p.clone()) for p in params]
-    for p, g in zip(tparams, grads):
-        p.grad = g
-    opt = torch.optim.Adam(tparams, lr=1e-3)
-    results["torch.optim.Adam default"] = _median_s(lambda: opt.step(), device)
-    base = results["torch.optim.Adam default"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--numel", type=int, default=N_TENSORS << 20, help="total, in 8 tensors")
+    ap.add_argument("--world-sizes", type=int, nargs="*", help="ignored: one process")
+    ap.add_argument("--json", help="also write the rows as JSON to this path")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    size = max(1, args.numel // N_TENSORS)
+    params = [torch.randn(size) for _ in range(N_TENSORS)]
+    grads = [torch.randn(size) for _ in range(N_TENSORS)]
     print(
-        f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
-        f"params={N_TENSORS}x{NUMEL} median of {REPEATS}"
+        f"{N_TENSORS} x {size:,} float32, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds"
     )
-    for name, t in results.items():
-        print(f"{name:32s} {t * 1e3:9.2f} ms   {t / base:5.2f}x torch default")
+    rows = []
+    for optimizer, steps in _variants(params, grads).items():
+        first, med = _time(steps, args.rounds)
+        best_name = min((n for n in steps if n.startswith("torch")), key=med.__getitem__)
+        best, fused = med[best_name], med["torch fused"]
+        print(f"\n== {optimizer} step; torch best is {best_name}")
+        print(f"{'variant':<26}{'ms':>9}{'x torch best':>14}{'x torch fused':>15}")
+        for name in steps:
+            print(
+                f"{name:<26}{med[name] * 1e3:>9.2f}{best / med[name]:>13.2f}x"
+                f"{fused / med[name]:>14.2f}x"
+            )
+            row: dict[str, object] = {
+                "benchmark": f"{optimizer} kernel ({N_TENSORS * size / 1e6:.1f}M fp32)",
+                "world_size": 1,
+                "variant": name,
+                "ms": med[name] * 1e3,
+                "vs_torch_best": best / med[name],
+            }
+            if name == "ours compiled":
+                row["compile_s"] = first[name]
+            rows.append(row)
+        print(f"ours compiled: warm-up (trace, compile, 2 steps) {first['ours compiled']:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

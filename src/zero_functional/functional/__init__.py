@@ -1,4 +1,5 @@
-"""Pure optimizers on tensor lists (SGD, Adam, AdamW) and the torch.optim registry."""
+"""Pure optimizers on tensor lists (SGD, Adam, AdamW), their compiled twins, the torch.optim
+registry."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ from zero_functional.functional.adam import (
     adam_update_,
     adamw_update,
     adamw_update_,
+)
+from zero_functional.functional.compiled import (
+    COMPILE_FASTER_FROM,
+    choose_update,
+    compile_policy,
+    compiled_adam_update_,
+    compiled_sgd_update_,
 )
 from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
 from zero_functional.functional.registry import (
@@ -26,6 +34,7 @@ from zero_functional.functional.registry import (
 from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
 
 __all__ = [
+    "COMPILE_FASTER_FROM",
     "IGNORED_GROUP_KEYS",
     "OPTIMIZER_KINDS",
     "SUPPORTED",
@@ -42,6 +51,10 @@ __all__ = [
     "adamw",
     "adamw_update",
     "adamw_update_",
+    "choose_update",
+    "compile_policy",
+    "compiled_adam_update_",
+    "compiled_sgd_update_",
     "functional_spec",
     "group_hyperparams",
     "register_optimizer",

@@ -1,0 +1,718 @@
+r"""Compiled in-place updates: Adam/AdamW and SGD as ``torch.compile(fullgraph=True)`` graphs.
+
+:func:`compiled_adam_update_` and :func:`compiled_sgd_update_` take exactly the arguments of
+:func:`~zero_functional.functional.adam_update_` and
+:func:`~zero_functional.functional.sgd_update_`, so a caller can swap one for the other. Each
+(device, dtype) group of params runs as one compiled graph: one fused loop per tensor that reads
+param, grad and state once and writes them once (the foreach path makes a dozen passes).
+
+What the graph sees, and why:
+
+* Every value a scheduler may change (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum``,
+  ``dampening``) reaches the graph as an element of a small tensor of coefficients per param,
+  in the params' dtype and on their device, built on each call: a new value never recompiles,
+  and no cached tensor is shared between calls (or threads). The coefficients, Adam's
+  per-tensor bias corrections among them, are computed in Python floats exactly as the eager
+  path computes them (``step_size = (lr / (1 - beta1**step)) * -1``...), so the graph
+  multiplies by the same float32 (or float64) scalars as the eager kernels. That needs the
+  step counts on the host: one device sync per group on CUDA, as the foreach path has. Doing
+  the arithmetic inside the graph would cost speed on CPU: inductor inlines it into the vector
+  loop, where C's ``pow`` cannot be hoisted (errno), which measured 2-3x slower.
+* What changes the graph's structure is part of a cache key, one compiled graph per key:
+  ``amsgrad``, ``maximize``, ``decoupled_weight_decay``, ``weight_decay != 0`` and which of
+  torch's two lerp formulas ``1 - beta1`` selects (Adam); ``maximize``, ``weight_decay != 0``,
+  ``momentum != 0``, ``nesterov`` and whether momentum buffers exist yet (SGD); and the device
+  and dtype. Shapes and list lengths recompile within a key (automatic dynamic shapes).
+* Only float32 and float64 on CPU and CUDA are compiled; other groups (complex, float16,
+  bfloat16, other devices) run the eager update with the caller's ``fused`` choice.
+
+Numerics against the eager foreach path (``fused=False``), on CPU:
+
+* Step counts are bitwise equal. For float32, SGD's params and momentum buffers and Adam's
+  ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` are bitwise equal too: torch's CPU
+  kernels (AVX2/AVX512) round ``a * b + c`` once (vectorized ``fmadd`` in ``lerp``,
+  ``addcmul`` and ``add(alpha=)``) and inductor's CPU backend has no FMA, so the graph
+  computes those products in float64 and rounds once to float32 (exact but for a double
+  rounding, about once in 2**29 elements).
+* Adam's params are not bitwise equal: torch's CPU ``sqrt`` goes through MKL's vector math,
+  which is off by one ulp for about a fifth of float32 inputs, while the graph's ``sqrt`` is
+  correctly rounded (as torch's fused kernel's is). Params differ by about an ulp per step
+  (max abs difference 2.4e-7 after 4 steps on unit-scale values), and with L2 decay
+  (``weight_decay`` not decoupled) the moments inherit that through the gradient.
+* For float64 the products are rounded twice (no wider type to round once from), so state
+  and params differ from eager by an ulp now and then (relative 1e-16).
+
+If compilation fails (no C++ compiler, a dynamo or inductor error, too many recompilations),
+the group runs the eager update instead, one ``logging`` warning names the configuration and
+the error, and that configuration is not compiled again in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from zero_functional.functional._common import check_lists, check_real_number, group_indices
+from zero_functional.functional.adam import AdamState, _check_state, adam_update_
+from zero_functional.functional.sgd import SGDState, sgd_update_
+
+__all__ = [
+    "COMPILED_DEVICE_TYPES",
+    "COMPILED_DTYPES",
+    "COMPILE_FASTER_FROM",
+    "choose_update",
+    "compile_policy",
+    "compiled_adam_update_",
+    "compiled_sgd_update_",
+]
+
+COMPILED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
+COMPILED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+
+_log = logging.getLogger(__name__)
+
+# cache key -> compiled graph; cache key -> why its compilation failed (never retried)
+_GRAPHS: dict[tuple[object, ...], Callable[..., list[Tensor]]] = {}
+_FAILED: dict[tuple[object, ...], str] = {}
+
+
+class _Decide(Protocol):
+    def __call__(self, name: str, device_type: str, dtype: torch.dtype, numel: int) -> bool: ...
+
+
+COMPILE_FASTER_FROM: dict[tuple[str, str, torch.dtype], int] = {}
+"""``(name, device type, dtype) -> numel``: from how many elements in a group the compiled
+update measured faster per step than the eager default that would run instead; the policy
+compiles by default nowhere else. Empty: nowhere yet (see :func:`compile_policy`)."""
+
+
+def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) -> bool:
+    """Whether a group runs compiled by default: only where it measured faster.
+
+    Read from :data:`COMPILE_FASTER_FROM`, which is empty: the compiled update is opt-in
+    everywhere. Measured with ``benchmarks/adam_kernels.py`` (one step on 8 float32 tensors,
+    medians of 30-50 interleaved rounds; torch 2.13 CPU build, AMD EPYC, 2 cores shared with
+    other work, so ratios are ranges over 4-5 runs; "x" is torch's fused median over ours):
+
+    * Adam, 8 x 1M: compiled 0.60-0.76x (0.52x on one thread); our default, torch's fused
+      kernel, 1.02-1.09x; foreach 0.16-0.23x. The graph reads and writes what the fused
+      kernel does, but inductor's loop runs slower here; 8 x 64K: 0.50x, 8 x 4K: 0.37x, where
+      the ~0.3 ms per call of guards and wrappers dominates.
+    * SGD with momentum, 8 x 1M: compiled 0.55-0.90x of torch's fused SGD, which our core
+      does not use; against our default (foreach) it is 1.0-2.3x faster. 8 x 64K: 0.64x of
+      our foreach, 8 x 4K: 0.36x. So it beats the current default only for large groups,
+      and torch's fused SGD kernel would beat it there with no compilation: that, not
+      compiling by default, is the better default for SGD.
+    * First call per configuration: 0.5-7 s of tracing and compiling (less when inductor's
+      on-disk cache has the kernel), and a C++ toolchain at run time.
+    * CUDA: not measured (no GPU here); torch's fused Adam kernel exists there too, so the
+      compiled update stays opt-in until a measurement adds an entry.
+
+    Args:
+        name: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        dtype: the group's dtype.
+        numel: elements in the group.
+
+    Returns:
+        ``True`` where the compiled update should run without being asked for.
+
+    Example:
+        >>> import torch
+        >>> compile_policy("adam", "cpu", torch.float32, 8 << 20)
+        False
+    """
+    least = COMPILE_FASTER_FROM.get(("adam" if name == "adamw" else name, device_type, dtype))
+    return least is not None and numel >= least
+
+
+def _always(name: str, device_type: str, dtype: torch.dtype, numel: int) -> bool:
+    return True
+
+
+def _compile(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
+    """One compiled region per cache key: its recompilations do not count against another's."""
+    # torch 2.13's overloads of torch.compile do not list isolate_recompiles yet
+    return torch.compile(fn, fullgraph=True, isolate_recompiles=True)  # type: ignore[call-overload, no-any-return]
+
+
+def _coefficients(rows: list[list[float]], like: Tensor) -> list[Tensor]:
+    """The graph's scalars for each param (``rows[i]``), in the params' dtype and device.
+
+    A tensor per param, not one shared by all: inductor fuses loops that read a common buffer
+    into one loop over every tensor at once, which measured 1.7x slower on CPU (Adam, 8 x 1M).
+    Rows are computed in Python floats, as the eager path computes its scalars.
+    """
+    return list(torch.tensor(rows, dtype=like.dtype, device=like.device).unbind(0))
+
+
+def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """``a * b + c`` rounded once, as torch's CPU kernels round it (vectorized ``fmadd``)."""
+    if c.dtype == torch.float32 and c.device.type == "cpu":
+        # inductor's CPU backend has no FMA: the float64 product of two floats is exact
+        return (a.double() * b.double() + c.double()).float()
+    # CUDA: inductor lowers addcmul to an FMA as eager does; float64 on CPU: rounded twice
+    return torch.addcmul(c, a, b)
+
+
+def _chosen(
+    kind: str, device: torch.device, dtype: torch.dtype, numel: int, decide: _Decide
+) -> bool:
+    """Whether a group runs compiled: ``decide`` wants it and the graphs take it (a request
+    they cannot meet warns once); a group with no elements has nothing to gain."""
+    if numel == 0 or not decide(kind, device.type, dtype, numel):
+        return False
+    if device.type in COMPILED_DEVICE_TYPES and dtype in COMPILED_DTYPES:
+        return True
+    key = (kind, device, dtype)
+    if key not in _FAILED:
+        _FAILED[key] = "unsupported"
+        _log.warning(
+            "zero_functional: the compiled %s update takes %s params on %s, not %s on %s; "
+            "running the eager update for these params",
+            kind,
+            "/".join(str(d).removeprefix("torch.") for d in COMPILED_DTYPES),
+            "/".join(COMPILED_DEVICE_TYPES),
+            str(dtype).removeprefix("torch."),
+            device,
+        )
+    return False
+
+
+def _run(
+    kind: str,
+    graph: Callable[..., list[Tensor]],
+    args: tuple[object, ...],
+    like: Tensor,
+    flags: dict[str, bool],
+) -> list[Tensor] | None:
+    """Run ``graph`` compiled for ``like``'s device and dtype and ``flags``; ``None`` when it
+    cannot be compiled (warned the first time, never retried)."""
+    key = (kind, like.device, like.dtype, *flags.items())
+    if key in _FAILED:
+        return None
+    try:
+        compiled = _GRAPHS.get(key)
+        if compiled is None:
+            compiled = _GRAPHS[key] = _compile(graph)
+        return compiled(*args, **flags)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # whatever dynamo, inductor or the C++ compiler raise
+        lines = str(e).strip().splitlines()
+        _FAILED[key] = reason = f"{type(e).__name__}: {lines[0] if lines else ''}"
+        _GRAPHS.pop(key, None)
+        _log.warning(
+            "zero_functional: the compiled %s update could not be compiled for %s on %s with "
+            "%s (%s); running the eager update for this configuration from now on",
+            kind,
+            str(like.dtype).removeprefix("torch."),
+            like.device,
+            ", ".join(f"{k}={v}" for k, v in flags.items()),
+            reason,
+        )
+        return None
+
+
+# ----------------------------------------------------------------------------- Adam
+
+
+def _adam_graph(
+    ps: list[Tensor],
+    gs: list[Tensor],
+    ms: list[Tensor],
+    vs: list[Tensor],
+    vmaxs: list[Tensor],
+    coefs: list[Tensor],
+    *,
+    amsgrad: bool,
+    maximize: bool,
+    with_weight_decay: bool,
+    decoupled_weight_decay: bool,
+    lerp_small_weight: bool,
+) -> list[Tensor]:
+    for i in range(len(ps)):
+        p, g, m, v = ps[i], gs[i], ms[i], vs[i]
+        w1, b2, w2, eps, wd, keep, step_size, bc2_sqrt = (coefs[i][j] for j in range(8))
+        if maximize:
+            g = -g
+        p_new = p
+        if with_weight_decay:
+            if decoupled_weight_decay:
+                p_new = p * keep
+            else:
+                g = _fma(p, wd, g)
+        # compat: torch's lerp is fma(w, end - start, start) for |w| < 0.5, else
+        # fma(w - 1, end - start, end); the formula is part of the cache key
+        diff = g - m
+        m_new = _fma(w1, diff, m) if lerp_small_weight else _fma(w1 - 1, diff, g)
+        v_new = _fma(w2 * g, g, v * b2)
+        m.copy_(m_new)
+        v.copy_(v_new)
+        if amsgrad:
+            vmax_new = torch.maximum(vmaxs[i], v_new)
+            vmaxs[i].copy_(vmax_new)
+            denom = vmax_new.sqrt()
+        else:
+            denom = v_new.sqrt()
+        denom = denom / bc2_sqrt + eps
+        p.copy_(p_new + (step_size * m_new) / denom)
+    return []
+
+
+def _adam_group(
+    ps: list[Tensor],
+    gs: list[Tensor],
+    state: AdamState,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+) -> bool:
+    """One (device, dtype) group through the compiled graph; ``False`` if it cannot compile."""
+    p0 = ps[0]
+    steps = state.step
+    # the step counts after this update, as the eager path reads them: float32 + 1, then floats
+    new_steps: list[float] = (torch.stack(steps) + 1).tolist()
+    shared = [1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay]
+    coefs = _coefficients(
+        [[*shared, (lr / (1 - beta1**s)) * -1, (1 - beta2**s) ** 0.5] for s in new_steps], p0
+    )
+    # torch's lerp tests the weight as the kernel holds it (a CPU tensor: no device sync)
+    lerp_small_weight = abs(float(torch.tensor(1 - beta1, dtype=p0.dtype))) < 0.5
+    flags = {
+        "amsgrad": amsgrad,
+        "maximize": maximize,
+        "with_weight_decay": weight_decay != 0,
+        "decoupled_weight_decay": decoupled_weight_decay,
+        "lerp_small_weight": lerp_small_weight,
+    }
+    args = (ps, gs, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, coefs)
+    if _run("adam", _adam_graph, args, p0, flags) is None:
+        return False
+    torch._foreach_add_(steps, 1)
+    return True
+
+
+def _adam(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: AdamState,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+    fused: bool | None,
+    decide: _Decide,
+) -> None:
+    fn = "compiled_adam_update_"
+    _check_state(fn, params, grads, state, amsgrad)
+    check_real_number(fn, "lr", lr)
+    beta1, beta2 = betas
+    check_real_number(fn, "betas[0]", beta1)
+    check_real_number(fn, "betas[1]", beta2)
+    for (device, dtype), indices in group_indices(params).items():
+        ps = [params[i] for i in indices]
+        gs = [grads[i] for i in indices]
+        sub = AdamState(
+            step=[state.step[i] for i in indices],
+            exp_avg=[state.exp_avg[i] for i in indices],
+            exp_avg_sq=[state.exp_avg_sq[i] for i in indices],
+            max_exp_avg_sq=[state.max_exp_avg_sq[i] for i in indices] if amsgrad else [],
+        )
+        if (
+            fused is not True
+            and _chosen("adam", device, dtype, sum(p.numel() for p in ps), decide)
+            and _adam_group(
+                ps,
+                gs,
+                sub,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=weight_decay,
+                amsgrad=amsgrad,
+                maximize=maximize,
+                decoupled_weight_decay=decoupled_weight_decay,
+            )
+        ):
+            continue
+        adam_update_(
+            ps,
+            gs,
+            sub,
+            lr=lr,
+            betas=(beta1, beta2),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled_weight_decay=decoupled_weight_decay,
+            fused=fused,
+        )
+
+
+@torch.no_grad()
+def compiled_adam_update_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: AdamState,
+    *,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+    fused: bool | None = None,
+) -> None:
+    """:func:`~zero_functional.functional.adam_update_` as compiled graphs, one per group.
+
+    Same arguments and in-place effects (``grads`` are never modified); float32/float64 groups
+    on CPU/CUDA run a ``torch.compile(fullgraph=True)`` graph, compiled on first use of each
+    configuration (seconds to tens of seconds) and reused while hyperparameter values change.
+    Numerics: see the module docstring.
+
+    Args:
+        params: parameters, updated in place.
+        grads: one gradient per parameter, same shape, dtype and device.
+        state: from :func:`~zero_functional.functional.adam_init` for the same params.
+        lr: learning rate.
+        betas: running-average coefficients for the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
+        amsgrad: use the AMSGrad maximum of the second moment.
+        maximize: maximize the objective instead of minimizing it.
+        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
+        fused: ``True`` runs torch's fused kernels and compiles nothing (an explicit request
+            for them wins); otherwise the kernel choice of
+            :func:`~zero_functional.functional.adam_update_` for groups that are not compiled
+            (unsupported dtype or device, or compilation failed).
+
+    Raises:
+        ValueError: when the lists have different lengths or a grad does not match its param.
+
+    Example:
+        >>> import torch
+        >>> from zero_functional.functional import adam_init
+        >>> p = [torch.tensor([1.0, -1.0])]
+        >>> s = adam_init(p)
+        >>> compiled_adam_update_(p, [torch.tensor([0.5, -0.5])], s, lr=0.1)
+        >>> p[0], s.step[0]
+        (tensor([ 0.9000, -0.9000]), tensor(1.))
+    """
+    _adam(
+        params,
+        grads,
+        state,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        decoupled_weight_decay=decoupled_weight_decay,
+        fused=fused,
+        decide=_always,
+    )
+
+
+@torch.no_grad()
+def _policy_adam_update_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: AdamState,
+    *,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+    fused: bool | None = None,
+) -> None:
+    _adam(
+        params,
+        grads,
+        state,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        decoupled_weight_decay=decoupled_weight_decay,
+        fused=fused,
+        decide=compile_policy,
+    )
+
+
+# ----------------------------------------------------------------------------- SGD
+
+
+def _sgd_graph(
+    ps: list[Tensor],
+    gs: list[Tensor],
+    bufs: list[Tensor],
+    coefs: list[Tensor],
+    *,
+    maximize: bool,
+    with_weight_decay: bool,
+    with_momentum: bool,
+    nesterov: bool,
+    first_step: bool,
+) -> list[Tensor]:
+    born: list[Tensor] = []
+    for i in range(len(ps)):
+        p, g = ps[i], gs[i]
+        wd, mu, keep, neg_lr = (coefs[i][j] for j in range(4))
+        if maximize:
+            g = -g
+        if with_weight_decay:
+            g = _fma(p, wd, g)
+        if with_momentum:
+            if first_step:
+                buf = g.clone()  # a new tensor, never the caller's grad
+                born.append(buf)
+            else:
+                buf = _fma(g, keep, bufs[i] * mu)
+                bufs[i].copy_(buf)
+            g = _fma(buf, mu, g) if nesterov else buf
+        p.copy_(_fma(g, neg_lr, p))
+    return born
+
+
+def _sgd_group(
+    ps: list[Tensor],
+    gs: list[Tensor],
+    bufs: list[Tensor | None],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> bool:
+    """One group (all buffers present, or all absent) through the compiled graph."""
+    p0 = ps[0]
+    first_step = momentum != 0 and bufs[0] is None
+    coefs = _coefficients([[weight_decay, momentum, 1 - dampening, -lr]] * len(ps), p0)
+    flags = {
+        "maximize": maximize,
+        "with_weight_decay": weight_decay != 0,
+        "with_momentum": momentum != 0,
+        "nesterov": nesterov,
+        "first_step": first_step,
+    }
+    present = [] if first_step or momentum == 0 else [b for b in bufs if b is not None]
+    born = _run("sgd", _sgd_graph, (ps, gs, present, coefs), p0, flags)
+    if born is None:
+        return False
+    if first_step:
+        bufs[:] = born
+    return True
+
+
+def _sgd(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: SGDState,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    decide: _Decide,
+) -> None:
+    fn = "compiled_sgd_update_"
+    check_lists(fn, params, grads, {"momentum_buffer": state.momentum_buffer})
+    check_real_number(fn, "lr", lr)
+    all_bufs = state.momentum_buffer
+    for (device, dtype), indices in group_indices(params).items():
+        numel = sum(params[i].numel() for i in indices)
+        compile_group = _chosen("sgd", device, dtype, numel, decide)
+        # torch makes buffers at a param's first step: those with and those without one yet
+        # are two graphs (a group normally has all or none)
+        parts = [[i for i in indices if all_bufs[i] is not None]]
+        parts.append([i for i in indices if all_bufs[i] is None])
+        for part in parts if momentum != 0 else [indices]:
+            if not part:
+                continue
+            ps = [params[i] for i in part]
+            gs = [grads[i] for i in part]
+            bufs = [all_bufs[i] for i in part]
+            if not (
+                compile_group
+                and _sgd_group(
+                    ps,
+                    gs,
+                    bufs,
+                    lr=lr,
+                    momentum=momentum,
+                    dampening=dampening,
+                    weight_decay=weight_decay,
+                    nesterov=nesterov,
+                    maximize=maximize,
+                )
+            ):
+                sgd_update_(
+                    ps,
+                    gs,
+                    SGDState(momentum_buffer=bufs),
+                    lr=lr,
+                    momentum=momentum,
+                    dampening=dampening,
+                    weight_decay=weight_decay,
+                    nesterov=nesterov,
+                    maximize=maximize,
+                )
+            for i, b in zip(part, bufs):
+                all_bufs[i] = b
+
+
+@torch.no_grad()
+def compiled_sgd_update_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: SGDState,
+    *,
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+) -> None:
+    """:func:`~zero_functional.functional.sgd_update_` as compiled graphs, one per group.
+
+    Same arguments and in-place effects (a ``None`` buffer is replaced inside
+    ``state.momentum_buffer``; ``grads`` are never modified). Numerics: see the module
+    docstring (float32 bitwise equal to the eager update on CPU).
+
+    Args:
+        params: parameters, updated in place.
+        grads: one gradient per parameter, same shape, dtype and device.
+        state: from :func:`~zero_functional.functional.sgd_init` for the same params.
+        lr: learning rate.
+        momentum: momentum factor; 0 disables the buffer.
+        dampening: dampening for momentum.
+        weight_decay: L2 penalty added to the gradient.
+        nesterov: use Nesterov momentum.
+        maximize: maximize the objective instead of minimizing it.
+
+    Raises:
+        ValueError: when the lists have different lengths or a grad does not match its param.
+
+    Example:
+        >>> import torch
+        >>> from zero_functional.functional import sgd_init
+        >>> p = [torch.tensor([1.0, 2.0])]
+        >>> state = sgd_init(p)
+        >>> compiled_sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.5, momentum=0.9)
+        >>> p[0], state.momentum_buffer[0]
+        (tensor([0.5000, 1.5000]), tensor([1., 1.]))
+    """
+    _sgd(
+        params,
+        grads,
+        state,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+        decide=_always,
+    )
+
+
+@torch.no_grad()
+def _policy_sgd_update_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: SGDState,
+    *,
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+) -> None:
+    _sgd(
+        params,
+        grads,
+        state,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+        decide=compile_policy,
+    )
+
+
+# ----------------------------------------------------------------------------- choice
+
+_UPDATES: dict[tuple[str, bool | None], Callable[..., None]] = {
+    ("sgd", False): sgd_update_,
+    ("sgd", True): compiled_sgd_update_,
+    ("sgd", None): _policy_sgd_update_,
+    ("adam", False): adam_update_,
+    ("adam", True): compiled_adam_update_,
+    ("adam", None): _policy_adam_update_,
+}
+
+
+def choose_update(
+    name: Literal["sgd", "adam", "adamw"], *, compile: bool | None = None
+) -> Callable[..., None]:
+    """The in-place update for a functional spec's ``name``, compiled or not.
+
+    The shell calls the result as ``update_(params, grads, state, **group_hyperparams)``; for
+    ``"adam"`` and ``"adamw"`` it takes :func:`~zero_functional.functional.adam_update_`'s
+    arguments (AdamW passes ``decoupled_weight_decay=True``), as the registry's specs do.
+    Nothing is compiled until the returned function first runs.
+
+    Args:
+        name: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``FunctionalSpec.name``).
+        compile: ``True``: the compiled update everywhere it applies; ``False``: the eager
+            update; ``None``: compiled only for groups where :func:`compile_policy` says it is
+            faster.
+
+    Returns:
+        A function with the signature of ``sgd_update_`` or ``adam_update_``.
+
+    Raises:
+        ValueError: an unknown ``name``.
+
+    Example:
+        >>> choose_update("adamw", compile=True) is compiled_adam_update_
+        True
+        >>> choose_update("sgd", compile=False).__name__
+        'sgd_update_'
+    """
+    kind = "adam" if name == "adamw" else name
+    if (kind, compile) not in _UPDATES:
+        raise ValueError(f"choose_update: unknown optimizer {name!r}; expected sgd, adam or adamw")
+    return _UPDATES[(kind, compile)]
