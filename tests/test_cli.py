@@ -275,7 +275,13 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
     assert code == 0
     table = out.split("== summary")[1].splitlines()[2:]
     benchmarks = {line.split("  ")[0] for line in table}
-    assert benchmarks == {"checkpoint save", "iteration (2M MLP)", "step (2M Adam)"}, table
+    assert benchmarks == {
+        "Adam kernel (2.0M fp32)",
+        "SGD momentum kernel (2.0M fp32)",
+        "checkpoint save",
+        "iteration (2M MLP)",
+        "step (2M Adam)",
+    }, table
     for line in table:  # each benchmark's own torch baseline is 1.00x by construction
         if "torch zero best" in line or " torch best " in line:
             assert "1.00x" in line, line

@@ -6,14 +6,11 @@ and at its default (torch's fused kernel where it applies); ours compiled
 (``compiled_adam_update_``). SGD with momentum 0.9: the same torch variants, ours (foreach, the
 only eager path) and ours compiled. Variants run interleaved, round by round, so that they share
 the machine's state; each owns its params and state, the grads are shared. Prints median
-milliseconds, the ratio of torch's best median to each variant's (above 1 is faster) and to
-torch's fused, and the compiled variants' warm-up (tracing and compiling, or loading inductor's
-on-disk cache) separately.
+milliseconds, each variant's time over torch's best and over torch's fused (below 1 is
+faster), and the compiled variants' warm-up (tracing and compiling, or loading inductor's
+on-disk cache) separately: what ``functional.compiled.compile_policy`` is decided from.
 
-    python benchmarks/adam_kernels.py [--rounds 30] [--numel 8388608] [--json F]
-
-It writes ``--json`` rows as the ``bench_*.py`` scripts do, but is not named like them yet:
-``zero-functional bench`` would run it and tests/test_cli.py pins that command's benchmarks.
+    python benchmarks/bench_kernels.py [--rounds 30] [--numel 8388608] [--json F]
 """
 
 from __future__ import annotations
@@ -123,15 +120,15 @@ def main() -> None:
         print(f"{'variant':<26}{'ms':>9}{'x torch best':>14}{'x torch fused':>15}")
         for name in steps:
             print(
-                f"{name:<26}{med[name] * 1e3:>9.2f}{best / med[name]:>13.2f}x"
-                f"{fused / med[name]:>14.2f}x"
+                f"{name:<26}{med[name] * 1e3:>9.2f}{med[name] / best:>13.2f}x"
+                f"{med[name] / fused:>14.2f}x"
             )
             row: dict[str, object] = {
                 "benchmark": f"{optimizer} kernel ({N_TENSORS * size / 1e6:.1f}M fp32)",
                 "world_size": 1,
                 "variant": name,
                 "ms": med[name] * 1e3,
-                "vs_torch_best": best / med[name],
+                "vs_torch_best": med[name] / best,
             }
             if name == "ours compiled":
                 row["compile_s"] = first[name]
