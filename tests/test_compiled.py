@@ -405,3 +405,32 @@ def test_choose_update_maps_names_to_the_registry_signatures() -> None:
     assert choose_update("sgd", compile=True) is compiled_sgd_update_
     with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
         choose_update("rmsprop")
+
+
+def _shell_worker(rank: int, world_size: int) -> float:
+    """The shell's compile=True equals its eager default within 1e-6 over a few steps."""
+    from torch import nn
+
+    from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+    results = []
+    for compile_ in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, partition="flat", compile=compile_, lr=0.01
+        )
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return (results[0] - results[1]).abs().max().item()
+
+
+def test_the_shell_runs_the_compiled_update_when_asked() -> None:
+    from zero_functional.launch import run_ranks
+
+    for diff in run_ranks(_shell_worker, 2, timeout_s=240):
+        assert diff < 1e-6

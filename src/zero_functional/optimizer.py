@@ -140,6 +140,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             parameters has started; each module's next forward waits for its own parameters
             (Megatron-LM's ``overlap_param_gather``). Read parameters outside a forward only
             after :meth:`finish_param_sync`. Default: off.
+        compile: Run SGD, Adam and AdamW through ``torch.compile`` (one graph per group):
+            ``None`` (default) only where it measures faster than the eager kernels (nowhere
+            on CPU, where torch's fused Adam wins; see ``benchmarks/bench_kernels.py``),
+            ``True`` wherever it applies (eager, with one warning, where compiling fails),
+            ``False`` never.
         timeout: Seconds any collective of this optimizer may wait (default: the process
             group's timeout). A collective that fails or times out raises
             :class:`~zero_functional.comm.CollectiveError` naming the call, this rank and what
@@ -163,10 +168,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         partition: PartitionName = "sorted_greedy",
         timeout: float | None = None,
         overlap_param_gather: bool | None = None,
+        compile: bool | None = None,
         **defaults: Any,
     ) -> None:
         self._initialized = False
         self.timeout = timeout
+        self._compile = compile
         # Every check is local; its verdict, and each rank's fingerprint, are then exchanged so
         # that a problem on one rank is an error on every rank rather than a hang on the others.
         problem: Exception | None = None
@@ -268,7 +275,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._own: dict[int, Segment] = {s.param: s for s in ownership.owned(self.rank)}
         self._stepper: Stepper | RealStepper
         if self._spec is not None:
-            self._stepper = FunctionalStepper(self._spec)
+            self._stepper = FunctionalStepper(self._spec, self._compile)
         elif ownership.is_whole and not self._overlap_with_ddp:
             owned = [
                 [p for i, p in enumerate(g["params"]) if start + i in self._own]

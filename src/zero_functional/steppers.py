@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_functional.functional import FunctionalSpec, group_hyperparams
+from zero_functional.functional.compiled import choose_update
 
 __all__ = ["FunctionalStepper", "RealStepper", "ShadowStepper", "Stepper", "state_schema"]
 
@@ -52,10 +53,18 @@ class Stepper:
 
 
 class FunctionalStepper(Stepper):
-    """The functional core's in-place update (``spec.update_``), state as torch's dicts."""
+    """The functional core's in-place update, state as torch's dicts.
 
-    def __init__(self, spec: FunctionalSpec) -> None:
+    ``compile`` picks the kernel (:func:`~zero_functional.functional.compiled.choose_update`):
+    ``None`` compiles only where it measures faster (nowhere on CPU: torch's fused Adam wins),
+    ``True`` always where it applies (falling back to eager, with one warning, where compiling
+    fails), ``False`` never.
+    """
+
+    def __init__(self, spec: FunctionalSpec, compile: bool | None = None) -> None:
         self.spec = spec
+        name = cast(Literal["sgd", "adam", "adamw"], spec.name)
+        self.update_ = spec.update_ if compile is False else choose_update(name, compile=compile)
 
     def step_pieces(
         self,
@@ -76,7 +85,7 @@ class FunctionalStepper(Stepper):
                 states[i].update(d)
         state = spec.state_from_dicts(states, params, **hyper)
         with torch.no_grad():
-            spec.update_(params, grads, state, **hyper)
+            self.update_(params, grads, state, **hyper)
         for s, d in zip(states, spec.state_to_dicts(state)):
             s.update(d)
 

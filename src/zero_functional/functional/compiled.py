@@ -94,7 +94,7 @@ def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) 
     """Whether a group runs compiled by default: only where it measured faster.
 
     Read from :data:`COMPILE_FASTER_FROM`, which is empty: the compiled update is opt-in
-    everywhere. Measured with ``benchmarks/adam_kernels.py`` (one step on 8 float32 tensors,
+    everywhere. Measured with ``benchmarks/bench_kernels.py`` (one step on 8 float32 tensors,
     medians of 30-50 interleaved rounds; torch 2.13 CPU build, AMD EPYC, 2 cores shared with
     other work, so ratios are ranges over 4-5 runs; "x" is torch's fused median over ours):
 
