@@ -103,6 +103,7 @@ def _classes_worker(rank: int, world_size: int) -> dict[str, float]:
                             o.step()
                     for s in scheds:
                         s.step()  # (overlap mode steps inside backward: torch warns, wrongly)
+                zero.finish_param_sync()
                 out[name] = max_diff(model, ref_model)
                 # the state dict is torch's format for the class: it loads into a plain one
                 zero.consolidate_state_dict(to=0)
@@ -156,6 +157,7 @@ def _kinds_worker(rank: int, world_size: int) -> dict[str, Any]:
             o.zero_grad()
             ((d(x) - y) ** 2).mean().backward()
         plain.step()
+    zero.finish_param_sync()
     out["Adafactor overlap"] = max_diff(model, ref_model)
     return out
 
@@ -214,6 +216,7 @@ def _scaler_worker(rank: int, world_size: int) -> dict[str, Any]:
                         s.step(o)
                     s.update()
                 scales.append((scaler.get_scale(), ref_scaler.get_scale()))
+            zero.finish_param_sync()
             out[name] = max_diff(model, ref_model)
             out[f"{name} scales"] = scales
             if overlap:

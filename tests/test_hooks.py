@@ -194,6 +194,7 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
             ref_opt.zero_grad()
             ((ref(x) - y) ** 2).mean().backward()
             ref_opt.step()
+            zero.finish_param_sync()  # the all-gather would otherwise finish in the next forward
             worst = max(
                 worst,
                 max(
@@ -260,8 +261,10 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
     x, y = _batch(rank, 0)
     ((ddp(x) - y) ** 2).mean().backward()
     zero.param_groups[0]["lr"] = 0.0
+    zero.finish_param_sync()
     before = [p.detach().clone() for p in model.parameters()]
     ((ddp(x) - y) ** 2).mean().backward()
+    zero.finish_param_sync()
     out.append(
         ("lr=0", max((a - b).abs().max().item() for a, b in zip(model.parameters(), before)), 0.0)
     )

@@ -67,6 +67,7 @@ def _even_worker(rank: int, world_size: int) -> dict[str, float]:
                 ((d(x) - y) ** 2).mean().backward()
                 if o is plain or mode != "overlap":
                     o.step()
+        zero.finish_param_sync()
         out[mode] = max(
             (a - b).abs().max().item() for a, b in zip(model.parameters(), ref_model.parameters())
         )

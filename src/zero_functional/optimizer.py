@@ -33,7 +33,7 @@ from zero_functional.checks import (
     fingerprint,
     param_tensors,
 )
-from zero_functional.collectives import choose_collectives, even_chunk
+from zero_functional.collectives import choose_collectives, choose_param_gather, even_chunk
 from zero_functional.functional import (
     functional_spec,
     supports_group,
@@ -136,10 +136,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             DDP bucket, split into ``world_size`` even ranges; a parameter may straddle ranks;
             needs an elementwise optimizer, see
             :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
-        overlap_param_gather: Let ``step()`` return once the all-gather of the updated
-            parameters has started; each module's next forward waits for its own parameters
-            (Megatron-LM's ``overlap_param_gather``). Read parameters outside a forward only
-            after :meth:`finish_param_sync`. Default: off.
+        overlap_param_gather: Let ``step()`` (or, in overlap mode, backward) return once the
+            all-gather of the updated parameters has started; each module's next forward
+            waits for its own parameters (Megatron-LM's ``overlap_param_gather``). Read
+            parameters outside a forward only after :meth:`finish_param_sync`. Default
+            (:func:`~zero_functional.collectives.choose_param_gather`): on in overlap mode,
+            off after backward, where torch's contract is final parameters when ``step()``
+            returns.
         compile: Run SGD, Adam and AdamW through ``torch.compile`` (one graph per group):
             ``None`` (default) only where it measures faster than the eager kernels (nowhere
             on CPU, where torch's fused Adam wins; see ``benchmarks/bench_kernels.py``),
@@ -215,7 +218,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_with_ddp = overlap_with_ddp
         self._all_state_dicts: list[StateDict] = []
         self._buffers: list[_Buffer] = []
-        self.overlap_param_gather = bool(overlap_param_gather)
+        self.overlap_param_gather = (
+            choose_param_gather(overlap_with_ddp)
+            if overlap_param_gather is None
+            else bool(overlap_param_gather)
+        )
         self._in_flight: list[comm.Pending] = []
         self._pending_for: dict[Tensor, list[comm.Pending]] = {}
         self._forward_hook: torch.utils.hooks.RemovableHandle | None = None

@@ -433,6 +433,9 @@ def _train(
             last_of_epoch = i + 1 == len(batches) or batches[i + 1][0] != epoch
             if use_zero and cfg.checkpoint is not None and last_of_epoch:
                 _write_checkpoint(cfg, rank, model, opt, epoch + 1, hidden)
+    finish = getattr(opt, "finish_param_sync", None)
+    if finish is not None:
+        finish()  # parameters final before they are read outside a forward
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     return _RunResult(
