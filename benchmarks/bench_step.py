@@ -3,8 +3,10 @@
 Variants, interleaved round by round inside the same gloo ranks so that they share the machine's
 state: torch's defaults, torch's best (parameters_as_bucket_view=True, fused=True), ours at its
 defaults (sorted-greedy), ours with bucket views, and ours under partition="flat" with and
-without bucket views. Prints the median step time, ratios against torch's best, and each rank's
-optimizer-state bytes and resident-memory growth.
+without bucket views. Prints the median step time, its ratio to torch's best (below 1 is faster),
+each rank's optimizer-state bytes and resident-memory growth, and the floor measured in the same
+rounds: the fused Adam update of one rank's share, and the broadcast of every share on its own
+(what any step that returns synced parameters pays unless it overlaps the two).
 
     python benchmarks/bench_step.py [--world-sizes 2 4] [--rounds 15] [--numel 8000000] [--json F]
 """
@@ -25,7 +27,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from _common import mlp, run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.ownership import piece_view
 
+FLOOR_UPDATE = "floor: fused Adam, one share"
+FLOOR_WIRE = "floor: broadcast every share"
 VARIANTS: list[tuple[str, type, dict[str, Any]]] = [
     ("torch default", TorchZero, {}),
     ("torch best", TorchZero, {"parameters_as_bucket_view": True, "fused": True}),
@@ -71,12 +76,31 @@ def _worker(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, An
         rss[name] = _rss_mib() - before
         models.append(m)
         opts.append(opt)
-    times: dict[str, list[float]] = {name: [] for name, _, _ in VARIANTS}
+    # the floor of any step() that returns synced parameters: this rank's share of fused Adam,
+    # then every share on the wire (one gloo broadcast per owner, of total / world_size)
+    flat_opt = opts[[name for name, _, _ in VARIANTS].index("ours flat")]
+    flat_params = [p for g in flat_opt.param_groups for p in g["params"]]
+    share = torch.randn(sum(p.numel() for p in flat_params) // world_size)
+    shares = [share.clone() for _ in range(world_size)]
+
+    def update_only() -> None:
+        owned = flat_opt.ownership.owned(rank)
+        grads = {s.param: piece_view(flat_params[s.param].grad, s) for s in owned}
+        flat_opt.update_owned(grads)
+
+    def broadcast_only() -> None:
+        works = [torch.distributed.broadcast(t, r, async_op=True) for r, t in enumerate(shares)]
+        for w in works:
+            w.wait()
+
+    floors = {FLOOR_UPDATE: update_only, FLOOR_WIRE: broadcast_only}
+    times: dict[str, list[float]] = {name: [] for name in [*(n for n, _, _ in VARIANTS), *floors]}
     for _ in range(rounds):
-        for (name, _, _), opt in zip(VARIANTS, opts):
+        calls = [*((name, opt.step) for (name, _, _), opt in zip(VARIANTS, opts)), *floors.items()]
+        for name, call in calls:
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            opt.step()
+            call()
             times[name].append(time.perf_counter() - t0)
     return {
         "median_s": {k: statistics.median(v) for k, v in times.items()},
@@ -97,20 +121,21 @@ def main() -> None:
     for ws in args.world_sizes:
         results = run_ranks(_worker, ws, args.numel, args.rounds, timeout_s=1800)
         # a step is as slow as its slowest rank
-        med = {name: max(r["median_s"][name] for r in results) for name, _, _ in VARIANTS}
+        names = [*(name for name, _, _ in VARIANTS), FLOOR_UPDATE, FLOOR_WIRE]
+        med = {name: max(r["median_s"][name] for r in results) for name in names}
         best = med["torch best"]
         print(
             f"\n== world size {ws}, {results[0]['params']:,} parameters, Adam, median of {args.rounds}"
         )
         print(
-            f"{'variant':<24}{'step ms':>10}{'x torch best':>15}{'state MiB/rank':>16}"
+            f"{'variant':<34}{'step ms':>10}{'x torch best':>15}{'state MiB/rank':>16}"
             f"{'peak RSS growth MiB/rank':>26}"
         )
         for name, _, _ in VARIANTS:
             state = max(r["state_bytes"][name] for r in results) / 2**20
             rss = max(r["peak_rss_growth_mib"][name] for r in results)
             print(
-                f"{name:<24}{med[name] * 1e3:>10.1f}{med[name] / best:>14.2f}x{state:>16.1f}"
+                f"{name:<34}{med[name] * 1e3:>10.1f}{med[name] / best:>14.2f}x{state:>16.1f}"
                 f"{rss:>26.1f}"
             )
             rows.append(
@@ -123,9 +148,14 @@ def main() -> None:
                     "state_mib": state,
                 }
             )
+        floor = med[FLOOR_UPDATE] + med[FLOOR_WIRE]
+        for name in (FLOOR_UPDATE, FLOOR_WIRE):
+            print(f"{name:<34}{med[name] * 1e3:>10.1f}{med[name] / best:>14.2f}x")
         print(
             f"ours default takes {med['ours default'] / med['torch default']:.2f}x the time of "
-            f"torch's default and {med['ours default'] / best:.2f}x torch's best"
+            f"torch's default and {med['ours default'] / best:.2f}x torch's best; the floor of a "
+            f"step that returns synced parameters without overlapping them is {floor * 1e3:.1f} "
+            f"ms ({floor / best:.2f}x torch's best)"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -546,6 +546,7 @@ def start_sync_units(
     group: ProcessGroup,
     *,
     coalesce_below: int = COALESCE_BELOW,
+    before: Callable[[list[int]], None] | None = None,
 ) -> list[tuple[Pending, list[int]]]:
     """:func:`start_sync_params` as separate units: each pending broadcast with the indices of
     the tensors that are final once it is waited for (a large tensor, or one packed group).
@@ -553,6 +554,15 @@ def start_sync_units(
     What lets a reader wait for just the tensors it needs (a module's forward, for the
     parameter all-gather that overlaps the next forward). On NCCL, where the broadcasts go out
     as one coalesced launch, there is one unit covering every tensor.
+
+    Args:
+        params: The tensors, the same list on every rank.
+        owners: Each tensor's group rank.
+        group: The process group.
+        coalesce_below: Size under which tensors are packed rather than sent alone.
+        before: Called with the indices of each unit this rank owns just before that unit is
+            issued (its tensors are read then): what lets the owner compute a unit's values
+            while the units issued before it are on the wire (the step's update, pipelined).
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -566,37 +576,43 @@ def start_sync_units(
     if len(params) != len(owners):
         raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
     me = group_rank(group)
-    keys: dict[tuple[int, str, str], list[int]] = {}
-    calls: list[tuple[Tensor, int]] = []
-    covers: list[list[int]] = []
-    finishes: list[Callable[[], None] | None] = []
+    plan: list[tuple[int, list[int]]] = []  # (owner, indices) in issue order
+    packed: dict[tuple[int, str, str], list[int]] = {}
     for i, (t, owner) in enumerate(zip(params, owners)):
         if t.numel() >= coalesce_below and t.is_contiguous():
-            calls.append((t.detach(), owner))
-            covers.append([i])
-            finishes.append(None)
+            plan.append((owner, [i]))
         elif t.numel():
-            keys.setdefault((owner, str(t.device), str(t.dtype)), []).append(i)
-    for (owner, _, _), indices in sorted(keys.items(), key=lambda kv: kv[0]):
+            packed.setdefault((owner, str(t.device), str(t.dtype)), []).append(i)
+    plan += [(key[0], indices) for key, indices in sorted(packed.items(), key=lambda kv: kv[0])]
+
+    def unit(owner: int, indices: list[int]) -> tuple[Tensor, Callable[[], None] | None]:
         tensors = [params[i] for i in indices]
-        finish: Callable[[], None] | None = None
+        if len(indices) == 1 and tensors[0].numel() >= coalesce_below:
+            if tensors[0].is_contiguous():
+                return tensors[0].detach(), None  # in place
         if owner == me:
-            buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
-        else:
-            buffer = torch.empty(
-                sum(t.numel() for t in tensors), device=tensors[0].device, dtype=tensors[0].dtype
-            )
-            finish = functools.partial(unflatten_into, buffer, tensors)
-        calls.append((buffer, owner))
-        covers.append(indices)
-        finishes.append(finish)
-    works = _issue("broadcast", calls, group)
-    done = [f for f in finishes if f is not None]
-    if len(works) != len(calls):  # one coalesced launch: one unit
-        return [(Pending(works, done), sorted(i for c in covers for i in c))] if calls else []
-    return [
-        (Pending([w], [f] if f is not None else []), c) for w, f, c in zip(works, finishes, covers)
-    ]
+            return torch.cat([t.detach().reshape(-1) for t in tensors]), None
+        numel = sum(t.numel() for t in tensors)
+        buffer = torch.empty(numel, device=tensors[0].device, dtype=tensors[0].dtype)
+        return buffer, functools.partial(unflatten_into, buffer, tensors)
+
+    if is_nccl(group) and len(plan) > 1:  # one coalesced launch: one unit
+        if before is not None:
+            for owner, indices in plan:
+                if owner == me:
+                    before(indices)
+        built = [(unit(owner, indices), owner) for owner, indices in plan]
+        works = _issue("broadcast", [(buffer, owner) for (buffer, _), owner in built], group)
+        done = [f for (_, f), _ in built if f is not None]
+        return [(Pending(works, done), sorted(i for _, c in plan for i in c))]
+    out: list[tuple[Pending, list[int]]] = []
+    for owner, indices in plan:
+        if before is not None and owner == me:
+            before(indices)
+        buffer, finish = unit(owner, indices)
+        (work,) = _issue("broadcast", [(buffer, owner)], group)
+        out.append((Pending([work], [finish] if finish is not None else []), indices))
+    return out
 
 
 def sync_params(

@@ -494,6 +494,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if trainable != self._trainable:
             self._trainable = trainable
             self._build_buffers()
+        grads: dict[int, Tensor] | None = None
         if isinstance(self._stepper, RealStepper):
             loss = self._stepper.step(self.param_groups, closure, **kwargs)
         else:
@@ -501,9 +502,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self.update_owned(self._owned_grads())
+            grads = self._owned_grads()
         with self._call("step()"):
-            self._sync_params()
+            self._sync_params(grads)
         return loss
 
     def _owned_grads(self) -> dict[int, Tensor]:
@@ -557,12 +558,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for g, (ps, gs, ss) in sorted(by_group.items()):
             self._stepper.step_pieces(self.param_groups[g], ps, gs, ss)
 
-    def _sync_params(self) -> None:
-        """Give every rank every owner's updated pieces: now, or, with
-        ``overlap_param_gather``, started now and waited for by the next forward."""
-        if self.world_size == 1:
-            return
+    def _sync_params(self, grads: Mapping[int, Tensor] | None = None) -> None:
+        """Update this rank's pieces with ``grads`` (if given) and give every rank every owner's
+        updated pieces: now, or, with ``overlap_param_gather``, started now and waited for by
+        the next forward. Without bucket views the update is pipelined: each owned unit is
+        updated just before its broadcast is issued, while earlier units are on the wire."""
         params = self._params()
+        if self.world_size == 1 or self._buffers:
+            if grads is not None:
+                self.update_owned(grads)
+            if self.world_size == 1:
+                return
         units: list[tuple[comm.Pending, list[Tensor]]] = []
         if self._buffers:
             for b in self._buffers:
@@ -571,15 +577,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             tensors: list[Tensor] = []
             owners: list[int] = []
-            of: list[Tensor] = []
+            index: list[int] = []
             for k, p in enumerate(params):
                 if p.requires_grad:
                     for rank, seg in self._ownership.holders(k):
                         tensors.append(piece_view(p, seg))
                         owners.append(rank)
-                        of.append(p)
-            for pending, covered in comm.start_sync_units(tensors, owners, self.process_group):
-                units.append((pending, [of[i] for i in covered]))
+                        index.append(k)
+            if grads is not None:
+                todo = dict(grads)
+
+                def before(covered: list[int]) -> None:
+                    mine = {index[i]: todo.pop(index[i]) for i in covered if index[i] in todo}
+                    if mine:
+                        self.update_owned(mine)
+
+            started = comm.start_sync_units(
+                tensors, owners, self.process_group, before=before if grads is not None else None
+            )
+            if grads is not None and todo:  # owned pieces of frozen parameters (not synced)
+                self.update_owned(todo)
+            units = [(pending, [params[index[i]] for i in covered]) for pending, covered in started]
         if self.overlap_param_gather:
             self.defer_param_sync(units)
         else:
