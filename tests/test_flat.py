@@ -315,6 +315,51 @@ def test_reduce_scatter_hook_clipping_and_join_match_ddp() -> None:
             assert diff < ATOL, (name, diff)
 
 
+def _clip_worker(rank: int, world_size: int) -> dict[str, float]:
+    """clip_grad_norm_ against torch's on the same full gradients, every norm type."""
+    out: dict[str, float] = {}
+    for partition in ("sorted_greedy", "flat"):
+        for norm_type in (2.0, 1.0, 3.5, float("inf")):
+            m1, m2 = make_model(), make_model()
+            opt = ZeroRedundancyOptimizer(m1.parameters(), torch.optim.SGD, partition=partition)
+            for m in (m1, m2):
+                averaged_backward(m, rank, world_size, 0)
+            n1 = opt.clip_grad_norm_(0.05, norm_type)
+            n2 = torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.05, norm_type)
+            key = f"{partition} p={norm_type}"
+            out[f"{key} norm"] = abs(n1.item() - n2.item()) / n2.item()
+            out[f"{key} grads"] = max(
+                (a.grad - b.grad).abs().max().item()  # type: ignore[operator]
+                for a, b in zip(m1.parameters(), m2.parameters())
+            )
+        # a non-finite norm with error_if_nonfinite: an error on every rank, gradients as they were
+        first = next(m1.parameters())
+        assert first.grad is not None
+        first.grad[0, 0] = float("nan")
+        before = [p.grad.clone() for p in m1.parameters()]  # type: ignore[union-attr]
+        try:
+            opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+            out[f"{partition} nonfinite raised"] = 1.0
+        except RuntimeError:
+            out[f"{partition} nonfinite raised"] = 0.0
+        out[f"{partition} nonfinite grads kept"] = float(
+            not all(
+                torch.allclose(b, p.grad, rtol=0, atol=0, equal_nan=True)  # type: ignore[arg-type]
+                for b, p in zip(before, m1.parameters())
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_clip_grad_norm_is_torchs(world_size: int) -> None:
+    # One rank: torch's arithmetic, bit for bit. Three: the same up to the grouping of norms.
+    tol = 0.0 if world_size == 1 else ATOL
+    for rank_result in run_ranks(_clip_worker, world_size, timeout_s=120):
+        for name, diff in rank_result.items():
+            assert diff <= tol, (name, diff)
+
+
 # ---------------------------------------------------------------- state dicts across partitions
 
 

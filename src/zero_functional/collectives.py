@@ -92,9 +92,11 @@ def choose_param_gather(overlap_with_ddp: bool) -> bool:
     """Whether the parameter all-gather finishes during the next forward by default.
 
     Measured (``benchmarks/bench_iteration.py``, 8M-parameter MLP, gloo, 2 CPU cores, time
-    over torch's best ZeRO): letting each module's forward wait for its own parameters takes
-    whole iterations from 1.08x to 0.88x after backward and from 1.14x to 0.98x in overlap
-    mode at 2 ranks (1.06x to 0.88x and 1.03x to 0.90x at 3). It is the default in overlap
+    over torch's best ZeRO, in two runs): letting each module's forward wait for its own
+    parameters takes whole iterations from 1.08-1.12x to 0.88-1.00x after backward and from
+    1.09-1.14x to 0.98x in overlap mode at 2 ranks; at 3 and 4 ranks, 1.06-1.07x to
+    0.88-0.99x and 1.06x to 0.91x (overlap mode at 3 ranks: 1.03-1.06x to 0.90-1.04x). It is
+    the default in overlap
     mode, where the step already happens inside backward (this package's hooks, not torch's
     contract). After backward it stays off: a drop-in for torch's class must hand back final
     parameters when ``step()`` returns (torch's own tests read them then, as does user code

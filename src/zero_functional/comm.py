@@ -33,6 +33,7 @@ __all__ = [
     "all_agree",
     "all_gather_ints",
     "all_gather_objects",
+    "all_gather_scalar",
     "all_reduce_scalar",
     "backend",
     "broadcast_shards",
@@ -700,6 +701,30 @@ def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") ->
     assert work is not None
     _wait(work)
     return t.reshape(()).to(value.device)
+
+
+def all_gather_scalar(value: Tensor, group: ProcessGroup) -> Tensor:
+    """Every rank's 0-d ``value``, stacked in rank order, on every rank (one small all-gather).
+
+    Unlike a sum, the gathered values are exact: a caller combines them however it must (for
+    instance as a norm of norms, the way ``torch.nn.utils.clip_grad_norm_`` does). The values
+    travel on :func:`collective_device`; the result comes back on ``value``'s.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> all_gather_scalar(torch.tensor(2.5), dist.group.WORLD)
+        tensor([2.5000])
+        >>> dist.destroy_process_group()
+    """
+    device = collective_device(group, value.device)
+    local = value.detach().reshape(1).to(device, copy=True)
+    out = [torch.empty_like(local) for _ in range(group_size(group))]
+    work = dist.all_gather(out, local, group=group, async_op=True)
+    assert work is not None
+    _wait(work)
+    return torch.cat(out).to(value.device)
 
 
 def _to_bytes(obj: object) -> Tensor:

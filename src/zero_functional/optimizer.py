@@ -115,6 +115,14 @@ class LocalView:
         self.state = state
 
 
+def _by_device_dtype(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` grouped by (device, dtype), in first-seen order: what a foreach kernel takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shards any ``torch.optim`` optimizer's state across the ranks of a process group.
 
@@ -662,10 +670,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Each rank takes the norm of the gradient pieces it owns (the only ones that hold
         reduced values after :func:`~zero_functional.hooks.reduce_scatter_hook`), one
-        all-reduce of a scalar combines them, and every gradient is scaled by
-        ``max_norm / (total_norm + 1e-6)`` when that is below 1: the total norm and the update
-        equal torch's on the full reduced gradients. Call it between backward and ``step()``,
-        on every rank.
+        all-gather of a scalar per rank brings every rank's norm, and the total is the norm of
+        those norms, as torch's is the norm of the tensors' norms; every gradient is then
+        scaled by ``max_norm / (total_norm + 1e-6)`` where that is below 1. On one rank the
+        result is torch's bit for bit; on several, grouping the norms by rank (and by piece,
+        where the flat partition splits a tensor) may change its last bit. Call it between backward and ``step()``, on
+        every rank.
 
         Args:
             max_norm: Largest allowed norm.
@@ -678,33 +688,36 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-        pieces = list(self._owned_grads().values())
         grads = [p.grad for p in self._params() if p.grad is not None]
         device = grads[0].device if grads else self._default_device
         with torch.no_grad():
-            if norm_type == float("inf"):
-                local = max(
-                    (g.detach().abs().max().float() for g in pieces if g.numel()),
-                    default=torch.zeros((), device=device),
-                ).to(device)
-                with self._call("clip_grad_norm_()"):
-                    total = comm.all_reduce_scalar(local, self.process_group, op="max")
-            else:
-                powers = [
-                    torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) ** norm_type
-                    for g in pieces
-                ]
-                local = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
-                with self._call("clip_grad_norm_()"):
-                    total = comm.all_reduce_scalar(local, self.process_group) ** (1.0 / norm_type)
+            # torch's arithmetic, step by step: each piece's norm (the foreach kernel, per
+            # device and dtype), the norm of those norms on each rank, then the norm of the
+            # ranks' norms. One rank owning whole tensors gives torch's total bit for bit.
+            pieces = [g.detach() for g in self._owned_grads().values()]
+            norms = [
+                n.to(device)
+                for group in _by_device_dtype(pieces)
+                for n in torch._foreach_norm(group, norm_type)
+            ]
+            # every rank gathers in one dtype: float32, or float64 where any gradient is
+            wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+            local = (
+                torch.linalg.vector_norm(torch.stack(norms), norm_type).to(wide)
+                if norms
+                else torch.zeros((), device=device, dtype=wide)
+            )
+            with self._call("clip_grad_norm_()"):
+                ranks = comm.all_gather_scalar(local, self.process_group)
+            total: Tensor = torch.linalg.vector_norm(ranks, norm_type)
             if error_if_nonfinite and not torch.isfinite(total):
                 raise RuntimeError(
                     f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                     "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
                 )
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.device, g.dtype))
+            for group in _by_device_dtype(grads):
+                torch._foreach_mul_(group, coef.to(group[0].device))
         return total
 
     # ------------------------------------------------------------------ join
