@@ -468,7 +468,8 @@ def start_broadcast(
 ) -> Pending:
     """Start the all-gather of a 1-D ``buffer``: every rank gets each run from its rank.
 
-    ``runs`` are ``(start, stop, rank)`` stretches covering the buffer. With ``chunk`` (even runs), one ``all_gather_single`` (in place when the buffer is padded to
+    ``runs`` are ``(start, stop, rank)`` stretches covering the buffer. With ``chunk`` (even
+    runs), one ``all_gather_single`` (in place when the buffer is padded to
     ``chunk * world_size``); otherwise one broadcast per run (grouped on NCCL).
 
     Example:

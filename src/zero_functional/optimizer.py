@@ -515,6 +515,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._sync_params(grads)
         return loss
 
+    def _owned_segment(self, k: Hashable, what: str) -> Segment:
+        """The piece of parameter ``k`` this rank owns; ``ValueError`` naming ``what`` if none."""
+        seg = self._own.get(k) if isinstance(k, int) else None
+        if seg is None:
+            raise ValueError(
+                f"{what} for parameter {k!r}, of which rank {self.rank} owns no piece: pass "
+                f"the {what} of the pieces ownership.owned(rank) lists"
+            )
+        return seg
+
     def _owned_grads(self) -> dict[int, Tensor]:
         params = self._params()
         out: dict[int, Tensor] = {}
@@ -547,12 +557,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params = self._params()
         by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]] = {}
         for k, grad in grads.items():
-            seg = self._own.get(k)
-            if seg is None:
-                raise ValueError(
-                    f"rank {self.rank} owns no piece of parameter {k}: pass gradients for the "
-                    "pieces ownership.owned(rank) lists"
-                )
+            seg = self._owned_segment(k, "gradients")
             if grad.is_sparse:
                 raise RuntimeError(
                     f"{self.optimizer_class.__name__} does not support sparse gradients"
@@ -897,12 +902,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             schemas = self._schemas()
             params = self._params()
             for k, value in state.items():
-                seg = self._own.get(k)
-                if seg is None:
-                    raise ValueError(
-                        f"state for parameter {k!r}, of which rank {self.rank} owns no piece: "
-                        "pass the state of the pieces ownership.owned(rank) lists"
-                    )
+                seg = self._owned_segment(k, "state")
                 whole = seg.start == 0 and seg.stop == params[k].numel()
                 check_param_state(
                     f"parameter {k} (this rank's piece [{seg.start}, {seg.stop}))",
