@@ -36,6 +36,7 @@ from zero_functional.checks import (
 from zero_functional.collectives import choose_collectives, choose_param_gather, even_chunk
 from zero_functional.functional import (
     functional_spec,
+    group_indices,
     supports_group,
     update_kind,
 )
@@ -113,14 +114,6 @@ class LocalView:
     def __init__(self, param_groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> None:
         self.param_groups = param_groups
         self.state = state
-
-
-def _by_device_dtype(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
-    """``tensors`` grouped by (device, dtype), in first-seen order: what a foreach kernel takes."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -702,8 +695,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             pieces = [g.detach() for g in self._owned_grads().values()]
             norms = [
                 n.to(device)
-                for group in _by_device_dtype(pieces)
-                for n in torch._foreach_norm(group, norm_type)
+                for idx in group_indices(pieces).values()
+                for n in torch._foreach_norm([pieces[i] for i in idx], norm_type)
             ]
             # every rank gathers in one dtype: float32, or float64 where any gradient is
             wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
@@ -721,8 +714,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
                 )
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for group in _by_device_dtype(grads):
-                torch._foreach_mul_(group, coef.to(group[0].device))
+            for (dev, _), idx in group_indices(grads).items():
+                torch._foreach_mul_([grads[i] for i in idx], coef.to(dev))
         return total
 
     # ------------------------------------------------------------------ join

@@ -3,6 +3,7 @@ registry."""
 
 from __future__ import annotations
 
+from zero_functional.functional._common import group_indices
 from zero_functional.functional.adam import (
     AdamState,
     adam_init,
@@ -57,6 +58,7 @@ __all__ = [
     "compiled_sgd_update_",
     "functional_spec",
     "group_hyperparams",
+    "group_indices",
     "register_optimizer",
     "sgd",
     "sgd_init",

@@ -66,7 +66,16 @@ def check_lists(
 
 
 def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Indices of ``params`` grouped by (device, dtype), groups and members in first-seen order."""
+    """Indices of ``params`` grouped by (device, dtype), groups and members in first-seen order.
+
+    The grouping every foreach or fused kernel needs (each call takes one device and dtype).
+
+    Example:
+        >>> import torch
+        >>> ts = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]
+        >>> list(group_indices(ts).values())
+        [[0, 2], [1]]
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
