@@ -19,6 +19,14 @@ faster), the bytes each rank sends per iteration (counted from the collectives t
 ring algorithms: see ``_common.ByteCounter``), and the largest parameter difference from the
 same optimizer's plain DDP after the timed rounds (every variant trains the same data).
 
+The floor, measured in the same rounds, piece by piece: forward and backward of the same model
+without DDP; every gradient all-reduced in DDP's bucket sizes (what DDP sends); the same
+buckets reduced onto their owners and broadcast back in even shares (what ZeRO at DDP's bytes
+sends on gloo: one reduce and one broadcast per owner); fused Adam over every parameter (DDP)
+and over one share (ZeRO). On two cores the collectives need the same CPU as the compute, so an
+iteration costs about the sum of its pieces, and the last lines print the ratio those sums
+predict for ZeRO over DDP.
+
     python benchmarks/bench_iteration.py [--world-sizes 2 4] [--rounds 10] [--json out.json]
 """
 
@@ -115,6 +123,55 @@ def _build(optimizer: str, name: str, numel: int, counting: bool) -> tuple[DDP, 
     return ddp, zero
 
 
+FLOOR_COMPUTE = "forward + backward, no DDP"
+FLOOR_ALLREDUCE = "all-reduce, DDP's buckets"
+FLOOR_REDUCE_BCAST = "reduce + broadcast per owner"
+FLOOR_ADAM = "fused Adam, every parameter"
+FLOOR_ADAM_SHARE = "fused Adam, one share"
+FLOORS = [FLOOR_COMPUTE, FLOOR_ALLREDUCE, FLOOR_REDUCE_BCAST, FLOOR_ADAM, FLOOR_ADAM_SHARE]
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def _floors(numel: int, world_size: int, x: torch.Tensor) -> dict[str, Any]:
+    """The pieces of an iteration, each on its own (see the module docstring)."""
+    model = mlp(numel)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    flat = torch.randn(total) * 1e-3
+    per_bucket = BUCKET_BYTES // flat.element_size()
+    buckets = list(flat.split(per_bucket))
+    adam = torch.optim.Adam(params, lr=1e-4, fused=True)
+    share = [torch.zeros(total // world_size, requires_grad=True)]
+    share[0].grad = torch.randn_like(share[0]) * 1e-3
+    adam_share = torch.optim.Adam(share, lr=1e-4, fused=True)
+
+    def compute() -> None:
+        model.zero_grad()
+        model(x).square().mean().backward()
+
+    def all_reduce() -> None:
+        for w in [dist.all_reduce(b, async_op=True) for b in buckets]:
+            w.wait()
+
+    def reduce_broadcast() -> None:
+        for op in (dist.reduce, dist.broadcast):
+            works = []
+            for b in buckets:
+                for owner, piece in enumerate(b.tensor_split(world_size)):
+                    works.append(op(piece, owner, async_op=True))
+            for w in works:
+                w.wait()
+
+    compute()  # .grad exists for Adam
+    return {
+        FLOOR_COMPUTE: compute,
+        FLOOR_ALLREDUCE: all_reduce,
+        FLOOR_REDUCE_BCAST: reduce_broadcast,
+        FLOOR_ADAM: adam.step,
+        FLOOR_ADAM_SHARE: adam_share.step,
+    }
+
+
 def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
     opt.zero_grad()
     ddp(x).square().mean().backward()
@@ -129,14 +186,20 @@ def _worker(
     x = torch.randn(32, 1000, generator=torch.Generator().manual_seed(rank))
     pairs = variants(optimizers)
     built = {name: _build(o, name, numel, counting=False) for o, name in pairs}
-    times: dict[str, list[float]] = {name: [] for _, name in pairs}
+    floors = _floors(numel, world_size, x)
+    times: dict[str, list[float]] = {name: [] for name in [*(n for _, n in pairs), *floors]}
     for r in range(rounds + 2):
-        for name, (ddp, opt) in built.items():
+        calls: list[tuple[str, Any]] = [
+            (name, lambda n=name, d=ddp, o=opt: _iteration(n, d, o, x))
+            for name, (ddp, opt) in built.items()
+        ]
+        for name, call in [*calls, *floors.items()]:
             dist.barrier()
             t0 = time.perf_counter()
-            _iteration(name, ddp, opt, x)
+            call()
             if r >= 2:  # two warm-up rounds for every variant alike
                 times[name].append(time.perf_counter() - t0)
+    del floors
     for _, opt in built.values():
         if hasattr(opt, "finish_param_sync"):
             opt.finish_param_sync()
@@ -204,6 +267,32 @@ def main() -> None:
                     "mb_sent": mb / 1e6,
                 }
             )
+        if "adam" in args.optimizers:
+            piece = {f: max(r["ms"][f] for r in results) for f in FLOORS}
+            ddp_ms = max(r["ms"][baseline("adam")] for r in results)
+            print(f"{'floor, piece by piece (Adam)':<38}{'ms':>9}{'x ddp':>8}")
+            for f in FLOORS:
+                print(f"  {f:<36}{piece[f]:>9.1f}{piece[f] / ddp_ms:>7.2f}x")
+            ddp_sum = piece[FLOOR_COMPUTE] + piece[FLOOR_ALLREDUCE] + piece[FLOOR_ADAM]
+            zero_sum = piece[FLOOR_COMPUTE] + piece[FLOOR_REDUCE_BCAST] + piece[FLOOR_ADAM_SHARE]
+            print(
+                f"  {'sum, DDP (compute+all-reduce+Adam)':<36}{ddp_sum:>9.1f}"
+                f"{ddp_sum / ddp_ms:>7.2f}x\n"
+                f"  {'sum, ZeRO (compute+red/bcast+share)':<36}{zero_sum:>9.1f}"
+                f"{zero_sum / ddp_ms:>7.2f}x\n"
+                f"  predicted ZeRO at DDP's bytes / DDP on this machine: {zero_sum / ddp_sum:.2f}x"
+            )
+            for f in FLOORS:
+                rows.append(
+                    {
+                        "benchmark": f"iteration ({n_params / 1e6:.0f}M MLP)",
+                        "world_size": ws,
+                        "variant": f"floor: {f}",
+                        "ms": piece[f],
+                        "vs_torch_best": piece[f]
+                        / max(r["ms"]["torch zero best"] for r in results),
+                    }
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
