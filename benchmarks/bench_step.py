@@ -4,9 +4,15 @@ Variants, interleaved round by round inside the same gloo ranks so that they sha
 state: torch's defaults, torch's best (parameters_as_bucket_view=True, fused=True), ours at its
 defaults (sorted-greedy), ours with bucket views, and ours under partition="flat" with and
 without bucket views. Prints the median step time, its ratio to torch's best (below 1 is faster),
-each rank's optimizer-state bytes and resident-memory growth, and the floor measured in the same
-rounds: the fused Adam update of one rank's share, and the broadcast of every share on its own
-(what any step that returns synced parameters pays unless it overlaps the two).
+each rank's optimizer-state bytes, and the floor measured in the same rounds: the fused Adam
+update of one rank's share, and the broadcast of every share on its own (what any step that
+returns synced parameters pays unless it overlaps the two).
+
+Peak memory is measured apart, each variant in ranks of its own (in shared processes the
+allocator's reuse of what an earlier variant freed hides what a later one needs): after a
+warm-up on a tiny model (imports, the process group's buffers), the growth of the peak resident
+set (Linux's VmHWM, reset first) from the model with its gradients to after four steps, on the
+fullest rank.
 
     python benchmarks/bench_step.py [--world-sizes 2 4] [--rounds 15] [--numel 8000000] [--json F]
 """
@@ -14,8 +20,9 @@ rounds: the fused Adam update of one rank's share, and the broadcast of every sh
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -59,21 +66,36 @@ def _state_bytes(opt: Any) -> int:
     )
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def _status_mib(field: str) -> float:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _start_peak() -> float:
+    """Reset the peak resident set to the current one (Linux) and return the current one (MiB).
+
+    Large allocations are mmapped (glibc's threshold lowered to 1 MiB, as
+    ``MALLOC_MMAP_THRESHOLD_=1048576`` would), so a freed tensor leaves the resident set at once
+    and the peak counts what is live, not what the heap kept from earlier.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    return _status_mib("VmRSS")
 
 
 def _worker(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(max(1, 2 // world_size))
-    models, opts, rss = [], [], {}
-    for name, cls, kw in VARIANTS:
-        before = _rss_mib()
+    models, opts = [], []
+    for _, cls, kw in VARIANTS:
         m = _model(numel)
         for p in m.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         opt = cls(m.parameters(), torch.optim.Adam, lr=1e-4, **kw)
         opt.step()  # allocate state
-        rss[name] = _rss_mib() - before
         models.append(m)
         opts.append(opt)
     # the floor of any step() that returns synced parameters: this rank's share of fused Adam,
@@ -105,9 +127,31 @@ def _worker(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, An
     return {
         "median_s": {k: statistics.median(v) for k, v in times.items()},
         "state_bytes": {name: _state_bytes(o) for (name, _, _), o in zip(VARIANTS, opts)},
-        "peak_rss_growth_mib": rss,
         "params": sum(p.numel() for p in models[0].parameters()),
     }
+
+
+def _memory_worker(rank: int, world_size: int, numel: int, variant: int) -> float:
+    """Peak resident-set growth (MiB) of one variant's four steps, after a warm-up."""
+    torch.set_num_threads(max(1, 2 // world_size))
+    _, cls, kw = VARIANTS[variant]
+    warm = nn.Linear(4, 4)
+    for p in warm.parameters():
+        p.grad = torch.ones_like(p)
+    warm_opt = cls(warm.parameters(), torch.optim.Adam, lr=1e-4, **kw)
+    for _ in range(2):
+        warm_opt.step()
+    del warm_opt, warm
+    m = _model(numel)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    before = _start_peak()
+    opt = cls(m.parameters(), torch.optim.Adam, lr=1e-4, **kw)
+    for _ in range(4):
+        opt.step()
+    if hasattr(opt, "finish_param_sync"):
+        opt.finish_param_sync()
+    return _status_mib("VmHWM") - before
 
 
 def main() -> None:
@@ -120,6 +164,10 @@ def main() -> None:
     rows = []
     for ws in args.world_sizes:
         results = run_ranks(_worker, ws, args.numel, args.rounds, timeout_s=1800)
+        peak = {
+            name: max(run_ranks(_memory_worker, ws, args.numel, i, timeout_s=600))
+            for i, (name, _, _) in enumerate(VARIANTS)
+        }
         # a step is as slow as its slowest rank
         names = [*(name for name, _, _ in VARIANTS), FLOOR_UPDATE, FLOOR_WIRE]
         med = {name: max(r["median_s"][name] for r in results) for name in names}
@@ -129,14 +177,13 @@ def main() -> None:
         )
         print(
             f"{'variant':<34}{'step ms':>10}{'x torch best':>15}{'state MiB/rank':>16}"
-            f"{'peak RSS growth MiB/rank':>26}"
+            f"{'peak MiB/rank':>15}"
         )
         for name, _, _ in VARIANTS:
             state = max(r["state_bytes"][name] for r in results) / 2**20
-            rss = max(r["peak_rss_growth_mib"][name] for r in results)
             print(
                 f"{name:<34}{med[name] * 1e3:>10.1f}{med[name] / best:>14.2f}x{state:>16.1f}"
-                f"{rss:>26.1f}"
+                f"{peak[name]:>15.1f}"
             )
             rows.append(
                 {
@@ -146,6 +193,7 @@ def main() -> None:
                     "ms": med[name] * 1e3,
                     "vs_torch_best": med[name] / best,
                     "state_mib": state,
+                    "peak_mib": peak[name],
                 }
             )
         floor = med[FLOOR_UPDATE] + med[FLOOR_WIRE]
@@ -155,7 +203,9 @@ def main() -> None:
             f"ours default takes {med['ours default'] / med['torch default']:.2f}x the time of "
             f"torch's default and {med['ours default'] / best:.2f}x torch's best; the floor of a "
             f"step that returns synced parameters without overlapping them is {floor * 1e3:.1f} "
-            f"ms ({floor / best:.2f}x torch's best)"
+            f"ms ({floor / best:.2f}x torch's best); peak memory per rank {peak['ours default']:.1f} "
+            f"MiB against torch's best's {peak['torch best']:.1f} and default's "
+            f"{peak['torch default']:.1f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -25,7 +25,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.buckets import bucket_layout, flatten, views
+from zero_functional.buckets import bucket_layout, views
 from zero_functional.checks import (
     check_devices,
     check_params,
@@ -385,9 +385,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 chunk = None
             size = chunk * self.world_size if chunk is not None else total
             layout = bucket_layout([p.numel() for p in ps])
-            buffer = torch.zeros(size, dtype=ps[0].dtype, device=ps[0].device)
-            buffer[:total].copy_(flatten([p.detach() for p in ps], layout))
+            # one parameter at a time: each old tensor is freed as soon as its slot is filled,
+            # so building the views costs one buffer (its pages touched as they are filled),
+            # not the buffer plus a flattened copy plus every old parameter
+            buffer = torch.empty(size, dtype=ps[0].dtype, device=ps[0].device)
+            buffer[total:].zero_()  # the even shards' padding
             for p, view in zip(ps, views(buffer, layout, [p.shape for p in ps])):
+                view.copy_(p.detach())
                 p.data = view
             self._buffers.append(_Buffer(buffer, runs, chunk))
 
