@@ -49,6 +49,7 @@ the error, and that configuration is not compiled again in this process.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
@@ -303,20 +304,21 @@ def _adam_group(
     return True
 
 
+@torch.no_grad()
 def _adam(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
     state: AdamState,
     *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    decoupled_weight_decay: bool,
-    fused: bool | None,
-    decide: _Decide,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+    fused: bool | None = None,
+    decide: _Decide = _always,
 ) -> None:
     fn = "compiled_adam_update_"
     _check_state(fn, params, grads, state, amsgrad)
@@ -432,37 +434,6 @@ def compiled_adam_update_(
     )
 
 
-@torch.no_grad()
-def _policy_adam_update_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    decoupled_weight_decay: bool = False,
-    fused: bool | None = None,
-) -> None:
-    _adam(
-        params,
-        grads,
-        state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=decoupled_weight_decay,
-        fused=fused,
-        decide=compile_policy,
-    )
-
-
 # ----------------------------------------------------------------------------- SGD
 
 
@@ -530,18 +501,19 @@ def _sgd_group(
     return True
 
 
+@torch.no_grad()
 def _sgd(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
     state: SGDState,
     *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    decide: _Decide,
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    decide: _Decide = _always,
 ) -> None:
     fn = "compiled_sgd_update_"
     check_lists(fn, params, grads, {"momentum_buffer": state.momentum_buffer})
@@ -645,42 +617,16 @@ def compiled_sgd_update_(
     )
 
 
-@torch.no_grad()
-def _policy_sgd_update_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: SGDState,
-    *,
-    lr: float = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-) -> None:
-    _sgd(
-        params,
-        grads,
-        state,
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
-        nesterov=nesterov,
-        maximize=maximize,
-        decide=compile_policy,
-    )
-
-
 # ----------------------------------------------------------------------------- choice
 
+# compile=None: the same graphs, compiled where compile_policy says they are faster
 _UPDATES: dict[tuple[str, bool | None], Callable[..., None]] = {
     ("sgd", False): sgd_update_,
     ("sgd", True): compiled_sgd_update_,
-    ("sgd", None): _policy_sgd_update_,
+    ("sgd", None): functools.partial(_sgd, decide=compile_policy),
     ("adam", False): adam_update_,
     ("adam", True): compiled_adam_update_,
-    ("adam", None): _policy_adam_update_,
+    ("adam", None): functools.partial(_adam, decide=compile_policy),
 }
 
 
