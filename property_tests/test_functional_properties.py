@@ -16,6 +16,7 @@ from zero_functional.functional import (
     State,
     adam,
     adamw,
+    group_indices,
     sgd,
 )
 
@@ -140,3 +141,18 @@ def test_flat_segments_update_like_the_full_update(
             torch.cat([t.reshape(-1) for t in full_state.exp_avg_sq]),
             **tol,
         )
+
+
+@given(st.lists(st.sampled_from([torch.float32, torch.float64, torch.float16]), max_size=12))
+def test_group_indices_partitions_by_dtype_in_first_seen_order(dtypes: list[torch.dtype]) -> None:
+    ts = [torch.zeros(1, dtype=d) for d in dtypes]
+    groups = group_indices(ts)
+    # every index once, each group one (device, dtype), members ascending
+    assert sorted(i for members in groups.values() for i in members) == list(range(len(ts)))
+    for (device, dtype), members in groups.items():
+        assert all(ts[i].dtype == dtype and ts[i].device == device for i in members)
+        assert members == sorted(members)
+    # groups in the order their first member appears
+    firsts = [members[0] for members in groups.values()]
+    assert firsts == sorted(firsts)
+    assert [k[1] for k in groups] == list(dict.fromkeys(dtypes))
