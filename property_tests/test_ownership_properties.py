@@ -16,6 +16,7 @@ from zero_functional.ownership import (
     piece_view,
     piece_views,
     sorted_greedy_ownership,
+    whole_ownership,
 )
 from zero_functional.partition import Segment, sorted_greedy_groups
 from zero_functional.state_dict import join_states, slice_state
@@ -58,6 +59,25 @@ def test_flat_ownership_splits_each_key_on_its_own(items: list[tuple[int, str]],
             sum(s.stop - s.start for s in o.owned(r) if keys[s.param] == key) for r in range(n)
         ]
         assert max(per_rank) <= -(-total // n)
+
+
+@given(
+    world_st.flatmap(
+        lambda n: st.tuples(
+            st.just(n), st.lists(st.tuples(st.integers(0, 50), st.integers(0, n - 1)), max_size=20)
+        )
+    )
+)
+def test_whole_ownership_puts_each_parameter_whole_on_its_owner(
+    case: tuple[int, list[tuple[int, int]]],
+) -> None:
+    n, items = case
+    numels = [m for m, _ in items]
+    o = whole_ownership(numels, [r for _, r in items], n)
+    _every_element_once(o)
+    assert o.is_whole
+    for k, (m, r) in enumerate(items):
+        assert o.holders(k) == ((r, Segment(k, 0, m)),)
 
 
 @given(st.lists(st.lists(st.integers(0, 100), max_size=6), min_size=1, max_size=4), world_st)

@@ -58,6 +58,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "piece_view",
         "piece_views",
         "sorted_greedy_ownership",
+        "whole_ownership",
     ),
     "zero_functional.partition": (
         "BalanceReport",

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from zero_functional import comm
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.partition import Segment
 from zero_functional.state_dict import is_elementwise
@@ -141,7 +142,7 @@ def save(
     if model is None and optimizer is None:
         raise ValueError("save needs a model, an optimizer or both")
     group = _group(optimizer, process_group)
-    rank = int(dist.get_rank(group)) if dist.is_initialized() else 0
+    rank = comm.rank_or_zero(group)
     pieces: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]] = {}
     objects: dict[str, Any] = {"format": FORMAT, "extra": extra}
     in_optimizer: set[Tensor] = set()

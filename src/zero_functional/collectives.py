@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from zero_functional._validate import check_world_size
+from zero_functional.ownership import Ownership, Run
 
 __all__ = [
     "COLLECTIVES",
@@ -52,11 +53,11 @@ def choose_collectives(
 
     The rule: a hook other than DDP's default all-reduce keeps its own reduction, and so does
     a single rank (nothing is sent); else even shards on NCCL take NCCL's reduce-scatter and
-    all-gather; everything else takes one reduce and one broadcast per owner. On gloo that is
-    what measures fastest: gloo's even reduce-scatter and all-gather are slower than its
-    all-reduce and broadcasts on CPU (32 MB, 2 ranks: 35 and 47 ms against 24 and 14), and
-    whole DDP iterations (``benchmarks/bench_overlap.py``) are as fast or faster with
-    per-owner reduces at 2, 3 and 4 ranks.
+    all-gather; everything else takes one reduce and one broadcast per owner: DDP's bytes.
+    On gloo that is the fastest way to send them (``benchmarks/bench_collectives.py``, 32 MB
+    on 2 CPU cores, x torch's all-reduce + broadcast: 1.09/1.13/0.86 at 2/3/4 ranks, where
+    gloo's reduce-scatter + all-gather takes 2.04-2.59), though at 2 and 3 ranks plain
+    all-reduce + broadcast, with 1.5x the bytes, is faster still.
 
     Args:
         backend: A ``torch.distributed`` backend name.
@@ -143,6 +144,32 @@ def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int
         r: (r * chunk, min((r + 1) * chunk, total)) for r in range(world_size) if r * chunk < total
     }
     return chunk if by_rank == expected else None
+
+
+def buffer_runs(
+    ownership: Ownership, order: Sequence[int], *, even: bool
+) -> tuple[tuple[Run, ...], int | None]:
+    """The runs of a buffer holding the parameters ``order`` end to end, and its even shard.
+
+    The one plan of every bucket this package sends (bucket views, DDP buckets in overlap
+    mode and under :func:`~zero_functional.hooks.reduce_scatter_hook`): who owns which
+    stretch (:meth:`~zero_functional.ownership.Ownership.runs`), and the shard size for
+    ``reduce_scatter_single`` / ``all_gather_single`` when ``even`` (the strategy takes even
+    shards: ``"reduce_scatter+all_gather"``) and the runs are the even split (else ``None``).
+
+    Example:
+        >>> from zero_functional.ownership import flat_ownership
+        >>> o = flat_ownership([4, 3], 2)
+        >>> buffer_runs(o, [0, 1], even=True)
+        ((Run(start=0, stop=4, rank=0), Run(start=4, stop=7, rank=1)), 4)
+        >>> buffer_runs(o, [0, 1], even=False)[1] is None
+        True
+    """
+    runs = ownership.runs(order)
+    if not even:
+        return runs, None
+    total = sum(ownership.numels[k] for k in order)
+    return runs, even_chunk(runs, total, ownership.world_size)
 
 
 def bytes_sent(op: str, nbytes: int, world_size: int) -> float:

@@ -30,13 +30,11 @@ __all__ = [
     "Pending",
     "ProcessGroup",
     "Work",
-    "all_agree",
-    "all_gather_ints",
     "all_gather_objects",
     "all_gather_scalar",
     "all_reduce_scalar",
     "backend",
-    "broadcast_shards",
+    "broadcast_object",
     "call",
     "collective_device",
     "default_group",
@@ -46,8 +44,8 @@ __all__ = [
     "group_rank",
     "group_size",
     "is_nccl",
+    "rank_or_zero",
     "recv_object",
-    "reduce_shards",
     "reduce_to_owners",
     "send_object",
     "start_broadcast",
@@ -108,8 +106,8 @@ def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Ite
         >>> dist.init_process_group(
         ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
         >>> with call("example()", dist.group.WORLD, timeout=5.0):
-        ...     all_gather_ints([1], dist.group.WORLD, torch.device("cpu"))
-        [[1]]
+        ...     all_gather_scalar(torch.tensor(1.0), dist.group.WORLD)
+        tensor([1.])
         >>> dist.destroy_process_group()
     """
     outer = getattr(_local, "call", None)
@@ -231,17 +229,29 @@ def collective_device(group: ProcessGroup, fallback: torch.device) -> torch.devi
     return torch.device("cpu")
 
 
-def all_agree(values: Sequence[int], group: ProcessGroup, device: torch.device) -> bool:
-    """Whether every rank passed the same ``values`` (one small all-reduce).
+def rank_or_zero(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world), or 0 without a process group.
 
-    The tensor holds ``values`` and their negations, reduced with MAX: equality on every rank
-    means every rank's values were the same. All ranks get the same answer, so all can raise.
+    Example:
+        >>> rank_or_zero()  # no process group in this process
+        0
     """
-    local = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=device)
-    reduced = local.clone()
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    n = len(values)
-    return bool(torch.equal(reduced[:n], -reduced[n:]))
+    return int(dist.get_rank(group)) if dist.is_initialized() else 0
+
+
+def broadcast_object(obj: object, group: ProcessGroup | None = None) -> object:
+    """Group rank 0's picklable ``obj`` on every rank of ``group`` (default: the world); ``obj``
+    itself without a process group.
+
+    Example:
+        >>> broadcast_object({"step": 3})  # no process group in this process
+        {'step': 3}
+    """
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=global_rank(default_group(group), 0), group=group)
+    return box[0]
 
 
 def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
@@ -275,21 +285,6 @@ def backend(group: ProcessGroup) -> str:
 def is_nccl(group: ProcessGroup) -> bool:
     """Whether ``group`` runs on NCCL (whose collectives can be grouped into one launch)."""
     return "nccl" in backend(group).lower()
-
-
-def all_gather_ints(
-    values: Sequence[int], group: ProcessGroup, device: torch.device
-) -> list[list[int]]:
-    """Every rank's ``values`` (equally long int lists), in rank order, on every rank.
-
-    One small all-gather: what lets every rank name the ranks that disagree.
-    """
-    local = torch.tensor(list(values), dtype=torch.int64, device=device)
-    out = [torch.empty_like(local) for _ in range(group_size(group))]
-    work = dist.all_gather(out, local, group=group, async_op=True)
-    assert work is not None
-    _wait(work)
-    return [[int(v) for v in t.tolist()] for t in out]
 
 
 class Pending:
@@ -363,40 +358,6 @@ def _issue(
         assert work is not None
         handles.append(work)
     return handles
-
-
-def broadcast_shards(
-    buffers: Sequence[Tensor], sources: Sequence[int], group: ProcessGroup
-) -> list[Work]:
-    """Start one broadcast per buffer, from the group rank in ``sources``; return the handles.
-
-    The buffers are issued in list order, which every rank must share.
-    """
-    return _issue("broadcast", list(zip(buffers, sources, strict=True)), group)
-
-
-def reduce_shards(
-    buffers: Sequence[Tensor], destinations: Sequence[int], group: ProcessGroup
-) -> list[Work]:
-    """Start one sum-reduce per buffer, onto the group rank in ``destinations``; return the handles.
-
-    Only the destination's buffer holds the sum afterwards (elsewhere it is undefined). One
-    reduce per owner of a contiguous piece is the uneven reduce-scatter (NCCL runs its uneven
-    reduce-scatter as exactly these reduces, grouped), with half the bytes of an all-reduce.
-    The buffers are issued in list order, which every rank must share.
-
-    Example (one rank, so the sum is the value itself):
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        >>> t = torch.arange(4.0)
-        >>> [w.wait() for w in reduce_shards([t[:2], t[2:]], [0, 0], dist.group.WORLD)]
-        [True, True]
-        >>> t
-        tensor([0., 1., 2., 3.])
-        >>> dist.destroy_process_group()
-    """
-    return _issue("reduce", list(zip(buffers, destinations, strict=True)), group)
 
 
 def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:

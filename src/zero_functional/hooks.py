@@ -39,7 +39,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
-from zero_functional.collectives import COLLECTIVES, Collectives, choose_collectives, even_chunk
+from zero_functional.collectives import COLLECTIVES, Collectives, buffer_runs, choose_collectives
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.ownership import Run, bucket_ownership, piece_view
 
@@ -130,7 +130,6 @@ class OverlapState:
         collectives: The strategy the hook uses (see :func:`choose_collectives`).
         structure: The bucket structure adopted (per bucket, its parameters' global indices),
             or ``None`` before the first backward.
-        adoptions: Structures adopted so far.
         restructures: Backwards whose buckets differed from the adopted structure.
         reduced_buckets: Buckets reduced onto their owners (rather than by the user's hook).
         skipped: Backwards whose update was skipped because a gradient was not finite (with
@@ -164,7 +163,6 @@ class OverlapState:
         self.index = {p: i for i, p in enumerate(self.params)}
         self.structure: tuple[tuple[int, ...], ...] | None = None
         self.it: _Iteration | None = None
-        self.adoptions = 0
         self.restructures = 0
         self.reduced_buckets = 0
         self._runs: dict[int, tuple[tuple[Run, ...], int | None]] = {}
@@ -265,16 +263,12 @@ class OverlapState:
             shard_buckets=self.shard_buckets,
         )
         zero.reshard(ownership)
-        self._runs = {}
-        for b, indices in enumerate(structure):
-            runs = ownership.runs(indices)
-            total = sum(self.params[k].numel() for k in indices)
-            chunk = even_chunk(runs, total, zero.world_size)
-            if self.collectives != "reduce_scatter+all_gather":
-                chunk = None  # an uneven bucket takes reduces and broadcasts in either case
-            self._runs[b] = (runs, chunk)
+        even = self.collectives == "reduce_scatter+all_gather"
+        # an uneven bucket takes reduces and broadcasts under either strategy
+        self._runs = {
+            b: buffer_runs(ownership, indices, even=even) for b, indices in enumerate(structure)
+        }
         self.structure = structure
-        self.adoptions += 1
 
     def _ready(self, j: int) -> bool:
         it = self.it
@@ -359,7 +353,7 @@ class OverlapState:
     ) -> list[tuple[comm.Pending, list[Tensor]]]:
         """Start the all-gather of bucket ``j``'s parameters: units and what each writes."""
         zero = self.zero
-        runs, chunk = self._runs.get(j, ((), None))
+        runs, chunk = self._runs[j]
         if chunk is None:
             tensors: list[Tensor] = []
             owners: list[int] = []
@@ -618,8 +612,10 @@ def reduce_scatter_hook(
     _check_ddp(ddp, zero)
     params = [p for g in zero.param_groups for p in g["params"]]
     index = {p: i for i, p in enumerate(params)}
-    backend = comm.backend(zero.process_group)
     world = zero.world_size
+    even = choose_collectives(comm.backend(zero.process_group), world, even=True) == (
+        "reduce_scatter+all_gather"
+    )
     cache: dict[tuple[int, ...], tuple[tuple[Run, ...], int | None]] = {}
     seen: list[object] = [zero.ownership]
 
@@ -629,14 +625,7 @@ def reduce_scatter_hook(
             cache.clear()
             seen[0] = ownership
         if indices not in cache:
-            runs = ownership.runs(indices)
-            total = sum(params[k].numel() for k in indices)
-            chunk = even_chunk(runs, total, world)
-            if choose_collectives(backend, world, even=chunk is not None) != (
-                "reduce_scatter+all_gather"
-            ):
-                chunk = None
-            cache[indices] = (runs, chunk)
+            cache[indices] = buffer_runs(ownership, indices, even=even)
         return cache[indices]
 
     def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:

@@ -16,7 +16,6 @@ import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any, cast
 
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero_functional import comm
+from zero_functional._validate import prefix_sums
 from zero_functional.buckets import bucket_layout, views
 from zero_functional.checks import (
     check_devices,
@@ -33,7 +33,7 @@ from zero_functional.checks import (
     fingerprint,
     param_tensors,
 )
-from zero_functional.collectives import choose_collectives, choose_param_gather, even_chunk
+from zero_functional.collectives import buffer_runs, choose_collectives, choose_param_gather
 from zero_functional.functional import (
     functional_spec,
     group_indices,
@@ -78,12 +78,6 @@ FLAT_ALIGN_BYTES = 16
 every shard starts where vectorised kernels and NCCL like it."""
 
 
-def _aliases(param: Tensor, buffer: Tensor) -> bool:
-    """Whether ``param``'s data is a view into ``buffer`` (a bucket view)."""
-    base = param.data._base
-    return base is not None and base.data_ptr() == buffer.data_ptr()
-
-
 class _ZeroJoinHook(JoinHook):
     """Shadows the step's collectives on a rank that has run out of inputs."""
 
@@ -96,11 +90,12 @@ class _ZeroJoinHook(JoinHook):
 
 @dataclass
 class _Buffer:
-    """A bucket view: parameters alias ``tensor``; ``runs`` say who broadcasts which part."""
+    """A bucket view: ``params`` alias ``tensor``; ``runs`` say who broadcasts which part."""
 
     tensor: Tensor
     runs: tuple[Run, ...]
     chunk: int | None  # the even shard size when reduce_scatter/all_gather can take it
+    params: list[Tensor]
 
 
 class LocalView:
@@ -272,7 +267,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _index_groups(self) -> None:
         """Where each group's parameters start in the global order, and each one's group."""
-        self._group_starts = [0, *accumulate(len(g["params"]) for g in self.param_groups)]
+        self._group_starts = prefix_sums([len(g["params"]) for g in self.param_groups])
         self._group_of = [g for g, grp in enumerate(self.param_groups) for _ in grp["params"]]
 
     def _set_ownership(self, ownership: Ownership) -> None:
@@ -336,13 +331,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for t in moves:  # every piece this rank held is replaced (or dropped)
             if t.src == me:
                 self.state.pop(params[t.param], None)
+        arrived: dict[int, list[tuple[tuple[int, int], dict[str, Any]]]] = {}
+        for t in moves:  # in transfer order, which is each parameter's element order
+            got = kept.get((t.param, t.start, t.stop)) if t.dst == me else None
+            if got is not None:
+                arrived.setdefault(t.param, []).append(((t.start, t.stop), got))
         for seg in ownership.owned(me):
             p = params[seg.param]
-            parts = [
-                ((t.start, t.stop), kept[(t.param, t.start, t.stop)])
-                for t in moves
-                if t.dst == me and t.param == seg.param and (t.param, t.start, t.stop) in kept
-            ]
+            parts = arrived.get(seg.param)
             if not parts:
                 continue
             whole = seg.start == 0 and seg.stop == p.numel()
@@ -356,9 +352,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if getattr(self, "_in_flight", None):
             self.finish_param_sync()  # the old views are still being written
         self._buffers = []
+        params = self._params()
+        # without bucket views, step() sends each piece of each trainable parameter
+        self._sends = [
+            (k, rank, seg)
+            for k, p in enumerate(params)
+            if p.requires_grad
+            for rank, seg in self._ownership.holders(k)
+        ]
         if not self.parameters_as_bucket_view or self._overlap_with_ddp:
             return
-        params = self._params()
         by_key: dict[tuple[Any, ...], list[int]] = {}
         if self._ownership.is_whole:
             # torch's buckets: per owner and (device, dtype), trainable parameters only
@@ -373,16 +376,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             # the flat split's groups: every parameter of a (device, dtype), in index order
             for k, p in enumerate(params):
                 by_key.setdefault((str(p.device), str(p.dtype)), []).append(k)
-        backend = comm.backend(self.process_group)
+        even = choose_collectives(comm.backend(self.process_group), self.world_size, even=True) == (
+            "reduce_scatter+all_gather"
+        )
         for _, members in sorted(by_key.items(), key=lambda kv: kv[0]):
             ps = [params[k] for k in members]
-            runs = self._ownership.runs(members)
+            runs, chunk = buffer_runs(self._ownership, members, even=even)
             total = sum(p.numel() for p in ps)
-            chunk = even_chunk(runs, total, self.world_size)
-            if choose_collectives(backend, self.world_size, even=chunk is not None) != (
-                "reduce_scatter+all_gather"
-            ):
-                chunk = None
             size = chunk * self.world_size if chunk is not None else total
             layout = bucket_layout([p.numel() for p in ps])
             # one parameter at a time: each old tensor is freed as soon as its slot is filled,
@@ -393,7 +393,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for p, view in zip(ps, views(buffer, layout, [p.shape for p in ps])):
                 view.copy_(p.detach())
                 p.data = view
-            self._buffers.append(_Buffer(buffer, runs, chunk))
+            self._buffers.append(_Buffer(buffer, runs, chunk, ps))
 
     # ------------------------------------------------------------------ the step
 
@@ -583,17 +583,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._buffers:
             for b in self._buffers:
                 pending = comm.start_broadcast(b.tensor, b.runs, self.process_group, chunk=b.chunk)
-                units.append((pending, [p for p in params if _aliases(p, b.tensor)]))
+                units.append((pending, b.params))
         else:
-            tensors: list[Tensor] = []
-            owners: list[int] = []
-            index: list[int] = []
-            for k, p in enumerate(params):
-                if p.requires_grad:
-                    for rank, seg in self._ownership.holders(k):
-                        tensors.append(piece_view(p, seg))
-                        owners.append(rank)
-                        index.append(k)
+            index = [k for k, _, _ in self._sends]
+            owners = [rank for _, rank, _ in self._sends]
+            tensors = [piece_view(params[k], seg) for k, _, seg in self._sends]
             if grads is not None:
                 todo = dict(grads)
 

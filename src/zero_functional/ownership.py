@@ -34,7 +34,7 @@ from torch import Tensor
 
 from zero_functional._validate import check_numels, check_rank, check_world_size, prefix_sums
 from zero_functional.buckets import ddp_bucket_assignments
-from zero_functional.partition import Segment, flat, sorted_greedy, sorted_greedy_groups
+from zero_functional.partition import Segment, flat, owners, sorted_greedy, sorted_greedy_groups
 
 __all__ = [
     "PARTITIONS",
@@ -50,6 +50,7 @@ __all__ = [
     "piece_view",
     "piece_views",
     "sorted_greedy_ownership",
+    "whole_ownership",
 ]
 
 PartitionName = Literal["sorted_greedy", "flat"]
@@ -293,11 +294,29 @@ class Ownership:
 # -------------------------------------------------------------------- builders
 
 
-def _whole(numels: Sequence[int], owner: Sequence[int], world_size: int) -> Ownership:
+def _from_holders(
+    numels: Sequence[int], world_size: int, per_param: Sequence[Sequence[tuple[int, Segment]]]
+) -> Ownership:
+    """The ownership where parameter ``k``'s pieces are ``per_param[k]``, as (rank, piece)."""
     per_rank: list[list[Segment]] = [[] for _ in range(world_size)]
-    for k, (n, r) in enumerate(zip(numels, owner, strict=True)):
-        per_rank[r].append(Segment(k, 0, n))
+    for held in per_param:
+        for rank, seg in held:
+            per_rank[rank].append(seg)
     return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
+
+
+def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int) -> Ownership:
+    """Whole parameters, parameter ``k`` (of ``numels[k]`` elements) on rank ``owner[k]``.
+
+    Example:
+        >>> whole_ownership([4, 2, 3], [1, 0, 1], 2).owned(1)
+        (Segment(param=0, start=0, stop=4), Segment(param=2, start=0, stop=3))
+    """
+    return _from_holders(
+        numels,
+        world_size,
+        [[(r, Segment(k, 0, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))],
+    )
 
 
 def sorted_greedy_ownership(group_numels: Sequence[Sequence[int]], world_size: int) -> Ownership:
@@ -317,14 +336,8 @@ def sorted_greedy_ownership(group_numels: Sequence[Sequence[int]], world_size: i
     """
     parts = sorted_greedy_groups(group_numels, world_size)
     numels = [n for g in group_numels for n in g]
-    owner = [0] * len(numels)
-    start = 0
-    for g, part in zip(group_numels, parts):
-        for rank, indices in enumerate(part):
-            for i in indices:
-                owner[start + i] = rank
-        start += len(g)
-    return _whole(numels, owner, world_size)
+    owner = [r for g, part in zip(group_numels, parts) for r in owners(part, len(g))]
+    return whole_ownership(numels, owner, world_size)
 
 
 def flat_ownership(
@@ -384,11 +397,7 @@ def flat_ownership(
                     world_size - 1,
                 )
                 per_param[k].append((rank, Segment(k, 0, 0)))
-    per_rank: list[list[Segment]] = [[] for _ in range(world_size)]
-    for held in per_param:
-        for rank, seg in held:
-            per_rank[rank].append(seg)
-    return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
+    return _from_holders(numels, world_size, per_param)
 
 
 def bucket_ownership(
@@ -464,11 +473,7 @@ def bucket_ownership(
         for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
             for i in indices:
                 per_param[rest[i]].append((rank, Segment(rest[i], 0, numels[rest[i]])))
-    per_rank: list[list[Segment]] = [[] for _ in range(world_size)]
-    for held in per_param:
-        for rank, seg in held:
-            per_rank[rank].append(seg)
-    return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
+    return _from_holders(numels, world_size, per_param)
 
 
 # -------------------------------------------------------------------- tensors

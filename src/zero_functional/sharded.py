@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from zero_functional.functional import FunctionalOptimizer, State
-from zero_functional.ownership import Ownership, piece_view
+from zero_functional.ownership import Ownership, piece_view, whole_ownership
 from zero_functional.partition import Segment, owners
 
 __all__ = ["ShardState", "shard_init", "shard_update"]
@@ -63,12 +63,8 @@ def _ownership(ownership: OwnershipLike, params: Sequence[Tensor]) -> Ownership:
                 f"{tuple(p.numel() for p in params)}: build it from these parameters, in order"
             )
         return ownership
-    owner = owners(ownership, len(params))
-    per_rank: list[list[Segment]] = [[] for _ in ownership]
-    for k, (p, r) in enumerate(zip(params, owner)):
-        per_rank[r].append(Segment(k, 0, p.numel()))
-    numels = tuple(p.numel() for p in params)
-    return Ownership(numels, len(ownership), tuple(tuple(s) for s in per_rank))
+    numels = [p.numel() for p in params]
+    return whole_ownership(numels, owners(ownership, len(params)), len(ownership))
 
 
 def shard_init(

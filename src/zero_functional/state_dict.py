@@ -29,6 +29,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from zero_functional._validate import prefix_sums
+
 __all__ = [
     "StateSchema",
     "check_hyperparameters",
@@ -329,11 +331,8 @@ def validated_state(
                 f"parameter group {i} has {len(g['params'])} parameters but the loaded state "
                 f"dict's has {len(s['params'])}: the state belongs to another model"
             )
-    starts = [0]
-    group_of: list[int] = []
-    for gi, g in enumerate(param_groups):
-        starts.append(starts[-1] + len(g["params"]))
-        group_of.extend([gi] * len(g["params"]))
+    starts = prefix_sums([len(g["params"]) for g in param_groups])
+    group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
     # Saved indices may be any ids (torch.optim uses positions); map them to our positions.
     index_of = {
         saved: start + j

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from zero_functional.functional import FunctionalSpec, group_hyperparams
 from zero_functional.functional.compiled import choose_update
+from zero_functional.state_dict import is_elementwise
 
 __all__ = ["FunctionalStepper", "RealStepper", "ShadowStepper", "Stepper", "state_schema"]
 
@@ -212,6 +213,6 @@ def state_schema(
     except Exception:  # the class cannot step a CPU probe this way: no schema, generic checks
         return None
     return {
-        key: "elementwise" if isinstance(v, Tensor) and tuple(v.shape) == (2,) else "scalar"
+        key: "elementwise" if is_elementwise(v, probe.numel()) else "scalar"
         for key, v in opt.state[probe].items()
     }

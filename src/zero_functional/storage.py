@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from zero_functional import comm
 from zero_functional.ownership import Box, flat_range_boxes
 
 __all__ = [
@@ -480,19 +481,6 @@ def _commit(tmp: str, path: str) -> None:
 # ------------------------------------------------------------------------------ entry points
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return int(dist.get_rank(group)) if dist.is_initialized() else 0
-
-
-def _from_rank0(obj: object, group: dist.ProcessGroup | None) -> object:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    src = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
 def _unwrap(step: str, error: CheckpointException) -> CheckpointError:
     """DCP's CheckpointException (a BaseException) as one error naming each failed rank."""
     parts = []
@@ -537,7 +525,7 @@ def save_pieces(
             ``path``, if any, is untouched.
     """
     target = os.path.abspath(os.fspath(path))
-    tmp = cast(str, _from_rank0(f"{target}.tmp-{uuid.uuid4().hex[:12]}", process_group))
+    tmp = cast(str, comm.broadcast_object(f"{target}.tmp-{uuid.uuid4().hex[:12]}", process_group))
     writer = _ChecksummedWriter(tmp, sync_files=True, overwrite=False)
     try:
         with _dcp_errors("save"):
@@ -548,16 +536,18 @@ def save_pieces(
                 process_group=process_group,
             )
     except CheckpointError:
-        if _rank(process_group) == 0:
+        if comm.rank_or_zero(process_group) == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     error: object = None
-    if _rank(process_group) == 0:
+    if comm.rank_or_zero(process_group) == 0:
         try:
             _commit(tmp, target)
         except OSError as e:
             error = f"the checkpoint was written to {tmp} but could not replace {target}: {e}"
-    error = _from_rank0(error, process_group)  # every rank returns after the commit, or raises
+    error = comm.broadcast_object(
+        error, process_group
+    )  # every rank returns after the commit, or raises
     if error:
         raise CheckpointError(str(error))
 

@@ -25,7 +25,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from zero_functional import comm
 from zero_functional.launch import LaunchError, process_group, run_ranks
 
 __all__ = [
@@ -510,8 +511,7 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
             else None
         ),
     }
-    rows: list[dict[str, Any]] = [{} for _ in range(world_size)]
-    dist.all_gather_object(rows, mine)
+    rows = cast(list[dict[str, Any]], comm.all_gather_objects(mine, comm.default_group(None)))
     if rank != 0:
         return None
     return _summary(cfg, rows, zero.accuracy, ref.accuracy if ref else None, world_size)
