@@ -180,19 +180,19 @@ def test_flat_split_is_even_chunked(numels: list[int], n: int) -> None:
 
 @given(
     st.lists(st.integers(1, 5), min_size=0, max_size=3),
-    st.lists(st.integers(0, 30), min_size=1, max_size=4),
     world_st,
 )
-def test_piece_views_alias_the_tensors_and_slice_join_round_trips(
-    shape: list[int], cuts: list[int], n: int
-) -> None:
+def test_piece_views_alias_the_tensors_and_slice_join_round_trips(shape: list[int], n: int) -> None:
     t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
     o = flat_ownership([t.numel()], n)
     views, ranks = piece_views([t], o)
     assert torch.equal(torch.cat([v.reshape(-1) for v in views]), t.reshape(-1))
+    for v in views:  # views, not copies: the same storage, and writes show through
+        assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     for v in views:
-        if v is not t:
-            assert v.data_ptr() >= t.data_ptr()  # a view, not a copy
+        v.add_(1.0)
+    assert torch.equal(t.reshape(-1), torch.arange(1.0, t.numel() + 1.0))
+    t.sub_(1.0)
     # state of the whole parameter, sliced to pieces and joined back, is bitwise the same
     state = {"step": torch.tensor(4.0), "exp_avg": t * 2, "note": "x"}
     parts = [

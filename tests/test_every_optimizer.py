@@ -112,7 +112,15 @@ def _classes_worker(rank: int, world_size: int) -> dict[str, float]:
                     copy_m = copy.deepcopy(ref_model)
                     fresh = cls(groups(copy_m, kw["lr"]), **kw)
                     fresh.load_state_dict(copy.deepcopy(sd))
-                    for s_ours, s_ref in zip(fresh.state.values(), plain.state.values()):
+                    # paired by parameter: a missing or extra state entry fails, not vanishes
+                    pairs = list(zip(copy_m.parameters(), ref_model.parameters(), strict=True))
+                    assert [q in fresh.state for q, _ in pairs] == [
+                        r in plain.state for _, r in pairs
+                    ], name
+                    out[f"{name} state"] = 0.0
+                    for q, r in pairs:
+                        s_ours, s_ref = fresh.state.get(q, {}), plain.state.get(r, {})
+                        assert set(s_ours) == set(s_ref), (name, set(s_ours), set(s_ref))
                         for k, v in s_ref.items():
                             if isinstance(v, torch.Tensor):
                                 # relative to the tensor's scale: centered RMSprop's buffers reach

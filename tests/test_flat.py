@@ -274,8 +274,9 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, float]:
                         else:
                             n2 = torch.nn.utils.clip_grad_norm_(d2.parameters(), 0.05)
                     o.step()
-                if clip:
-                    out[f"{partition} clip norm"] = abs(n1.item() - n2.item()) / n2.item()
+                if clip:  # the worst step, not the last one
+                    key = f"{partition} clip norm"
+                    out[key] = max(out.get(key, 0.0), abs(n1.item() - n2.item()) / n2.item())
             out[f"{partition} reduce hook clip={clip}"] = max_diff(m1, m2)
         # uneven inputs under Join, with the reduce hook. As in torch's ZeRO, a joined rank
         # steps the pieces it owns with its last gradients, so the result depends on who owns
@@ -348,6 +349,38 @@ def _clip_worker(rank: int, world_size: int) -> dict[str, float]:
                 for b, p in zip(before, m1.parameters())
             )
         )
+        # torch's edge cases: mixed fp32/fp64 gradients (the total in the wider dtype), no
+        # gradients at all (a zero total), a non-finite total without error_if_nonfinite
+        # (the NaN reaches every gradient)
+        for case in ("mixed dtypes", "no grads", "nan, no error"):
+            torch.manual_seed(1)
+            shapes = [((5, 3), torch.float32), ((4,), torch.float64), ((7,), torch.float32)]
+            ours = [nn.Parameter(torch.randn(s, dtype=d)) for s, d in shapes]
+            ref = [nn.Parameter(p.detach().clone()) for p in ours]
+            if case != "no grads":
+                for a, b in zip(ours, ref):
+                    a.grad = torch.randn_like(a)  # the same on every rank: already averaged
+                    b.grad = a.grad.clone()
+            if case == "nan, no error":
+                for q in (ours[2], ref[2]):
+                    q.grad[1] = float("nan")  # type: ignore[index]
+            opt = ZeroRedundancyOptimizer(ours, torch.optim.SGD, partition=partition, lr=0.1)
+            n1 = opt.clip_grad_norm_(0.5)
+            n2 = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+            key = f"{partition} {case}"
+            out[f"{key} dtype"] = float(n1.dtype != n2.dtype)
+            out[f"{key} norm"] = (
+                0.0
+                if torch.isnan(n2) and torch.isnan(n1)
+                else abs(n1.item() - n2.item()) / max(n2.item(), 1.0)
+            )
+            out[f"{key} grads"] = float(
+                not all(
+                    (a.grad is None and b.grad is None)
+                    or torch.allclose(a.grad, b.grad, rtol=0, atol=1e-6, equal_nan=True)  # type: ignore[arg-type]
+                    for a, b in zip(ours, ref)
+                )
+            )
     return out
 
 

@@ -180,27 +180,35 @@ def test_bad_input_is_a_clear_error_on_every_rank_and_changes_nothing() -> None:
 
 def _optim_worker(rank: int, world_size: int) -> dict[str, Any]:
     """What torch's own tests read: ``optim.param_groups`` (this rank's), ``optim.state``."""
-    out: dict[str, Any] = {}
-    for label, cls in (("ours", ZeroRedundancyOptimizer), ("torch", None)):
-        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-        sizes = [9, 7, 5, 3]
-        params = [nn.Parameter(torch.rand(s, 1)) for s in sizes]
-        o = (cls or TorchZero)(params, torch.optim.SGD, lr=0.1, momentum=0.9)
-        for p in params:
-            p.grad = torch.ones_like(p)
-        o.step()
-        out[label] = (
-            sum(p.numel() for g in o.optim.param_groups for p in g["params"]),
-            sorted(p.numel() for p in o.optim.state),
-            [g["lr"] for g in o.optim.param_groups],
-        )
+    out: dict[str, Any] = {}
+    # SGD runs as our functional step (optim is a view); RMSprop as a real instance
+    classes = {"SGD": (torch.optim.SGD, {"momentum": 0.9}), "RMSprop": (torch.optim.RMSprop, {})}
+    for name, (opt_cls, kw) in classes.items():
+        for label, cls in (("ours", ZeroRedundancyOptimizer), ("torch", TorchZero)):
+            torch.manual_seed(0)
+            sizes = [9, 7, 5, 3]
+            params = [nn.Parameter(torch.rand(s, 1)) for s in sizes]
+            o = cls(params, opt_cls, lr=0.1, **kw)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            o.step()
+            index = {p: i for i, p in enumerate(params)}
+            out[f"{name} {label}"] = (
+                [[index[p] for p in g["params"]] for g in o.optim.param_groups],
+                sorted(index[p] for p in o.optim.state),
+                [sorted(k for k in g if k != "params") for g in o.optim.param_groups],
+                [g["lr"] for g in o.optim.param_groups],
+                {index[p]: sorted(s) for p, s in o.optim.state.items()},
+            )
     return out
 
 
 def test_optim_attribute_shows_this_ranks_share_as_torchs_does() -> None:
     for result in run_ranks(_optim_worker, 2, timeout_s=60):
-        assert result["ours"] == result["torch"], result
+        for name in ("SGD", "RMSprop"):
+            assert result[f"{name} ours"] == result[f"{name} torch"], (name, result)
 
 
 # ---------------------------------------------------------------- fuzz: load_state_dict
