@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
 from zero_functional.collectives import COLLECTIVES, Collectives, buffer_runs, choose_collectives
+from zero_functional.functional import group_indices
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.ownership import Run, bucket_ownership, piece_view
 
@@ -75,13 +76,6 @@ class _Iteration:
     pending: list[tuple[comm.Pending, list[Tensor]]] = field(default_factory=list)
 
 
-def _starts(params: list[Tensor], indices: tuple[int, ...]) -> list[int]:
-    starts = [0]
-    for k in indices:
-        starts.append(starts[-1] + params[k].numel())
-    return starts
-
-
 def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.device) -> Tensor:
     """Multiply ``grads`` by ``inv_scale`` in place; 1.0 if any was non-finite, else 0.0.
 
@@ -90,14 +84,11 @@ def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.devi
     are the ones ``scaler.step(optimizer)`` would compute from the same values.
     """
     found = torch.zeros(1, dtype=torch.float32, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in grads:
-        if g.numel():
-            groups.setdefault((g.device, g.dtype), []).append(g)
-    for (dev, _), gs in groups.items():
+    live = [g for g in grads if g.numel()]
+    for (dev, _), idx in group_indices(live).items():
         local = torch.zeros(1, dtype=torch.float32, device=dev)
         inv = torch.full((), inv_scale, dtype=torch.float32, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(gs, local, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_([live[i] for i in idx], local, inv)
         found = torch.maximum(found, local.to(device))
     return found.reshape(())
 
@@ -304,14 +295,7 @@ class OverlapState:
         it = self.it
         assert it is not None
         zero = self.zero
-        indices = it.indices[j]
-        starts = _starts(self.params, indices)
-        grads: dict[int, Tensor] = {}
-        for pos, k in enumerate(indices):
-            seg = zero.ownership.piece(zero.rank, k)
-            if seg is not None:
-                grads[k] = flat[starts[pos] + seg.start : starts[pos] + seg.stop]
-        return grads
+        return {k: flat[a:b] for k, a, b in zero.ownership.owned_slices(it.indices[j], zero.rank)}
 
     def _process(self, j: int, *, update: bool = True) -> None:
         """Update this rank's pieces of bucket ``j`` and start the all-gather of the bucket."""
@@ -665,16 +649,17 @@ def _common_verdict(
 ) -> None:
     """Make every rank's GradScaler see the same thing: owned pieces as reduced, the others
     zero, and a NaN everywhere if any rank's owned pieces were not finite."""
-    found = torch.zeros((), dtype=torch.float32, device=buckets[-1][0].device)
+    owned: list[Tensor] = []
     with torch.no_grad():
         for flat, runs, pending in buckets:
             pending.wait()
             for a, b, rank in runs:
                 if rank == zero.rank:
-                    bad = ~torch.isfinite(flat[a:b]).all()
-                    found = torch.maximum(found, bad.to(found.device, torch.float32))
+                    owned.append(flat[a:b])
                 else:
                     flat[a:b].zero_()
+        # GradScaler's own check (scale 1: the values stay as they are for scaler.step)
+        found = unscale_and_check_(owned, 1.0, buckets[-1][0].device)
         found = comm.all_reduce_scalar(found, zero.process_group, op="max")
         last = buckets[-1][0]
         if last.numel():

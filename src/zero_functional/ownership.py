@@ -227,6 +227,27 @@ class Ownership:
         """
         return tuple(sum(s.stop - s.start for s in segs) for segs in self.pieces)
 
+    def owned_slices(self, order: Sequence[int], rank: int) -> tuple[tuple[int, int, int], ...]:
+        """Where ``rank``'s pieces sit in a buffer holding the parameters ``order`` end to end.
+
+        Returns:
+            ``(param, start, stop)`` for each piece ``rank`` owns, with ``start``/``stop``
+            offsets into the buffer, in buffer order: what a hook slices out of a DDP bucket
+            to hand the owner its gradients.
+
+        Example:
+            >>> flat_ownership([6, 3], 2).owned_slices([1, 0], 1)
+            ((1, 0, 3), (0, 8, 9))
+        """
+        check_rank(rank, self.world_size)
+        starts = prefix_sums([self.numels[k] for k in order])
+        return tuple(
+            (k, base + seg.start, base + seg.stop)
+            for k, base in zip(order, starts)
+            for r, seg in self.holders(k)
+            if r == rank
+        )
+
     def runs(self, order: Sequence[int]) -> tuple[Run, ...]:
         """Who owns which stretch of a buffer holding the parameters ``order`` end to end.
 
