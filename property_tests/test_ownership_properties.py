@@ -146,6 +146,28 @@ def test_runs_tile_the_buffer_in_order_with_each_elements_owner(
         base += numels[k]
 
 
+@given(numels_st, world_st, st.data())
+def test_owned_slices_are_each_ranks_pieces_inside_its_runs(
+    numels: list[int], n: int, data: st.DataObject
+) -> None:
+    o = flat_ownership(numels, n)
+    order = data.draw(st.permutations(range(len(numels))))
+    runs = o.runs(order)
+    buffer = torch.arange(float(sum(numels)))
+    params = [t.clone() for t in buffer.split([numels[k] for k in order])]
+    by_param = dict(zip(order, params))
+    for rank in range(n):
+        slices = o.owned_slices(order, rank)
+        assert [k for k, _, _ in slices] == [k for k in order if o.piece(rank, k) is not None]
+        for k, a, b in slices:
+            seg = o.piece(rank, k)
+            assert seg is not None and b - a == seg.stop - seg.start
+            # the slice of the buffer is the piece of the parameter
+            assert torch.equal(buffer[a:b], by_param[k][seg.start : seg.stop])
+            if b > a:
+                assert any(r.rank == rank and r.start <= a and b <= r.stop for r in runs)
+
+
 @given(numels_st, world_st, world_st)
 def test_transfers_cover_every_element_from_its_old_owner_to_its_new(
     numels: list[int], n: int, m: int

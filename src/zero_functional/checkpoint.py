@@ -96,7 +96,7 @@ def _group(
     return process_group
 
 
-def _shards(optimizer: Optimizer, rank: int) -> tuple[dict[int, Segment], dict[int, Any]]:
+def _shards(optimizer: Optimizer) -> tuple[dict[int, Segment], dict[int, Any]]:
     """The pieces this rank writes and reads, and their state: a ZeroRedundancyOptimizer's own;
     a plain optimizer's (the same on every rank) all whole, written by rank 0, read by all."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -152,7 +152,7 @@ def save(
         sharded = isinstance(optimizer, ZeroRedundancyOptimizer)
         names = _names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        owned, states = _shards(optimizer, rank)
+        owned, states = _shards(optimizer)
         for k, state in states.items():
             if not sharded and rank != 0:
                 break
@@ -258,7 +258,7 @@ def load(
     if optimizer is not None:
         names = _names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        owned, _ = _shards(optimizer, rank=0)
+        owned, _ = _shards(optimizer)
         objects.append("param_groups")
         for k, seg in owned.items():
             prefix = f"state.{names[k]}."

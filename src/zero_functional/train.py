@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.launch import LaunchError, process_group, run_ranks
+from zero_functional.ownership import check_partition
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -102,8 +103,7 @@ class TrainConfig:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
-        if self.partition not in ("flat", "sorted_greedy"):
-            raise ValueError(f"partition must be 'flat' or 'sorted_greedy', got {self.partition!r}")
+        check_partition(self.partition)
 
 
 class CheckpointError(ValueError):
@@ -372,7 +372,6 @@ def _train(
     elif use_zero:
         from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
         from zero_functional.optimizer import ZeroRedundancyOptimizer
-        from zero_functional.ownership import check_partition
 
         zero = ZeroRedundancyOptimizer(
             ddp.parameters(),
