@@ -240,3 +240,21 @@ def test_ownership_validates_itself() -> None:
         flat_ownership([4], 2).owner(0)
     with pytest.raises(ValueError, match="outside"):
         piece_view(torch.zeros(3), Segment(0, 0, 4))
+
+
+@given(numels_st, numels_st, world_st)
+def test_extended_keeps_old_pieces_and_places_new_ones_as_the_new_split(
+    old_numels: list[int], more: list[int], n: int
+) -> None:
+    old = flat_ownership(old_numels, n)
+    new = flat_ownership(old_numels + more, n)
+    grown = old.extended(new)
+    _every_element_once(grown)
+    for k in range(len(old_numels)):
+        assert grown.holders(k) == old.holders(k)
+    for k in range(len(old_numels), len(old_numels) + len(more)):
+        assert grown.holders(k) == new.holders(k)
+    # moving from grown to new moves only the old parameters' pieces that change hands
+    assert all(t.param < len(old_numels) for t in grown.transfers(new) if t.src != t.dst)
+    with pytest.raises(ValueError, match="cannot extend"):
+        old.extended(flat_ownership(old_numels + more, n + 1))

@@ -303,7 +303,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Raises:
             ValueError: ``ownership`` is over other parameters or another world size.
         """
-        old = self._ownership
+        self._reshard(self._ownership, ownership)
+
+    def _reshard(self, old: Ownership, ownership: Ownership) -> None:
+        """:meth:`reshard` from ``old``, this rank's state being held as ``old`` says."""
         moves = old.transfers(ownership)  # validates before anything changes
         params = self._params()
         me = self.rank
@@ -426,21 +429,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._agree("add_param_group()", problem, [*self.param_groups, param_group])
         super().add_param_group(param_group)
         self._index_groups()
-        old = self._ownership
-        numels = tuple(p.numel() for p in self._params())
-        # the old ownership extended by the new parameters, owned where they will be owned,
-        # so that reshard only moves what changes hands
         new = self._computed_ownership()
-        grown = Ownership(
-            numels,
-            self.world_size,
-            tuple(
-                old.pieces[r] + tuple(s for s in new.pieces[r] if s.param >= len(old.numels))
-                for r in range(self.world_size)
-            ),
-        )
-        self._ownership = grown
-        self.reshard(new)
+        self._reshard(self._ownership.extended(new), new)
 
     def _agree(self, call: str, problem: Exception | None, items: Sequence[Any]) -> None:
         """Raise the same error on every rank if any rank's checks failed or the ranks' parameters

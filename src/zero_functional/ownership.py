@@ -248,6 +248,37 @@ class Ownership:
             if r == rank
         )
 
+    def extended(self, new: Ownership) -> Ownership:
+        """This ownership grown to ``new``'s parameters: those it has keep their pieces, those
+        ``new`` adds (indices past this one's) sit where ``new`` puts them.
+
+        What ``add_param_group`` reshards from, so that only the pieces that change hands move.
+
+        Raises:
+            ValueError: ``new`` is over another world size or does not start with these
+                parameters.
+
+        Example:
+            >>> old = flat_ownership([4], 2)
+            >>> old.extended(flat_ownership([4, 4], 2)).owned(1)
+            (Segment(param=0, start=2, stop=4), Segment(param=1, start=0, stop=4))
+        """
+        n = len(self.numels)
+        if new.world_size != self.world_size or new.numels[:n] != self.numels:
+            raise ValueError(
+                f"cannot extend an ownership of {self.numels} over {self.world_size} ranks to "
+                f"one of {new.numels} over {new.world_size}: pass one over these parameters "
+                "and more, at the same world size"
+            )
+        return Ownership(
+            new.numels,
+            self.world_size,
+            tuple(
+                self.pieces[r] + tuple(s for s in new.pieces[r] if s.param >= n)
+                for r in range(self.world_size)
+            ),
+        )
+
     def runs(self, order: Sequence[int]) -> tuple[Run, ...]:
         """Who owns which stretch of a buffer holding the parameters ``order`` end to end.
 
