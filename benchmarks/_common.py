@@ -2,7 +2,7 @@
 
 The byte counter wraps ``torch.distributed``'s collectives in the calling process and converts
 each call's buffer into the bytes one rank sends under ring algorithms
-(:func:`zero_functional.collectives.bytes_sent`), so the bytes columns are counted from what
+(:func:`zero_functional.plans.bytes_sent`), so the bytes columns are counted from what
 actually ran, not computed from a formula.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_functional.collectives import bytes_sent
+from zero_functional.plans import bytes_sent
 from zero_functional.launch import run_ranks
 
 __all__ = ["ByteCounter", "median_ms", "mlp", "run_ranks"]

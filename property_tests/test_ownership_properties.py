@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_functional._validate import ceil_div, round_up
-from zero_functional.collectives import even_chunk
+from zero_functional.plans import even_chunk
 from zero_functional.ownership import (
     Ownership,
     bucket_ownership,

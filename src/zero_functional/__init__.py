@@ -32,7 +32,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "flatten",
         "views",
     ),
-    "zero_functional.collectives": ("bytes_sent", "choose_collectives"),
+    "zero_functional.plans": ("bytes_sent", "choose_collectives"),
     "zero_functional.comm": ("reduce_to_owners", "sync_params"),
     "zero_functional.functional": (
         "AdamState",

@@ -16,8 +16,10 @@ from torch import Tensor
 from zero_functional.functional import update_kind
 
 __all__ = [
+    "agreement_verdict",
     "check_devices",
     "check_hyperparameter_types",
+    "check_unfrozen",
     "check_params",
     "check_update_kind",
     "fingerprint",
@@ -253,3 +255,74 @@ def fingerprint(items: Sequence[Any]) -> list[int]:
     digest = int.from_bytes(hashlib.blake2b(described.encode(), digest_size=7).digest(), "big")
     params = [p for g in groups for p in g]
     return [len(groups), len(params), sum(p.numel() for p in params), digest]
+
+
+def agreement_verdict(
+    call: str, problem: Exception | None, everyone: Sequence[object]
+) -> Exception | None:
+    """What a rank raises once every rank's check result is known (pure).
+
+    Each rank contributes ``(error type name, message)`` when its own checks failed, else its
+    :func:`fingerprint`. This rank's own problem comes first; else another rank's, named; else,
+    if the fingerprints differ, one error listing the first ranks' (at most 4, so the message
+    stays short at any world size) and how many differ.
+
+    Example:
+        >>> agreement_verdict("step()", None, [[1, 2, 3, 4], [1, 2, 3, 4]]) is None
+        True
+        >>> agreement_verdict("step()", None, [[1, 2, 3, 4], ("ValueError", "bad")])
+        ValueError('step() failed on rank(s) [1]: bad')
+    """
+    if problem is not None:
+        return problem
+    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, tuple)}
+    if failed:
+        kinds: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
+        name, message = next(iter(failed.values()))
+        ranks = sorted(failed)
+        shown = f"{ranks[:8]}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+        return kinds.get(name, RuntimeError)(f"{call} failed on rank(s) {shown}: {message}")
+    prints = [cast(list[int], v) for v in everyone]
+    differ = [r for r, v in enumerate(prints) if v != prints[0]]
+    if not differ:
+        return None
+    lines = "; ".join(
+        f"rank {r}: {v[1]} parameters in {v[0]} groups, {v[2]} elements, fingerprint {v[3]:x}"
+        for r, v in [(0, prints[0])] + [(r, prints[r]) for r in differ[:3]]
+    )
+    return RuntimeError(
+        f"{call}: ranks disagree on the parameters (shapes, dtypes or devices): {len(differ)} of "
+        f"{len(prints)} ranks differ from rank 0 ({lines}): build the optimizer, and call "
+        "add_param_group, on every rank with the same parameters in the same order"
+    )
+
+
+def check_unfrozen(built: Sequence[bool], now: Sequence[bool], shapes: Sequence[object]) -> None:
+    """Refuse parameters that were frozen when the optimizer (and DDP) were built and now
+    require gradients: DDP never averages their gradients and overlap mode never updates them.
+
+    Args:
+        built: Each parameter's ``requires_grad`` when the ownership was built.
+        now: Each one's ``requires_grad`` now.
+        shapes: Each one's shape (for the message).
+
+    Example:
+        >>> check_unfrozen([True, False], [False, False], [(2,), (3,)])  # freezing is fine
+        >>> check_unfrozen([True, False], [True, True], [(2,), (3,)])
+        Traceback (most recent call last):
+        ...
+        RuntimeError: parameter(s) 1 (3,) (global index, shape) were frozen (requires_grad=False) when this optimizer and DDP were built and now require gradients: DDP does not average their gradients and overlap mode never updates them, so they would train wrongly. Rebuild DDP and the ZeroRedundancyOptimizer after unfreezing (or build both with the parameters trainable and give them lr=0 until they should train)
+    """
+    woke = [k for k, (was, is_now) in enumerate(zip(built, now)) if is_now and not was]
+    if not woke:
+        return
+    listed = ", ".join(f"{k} {tuple(cast(Sequence[int], shapes[k]))}" for k in woke[:8])
+    more = f" and {len(woke) - 8} more" if len(woke) > 8 else ""
+    raise RuntimeError(
+        f"parameter(s) {listed}{more} (global index, shape) were frozen "
+        "(requires_grad=False) when this optimizer and DDP were built and now require "
+        "gradients: DDP does not average their gradients and overlap mode never "
+        "updates them, so they would train wrongly. Rebuild DDP and the "
+        "ZeroRedundancyOptimizer after unfreezing (or build both with the parameters "
+        "trainable and give them lr=0 until they should train)"
+    )

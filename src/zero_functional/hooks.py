@@ -26,7 +26,7 @@ Later backwards update bucket by bucket.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +39,10 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
-from zero_functional.collectives import COLLECTIVES, Collectives, buffer_runs, choose_collectives
 from zero_functional.functional import group_indices
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ownership import Run, bucket_ownership, piece_view
+from zero_functional.ownership import Run, bucket_ownership
+from zero_functional.plans import COLLECTIVES, Collectives, buffer_runs, choose_collectives
 
 __all__ = [
     "Collectives",
@@ -73,7 +73,7 @@ class _Iteration:
     complete: dict[int, tuple[Tensor, Future[Tensor] | None]] = field(default_factory=dict)
     processed: int = 0
     deferred: bool = False
-    pending: list[tuple[comm.Pending, list[Tensor]]] = field(default_factory=list)
+    pending: list[tuple[comm.Pending, Sequence[Tensor]]] = field(default_factory=list)
 
 
 def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.device) -> Tensor:
@@ -328,7 +328,10 @@ class OverlapState:
             if self.zero.world_size > 1:
                 # in place: these parameters' grads are final, so backward no longer reads
                 # them; the owners' values are on every rank by _finish
-                it.pending.extend(self._start_gather(it.indices[j], j))
+                runs, chunk = self._runs[j]
+                it.pending.extend(
+                    self.zero.param_sync.start_gather(it.indices[j], self.gather_group, runs, chunk)
+                )
         if fut is not None:
             # on each rank only the pieces it owns hold the averaged gradient
             fut.set_result(flat)
@@ -351,31 +354,6 @@ class OverlapState:
             self.skipped += 1
             while it.processed < len(it.indices):
                 self._process(it.processed, update=False)
-
-    def _start_gather(
-        self, indices: tuple[int, ...], j: int
-    ) -> list[tuple[comm.Pending, list[Tensor]]]:
-        """Start the all-gather of bucket ``j``'s parameters: units and what each writes."""
-        zero = self.zero
-        runs, chunk = self._runs[j]
-        if chunk is None:
-            tensors: list[Tensor] = []
-            owners: list[int] = []
-            of: list[Tensor] = []
-            for k in indices:
-                for rank, seg in zero.ownership.holders(k):
-                    tensors.append(piece_view(self.params[k], seg))
-                    owners.append(rank)
-                    of.append(self.params[k])
-            units = comm.start_sync_units(tensors, owners, self.gather_group)
-            return [(pending, [of[i] for i in covered]) for pending, covered in units]
-        # even shards: pack the bucket's parameters, all-gather, unpack (NCCL's fast path)
-        ps = [self.params[k] for k in indices]
-        with torch.no_grad():
-            staging = torch.cat([p.detach().reshape(-1) for p in ps])
-        pending = comm.start_broadcast(staging, runs, self.gather_group, chunk=chunk)
-        pending.finish.append(lambda: comm.unflatten_into(staging, ps))
-        return [(pending, ps)]
 
     def _finish(self) -> None:
         it = self.it

@@ -13,10 +13,8 @@ that class over this rank's parameters or pieces (:mod:`zero_functional.steppers
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -26,26 +24,26 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional._validate import prefix_sums
-from zero_functional.buckets import bucket_layout, views
 from zero_functional.checks import (
+    agreement_verdict,
     check_devices,
     check_hyperparameter_types,
     check_params,
+    check_unfrozen,
     check_update_kind,
     fingerprint,
     param_tensors,
 )
-from zero_functional.collectives import buffer_runs, choose_collectives, choose_param_gather
 from zero_functional.functional import (
     functional_spec,
-    group_indices,
     supports_group,
     update_kind,
 )
+from zero_functional.grad_norm import clip_, norm_dtype, pieces_norm
 from zero_functional.ownership import (
     Ownership,
     PartitionName,
-    Run,
+    Transfer,
     check_partition,
     check_splittable,
     flat_ownership,
@@ -54,11 +52,16 @@ from zero_functional.ownership import (
 )
 from zero_functional.param_sync import ParamSync
 from zero_functional.partition import Segment
+from zero_functional.plans import choose_param_gather, plan_moves
 from zero_functional.state_dict import (
-    check_hyperparameters,
-    check_param_state,
+    PARTIAL_KEY,
+    check_shard_state,
     join_states,
+    merge_shards,
+    not_consolidated_message,
+    placed,
     slice_state,
+    to_cpu,
     validated_state,
 )
 from zero_functional.steppers import (
@@ -81,45 +84,6 @@ FLAT_ALIGN_BYTES = 16
 every shard starts where vectorised kernels and NCCL like it."""
 
 
-PARTIAL_KEY = "zero_partial"
-"""The key that marks a rank's :meth:`ZeroRedundancyOptimizer.state_dict` after consolidation
-onto another rank: full ``param_groups``, no state; ``load_state_dict`` refuses it."""
-
-
-def not_consolidated_message(rank: int) -> str:
-    """What ``state_dict()`` says when the state changed since the last consolidation: torch's
-    words, then the fix for the training framework in use (judged by what is imported).
-
-    Example:
-        >>> not_consolidated_message(1).startswith(
-        ...     "Optimizer state has not been consolidated on this rank")
-        True
-    """
-    message = (
-        "Optimizer state has not been consolidated on this rank. Please call "
-        f"`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the "
-        "global state (after the last step: every step changes the state)."
-    )
-    if "transformers.trainer" in sys.modules:
-        message += (
-            " With the Transformers Trainer, pass "
-            "callbacks=[zero_functional.integrations.ZeroTrainerCallback()], which "
-            "consolidates on every rank before each save."
-        )
-    elif "accelerate" in sys.modules:
-        message += (
-            " With Accelerate, call zero_functional.integrations.accelerate.register("
-            "accelerator, optimizer) once after prepare(): save_state then consolidates on "
-            "every rank first."
-        )
-    else:
-        message += (
-            " Lightning and Fabric consolidate by themselves; for torch.distributed.checkpoint "
-            "use zero_functional.checkpoint.stateful(model, optimizer)."
-        )
-    return message
-
-
 class _ZeroJoinHook(JoinHook):
     """Shadows the step's collectives on a rank that has run out of inputs."""
 
@@ -128,16 +92,6 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero.step()
-
-
-@dataclass
-class _Buffer:
-    """A bucket view: ``params`` alias ``tensor``; ``runs`` say who broadcasts which part."""
-
-    tensor: Tensor
-    runs: tuple[Run, ...]
-    chunk: int | None  # the even shard size when reduce_scatter/all_gather can take it
-    params: list[Tensor]
 
 
 class LocalView:
@@ -180,7 +134,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``module.state_dict()`` and this package's readers finish it first, and a
             parameter read elsewhere before :meth:`finish_param_sync` is an error that names
             it (:mod:`zero_functional.param_sync`). Default
-            (:func:`~zero_functional.collectives.choose_param_gather`): off in every mode,
+            (:func:`~zero_functional.plans.choose_param_gather`): off in every mode,
             torch's contract: parameters are final when ``step()`` (overlap mode: backward)
             returns.
         compile: Run SGD, Adam and AdamW through ``torch.compile`` (one graph per group):
@@ -262,7 +216,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # (steps and loads) with when it was last consolidated
         self._updates = 0
         self._consolidated_at: int | None = None
-        self._buffers: list[_Buffer] = []
         self.overlap_param_gather = (
             choose_param_gather(overlap_with_ddp)
             if overlap_param_gather is None
@@ -270,7 +223,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         )
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
-        self._param_sync = ParamSync(self._params(), self._call, self.overlap_param_gather)
+        self._param_sync = ParamSync(
+            self._params(), self.process_group, self._call, self.overlap_param_gather
+        )
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
         spec = functional_spec(optimizer_class)
         if spec is not None and not all(supports_group(spec, g) for g in self.param_groups):
@@ -291,6 +246,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def overlap_with_ddp(self) -> bool:
         """Whether the step runs inside DDP's backward (through a hook of :mod:`.hooks`)."""
         return self._overlap_with_ddp
+
+    @property
+    def param_sync(self) -> ParamSync:
+        """The owner of the parameters' storage and of the parameter all-gathers in flight."""
+        return self._param_sync
 
     @property
     def ownership(self) -> Ownership:
@@ -355,96 +315,40 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _reshard(self, old: Ownership, ownership: Ownership) -> None:
         """:meth:`reshard` from ``old``, this rank's state being held as ``old`` says."""
-        moves = old.transfers(ownership)  # validates before anything changes
+        plan = plan_moves(old, ownership, self.rank)  # validates before anything changes
         params = self._params()
-        me = self.rank
-        outgoing: dict[int, dict[tuple[int, int, int], dict[str, Any]]] = {}
-        kept: dict[tuple[int, int, int], dict[str, Any]] = {}
-        for t in moves:
-            if me != t.src:
-                continue
-            held = old.piece(me, t.param)
-            state = self.state.get(params[t.param])
-            if held is None or not state:
-                continue
-            part = slice_state(state, (held.start, held.stop), (t.start, t.stop))
-            if t.dst == me:
-                kept[(t.param, t.start, t.stop)] = part
-            else:
-                outgoing.setdefault(t.dst, {})[(t.param, t.start, t.stop)] = part
-        pairs = sorted({(t.src, t.dst) for t in moves if t.src != t.dst})
+        parts: dict[int, dict[Transfer, dict[str, Any]]] = {}  # by destination rank
+        for t in plan.sends:
+            held, state = old.piece(self.rank, t.param), self.state.get(params[t.param])
+            if held is not None and state:
+                part = slice_state(state, (held.start, held.stop), (t.start, t.stop))
+                parts.setdefault(t.dst, {})[t] = part
+        kept = parts.pop(self.rank, {})
         with self._call("reshard()"):
             received = comm.exchange_objects(
-                outgoing, pairs, self.process_group, self._collective_device()
+                parts, list(plan.pairs), self.process_group, self._collective_device()
             )
         for payload in received.values():
-            kept.update(cast(dict[tuple[int, int, int], dict[str, Any]], payload))
-        for t in moves:  # every piece this rank held is replaced (or dropped)
-            if t.src == me:
-                self.state.pop(params[t.param], None)
-        arrived: dict[int, list[tuple[tuple[int, int], dict[str, Any]]]] = {}
-        for t in moves:  # in transfer order, which is each parameter's element order
-            got = kept.get((t.param, t.start, t.stop)) if t.dst == me else None
-            if got is not None:
-                arrived.setdefault(t.param, []).append(((t.start, t.stop), got))
-        for seg in ownership.owned(me):
-            p = params[seg.param]
-            parts = arrived.get(seg.param)
-            if not parts:
+            kept.update(cast(dict[Transfer, dict[str, Any]], payload))
+        for k in plan.held:  # every piece this rank held is replaced (or dropped)
+            self.state.pop(params[k], None)
+        for k, moves in plan.receives.items():
+            pieces = [((t.start, t.stop), kept[t]) for t in moves if t in kept]
+            seg, p = ownership.piece(self.rank, k), params[k]
+            if not pieces or seg is None:
                 continue
             whole = seg.start == 0 and seg.stop == p.numel()
-            joined = join_states(parts, tuple(p.shape) if whole else None)
-            group = self.param_groups[self._group_of[seg.param]]
-            self.state[p] = {k: self._placed(k, v, p, group, copy=False) for k, v in joined.items()}
+            joined = join_states(pieces, tuple(p.shape) if whole else None)
+            group = self.param_groups[self._group_of[k]]
+            self.state[p] = {
+                key: self._placed(key, v, p, group, copy=False) for key, v in joined.items()
+            }
         self._set_ownership(ownership)
 
     def _build_buffers(self) -> None:
-        """With ``parameters_as_bucket_view``, make parameters views of contiguous buffers."""
-        if hasattr(self, "_param_sync"):
-            self._param_sync.finish()  # the old views may still be being written
-        self._buffers = []
-        params = self._params()
-        # without bucket views, step() sends each piece of each trainable parameter
-        self._sends = [
-            (k, rank, seg)
-            for k, p in enumerate(params)
-            if p.requires_grad
-            for rank, seg in self._ownership.holders(k)
-        ]
-        if not self.parameters_as_bucket_view or self._overlap_with_ddp:
-            return
-        by_key: dict[tuple[Any, ...], list[int]] = {}
-        if self._ownership.is_whole:
-            # torch's buckets: per owner and (device, dtype), trainable parameters only
-            for p in params:
-                if not p.requires_grad and p.data._base is not None:
-                    p.data = p.data.detach().clone()  # leave a bucket without losing the value
-            for k, p in enumerate(params):
-                if p.requires_grad:
-                    key = (self._ownership.owner(k), str(p.device), str(p.dtype))
-                    by_key.setdefault(key, []).append(k)
-        else:
-            # the flat split's groups: every parameter of a (device, dtype), in index order
-            for k, p in enumerate(params):
-                by_key.setdefault((str(p.device), str(p.dtype)), []).append(k)
-        even = choose_collectives(comm.backend(self.process_group), self.world_size, even=True) == (
-            "reduce_scatter+all_gather"
-        )
-        for _, members in sorted(by_key.items(), key=lambda kv: kv[0]):
-            ps = [params[k] for k in members]
-            runs, chunk = buffer_runs(self._ownership, members, even=even)
-            total = sum(p.numel() for p in ps)
-            size = chunk * self.world_size if chunk is not None else total
-            layout = bucket_layout([p.numel() for p in ps])
-            # one parameter at a time: each old tensor is freed as soon as its slot is filled,
-            # so building the views costs one buffer (its pages touched as they are filled),
-            # not the buffer plus a flattened copy plus every old parameter
-            buffer = torch.empty(size, dtype=ps[0].dtype, device=ps[0].device)
-            buffer[total:].zero_()  # the even shards' padding
-            for p, view in zip(ps, views(buffer, layout, [p.shape for p in ps])):
-                view.copy_(p.detach())
-                p.data = view
-            self._buffers.append(_Buffer(buffer, runs, chunk, ps))
+        """Follow the ownership and ``requires_grad`` in the parameter sync (bucket views)."""
+        bucket_view = self.parameters_as_bucket_view and not self._overlap_with_ddp
+        self._param_sync.rebuild(self._ownership, bucket_view)
 
     # ------------------------------------------------------------------ the step
 
@@ -487,27 +391,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         mine = (type(problem).__name__, str(problem)) if problem is not None else fingerprint(items)
         with self._call(call):
             everyone = comm.all_gather_objects(mine, self.process_group)
-        failed = {r: v for r, v in enumerate(everyone) if isinstance(v, tuple)}
-        if problem is not None:
-            raise problem
-        if failed:
-            kinds = {"TypeError": TypeError, "ValueError": ValueError}
-            name, message = next(iter(failed.values()))
-            raise kinds.get(name, RuntimeError)(
-                f"{call} failed on rank(s) {sorted(failed)}: {message}"
-            )
-        prints = [cast(list[int], v) for v in everyone]
-        if any(theirs != prints[0] for theirs in prints):
-            lines = "; ".join(
-                f"rank {r}: {v[1]} parameters in {v[0]} groups, {v[2]} elements, fingerprint "
-                f"{v[3]:x}"
-                for r, v in enumerate(prints)
-            )
-            raise RuntimeError(
-                f"{call}: ranks disagree on the parameters (shapes, dtypes or devices) ({lines}): "
-                "build the optimizer, and call add_param_group, on every rank with the same "
-                "parameters in the same order"
-            )
+        error = agreement_verdict(call, problem, everyone)
+        if error is not None:
+            raise error
 
     def _call(self, name: str) -> AbstractContextManager[None]:
         """The context that names this optimizer's collectives when they fail (comm.call)."""
@@ -555,7 +441,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     loss = closure()
             grads = self._owned_grads()
         with self._call("step()"):
-            self._sync_params(grads)
+            self._param_sync.sync(grads, self.update_owned)
         return loss
 
     @property
@@ -577,20 +463,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         trainable = [p.requires_grad for p in self._params()]
         if trainable == self._trainable:
             return False
-        woke = [
-            k for k, (was, now) in enumerate(zip(self._built_trainable, trainable)) if now > was
-        ]
-        if woke:
-            shapes = ", ".join(f"{k} {tuple(self._params()[k].shape)}" for k in woke[:8])
-            more = f" and {len(woke) - 8} more" if len(woke) > 8 else ""
-            raise RuntimeError(
-                f"parameter(s) {shapes}{more} (global index, shape) were frozen "
-                "(requires_grad=False) when this optimizer and DDP were built and now require "
-                "gradients: DDP does not average their gradients and overlap mode never "
-                "updates them, so they would train wrongly. Rebuild DDP and the "
-                "ZeroRedundancyOptimizer after unfreezing (or build both with the parameters "
-                "trainable and give them lr=0 until they should train)"
-            )
+        check_unfrozen(self._built_trainable, trainable, [p.shape for p in self._params()])
         self._trainable = trainable
         return True
 
@@ -651,42 +524,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for g, (ps, gs, ss) in sorted(by_group.items()):
             self._stepper.step_pieces(self.param_groups[g], ps, gs, ss)
 
-    def _sync_params(self, grads: Mapping[int, Tensor] | None = None) -> None:
-        """Update this rank's pieces with ``grads`` (if given) and give every rank every owner's
-        updated pieces: now, or, with ``overlap_param_gather``, started now and waited for by
-        the next forward. Without bucket views the update is pipelined: each owned unit is
-        updated just before its broadcast is issued, while earlier units are on the wire."""
-        params = self._params()
-        if self.world_size == 1 or self._buffers:
-            if grads is not None:
-                self.update_owned(grads)
-            if self.world_size == 1:
-                return
-        units: list[tuple[comm.Pending, list[Tensor]]] = []
-        if self._buffers:
-            for b in self._buffers:
-                pending = comm.start_broadcast(b.tensor, b.runs, self.process_group, chunk=b.chunk)
-                units.append((pending, b.params))
-        else:
-            index = [k for k, _, _ in self._sends]
-            owners = [rank for _, rank, _ in self._sends]
-            tensors = [piece_view(params[k], seg) for k, _, seg in self._sends]
-            if grads is not None:
-                todo = dict(grads)
-
-                def before(covered: list[int]) -> None:
-                    mine = {index[i]: todo.pop(index[i]) for i in covered if index[i] in todo}
-                    if mine:
-                        self.update_owned(mine)
-
-            started = comm.start_sync_units(
-                tensors, owners, self.process_group, before=before if grads is not None else None
-            )
-            if grads is not None and todo:  # owned pieces of frozen parameters (not synced)
-                self.update_owned(todo)
-            units = [(pending, [params[index[i]] for i in covered]) for pending, covered in started]
-        self._param_sync.defer(units)
-
     def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
         """Hand over parameter all-gathers in flight (a pending collective and the parameters
         it writes): with ``overlap_param_gather``, each is waited for by the forward of the
@@ -734,34 +571,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         grads = [p.grad for p in self._params() if p.grad is not None]
         device = grads[0].device if grads else self._default_device
-        with torch.no_grad():
-            # torch's arithmetic, step by step: each piece's norm (the foreach kernel, per
-            # device and dtype), the norm of those norms on each rank, then the norm of the
-            # ranks' norms. One rank owning whole tensors gives torch's total bit for bit.
-            pieces = [g.detach() for g in self._owned_grads().values()]
-            norms = [
-                n.to(device)
-                for idx in group_indices(pieces).values()
-                for n in torch._foreach_norm([pieces[i] for i in idx], norm_type)
-            ]
-            # every rank gathers in one dtype: float32, or float64 where any gradient is
-            wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-            local = (
-                torch.linalg.vector_norm(torch.stack(norms), norm_type).to(wide)
-                if norms
-                else torch.zeros((), device=device, dtype=wide)
+        local = pieces_norm(
+            list(self._owned_grads().values()), norm_type, device, norm_dtype(grads)
+        )
+        with self._call("clip_grad_norm_()"):
+            ranks = comm.all_gather_scalar(local, self.process_group)
+        total: Tensor = torch.linalg.vector_norm(ranks, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
             )
-            with self._call("clip_grad_norm_()"):
-                ranks = comm.all_gather_scalar(local, self.process_group)
-            total: Tensor = torch.linalg.vector_norm(ranks, norm_type)
-            if error_if_nonfinite and not torch.isfinite(total):
-                raise RuntimeError(
-                    f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                    "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
-                )
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for (dev, _), idx in group_indices(grads).items():
-                torch._foreach_mul_([grads[i] for i in idx], coef.to(dev))
+        clip_(grads, total, max_norm)
         return total
 
     # ------------------------------------------------------------------ join
@@ -816,22 +637,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ]
         return LocalView(groups, self.state)
 
-    def _local_state(self) -> dict[int, tuple[tuple[int, int], dict[str, Any]]]:
-        """This rank's state per owned piece, keyed by global index, copied to the CPU."""
-        out: dict[int, tuple[tuple[int, int], dict[str, Any]]] = {}
-        params = self._params()
-        for k, seg in self._own.items():
-            s = self.state.get(params[k])
-            if s:
-                out[k] = (
-                    (seg.start, seg.stop),
-                    {
-                        key: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
-                        for key, v in s.items()
-                    },
-                )
-        return out
-
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's state on rank ``to``; call it on every rank.
 
@@ -840,7 +645,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         with self._call(f"consolidate_state_dict(to={to})"):
             gathered = comm.gather_objects(
-                {"state": self._local_state()}, to, self.process_group, self._collective_device()
+                {
+                    "state": {
+                        k: ((seg.start, seg.stop), to_cpu(s))
+                        for k, (seg, s) in self.shard_state().items()
+                    }
+                },
+                to,
+                self.process_group,
+                self._collective_device(),
             )
         self._all_state_dicts = (
             [cast(StateDict, x) for x in gathered] if gathered is not None else []
@@ -876,21 +689,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise RuntimeError(not_consolidated_message(self.rank))
         if not self._all_state_dicts:
             return {"state": {}, "param_groups": groups, PARTIAL_KEY: True}
-        parts: dict[int, list[tuple[tuple[int, int], dict[str, Any]]]] = {}
-        for shard in self._all_state_dicts:
-            for k, (rng, s) in shard["state"].items():
-                parts.setdefault(k, []).append((rng, s))
-        params = self._params()
-        state: dict[int, Any] = {}
-        for k in sorted(parts):
-            pieces = sorted(parts[k], key=lambda rs: rs[0])
-            covered = sum(b - a for (a, b), _ in pieces)
-            if covered != params[k].numel():
-                raise RuntimeError(
-                    f"parameter {k} has state for {covered} of its {params[k].numel()} "
-                    "elements: some ranks stepped it and others did not"
-                )
-            state[k] = join_states(pieces, tuple(params[k].shape))
+        shards = [shard["state"] for shard in self._all_state_dicts]
+        state = merge_shards(shards, [tuple(p.shape) for p in self._params()])
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -960,25 +760,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         problem: Exception | None = None
         try:
-            if len(param_groups) != len(self.param_groups):
-                raise ValueError(
-                    f"the loaded state has {len(param_groups)} parameter groups, this optimizer "
-                    f"has {len(self.param_groups)}: the state belongs to another model"
-                )
-            for i, (saved, group) in enumerate(zip(param_groups, self.param_groups)):
-                check_hyperparameters(i, saved, group)
-            schemas = self._schemas()
             params = self._params()
-            for k, value in state.items():
-                seg = self._owned_segment(k, "state")
-                whole = seg.start == 0 and seg.stop == params[k].numel()
-                check_param_state(
-                    f"parameter {k} (this rank's piece [{seg.start}, {seg.stop}))",
-                    value,
-                    tuple(params[k].shape) if whole else (seg.stop - seg.start,),
-                    is_complex=params[k].is_complex(),
-                    schema=schemas[self._group_of[k]],
-                )
+            check_shard_state(
+                state,
+                param_groups,
+                self.param_groups,
+                {k: (self._owned_segment(k, "state"), params[k]) for k in state},
+                [self._schemas()[self._group_of[k]] for k in range(len(params))],
+            )
         except (TypeError, ValueError) as e:
             problem = e
         self._agree("load_shard_state()", problem, self.param_groups)
@@ -1017,18 +806,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _placed(
         self, key: str, value: object, param: Tensor, group: Mapping[str, Any], copy: bool = True
     ) -> object:
-        """Where a loaded or moved state value lives: torch's rule, except that the functional
-        core (and any fused or capturable group) keeps ``step`` as float32 on the parameter's
-        device, where the fused kernels need it (torch's CPU step: pytorch#124133)."""
-        if not isinstance(value, Tensor):
-            return value
-        if key == "step":
-            if self._spec is not None or group.get("fused") or group.get("capturable"):
-                return value.detach().to(device=param.device, dtype=torch.float32, copy=copy)
-            return value.detach().clone() if copy else value.detach()
-        if value.is_floating_point():
-            return value.detach().to(device=param.device, dtype=param.dtype, copy=copy)
-        return value.detach().to(device=param.device, copy=copy)
+        fp32_step = self._spec is not None or bool(group.get("fused") or group.get("capturable"))
+        return placed(key, value, param, fp32_step=fp32_step, copy=copy)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter (all ranks' shards)."""

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -37,7 +38,13 @@ __all__ = [
     "check_param_state",
     "is_elementwise",
     "join_states",
+    "PARTIAL_KEY",
+    "check_shard_state",
+    "merge_shards",
+    "not_consolidated_message",
+    "placed",
     "slice_state",
+    "to_cpu",
     "validated_state",
 ]
 
@@ -365,3 +372,166 @@ def validated_state(
         )
         state[index] = value
     return state
+
+
+def to_cpu(state: Mapping[str, object]) -> dict[str, object]:
+    """A copy of ``state`` with every tensor on the CPU (what travels to a consolidating rank).
+
+    Example:
+        >>> import torch
+        >>> to_cpu({"step": torch.tensor(2.0), "lr": 0.1})
+        {'step': tensor(2.), 'lr': 0.1}
+    """
+    return {
+        k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in state.items()
+    }
+
+
+def merge_shards(
+    shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]],
+    shapes: Sequence[Sequence[int]],
+) -> dict[int, dict[str, object]]:
+    """Each parameter's whole state, in its own shape, from every rank's pieces (pure).
+
+    Args:
+        shards: Per rank, global index -> (the piece's range, the piece's state).
+        shapes: Each parameter's shape, by global index.
+
+    Raises:
+        RuntimeError: A parameter's pieces do not cover it (some ranks stepped it, others not).
+
+    Example:
+        >>> import torch
+        >>> a = {0: ((0, 2), {"momentum_buffer": torch.tensor([1.0, 2.0])})}
+        >>> b = {0: ((2, 4), {"momentum_buffer": torch.tensor([3.0, 4.0])})}
+        >>> merge_shards([b, a], [(2, 2)])[0]["momentum_buffer"]
+        tensor([[1., 2.],
+                [3., 4.]])
+    """
+    parts: dict[int, list[tuple[Range, Mapping[str, object]]]] = {}
+    for shard in shards:
+        for k, (rng, s) in shard.items():
+            parts.setdefault(k, []).append((rng, s))
+    state: dict[int, dict[str, object]] = {}
+    for k in sorted(parts):
+        pieces = sorted(parts[k], key=lambda rs: rs[0])
+        numel = math.prod(shapes[k])
+        covered = sum(b - a for (a, b), _ in pieces)
+        if covered != numel:
+            raise RuntimeError(
+                f"parameter {k} has state for {covered} of its {numel} elements: some ranks "
+                "stepped it and others did not"
+            )
+        state[k] = join_states(pieces, tuple(shapes[k]))
+    return state
+
+
+def placed(key: str, value: object, param: Tensor, *, fp32_step: bool, copy: bool) -> object:
+    """Where a loaded or moved state value lives: torch's rule (floating values in the
+    parameter's dtype, everything on its device), except that ``step`` is float32 on the
+    parameter's device where ``fp32_step`` (the functional core, fused or capturable groups:
+    the fused kernels need it there; torch's CPU step: pytorch#124133); ``copy=False`` keeps a
+    tensor that is already in place.
+
+    Example:
+        >>> import torch
+        >>> p = torch.zeros(2, dtype=torch.float64)
+        >>> placed("exp_avg", torch.ones(2), p, fp32_step=True, copy=True).dtype
+        torch.float64
+        >>> placed("step", torch.tensor(3), p, fp32_step=True, copy=True).dtype
+        torch.float32
+    """
+    if not isinstance(value, Tensor):
+        return value
+    if key == "step":
+        if fp32_step:
+            return value.detach().to(device=param.device, dtype=torch.float32, copy=copy)
+        return value.detach().clone() if copy else value.detach()
+    if value.is_floating_point():
+        return value.detach().to(device=param.device, dtype=param.dtype, copy=copy)
+    return value.detach().to(device=param.device, copy=copy)
+
+
+PARTIAL_KEY = "zero_partial"
+"""The key that marks a rank's :meth:`ZeroRedundancyOptimizer.state_dict` after consolidation
+onto another rank: full ``param_groups``, no state; ``load_state_dict`` refuses it."""
+
+
+def not_consolidated_message(rank: int) -> str:
+    """What ``state_dict()`` says when the state changed since the last consolidation: torch's
+    words, then the fix for the training framework in use (judged by what is imported).
+
+    Example:
+        >>> not_consolidated_message(1).startswith(
+        ...     "Optimizer state has not been consolidated on this rank")
+        True
+    """
+    message = (
+        "Optimizer state has not been consolidated on this rank. Please call "
+        f"`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the "
+        "global state (after the last step: every step changes the state)."
+    )
+    if "transformers.trainer" in sys.modules:
+        message += (
+            " With the Transformers Trainer, pass "
+            "callbacks=[zero_functional.integrations.ZeroTrainerCallback()], which "
+            "consolidates on every rank before each save."
+        )
+    elif "accelerate" in sys.modules:
+        message += (
+            " With Accelerate, call zero_functional.integrations.accelerate.register("
+            "accelerator, optimizer) once after prepare(): save_state then consolidates on "
+            "every rank first."
+        )
+    else:
+        message += (
+            " Lightning and Fabric consolidate by themselves; for torch.distributed.checkpoint "
+            "use zero_functional.checkpoint.stateful(model, optimizer)."
+        )
+    return message
+
+
+def check_shard_state(
+    state: Mapping[int, Mapping[str, Any]],
+    saved_groups: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    pieces: Mapping[int, tuple[Any, Tensor]],
+    schemas: Sequence[StateSchema | None],
+) -> None:
+    """Check one rank's piece states before any is installed (pure).
+
+    Args:
+        state: Global index -> the state of this rank's piece of that parameter.
+        saved_groups: The groups' saved hyperparameters.
+        groups: The optimizer's groups.
+        pieces: Global index -> (the piece this rank owns, with ``start``/``stop``; the parameter).
+        schemas: Each parameter's state schema (``None``: not elementwise, unchecked keys).
+
+    Raises:
+        ValueError: Another number of groups, or a value that does not fit its piece.
+        TypeError: A value of the wrong type.
+
+    Example:
+        >>> import torch
+        >>> from zero_functional.partition import Segment
+        >>> p = torch.zeros(4)
+        >>> check_shard_state({0: {"momentum_buffer": torch.zeros(2)}}, [{}], [{}],
+        ...                   {0: (Segment(0, 0, 2), p)}, [{"momentum_buffer": "elementwise"}])
+    """
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"the loaded state has {len(saved_groups)} parameter groups, this optimizer "
+            f"has {len(groups)}: the state belongs to another model"
+        )
+    for i, (saved, group) in enumerate(zip(saved_groups, groups)):
+        check_hyperparameters(i, saved, group)
+    for k, value in state.items():
+        seg, param = pieces[k]
+        whole = seg.start == 0 and seg.stop == param.numel()
+        check_param_state(
+            f"parameter {k} (this rank's piece [{seg.start}, {seg.stop}))",
+            value,
+            tuple(param.shape) if whole else (seg.stop - seg.start,),
+            is_complex=param.is_complex(),
+            schema=schemas[k],
+        )

@@ -1,0 +1,66 @@
+"""Gradient norms from the pieces a rank owns, in torch's arithmetic (pure, but for ``clip_``).
+
+``torch.nn.utils.clip_grad_norm_`` takes each tensor's norm (the foreach kernel, per device and
+dtype), then the norm of those norms. A sharded optimizer does the same on each rank over the
+pieces it owns, then the norm of the ranks' norms, so that one rank owning whole tensors gives
+torch's total bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from zero_functional.functional import group_indices
+
+__all__ = ["clip_", "norm_dtype", "pieces_norm"]
+
+
+def norm_dtype(grads: Sequence[Tensor]) -> torch.dtype:
+    """The dtype the ranks' norms travel in: float64 where any gradient is, else float32.
+
+    Example:
+        >>> norm_dtype([torch.zeros(2), torch.zeros(1, dtype=torch.float64)])
+        torch.float64
+    """
+    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+
+def pieces_norm(
+    pieces: Sequence[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """The ``norm_type``-norm of ``pieces`` (0 when there are none), as torch totals tensors.
+
+    Example:
+        >>> pieces_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, torch.device("cpu"),
+        ...             torch.float32)
+        tensor(5.)
+    """
+    with torch.no_grad():
+        norms = [
+            n.to(device)
+            for idx in group_indices(pieces).values()
+            for n in torch._foreach_norm([pieces[i].detach() for i in idx], norm_type)
+        ]
+        if not norms:
+            return torch.zeros((), device=device, dtype=dtype)
+        total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type).to(dtype)
+        return total
+
+
+def clip_(grads: Sequence[Tensor], total: Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``max_norm / (total + 1e-6)`` where that is below 1 (torch's
+    rule), one foreach kernel per (device, dtype).
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0])]
+        >>> clip_(g, torch.tensor(5.0), 1.0)
+        >>> g[0]
+        tensor([0.6000, 0.8000])
+    """
+    with torch.no_grad():
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for (dev, _), idx in group_indices(grads).items():
+            torch._foreach_mul_([grads[i] for i in idx], coef.to(dev))
