@@ -88,11 +88,14 @@ def _dcp_load_worker(rank: int, world_size: int, root: str, reference: dict[str,
             opt = ZeroRedundancyOptimizer(
                 groups(model), torch.optim.Adam, partition=partition, lr=0.01, amsgrad=True
             )
-            dcp.load({"app": checkpoint.stateful(model, opt)}, checkpoint_id=f"{root}/{saved_as}")
-            _state_equal(before, consolidated(opt), label)
-            after = _model_state(model)
-            assert after.keys() == model_before.keys(), label
-            assert all(torch.equal(after[k], v) for k, v in model_before.items()), label
+            app = checkpoint.stateful(model, opt)
+            for attempt in ("into a fresh optimizer", "into one that has stepped since"):
+                dcp.load({"app": app}, checkpoint_id=f"{root}/{saved_as}")
+                _state_equal(before, consolidated(opt), f"{label}, {attempt}")
+                after = _model_state(model)
+                assert after.keys() == model_before.keys(), label
+                assert all(torch.equal(after[k], v) for k, v in model_before.items()), label
+                train(model, opt, rank, world_size, range(3, 4))
             cases += 1
         # torch's own state dict of a plain optimizer reads the same checkpoint
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
