@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from zero_functional.launch import run_ranks
-from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
 ATOL = 1e-6
 
@@ -401,9 +401,11 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
     ours.consolidate_state_dict(to=world_size - 1)
     if rank == world_size - 1:
         assert len(ours.state_dict()["state"]) == len(list(m.parameters()))
-    else:
-        with pytest.raises(RuntimeError, match="consolidate_state_dict"):
-            ours.state_dict()
+    else:  # a partial dict (no state), which load_state_dict refuses
+        partial = ours.state_dict()
+        assert partial["state"] == {} and partial[PARTIAL_KEY] is True
+        with pytest.raises(ValueError, match="partial"):
+            ours.load_state_dict(partial)
     return out
 
 
@@ -429,9 +431,11 @@ def _errors_worker(rank: int, world_size: int) -> dict[str, str]:
     expect(
         "duplicate", ValueError, lambda: opt.add_param_group({"params": [next(model.parameters())]})
     )
+    fresh = opt.state_dict()  # before any step: torch's format, no state, no collective
+    assert fresh["state"] == {} and len(fresh["param_groups"]) == 1
+    _train(model, opt, rank, world_size, range(2))
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()
-    _train(model, opt, rank, world_size, range(2))
     opt.consolidate_state_dict()
     sd = [opt.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(sd, src=0)

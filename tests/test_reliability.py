@@ -116,16 +116,19 @@ def _cases_worker(rank: int, world_size: int) -> dict[str, str]:
             TypeError,
             lambda opt=opt, sd=bad_step: opt.load_state_dict(sd),
         )
-        # one rank's dict alone is bad: every rank raises
+        # one rank's dict alone is bad: that rank raises; loading is local, as torch's is
         own = copy.deepcopy(plain.state_dict())
         mine = ZeroRedundancyOptimizer(other.parameters(), torch.optim.Adam, lr=0.01)
         if rank == world_size - 1:
             own["state"][0]["exp_avg"] = torch.zeros((), dtype=torch.int64)
-        expect(
-            f"{partition}: one rank's dict",
-            (TypeError, ValueError),
-            lambda mine=mine, sd=own: mine.load_state_dict(sd),
-        )  # type: ignore[arg-type]
+            expect(
+                f"{partition}: one rank's dict",
+                (TypeError, ValueError),
+                lambda mine=mine, sd=own: mine.load_state_dict(sd),
+            )  # type: ignore[arg-type]
+        else:
+            mine.load_state_dict(own)
+            out[f"{partition}: one rank's dict"] = "loaded"
         assert unchanged(before, model, opt)
         train(model, opt, rank, world_size, 1)  # and the optimizer still works
 
@@ -168,7 +171,7 @@ def test_bad_input_is_a_clear_error_on_every_rank_and_changes_nothing() -> None:
             ), out
             assert "'step' is a str" in out[f"{partition}: string step"]
             one = out[f"{partition}: one rank's dict"]
-            assert ("failed on rank(s) [1]" in one) if rank == 0 else ("exp_avg" in one), one
+            assert (one == "loaded") if rank == 0 else ("exp_avg" in one), one
         assert "parameters 0 and 1 are the same tensor" in out["duplicates"]
         assert "ranks disagree on the parameters" in out["shapes disagree"]
         meta = out["meta on one rank"]

@@ -6,6 +6,7 @@ Every check raises before anything is built or changed, with a message that name
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -16,6 +17,7 @@ from zero_functional.functional import update_kind
 
 __all__ = [
     "check_devices",
+    "check_hyperparameter_types",
     "check_params",
     "check_update_kind",
     "fingerprint",
@@ -40,6 +42,12 @@ def check_params(params: object) -> list[Any]:
         ...
         ValueError: parameters 0 and 1 are the same tensor: it would be sharded and updated twice; pass each parameter once (e.g. list(dict.fromkeys(params)))
     """
+    if isinstance(params, dict):
+        raise TypeError(
+            "params argument should be an iterable of Tensors or dicts, but got a dict (keys "
+            f"{list(params)[:3]!r}...): pass model.parameters(), or a list of parameter groups: "
+            "[{'params': ..., 'lr': ...}]; for named parameters, pass their values"
+        )
     if isinstance(params, Tensor):
         raise TypeError(
             "params argument should be an iterable of Tensors or dicts, but got "
@@ -52,7 +60,13 @@ def check_params(params: object) -> list[Any]:
             f"params argument should be an iterable of Tensors or dicts, but got {type(params).__name__}"
         ) from e
     if not items:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        hint = (
+            ": it is an exhausted iterator (model.parameters() can be read only once; pass "
+            "list(model.parameters()) to read it twice)"
+            if iter(cast(Iterable[Any], params)) is params
+            else ""
+        )
+        raise ValueError(f"ZeroRedundancyOptimizer got an empty parameter list{hint}")
     if all(isinstance(p, dict) for p in items):
         tensors: list[Any] = []
         for i, g in enumerate(items):
@@ -113,6 +127,48 @@ def param_tensors(items: Sequence[Any]) -> list[Tensor]:
             ps = item["params"]
             out.extend([ps] if isinstance(ps, Tensor) else list(ps))
     return out
+
+
+def check_hyperparameter_types(optimizer_class: type, defaults: dict[str, Any]) -> None:
+    """Each hyperparameter whose default in ``optimizer_class`` is a number is a number (or a
+    tensor), and each tuple of numbers a tuple of numbers, before torch compares it.
+
+    Raises:
+        TypeError: Names the hyperparameter, what it must be and what it got.
+
+    Example:
+        >>> check_hyperparameter_types(torch.optim.Adam, {"lr": 1e-3, "betas": (0.9, 0.99)})
+        >>> check_hyperparameter_types(torch.optim.Adam, {"lr": "abc"})
+        Traceback (most recent call last):
+        ...
+        TypeError: Adam's hyperparameter lr must be a number (or a Tensor), got str 'abc'
+    """
+    try:
+        signature = inspect.signature(optimizer_class)
+    except (TypeError, ValueError):
+        return
+
+    def numeric(v: object) -> bool:
+        return isinstance(v, int | float | Tensor) and not isinstance(v, bool)
+
+    for name, value in defaults.items():
+        parameter = signature.parameters.get(name)
+        default = parameter.default if parameter is not None else inspect.Parameter.empty
+        where = f"{optimizer_class.__name__}'s hyperparameter {name}"
+        if numeric(default) and not numeric(value):
+            raise TypeError(
+                f"{where} must be a number (or a Tensor), got {type(value).__name__} {value!r}"
+            )
+        if (
+            isinstance(default, tuple)
+            and default
+            and all(numeric(d) for d in default)
+            and not (isinstance(value, tuple | list) and all(numeric(v) for v in value))
+        ):
+            raise TypeError(
+                f"{where} must be a tuple of {len(default)} numbers like {default!r}, got "
+                f"{type(value).__name__} {value!r}"
+            )
 
 
 def check_devices(tensors: Sequence[Tensor], backend: str) -> None:

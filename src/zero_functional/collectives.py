@@ -90,26 +90,21 @@ def choose_collectives(
 
 
 def choose_param_gather(overlap_with_ddp: bool) -> bool:
-    """Whether the parameter all-gather finishes during the next forward by default.
+    """Whether the parameter all-gather may finish during the next forward by default: never.
 
-    Measured (``benchmarks/bench_iteration.py``, 8M-parameter MLP, gloo, 2 CPU cores, time
-    over torch's best ZeRO, in two runs): letting each module's forward wait for its own
-    parameters takes whole iterations from 1.08-1.12x to 0.88-1.00x after backward and from
-    1.09-1.14x to 0.98x in overlap mode at 2 ranks; at 3 and 4 ranks, 1.06-1.07x to
-    0.88-0.99x and 1.06x to 0.91x (overlap mode at 3 ranks: 1.03-1.06x to 0.90-1.04x). It is
-    the default in overlap
-    mode, where the step already happens inside backward (this package's hooks, not torch's
-    contract). After backward it stays off: a drop-in for torch's class must hand back final
-    parameters when ``step()`` returns (torch's own tests read them then, as does user code
-    that saves ``model.state_dict()`` or updates an EMA right after ``step()``); pass
-    ``overlap_param_gather=True`` for the speed, and call ``finish_param_sync()`` before such
-    reads.
+    A drop-in keeps torch's observable behaviour at its defaults: parameters are final when
+    ``step()`` returns, and in overlap mode when the backward that ran the step returns (torch's
+    hook waits for every broadcast at the last bucket). torch's own overlap tests, and user code
+    that saves ``model.state_dict()``, reads a tied weight or compares ranks after backward,
+    read them then. ``overlap_param_gather=True`` is the opt-in speed (measured in
+    ``benchmarks/bench_iteration.py``: 0.88-1.00x instead of 1.06-1.12x torch's best after
+    backward at 2-4 ranks on gloo), safe as :mod:`zero_functional.param_sync` describes.
 
     Example:
         >>> choose_param_gather(overlap_with_ddp=True), choose_param_gather(overlap_with_ddp=False)
-        (True, False)
+        (False, False)
     """
-    return overlap_with_ddp
+    return False
 
 
 def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int) -> int | None:

@@ -33,6 +33,7 @@ __all__ = [
     "all_gather_objects",
     "all_gather_scalar",
     "all_reduce_scalar",
+    "any_rank",
     "backend",
     "broadcast_object",
     "call",
@@ -293,6 +294,11 @@ class Pending:
     def __init__(self, works: list[Work], finish: list[Callable[[], None]] | None = None) -> None:
         self.works = works
         self.finish = finish or []
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`wait` has run (collectives completed and data copied in place)."""
+        return not self.works and not self.finish
 
     def done(self) -> bool:
         """Whether every collective has completed (never blocks)."""
@@ -663,6 +669,25 @@ def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") ->
     assert work is not None
     _wait(work)
     return t.reshape(()).to(value.device)
+
+
+def any_rank(flags: Tensor, group: ProcessGroup) -> Tensor:
+    """Elementwise "any rank's flag is set" of a bool vector, on every rank (one all-reduce).
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> any_rank(torch.tensor([True, False]), dist.group.WORLD)
+        tensor([ True, False])
+        >>> dist.destroy_process_group()
+    """
+    device = collective_device(group, flags.device)
+    t = flags.detach().to(device=device, dtype=torch.uint8, copy=True)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    assert work is not None
+    _wait(work)
+    return t.to(flags.device).bool()
 
 
 def all_gather_scalar(value: Tensor, group: ProcessGroup) -> Tensor:

@@ -134,8 +134,13 @@ class OverlapState:
         interleaved: bool,
         collectives: Collectives,
         grad_scaler: GradScaler | None = None,
+        find_unused: bool = False,
     ) -> None:
         self.zero = zero
+        # DDP's find_unused_parameters: a parameter no rank used has no gradient afterwards
+        # and torch's optimizers skip it; that is known on every rank only at the last bucket
+        self.find_unused = find_unused
+        self.used: set[int] | None = None
         self.shard_buckets = shard_buckets
         self.interleaved = interleaved
         self.collectives: Collectives = collectives
@@ -168,6 +173,7 @@ class OverlapState:
         """
         i = bucket.index()
         if i == 0 or self.it is None:
+            self.zero.check_trainable()  # unfreezing is an error before anything moves
             self.it = _Iteration()
         it = self.it
         try:
@@ -222,7 +228,7 @@ class OverlapState:
         i = bucket.index()
         it.futures.append(fut)
         scaling = self._scaling()
-        if self.interleaved and not it.deferred and not scaling:
+        if self.interleaved and not it.deferred and not scaling and not self.find_unused:
             # buckets whose reduction is done, in order; without a twin group, one bucket
             # behind whatever it takes (its reduction has had one bucket's backward to finish)
             while it.processed < i and (not self.nonblocking or self._ready(it.processed)):
@@ -230,6 +236,8 @@ class OverlapState:
         if bucket.is_last():
             if it.deferred:
                 self.adopt(tuple(it.indices))
+            if self.find_unused:
+                self.used = self._used_anywhere()
             if scaling:
                 self._scaled_step()
             while it.processed < len(it.indices):
@@ -291,11 +299,23 @@ class OverlapState:
             runs, _ = self._runs[j]
             comm.start_broadcast(flat, runs, self.zero.process_group).wait()
 
+    def _used_anywhere(self) -> set[int]:
+        """The parameters some rank used in this backward: those with a gradient now (DDP fills
+        the buckets of unused ones with zeros but leaves their ``.grad`` as it was)."""
+        local = torch.tensor([p.grad is not None for p in self.params], dtype=torch.bool)
+        flags = comm.any_rank(local, self.zero.process_group)
+        return {k for k, used in enumerate(flags.tolist()) if used}
+
     def _owned_grads(self, j: int, flat: Tensor) -> dict[int, Tensor]:
         it = self.it
         assert it is not None
         zero = self.zero
-        return {k: flat[a:b] for k, a, b in zero.ownership.owned_slices(it.indices[j], zero.rank)}
+        used = self.used
+        return {
+            k: flat[a:b]
+            for k, a, b in zero.ownership.owned_slices(it.indices[j], zero.rank)
+            if used is None or k in used
+        }
 
     def _process(self, j: int, *, update: bool = True) -> None:
         """Update this rank's pieces of bucket ``j`` and start the all-gather of the bucket."""
@@ -360,11 +380,8 @@ class OverlapState:
     def _finish(self) -> None:
         it = self.it
         assert it is not None
-        if self.zero.overlap_param_gather:
-            self.zero.defer_param_sync(it.pending)  # the next forward waits, module by module
-        else:
-            for pending, _ in it.pending:
-                pending.wait()
+        # waited for now, or (overlap_param_gather) by the next forward, module by module
+        self.zero.defer_param_sync(it.pending)
         self.it = None
 
 
@@ -441,7 +458,14 @@ def _make_hook(
         raise TypeError(
             f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
         )
-    overlap = OverlapState(zero, shard_buckets, interleaved, collectives, grad_scaler)
+    overlap = OverlapState(
+        zero,
+        shard_buckets,
+        interleaved,
+        collectives,
+        grad_scaler,
+        find_unused=bool(getattr(ddp, "find_unused_parameters", False)),
+    )
     _STATES[zero] = overlap
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:

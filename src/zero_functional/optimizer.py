@@ -13,6 +13,7 @@ that class over this rank's parameters or pieces (:mod:`zero_functional.steppers
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from zero_functional._validate import prefix_sums
 from zero_functional.buckets import bucket_layout, views
 from zero_functional.checks import (
     check_devices,
+    check_hyperparameter_types,
     check_params,
     check_update_kind,
     fingerprint,
@@ -50,6 +52,7 @@ from zero_functional.ownership import (
     piece_view,
     sorted_greedy_ownership,
 )
+from zero_functional.param_sync import ParamSync
 from zero_functional.partition import Segment
 from zero_functional.state_dict import (
     check_hyperparameters,
@@ -67,7 +70,7 @@ from zero_functional.steppers import (
     state_schema,
 )
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["PARTIAL_KEY", "ZeroRedundancyOptimizer", "not_consolidated_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,45 @@ StateDict = dict[str, Any]
 FLAT_ALIGN_BYTES = 16
 """Under ``partition="flat"`` range bounds fall on multiples of 16 bytes (4 fp32 elements), so
 every shard starts where vectorised kernels and NCCL like it."""
+
+
+PARTIAL_KEY = "zero_partial"
+"""The key that marks a rank's :meth:`ZeroRedundancyOptimizer.state_dict` after consolidation
+onto another rank: full ``param_groups``, no state; ``load_state_dict`` refuses it."""
+
+
+def not_consolidated_message(rank: int) -> str:
+    """What ``state_dict()`` says when the state changed since the last consolidation: torch's
+    words, then the fix for the training framework in use (judged by what is imported).
+
+    Example:
+        >>> not_consolidated_message(1).startswith(
+        ...     "Optimizer state has not been consolidated on this rank")
+        True
+    """
+    message = (
+        "Optimizer state has not been consolidated on this rank. Please call "
+        f"`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the "
+        "global state (after the last step: every step changes the state)."
+    )
+    if "transformers.trainer" in sys.modules:
+        message += (
+            " With the Transformers Trainer, pass "
+            "callbacks=[zero_functional.integrations.ZeroTrainerCallback()], which "
+            "consolidates on every rank before each save."
+        )
+    elif "accelerate" in sys.modules:
+        message += (
+            " With Accelerate, call zero_functional.integrations.accelerate.register("
+            "accelerator, optimizer) once after prepare(): save_state then consolidates on "
+            "every rank first."
+        )
+    else:
+        message += (
+            " Lightning and Fabric consolidate by themselves; for torch.distributed.checkpoint "
+            "use zero_functional.checkpoint.stateful(model, optimizer)."
+        )
+    return message
 
 
 class _ZeroJoinHook(JoinHook):
@@ -132,12 +174,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             DDP bucket, split into ``world_size`` even ranges; a parameter may straddle ranks;
             needs an elementwise optimizer, see
             :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
-        overlap_param_gather: Let ``step()`` (or, in overlap mode, backward) return once the
-            all-gather of the updated parameters has started; each module's next forward
-            waits for its own parameters (Megatron-LM's ``overlap_param_gather``). Read
-            parameters outside a forward only after :meth:`finish_param_sync`. Default
-            (:func:`~zero_functional.collectives.choose_param_gather`): on in overlap mode,
-            off after backward, where torch's contract is final parameters when ``step()``
+        overlap_param_gather: Opt-in (Megatron-LM's option of that name): let ``step()`` (or,
+            in overlap mode, backward) return once the all-gather of the updated parameters
+            has started; each module's next forward waits for its own parameters,
+            ``module.state_dict()`` and this package's readers finish it first, and a
+            parameter read elsewhere before :meth:`finish_param_sync` is an error that names
+            it (:mod:`zero_functional.param_sync`). Default
+            (:func:`~zero_functional.collectives.choose_param_gather`): off in every mode,
+            torch's contract: parameters are final when ``step()`` (overlap mode: backward)
             returns.
         compile: Run SGD, Adam and AdamW through ``torch.compile`` (one graph per group):
             ``None`` (default) only where it measures faster than the eager kernels (nowhere
@@ -186,6 +230,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 )
             self.partition: PartitionName = check_partition(partition)
             check_update_kind(optimizer_class, self.partition, overlap_with_ddp)
+            check_hyperparameter_types(optimizer_class, defaults)
             if self.partition == "flat":
                 check_splittable(param_tensors(items))
             # The class's full defaults (betas, eps, ...), validated with torch's own messages,
@@ -213,17 +258,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = overlap_with_ddp
         self._all_state_dicts: list[StateDict] = []
+        # state_dict() needs no collective: it compares how often this rank's state changed
+        # (steps and loads) with when it was last consolidated
+        self._updates = 0
+        self._consolidated_at: int | None = None
         self._buffers: list[_Buffer] = []
         self.overlap_param_gather = (
             choose_param_gather(overlap_with_ddp)
             if overlap_param_gather is None
             else bool(overlap_param_gather)
         )
-        self._in_flight: list[comm.Pending] = []
-        self._pending_for: dict[Tensor, list[comm.Pending]] = {}
-        self._forward_hook: torch.utils.hooks.RemovableHandle | None = None
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
+        self._param_sync = ParamSync(self._params(), self._call, self.overlap_param_gather)
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
         spec = functional_spec(optimizer_class)
         if spec is not None and not all(supports_group(spec, g) for g in self.param_groups):
@@ -290,6 +337,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             self._stepper = ShadowStepper(self._probe, self._user_defaults)
         self._trainable = [p.requires_grad for p in params]
+        self._built_trainable = list(self._trainable)
         self._build_buffers()
 
     def reshard(self, ownership: Ownership) -> None:
@@ -352,8 +400,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _build_buffers(self) -> None:
         """With ``parameters_as_bucket_view``, make parameters views of contiguous buffers."""
-        if getattr(self, "_in_flight", None):
-            self.finish_param_sync()  # the old views are still being written
+        if hasattr(self, "_param_sync"):
+            self._param_sync.finish()  # the old views may still be being written
         self._buffers = []
         params = self._params()
         # without bucket views, step() sends each piece of each trainable parameter
@@ -429,6 +477,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._agree("add_param_group()", problem, [*self.param_groups, param_group])
         super().add_param_group(param_group)
         self._index_groups()
+        self._param_sync.set_params(self._params())
         new = self._computed_ownership()
         self._reshard(self._ownership.extended(new), new)
 
@@ -479,16 +528,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             The closure's loss, if a closure was given.
         """
         if self._overlap_with_ddp:
+            if "grad_scaler" in kwargs or getattr(self, "found_inf", None) is not None:
+                raise RuntimeError(
+                    "scaler.step(zero) cannot work with overlap_with_ddp=True: the step already "
+                    "ran inside backward, on the scaled gradients. Pass the scaler to the hook "
+                    "instead, hook_with_zero_step(allreduce_hook, ddp, zero, "
+                    "grad_scaler=scaler), and call only scaler.scale(loss).backward() and "
+                    "scaler.update()"
+                )
             logger.warning(
                 "step() should not be included in the training loop when overlap_with_ddp=True"
             )
             return None
         Join.notify_join_context(self)
         self.finish_param_sync()
-        trainable = [p.requires_grad for p in self._params()]
-        if trainable != self._trainable:
-            self._trainable = trainable
+        if self.check_trainable():
             self._build_buffers()
+        self._updates += 1
         grads: dict[int, Tensor] | None = None
         if isinstance(self._stepper, RealStepper):
             loss = self._stepper.step(self.param_groups, closure, **kwargs)
@@ -501,6 +557,42 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with self._call("step()"):
             self._sync_params(grads)
         return loss
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # compat: GradScaler.step(opt) hands such an optimizer its found_inf instead of
+        # deciding itself; in overlap mode, step() then refuses (the step already ran)
+        return self._overlap_with_ddp
+
+    def check_trainable(self) -> bool:
+        """Whether any parameter's ``requires_grad`` changed since the ownership was built.
+
+        Freezing is followed (the frozen parameter is no longer synced); unfreezing a
+        parameter that was frozen is an error: DDP, built while it was frozen, never reduces
+        its gradient, and overlap mode never updates it. ``step()`` and the hooks call this.
+
+        Raises:
+            RuntimeError: A parameter frozen before now requires gradients; names it.
+        """
+        trainable = [p.requires_grad for p in self._params()]
+        if trainable == self._trainable:
+            return False
+        woke = [
+            k for k, (was, now) in enumerate(zip(self._built_trainable, trainable)) if now > was
+        ]
+        if woke:
+            shapes = ", ".join(f"{k} {tuple(self._params()[k].shape)}" for k in woke[:8])
+            more = f" and {len(woke) - 8} more" if len(woke) > 8 else ""
+            raise RuntimeError(
+                f"parameter(s) {shapes}{more} (global index, shape) were frozen "
+                "(requires_grad=False) when this optimizer and DDP were built and now require "
+                "gradients: DDP does not average their gradients and overlap mode never "
+                "updates them, so they would train wrongly. Rebuild DDP and the "
+                "ZeroRedundancyOptimizer after unfreezing (or build both with the parameters "
+                "trainable and give them lr=0 until they should train)"
+            )
+        self._trainable = trainable
+        return True
 
     def _owned_segment(self, k: Hashable, what: str) -> Segment:
         """The piece of parameter ``k`` this rank owns; ``ValueError`` naming ``what`` if none."""
@@ -541,6 +633,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"{self.optimizer_class.__name__} over whole parameters: call step()"
             )
         self.finish_param_sync()
+        self._updates += 1
         params = self._params()
         by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]] = {}
         for k, grad in grads.items():
@@ -592,62 +685,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if grads is not None and todo:  # owned pieces of frozen parameters (not synced)
                 self.update_owned(todo)
             units = [(pending, [params[index[i]] for i in covered]) for pending, covered in started]
-        if self.overlap_param_gather:
-            self.defer_param_sync(units)
-        else:
-            for pending, _ in units:
-                pending.wait()
+        self._param_sync.defer(units)
 
     def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
-        """Let collectives in flight finish by the time their parameters are next read.
-
-        Each unit is a pending all-gather and the parameters it writes. A forward pre-hook
-        (on every module, installed while anything is pending) waits for the units of the
-        module's own parameters before the module runs; :meth:`finish_param_sync` waits for
-        everything. The hooks of :mod:`zero_functional.hooks` hand their all-gathers here.
+        """Hand over parameter all-gathers in flight (a pending collective and the parameters
+        it writes): with ``overlap_param_gather``, each is waited for by the forward of the
+        module that reads its parameters (see :mod:`zero_functional.param_sync`); without it,
+        now. The hooks of :mod:`zero_functional.hooks` hand their all-gathers here.
         """
-        for pending, covered in units:
-            self._in_flight.append(pending)
-            for p in covered:
-                self._pending_for.setdefault(p, []).append(pending)
-        if self._pending_for and self._forward_hook is None:
-            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                self._before_forward
-            )
-
-    def _before_forward(self, module: torch.nn.Module, args: object) -> None:
-        waits = [
-            pending
-            for p in module.parameters(recurse=False)
-            for pending in self._pending_for.pop(p, ())
-        ]
-        if waits:
-            with self._call("the parameter all-gather of step(), before a forward"):
-                for pending in waits:
-                    pending.wait()
-        if not self._pending_for:
-            self.finish_param_sync()
+        self._param_sync.defer(units)
 
     def finish_param_sync(self) -> None:
-        """Wait for every parameter all-gather still in flight; call it before reading the
-        parameters outside a forward (``model.state_dict()``, a tied weight used directly in
-        the loss, a comparison across ranks).
+        """Wait for every parameter all-gather still in flight (a no-op when none is).
 
-        With ``overlap_param_gather`` (the default where it measures faster), ``step()``
-        returns as soon as the all-gather of the updated parameters has started, and each
-        module's forward waits for its own parameters; this package's own readers (the next
-        ``step()``, bucket views being rebuilt, ``zero_functional.checkpoint``) call this
-        first. A no-op when nothing is in flight.
+        Only ``overlap_param_gather=True`` (opt-in) leaves any in flight: ``step()``, or in
+        overlap mode backward, then returns once the all-gather of the updated parameters has
+        started. Each module's forward, ``module.state_dict()``, the next ``step()`` and
+        :mod:`zero_functional.checkpoint` wait for it by themselves; call this before any other
+        read of the parameters (a comparison across ranks, an EMA update, a parameter read
+        directly in the loss before its module's forward ran).
         """
-        in_flight, self._in_flight = self._in_flight, []
-        self._pending_for = {}
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-            self._forward_hook = None
-        if in_flight:
-            with self._call("the parameter all-gather of step()"):
-                for pending in in_flight:
-                    pending.wait()
+        self._param_sync.finish()
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -709,7 +767,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ------------------------------------------------------------------ join
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook that lets ``Join([ddp, zero])`` train on uneven inputs (kwargs unused)."""
+        """The hook that lets ``Join([ddp, zero])`` train on uneven inputs (kwargs unused).
+
+        Raises:
+            RuntimeError: In overlap mode, where the step runs inside DDP's backward and a
+                joined rank, which runs no backward, cannot shadow it.
+        """
+        if self._overlap_with_ddp:
+            raise RuntimeError(
+                "Join does not work with overlap_with_ddp=True: the step runs inside DDP's "
+                "backward, which a rank that ran out of inputs no longer runs, so the ranks' "
+                "parameters would differ. For uneven inputs, step after backward "
+                "(overlap_with_ddp=False, optionally with reduce_scatter_hook), or give every "
+                "rank the same number of batches"
+            )
         return _ZeroJoinHook(self)
 
     @property
@@ -774,23 +845,37 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_state_dicts = (
             [cast(StateDict, x) for x in gathered] if gathered is not None else []
         )
+        self._consolidated_at = self._updates
 
     def state_dict(self) -> StateDict:
-        """torch's format: ``state`` keyed by global parameter index, ``param_groups``.
+        """torch's format: ``state`` keyed by global parameter index, ``param_groups``; local.
 
         Each parameter's state is in its own shape, joined from the pieces of every rank that
         holds one, so the dict loads into torch's ``ZeroRedundancyOptimizer``, a plain
-        ``optimizer_class`` and this class under either partition at any world size.
+        ``optimizer_class`` and this class under either partition at any world size. What a
+        rank gets depends only on what it has done (no collective runs here, so frameworks may
+        call it on one rank or on all):
+
+        * before any step or load: empty ``state``, full ``param_groups``;
+        * after :meth:`consolidate_state_dict` ``(to)`` and before the next step: rank ``to``
+          gets the full dict; every other rank gets empty ``state``, full ``param_groups`` and
+          ``PARTIAL_KEY: True``, which :meth:`load_state_dict` refuses;
+        * otherwise, an error naming the fix.
 
         Raises:
-            RuntimeError: Before :meth:`consolidate_state_dict` on this rank.
+            RuntimeError: The state changed since the last :meth:`consolidate_state_dict`
+                (or none ran).
         """
+        groups = [
+            {**hyperparameters(g), "params": list(range(start, start + len(g["params"])))}
+            for g, start in zip(self.param_groups, self._group_starts)
+        ]
+        if self._updates == 0 and not self._all_state_dicts:
+            return {"state": {}, "param_groups": groups}
+        if self._consolidated_at != self._updates:
+            raise RuntimeError(not_consolidated_message(self.rank))
         if not self._all_state_dicts:
-            raise RuntimeError(
-                "Optimizer state has not been consolidated on this rank. Please call "
-                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant "
-                "to save the global state."
-            )
+            return {"state": {}, "param_groups": groups, PARTIAL_KEY: True}
         parts: dict[int, list[tuple[tuple[int, int], dict[str, Any]]]] = {}
         for shard in self._all_state_dicts:
             for k, (rng, s) in shard["state"].items():
@@ -806,10 +891,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "elements: some ranks stepped it and others did not"
                 )
             state[k] = join_states(pieces, tuple(params[k].shape))
-        groups = [
-            {**hyperparameters(g), "params": list(range(start, start + len(g["params"])))}
-            for g, start in zip(self.param_groups, self._group_starts)
-        ]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -818,23 +899,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Works at any world size and under either partition (the state is keyed by global
         index, in each parameter's shape); never changes the caller's dict; checks everything
         (structure, hyperparameter kinds, every state value's type, dtype and shape against
-        the optimizer class's own state) before changing anything. Call it on every rank: a
-        dict that fails the checks on any rank is an error on every rank.
+        the optimizer class's own state) before changing anything. Local, as torch's is: no
+        collective runs, so it may be called on some ranks only; every rank given the same
+        dict reaches the same verdict.
+
+        Raises:
+            ValueError: A partial dict (``PARTIAL_KEY``: a rank's :meth:`state_dict` after
+                consolidation onto another rank), or a dict that does not fit.
+            TypeError: A value of the wrong type.
         """
-        problem: Exception | None = None
-        state: dict[int, Mapping[str, Any]] = {}
-        try:
-            state = validated_state(state_dict, self.param_groups, self._schemas())
-        except (TypeError, ValueError) as e:
-            problem = e
-        self._agree("load_state_dict()", problem, self.param_groups)
+        if isinstance(state_dict, Mapping) and state_dict.get(PARTIAL_KEY):
+            raise ValueError(
+                "this state dict is partial: it comes from a rank's state_dict() after "
+                "consolidate_state_dict(to=...) sent the state to another rank, so it holds no "
+                "optimizer state; load the dict that rank `to` saved instead"
+            )
+        state = validated_state(state_dict, self.param_groups, self._schemas())
         params = self._params()
         pieces = {
             k: slice_state(value, (0, params[k].numel()), (self._own[k].start, self._own[k].stop))
             for k, value in state.items()
             if k in self._own
         }
-        self._install(pieces, state_dict["param_groups"], copy=False)  # slices are copies
+        self._install(pieces, state_dict["param_groups"], copy=False, loaded=bool(state))
 
     def shard_state(self) -> dict[int, tuple[Segment, dict[str, Any]]]:
         """This rank's state: per global index of a parameter it owns a piece of (and has state
@@ -895,7 +982,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         except (TypeError, ValueError) as e:
             problem = e
         self._agree("load_shard_state()", problem, self.param_groups)
-        self._install(state, param_groups, copy=copy)
+        self._install(state, param_groups, copy=copy, loaded=True)
 
     def _schemas(self) -> list[dict[str, str] | None]:
         elementwise = update_kind(self.optimizer_class) == "elementwise"
@@ -910,18 +997,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         groups: Sequence[Mapping[str, Any]],
         *,
         copy: bool,
+        loaded: bool,
     ) -> None:
-        """Replace this rank's state by ``pieces`` (already checked) and the groups' values."""
+        """Replace this rank's state by ``pieces`` (already checked) and the groups' values;
+        ``loaded``: whether any rank's state changes (what :meth:`state_dict` must know)."""
         params = self._params()
-        loaded: dict[Tensor, dict[str, Any]] = {}
+        placed: dict[Tensor, dict[str, Any]] = {}
         for k, value in pieces.items():
             p = params[k]
             group = self.param_groups[self._group_of[k]]
-            loaded[p] = {key: self._placed(key, v, p, group, copy) for key, v in value.items()}
+            placed[p] = {key: self._placed(key, v, p, group, copy) for key, v in value.items()}
         for g, s in zip(self.param_groups, groups):
             g.update(hyperparameters(s))
         self.state.clear()  # in place: the real instance of RealStepper shares this mapping
-        self.state.update(loaded)
+        self.state.update(placed)
+        if loaded:
+            self._updates += 1
 
     def _placed(
         self, key: str, value: object, param: Tensor, group: Mapping[str, Any], copy: bool = True
