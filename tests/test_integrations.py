@@ -347,7 +347,12 @@ class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 
 def _train_gpt2(
-    partition: str, output_dir: str, *, callback: bool, resume: str | None = None
+    partition: str,
+    output_dir: str,
+    *,
+    callback: bool,
+    resume: str | None = None,
+    best: bool = False,
 ) -> nn.Module:
     """A 1-layer GPT-2 built from its config; 6 steps of 2 x 2 sequences; a checkpoint every 2."""
     from torch.optim.lr_scheduler import LambdaLR
@@ -364,12 +369,18 @@ def _train_gpt2(
     zero = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.AdamW, partition=partition, lr=0.01
     )
+    # best: evaluate every 2 steps and save only after a new best loss (decided after on_evaluate)
+    when: dict[str, Any] = (
+        {"save_strategy": "best", "eval_strategy": "steps", "eval_steps": 2}
+        if best
+        else {"save_strategy": "steps", "save_steps": 2}
+    )
     args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=2,
         max_steps=6,
-        save_strategy="steps",
-        save_steps=2,
+        **when,
+        metric_for_best_model="loss",
         logging_strategy="no",
         report_to="none",
         use_cpu=True,
@@ -382,6 +393,7 @@ def _train_gpt2(
         model=model,
         args=args,
         train_dataset=_Tokens(),
+        eval_dataset=_Tokens() if best else None,
         optimizers=(zero, LambdaLR(zero, lambda step: 1.0 / (1 + step))),
         callbacks=[ZeroTrainerCallback()] if callback else [],
     )
@@ -390,7 +402,8 @@ def _train_gpt2(
 
 
 def _trainer_worker(rank: int, world_size: int, root: str) -> dict[str, float]:
-    """6 steps straight vs. resumed from checkpoint-4 (mid-epoch: 3 steps an epoch)."""
+    """6 steps straight vs. resumed from checkpoint-4 (mid-epoch: 3 steps an epoch); then
+    save_strategy="best", whose saves are decided after each evaluation."""
     _torchrun_env(rank, world_size)
     out: dict[str, float] = {}
     for partition in PARTITIONS:
@@ -402,6 +415,9 @@ def _trainer_worker(rank: int, world_size: int, root: str) -> dict[str, float]:
             resume=f"{root}/{partition}/checkpoint-4",
         )
         out[partition] = _max_diff(straight, resumed)
+    _train_gpt2("flat", f"{root}/best", callback=True, best=True)
+    saved = sorted(os.listdir(f"{root}/best"))
+    assert saved and all(os.path.exists(f"{root}/best/{c}/optimizer.pt") for c in saved), saved
     return out
 
 
