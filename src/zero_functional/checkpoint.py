@@ -27,23 +27,39 @@ To load one into a plain, unsharded optimizer::
     flat = torch.load("ckpt.pt", weights_only=True)
     model.load_state_dict(model_state_dict(flat))
     optimizer.load_state_dict(optimizer_state_dict(flat))
+
+For ``torch.distributed.checkpoint`` itself (torchtitan's style, next to other ``Stateful``
+objects), :func:`stateful` wraps a model and its optimizer in a ``Stateful`` whose state dict
+has the layout of torch's ``get_state_dict`` (model keys; optimizer state and groups keyed by
+parameter name) with each rank's pieces of optimizer state as a ``ShardedTensor``: DCP writes
+each rank's share and reshards it at load, at any world size and under either partition.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.ownership import flat_range_boxes
 from zero_functional.partition import Segment
 from zero_functional.state_dict import is_elementwise
+from zero_functional.steppers import hyperparameters, probe_state
 from zero_functional.storage import (
     DEFAULT_MAX_BOX_NUMEL,
     CheckpointError,
@@ -55,10 +71,12 @@ from zero_functional.storage import (
 __all__ = [
     "FORMAT",
     "CheckpointError",
+    "ZeroStateful",
     "load",
     "model_state_dict",
     "optimizer_state_dict",
     "save",
+    "stateful",
 ]
 
 FORMAT = "zero_functional.checkpoint/1"
@@ -356,3 +374,189 @@ def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
         "state": state,
         "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
     }
+
+
+# ------------------------------------------------------------------------------ DCP Stateful
+
+
+def _sharded(
+    local: Tensor,
+    shape: torch.Size,
+    holders: Sequence[tuple[int, Segment]],
+    zero: ZeroRedundancyOptimizer,
+) -> ShardedTensor:
+    """``local`` (this rank's flat piece of a tensor of ``shape``) as a ShardedTensor whose
+    shards are the row-major boxes of every holder's piece: what DCP writes and reshards."""
+    group = zero.process_group
+    device = str(local.device)
+    metas: list[ShardMetadata] = []
+    shards: list[Shard] = []
+    for rank, seg in holders:
+        placement = f"rank:{comm.global_rank(group, rank)}/{device}"
+        for (offsets, sizes), first in flat_range_boxes(shape, seg.start, seg.stop):
+            meta = ShardMetadata(list(offsets), list(sizes), placement)
+            metas.append(meta)
+            if rank == zero.rank:
+                a = first - seg.start
+                shards.append(Shard(local[a : a + math.prod(sizes)].view(sizes), meta))
+    properties = TensorProperties(dtype=local.dtype, pin_memory=local.is_pinned())
+    metadata = ShardedTensorMetadata(metas, shape, properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=group
+    )
+
+
+class ZeroStateful:
+    """A model and its :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` as one
+    ``torch.distributed.checkpoint`` ``Stateful``; made by :func:`stateful`.
+
+    ``state_dict()`` has the layout of torch's
+    ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``::
+
+        {"model": model.state_dict(),          # replicated: DCP writes each tensor once
+         "optimizer": {"state": {name: {"exp_avg": ShardedTensor, "step": tensor, ...}},
+                       "param_groups": [{"lr": ..., "params": [name, ...]}, ...]}}
+
+    Each elementwise state value is a ``ShardedTensor`` in its parameter's shape whose local
+    shards are this rank's pieces (as row-major boxes), so DCP writes every element once, by
+    its owner, and at load reads into each rank's pieces under the loading optimizer's
+    ownership whatever world size and partition wrote them. Per-parameter values (Adam's
+    ``step``, the same on every rank holding a piece) are written once.
+
+    Loading builds its template from the optimizer's state, or, before its first step, from
+    the state one step of its class makes (every parameter that requires grad gets one): a
+    checkpoint saved before some parameter had state does not load (DCP names the missing
+    key). As DCP does with torch's own state dicts, ``dcp.load`` writes into the model's
+    parameters and into the state it was given, then :meth:`load_state_dict` installs the
+    optimizer state (checked against the class's own state, collective).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise TypeError(
+                f"stateful() takes a zero_functional ZeroRedundancyOptimizer, got "
+                f"{type(optimizer).__name__}: for a plain torch.optim optimizer use "
+                "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self._names = _names(model, optimizer)  # checks that the parameters are the model's
+        self._flat: dict[tuple[str, str], tuple[ShardedTensor, Tensor]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's state and the optimizer's groups and this rank's state; no copies."""
+        zero = self.optimizer
+        zero.finish_param_sync()  # the model's parameters are read (or written) next
+        return {
+            "model": _module(self.model).state_dict(),
+            "optimizer": {
+                "state": self._optimizer_state(),
+                "param_groups": [
+                    {**hyperparameters(g), "params": self._names[a : a + n]}
+                    for g, (a, n) in zip(zero.param_groups, _spans(zero))
+                ],
+            },
+        }
+
+    def _optimizer_state(self) -> dict[str, dict[str, Any]]:
+        zero = self.optimizer
+        params = [p for g in zero.param_groups for p in g["params"]]
+        group_of = [i for i, (_, n) in enumerate(_spans(zero)) for _ in range(n)]
+        held = zero.shard_state()
+        probes: dict[int, dict[str, Any] | None] = {}
+        self._flat = {}
+        out: dict[str, dict[str, Any]] = {}
+        for seg in zero.ownership.owned(zero.rank):
+            k, p = seg.param, params[seg.param]
+            numel = seg.stop - seg.start
+            if k in held:
+                values, fresh = held[k][1], False
+            elif p.requires_grad:  # a template: the keys one step of the class makes
+                g = group_of[k]
+                if g not in probes:
+                    probes[g] = probe_state(zero.optimizer_class, zero.param_groups[g], {})
+                probe = probes[g]
+                if probe is None:
+                    continue
+                values, fresh = probe, True
+            else:
+                continue
+            entry: dict[str, Any] = {}
+            for key, v in values.items():
+                if isinstance(v, Tensor) and is_elementwise(v, 2 if fresh else numel):
+                    if fresh:
+                        dtype = p.dtype if v.is_floating_point() or v.is_complex() else v.dtype
+                        flat = torch.empty(numel, dtype=dtype, device=p.device)
+                    else:
+                        flat = v.detach().reshape(-1)
+                    st = _sharded(flat, p.shape, zero.ownership.holders(k), zero)
+                    self._flat[(self._names[k], key)] = (st, flat)
+                    entry[key] = st
+                elif isinstance(v, Tensor):
+                    entry[key] = torch.empty_like(v) if fresh else v
+                else:
+                    entry[key] = None if fresh else v
+            out[self._names[k]] = entry
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Install what ``dcp.load`` read into :meth:`state_dict`'s dict; call it on every rank.
+
+        Raises:
+            CheckpointError: The checkpoint's groups list other parameters (another model).
+        """
+        zero = self.optimizer
+        _module(self.model).load_state_dict(state_dict["model"])
+        saved = state_dict["optimizer"]
+        groups = saved["param_groups"]
+        expected = [self._names[a : a + n] for a, n in _spans(zero)]
+        if [g.get("params") for g in groups] != expected:
+            raise CheckpointError(
+                "the checkpoint's parameter groups list other parameters than the optimizer's: "
+                "it belongs to another model (or the groups were built in another order)"
+            )
+        index = {name: k for k, name in enumerate(self._names)}
+        params = [p for g in zero.param_groups for p in g["params"]]
+        owned = {s.param: s for s in zero.ownership.owned(zero.rank)}
+        state: dict[int, dict[str, Any]] = {}
+        for name, entry in saved["state"].items():
+            k = index[name]
+            seg, p = owned[k], params[k]
+            whole = seg.start == 0 and seg.stop == p.numel()
+            values: dict[str, Any] = {}
+            for key, v in entry.items():
+                if isinstance(v, ShardedTensor):
+                    made = self._flat.get((name, key))
+                    if made is not None and made[0] is v:
+                        flat = made[1]  # the buffer DCP read into, through the shards' views
+                    else:
+                        flat = torch.cat([s.tensor.reshape(-1) for s in v.local_shards()])
+                    values[key] = flat.view(p.shape) if whole else flat
+                else:
+                    values[key] = v
+            state[k] = values
+        self._flat = {}
+        zero.load_shard_state(state, groups, copy=False)
+
+
+def stateful(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> ZeroStateful:
+    """A ``torch.distributed.checkpoint`` ``Stateful`` of ``model`` and its ZeRO ``optimizer``.
+
+    Each rank writes its share of the optimizer state; any world size and either partition
+    loads it (see :class:`ZeroStateful`). Call ``dcp.save``/``dcp.load`` on every rank.
+
+    Args:
+        model: The model (a ``DistributedDataParallel`` or the module inside it).
+        optimizer: The :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` over its
+            parameters.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ZeroRedundancyOptimizer.
+        CheckpointError: Its parameters are not the model's.
+
+    Example:
+        >>> # import torch.distributed.checkpoint as dcp
+        >>> # dcp.save({"app": stateful(ddp, zero)}, checkpoint_id="ckpt/step-100")
+        >>> # dcp.load({"app": stateful(ddp, zero)}, checkpoint_id="ckpt/step-100")
+    """
+    return ZeroStateful(model, optimizer)

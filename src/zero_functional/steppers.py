@@ -29,7 +29,14 @@ from zero_functional.functional import FunctionalSpec, group_hyperparams
 from zero_functional.functional.compiled import choose_update
 from zero_functional.state_dict import is_elementwise
 
-__all__ = ["FunctionalStepper", "RealStepper", "ShadowStepper", "Stepper", "state_schema"]
+__all__ = [
+    "FunctionalStepper",
+    "RealStepper",
+    "ShadowStepper",
+    "Stepper",
+    "probe_state",
+    "state_schema",
+]
 
 StateDicts = list[dict[str, Any]]
 
@@ -198,12 +205,17 @@ class RealStepper:
         return cast("float | None", loss)
 
 
-def state_schema(
+def probe_state(
     optimizer_class: type[Optimizer], group: Mapping[str, Any], defaults: Mapping[str, Any]
-) -> dict[str, str] | None:
-    """The state keys one step of ``optimizer_class`` makes with ``group``'s options, each
-    ``"elementwise"`` or ``"scalar"``: what a loaded state must look like. ``None`` when a
-    probe step cannot tell (a class that needs a closure or another device)."""
+) -> dict[str, Any] | None:
+    """The state one step of ``optimizer_class`` makes for a 2-element CPU probe parameter with
+    ``group``'s options (gradient ones): which keys a state has and of which type and dtype.
+    ``None`` when a probe step cannot tell (a class that needs a closure or another device).
+
+    Example:
+        >>> sorted(probe_state(torch.optim.Adam, {"lr": 0.1}, {}))
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
     probe = torch.nn.Parameter(torch.zeros(2))
     probe.grad = torch.ones(2)
     try:
@@ -212,7 +224,16 @@ def state_schema(
             opt.step()
     except Exception:  # the class cannot step a CPU probe this way: no schema, generic checks
         return None
-    return {
-        key: "elementwise" if is_elementwise(v, probe.numel()) else "scalar"
-        for key, v in opt.state[probe].items()
-    }
+    return dict(opt.state[probe])
+
+
+def state_schema(
+    optimizer_class: type[Optimizer], group: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> dict[str, str] | None:
+    """The state keys one step of ``optimizer_class`` makes with ``group``'s options, each
+    ``"elementwise"`` or ``"scalar"``: what a loaded state must look like. ``None`` when a
+    probe step cannot tell (a class that needs a closure or another device)."""
+    state = probe_state(optimizer_class, group, defaults)
+    if state is None:
+        return None
+    return {key: "elementwise" if is_elementwise(v, 2) else "scalar" for key, v in state.items()}
