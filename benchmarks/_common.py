@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_functional.plans import bytes_sent
 from zero_functional.launch import run_ranks
+from zero_functional.plans import bytes_sent
 
 __all__ = ["ByteCounter", "median_ms", "mlp", "run_ranks"]
 

@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_functional._validate import ceil_div, round_up
-from zero_functional.plans import even_chunk
 from zero_functional.ownership import (
     Ownership,
     bucket_ownership,
@@ -19,6 +18,7 @@ from zero_functional.ownership import (
     whole_ownership,
 )
 from zero_functional.partition import Segment, sorted_greedy_groups
+from zero_functional.plans import even_chunk
 from zero_functional.state_dict import join_states, slice_state
 
 numels_st = st.lists(st.integers(0, 200), max_size=25)
