@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck unit doctest bench clean
+.PHONY: setup demo test test-fast lint typecheck rules unit doctest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,13 +29,21 @@ typecheck: $(STAMP)
 doctest: $(STAMP)
 	$(BIN)/pytest -q --doctest-modules src
 
-unit: $(STAMP)
-	$(BIN)/pytest -q tests property_tests
+rules: $(STAMP)
+	$(BIN)/python .ci/rules.py
 
-test: lint typecheck doctest unit
+unit: $(STAMP)
+	$(BIN)/pytest -q -m "not bench" tests property_tests
+
+test: lint typecheck rules doctest unit
+
+# the pure tests and the property tests, no process started (about a minute)
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow and not bench" tests property_tests
 
 bench: $(STAMP)
 	$(BIN)/python -m zero_functional bench
+	$(BIN)/pytest -q -m bench tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

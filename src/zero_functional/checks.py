@@ -12,13 +12,16 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from zero_functional.functional import update_kind
+from zero_functional.ownership import check_partition, check_splittable
 
 __all__ = [
     "agreement_verdict",
     "check_devices",
     "check_hyperparameter_types",
+    "check_inputs",
     "check_unfrozen",
     "check_params",
     "check_update_kind",
@@ -326,3 +329,42 @@ def check_unfrozen(built: Sequence[bool], now: Sequence[bool], shapes: Sequence[
         "ZeroRedundancyOptimizer after unfreezing (or build both with the parameters "
         "trainable and give them lr=0 until they should train)"
     )
+
+
+def check_inputs(
+    params: object,
+    optimizer_class: object,
+    partition: object,
+    overlap_with_ddp: bool,
+    defaults: dict[str, Any],
+) -> tuple[list[Any], Optimizer]:
+    """Every local check of ``ZeroRedundancyOptimizer``'s arguments, in the order a user's
+    mistake is most likely: the parameters, the class, the partition and what it needs, the
+    hyperparameters' types, then torch's own validation of their values.
+
+    Returns:
+        The parameters (or groups) as a list, and a probe instance of the class over one
+        placeholder parameter: its ``defaults`` are the class's full defaults (betas, eps,
+        ...), so that ``param_groups`` carry every key torch's class would show.
+
+    Raises:
+        TypeError: A wrong type (parameters, class, hyperparameter).
+        ValueError: A wrong value (no parameters, unknown partition, a per-tensor optimizer
+            under ``"flat"``, a non-contiguous parameter under ``"flat"``, torch's own checks).
+
+    Example:
+        >>> items, probe = check_inputs([torch.zeros(2)], torch.optim.SGD, "flat", False, {"lr": 0.1})
+        >>> len(items), probe.defaults["momentum"]
+        (1, 0)
+    """
+    items = check_params(params)
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    name = check_partition(partition)
+    check_update_kind(optimizer_class, name, overlap_with_ddp)
+    check_hyperparameter_types(optimizer_class, defaults)
+    if name == "flat":
+        check_splittable(param_tensors(items))
+    return items, optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)

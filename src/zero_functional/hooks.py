@@ -39,7 +39,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
-from zero_functional.functional import group_indices
+from zero_functional.amp import ScalerFacade, common_verdict, unscale_and_check_
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.ownership import Run, bucket_ownership
 from zero_functional.plans import COLLECTIVES, Collectives, buffer_runs, choose_collectives
@@ -74,44 +74,6 @@ class _Iteration:
     processed: int = 0
     deferred: bool = False
     pending: list[tuple[comm.Pending, Sequence[Tensor]]] = field(default_factory=list)
-
-
-def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.device) -> Tensor:
-    """Multiply ``grads`` by ``inv_scale`` in place; 1.0 if any was non-finite, else 0.0.
-
-    GradScaler's own kernel (``_amp_foreach_non_finite_check_and_unscale_``), grouped by
-    device and dtype as ``GradScaler.unscale_`` groups them, so the gradients and the verdict
-    are the ones ``scaler.step(optimizer)`` would compute from the same values.
-    """
-    found = torch.zeros(1, dtype=torch.float32, device=device)
-    live = [g for g in grads if g.numel()]
-    for (dev, _), idx in group_indices(live).items():
-        local = torch.zeros(1, dtype=torch.float32, device=dev)
-        inv = torch.full((), inv_scale, dtype=torch.float32, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_([live[i] for i in idx], local, inv)
-        found = torch.maximum(found, local.to(device))
-    return found.reshape(())
-
-
-class _ScalerFacade:
-    """What ``GradScaler.unscale_`` reads from an optimizer, holding only the verdict.
-
-    ``scaler.update()`` lowers the scale when an optimizer of this iteration found a non-finite
-    gradient; overlap mode has no ``scaler.step(optimizer)`` call, so the hook registers its
-    verdict through the scaler's public ``unscale_`` on this facade, whose one "gradient" is
-    inf exactly when the update was skipped.
-    """
-
-    def __init__(self) -> None:
-        self.param_groups: list[dict[str, Any]] = [{"params": []}]
-
-    def record(self, scaler: GradScaler, found: Tensor) -> None:
-        verdict = torch.where(found > 0, float("inf"), 0.0).reshape(1)
-        holder = verdict.detach().clone()
-        holder.grad = verdict
-        self.param_groups = [{"params": [holder]}]
-        scaler.unscale_(self)  # type: ignore[arg-type]
-        self.param_groups = [{"params": []}]
 
 
 class OverlapState:
@@ -154,7 +116,7 @@ class OverlapState:
             if twin is not None:
                 self.gather_group, self.nonblocking = twin, True
         self.skipped = 0  # backwards whose update the scaler skipped (non-finite gradients)
-        self._facade = _ScalerFacade()
+        self._facade = ScalerFacade()
         self.params = [p for g in zero.param_groups for p in g["params"]]
         self.index = {p: i for i, p in enumerate(self.params)}
         self.structure: tuple[tuple[int, ...], ...] | None = None
@@ -638,31 +600,9 @@ def reduce_scatter_hook(
                 scaled.clear()
             scaled.append((flat, runs, pending))
             if bucket.is_last():
-                _common_verdict(scaled, zero)
+                common_verdict(scaled, zero.rank, zero.process_group)
                 scaled.clear()
         return pending.future(flat)
 
     scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []
     return _with_annotations(reduce_scatter_fn)
-
-
-def _common_verdict(
-    buckets: list[tuple[Tensor, tuple[Run, ...], comm.Pending]], zero: ZeroRedundancyOptimizer
-) -> None:
-    """Make every rank's GradScaler see the same thing: owned pieces as reduced, the others
-    zero, and a NaN everywhere if any rank's owned pieces were not finite."""
-    owned: list[Tensor] = []
-    with torch.no_grad():
-        for flat, runs, pending in buckets:
-            pending.wait()
-            for a, b, rank in runs:
-                if rank == zero.rank:
-                    owned.append(flat[a:b])
-                else:
-                    flat[a:b].zero_()
-        # GradScaler's own check (scale 1: the values stay as they are for scaler.step)
-        found = unscale_and_check_(owned, 1.0, buckets[-1][0].device)
-        found = comm.all_reduce_scalar(found, zero.process_group, op="max")
-        last = buckets[-1][0]
-        if last.numel():
-            last[:1] = torch.where(found > 0, float("nan"), last[:1])

@@ -24,13 +24,13 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional._validate import prefix_sums
+from zero_functional.amp import refuse_scaler_step
 from zero_functional.checks import (
     agreement_verdict,
     check_devices,
-    check_hyperparameter_types,
+    check_inputs,
     check_params,
     check_unfrozen,
-    check_update_kind,
     fingerprint,
     param_tensors,
 )
@@ -44,15 +44,12 @@ from zero_functional.ownership import (
     Ownership,
     PartitionName,
     Transfer,
-    check_partition,
     check_splittable,
-    flat_ownership,
     piece_view,
-    sorted_greedy_ownership,
 )
 from zero_functional.param_sync import ParamSync
 from zero_functional.partition import Segment
-from zero_functional.plans import choose_param_gather, plan_moves
+from zero_functional.plans import choose_param_gather, ownership_for, plan_moves
 from zero_functional.state_dict import (
     PARTIAL_KEY,
     check_shard_state,
@@ -65,10 +62,9 @@ from zero_functional.state_dict import (
     validated_state,
 )
 from zero_functional.steppers import (
-    FunctionalStepper,
+    LocalView,
     RealStepper,
-    ShadowStepper,
-    Stepper,
+    choose_stepper,
     hyperparameters,
     state_schema,
 )
@@ -79,10 +75,6 @@ logger = logging.getLogger(__name__)
 
 StateDict = dict[str, Any]
 
-FLAT_ALIGN_BYTES = 16
-"""Under ``partition="flat"`` range bounds fall on multiples of 16 bytes (4 fp32 elements), so
-every shard starts where vectorised kernels and NCCL like it."""
-
 
 class _ZeroJoinHook(JoinHook):
     """Shadows the step's collectives on a rank that has run out of inputs."""
@@ -92,19 +84,6 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero.step()
-
-
-class LocalView:
-    """torch's ``optim`` attribute: this rank's share as a local optimizer would show it.
-
-    ``param_groups`` hold, per group, the hyperparameters and the parameters this rank owns
-    (all or part of); ``state`` is this rank's state. For an optimizer class that runs as a
-    real instance over whole parameters, ``ZeroRedundancyOptimizer.optim`` is that instance.
-    """
-
-    def __init__(self, param_groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> None:
-        self.param_groups = param_groups
-        self.state = state
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -176,22 +155,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         problem: Exception | None = None
         items: list[Any] = []
         try:
-            items = check_params(params)
-            if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-                raise TypeError(
-                    "optimizer_class must be a torch.optim.Optimizer subclass, got "
-                    f"{optimizer_class!r}"
-                )
-            self.partition: PartitionName = check_partition(partition)
-            check_update_kind(optimizer_class, self.partition, overlap_with_ddp)
-            check_hyperparameter_types(optimizer_class, defaults)
-            if self.partition == "flat":
-                check_splittable(param_tensors(items))
-            # The class's full defaults (betas, eps, ...), validated with torch's own messages,
-            # so that param_groups carry every key torch's ZeroRedundancyOptimizer would show.
-            probe = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)
+            items, probe = check_inputs(
+                params, optimizer_class, partition, overlap_with_ddp, defaults
+            )
         except (TypeError, ValueError, RuntimeError) as e:
             problem = e
+        self.partition: PartitionName = partition
         try:
             self.process_group = comm.default_group(process_group)
         except RuntimeError:
@@ -262,15 +231,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _computed_ownership(self) -> Ownership:
         """The ownership the ``partition`` option gives the current parameter groups."""
-        if self.partition == "sorted_greedy":
-            numels = [[p.numel() for p in g["params"]] for g in self.param_groups]
-            return sorted_greedy_ownership(numels, self.world_size)
-        params = self._params()
-        keys = [(str(p.device), p.dtype) for p in params]
-        align: dict[Hashable, int] = {
-            k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(keys, params)
-        }
-        return flat_ownership([p.numel() for p in params], self.world_size, keys=keys, align=align)
+        return ownership_for(self.partition, self.param_groups, self.world_size)
 
     def _index_groups(self) -> None:
         """Where each group's parameters start in the global order, and each one's group."""
@@ -283,19 +244,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._index_groups()
         params = self._params()
         self._own: dict[int, Segment] = {s.param: s for s in ownership.owned(self.rank)}
-        self._stepper: Stepper | RealStepper
-        if self._spec is not None:
-            self._stepper = FunctionalStepper(self._spec, self._compile)
-        elif ownership.is_whole and not self._overlap_with_ddp:
-            owned = [
-                [p for i, p in enumerate(g["params"]) if start + i in self._own]
-                for g, start in zip(self.param_groups, self._group_starts)
-            ]
-            self._stepper = RealStepper(
-                self.optimizer_class, self.param_groups, owned, self.state, self._user_defaults
-            )
-        else:
-            self._stepper = ShadowStepper(self._probe, self._user_defaults)
+        self._stepper = choose_stepper(
+            self._spec,
+            self._compile,
+            self._probe,
+            ownership.is_whole and not self._overlap_with_ddp,
+            self.param_groups,
+            self._own,
+            self.state,
+            self._user_defaults,
+        )
         self._trainable = [p.requires_grad for p in params]
         self._built_trainable = list(self._trainable)
         self._build_buffers()
@@ -414,14 +372,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             The closure's loss, if a closure was given.
         """
         if self._overlap_with_ddp:
-            if "grad_scaler" in kwargs or getattr(self, "found_inf", None) is not None:
-                raise RuntimeError(
-                    "scaler.step(zero) cannot work with overlap_with_ddp=True: the step already "
-                    "ran inside backward, on the scaled gradients. Pass the scaler to the hook "
-                    "instead, hook_with_zero_step(allreduce_hook, ddp, zero, "
-                    "grad_scaler=scaler), and call only scaler.scale(loss).backward() and "
-                    "scaler.update()"
-                )
+            refuse_scaler_step(self, kwargs)
             logger.warning(
                 "step() should not be included in the training loop when overlap_with_ddp=True"
             )
@@ -625,17 +576,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         if isinstance(self._stepper, RealStepper):
             return self._stepper.local
-        params = self._params()
-        groups = [
-            {
-                **hyperparameters(g),
-                "params": [
-                    params[start + i] for i in range(len(g["params"])) if start + i in self._own
-                ],
-            }
-            for g, start in zip(self.param_groups, self._group_starts)
-        ]
-        return LocalView(groups, self.state)
+        return LocalView.of(self.param_groups, self._own, self.state)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's state on rank ``to``; call it on every rank.

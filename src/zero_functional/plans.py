@@ -30,17 +30,25 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from zero_functional._validate import check_world_size
-from zero_functional.ownership import Ownership, Run, Transfer
+from zero_functional.ownership import (
+    Ownership,
+    PartitionName,
+    Run,
+    Transfer,
+    flat_ownership,
+    sorted_greedy_ownership,
+)
 from zero_functional.partition import Segment
 
 __all__ = [
     "COLLECTIVES",
     "Collectives",
+    "FLAT_ALIGN_BYTES",
     "ReshardPlan",
     "bucket_view_groups",
     "buffer_runs",
@@ -48,6 +56,7 @@ __all__ = [
     "choose_collectives",
     "choose_param_gather",
     "even_chunk",
+    "ownership_for",
     "plan_moves",
     "send_list",
 ]
@@ -297,3 +306,35 @@ def plan_moves(old: Ownership, new: Ownership, rank: int) -> ReshardPlan:
         pairs=tuple(sorted({(t.src, t.dst) for t in moves if t.src != t.dst})),
         held=frozenset(t.param for t in moves if t.src == rank),
     )
+
+
+FLAT_ALIGN_BYTES = 16
+"""Under ``partition="flat"`` range bounds fall on multiples of 16 bytes (4 fp32 elements), so
+every shard starts where vectorised kernels and NCCL like it."""
+
+
+def ownership_for(
+    partition: PartitionName, param_groups: Sequence[Mapping[str, Any]], world_size: int
+) -> Ownership:
+    """The ownership ``partition`` gives parameter groups (only their tensors' metadata is read).
+
+    ``"sorted_greedy"`` is torch's whole-tensor assignment; ``"flat"`` splits each (device,
+    dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`.
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(6), torch.zeros(2)]}]
+        >>> ownership_for("sorted_greedy", groups, 2).is_whole
+        True
+        >>> [(s.param, s.start, s.stop) for s in ownership_for("flat", groups, 2).owned(0)]
+        [(0, 0, 4)]
+    """
+    if partition == "sorted_greedy":
+        numels = [[p.numel() for p in g["params"]] for g in param_groups]
+        return sorted_greedy_ownership(numels, world_size)
+    params = [p for g in param_groups for p in g["params"]]
+    keys = [(str(p.device), p.dtype) for p in params]
+    align: dict[Hashable, int] = {
+        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(keys, params)
+    }
+    return flat_ownership([p.numel() for p in params], world_size, keys=keys, align=align)

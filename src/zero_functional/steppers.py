@@ -18,7 +18,7 @@ dicts belong to the shell (``ZeroRedundancyOptimizer.state``); a stepper keeps n
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Container, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, cast
 
 import torch
@@ -31,9 +31,11 @@ from zero_functional.state_dict import is_elementwise
 
 __all__ = [
     "FunctionalStepper",
+    "LocalView",
     "RealStepper",
     "ShadowStepper",
     "Stepper",
+    "choose_stepper",
     "probe_state",
     "state_schema",
 ]
@@ -237,3 +239,65 @@ def state_schema(
     if state is None:
         return None
     return {key: "elementwise" if is_elementwise(v, 2) else "scalar" for key, v in state.items()}
+
+
+class LocalView:
+    """torch's ``optim`` attribute: this rank's share as a local optimizer would show it.
+
+    ``param_groups`` hold, per group, the hyperparameters and the parameters this rank owns
+    (all or part of); ``state`` is this rank's state. For an optimizer class that runs as a
+    real instance over whole parameters, ``ZeroRedundancyOptimizer.optim`` is that instance.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> None:
+        self.param_groups = param_groups
+        self.state = state
+
+    @classmethod
+    def of(
+        cls,
+        param_groups: Sequence[Mapping[str, Any]],
+        own: Container[int],
+        state: Mapping[Tensor, Any],
+    ) -> LocalView:
+        """The view of the parameters whose global index is in ``own``.
+
+        Example:
+            >>> import torch
+            >>> w, b = torch.zeros(2), torch.zeros(1)
+            >>> view = LocalView.of([{"lr": 0.1, "params": [w, b]}], {1}, {})
+            >>> [p is b for p in view.param_groups[0]["params"]], view.param_groups[0]["lr"]
+            ([True], 0.1)
+        """
+        groups: list[dict[str, Any]] = []
+        start = 0
+        for g in param_groups:
+            owned = [p for i, p in enumerate(g["params"]) if start + i in own]
+            groups.append({**hyperparameters(g), "params": owned})
+            start += len(g["params"])
+        return cls(groups, state)
+
+
+def choose_stepper(
+    spec: FunctionalSpec | None,
+    compile: bool | None,
+    probe: Optimizer,
+    whole: bool,
+    param_groups: list[dict[str, Any]],
+    own: Container[int],
+    state: Any,
+    defaults: Mapping[str, Any],
+) -> Stepper | RealStepper:
+    """How this rank updates its pieces: the functional core where ``spec`` covers the class;
+    else, where this rank owns ``whole`` parameters (after backward), a real instance of the
+    class over them sharing ``state``; else a real instance over shadows of the pieces."""
+    if spec is not None:
+        return FunctionalStepper(spec, compile)
+    if whole:
+        owned: list[list[Tensor]] = []
+        start = 0
+        for g in param_groups:
+            owned.append([p for i, p in enumerate(g["params"]) if start + i in own])
+            start += len(g["params"])
+        return RealStepper(type(probe), param_groups, owned, state, dict(defaults))
+    return ShadowStepper(probe, dict(defaults))

@@ -1,0 +1,104 @@
+"""GradScaler verdicts shared by the hooks: unscale and check owned gradients, one verdict.
+
+With a ``torch.amp.GradScaler``, every rank must skip (or take) the step together and lower
+the scale together, though after a reduce onto owners no rank sees every reduced gradient.
+Both hooks of :mod:`zero_functional.hooks` use these: overlap mode unscales the pieces each rank
+owns and tells the scaler through :class:`ScalerFacade`; ``reduce_scatter_hook`` makes every
+rank's gradients tell the scaler the same thing (:func:`common_verdict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.amp import GradScaler
+
+from zero_functional import comm
+from zero_functional.functional import group_indices
+from zero_functional.ownership import Run
+
+__all__ = ["ScalerFacade", "common_verdict", "refuse_scaler_step", "unscale_and_check_"]
+
+
+def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.device) -> Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place; 1.0 if any was non-finite, else 0.0.
+
+    GradScaler's own kernel (``_amp_foreach_non_finite_check_and_unscale_``), grouped by
+    device and dtype as ``GradScaler.unscale_`` groups them, so the gradients and the verdict
+    are the ones ``scaler.step(optimizer)`` would compute from the same values.
+    """
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    live = [g for g in grads if g.numel()]
+    for (dev, _), idx in group_indices(live).items():
+        local = torch.zeros(1, dtype=torch.float32, device=dev)
+        inv = torch.full((), inv_scale, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_([live[i] for i in idx], local, inv)
+        found = torch.maximum(found, local.to(device))
+    return found.reshape(())
+
+
+class ScalerFacade:
+    """What ``GradScaler.unscale_`` reads from an optimizer, holding only the verdict.
+
+    ``scaler.update()`` lowers the scale when an optimizer of this iteration found a non-finite
+    gradient; overlap mode has no ``scaler.step(optimizer)`` call, so the hook registers its
+    verdict through the scaler's public ``unscale_`` on this facade, whose one "gradient" is
+    inf exactly when the update was skipped.
+    """
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = [{"params": []}]
+
+    def record(self, scaler: GradScaler, found: Tensor) -> None:
+        verdict = torch.where(found > 0, float("inf"), 0.0).reshape(1)
+        holder = verdict.detach().clone()
+        holder.grad = verdict
+        self.param_groups = [{"params": [holder]}]
+        scaler.unscale_(self)  # type: ignore[arg-type]
+        self.param_groups = [{"params": []}]
+
+
+def common_verdict(
+    buckets: list[tuple[Tensor, tuple[Run, ...], comm.Pending]], rank: int, group: comm.ProcessGroup
+) -> None:
+    """Make every rank's GradScaler see the same thing: owned pieces as reduced, the others
+    zero, and a NaN everywhere if any rank's owned pieces were not finite."""
+    owned: list[Tensor] = []
+    with torch.no_grad():
+        for flat, runs, pending in buckets:
+            pending.wait()
+            for a, b, owner in runs:
+                if owner == rank:
+                    owned.append(flat[a:b])
+                else:
+                    flat[a:b].zero_()
+        # GradScaler's own check (scale 1: the values stay as they are for scaler.step)
+        found = unscale_and_check_(owned, 1.0, buckets[-1][0].device)
+        found = comm.all_reduce_scalar(found, group, op="max")
+        last = buckets[-1][0]
+        if last.numel():
+            last[:1] = torch.where(found > 0, float("nan"), last[:1])
+
+
+def refuse_scaler_step(optimizer: object, kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``scaler.step(zero)`` in overlap mode, where the step already ran in backward.
+
+    ``GradScaler.step`` hands an optimizer that declares ``_step_supports_amp_scaling`` its
+    verdict, as a ``grad_scaler`` keyword or as ``found_inf``/``grad_scale`` attributes.
+
+    Raises:
+        RuntimeError: The optimizer was called by a GradScaler; names the recipe that works.
+
+    Example:
+        >>> refuse_scaler_step(object(), {})  # a plain step(): nothing to refuse
+    """
+    if "grad_scaler" in kwargs or getattr(optimizer, "found_inf", None) is not None:
+        raise RuntimeError(
+            "scaler.step(zero) cannot work with overlap_with_ddp=True: the step already ran "
+            "inside backward, on the scaled gradients. Pass the scaler to the hook instead, "
+            "hook_with_zero_step(allreduce_hook, ddp, zero, grad_scaler=scaler), and call "
+            "only scaler.scale(loss).backward() and scaler.update()"
+        )
