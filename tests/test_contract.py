@@ -33,6 +33,8 @@ from zero_functional.hooks import (
 from zero_functional.launch import run_ranks
 from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
+from tests.helpers import max_diff
+
 HOOKS = {"hook": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 
 
@@ -69,10 +71,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     idx, target = _batch(rank, step)
     return F.cross_entropy(model(idx), target)
-
-
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
 def _pair(
@@ -116,7 +114,7 @@ def _contract_worker(rank: int, world_size: int) -> dict[str, Any]:
                     if o is plain or mode not in HOOKS:
                         o.step()
                 # read right away, as torch's tests and a user's model.state_dict() do
-                worst = max(worst, _max_diff(model, ref_model))
+                worst = max(worst, max_diff(model, ref_model))
             out[f"final {mode} {partition}"] = worst
 
     # 2. overlap_param_gather=True: module forwards (ParameterList included) and state_dict wait
@@ -138,7 +136,7 @@ def _contract_worker(rank: int, world_size: int) -> dict[str, Any]:
             )
         out[f"gather {mode} state_dict"] = worst_sd
         zero.finish_param_sync()
-        out[f"gather {mode} params"] = _max_diff(model, ref_model)
+        out[f"gather {mode} params"] = max_diff(model, ref_model)
         # a parameter read outside its module's forward while in flight: an error naming it
         model.read_side = True
         zero.zero_grad()

@@ -23,6 +23,8 @@ from zero_functional.hooks import (
 from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
+from tests.helpers import max_diff
+
 ATOL = 1e-6
 
 CLASSES: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
@@ -62,10 +64,6 @@ def groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
         {"params": list(model.a.parameters()) + list(model.c.parameters())},
         {"params": list(model.b.parameters()), "lr": lr / 2},
     ]
-
-
-def max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
 def _classes_worker(rank: int, world_size: int) -> dict[str, float]:

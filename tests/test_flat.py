@@ -19,6 +19,9 @@ from zero_functional.hooks import reduce_scatter_hook
 from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
+from tests.helpers import averaged_backward, consolidated, make_model, max_diff
+from tests.helpers import local_batch as batch
+
 ATOL = 1e-6
 
 ELEMENTWISE: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
@@ -34,42 +37,6 @@ ELEMENTWISE: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
     (torch.optim.Adadelta, {"lr": 0.5}),
     (torch.optim.ASGD, {"lr": 0.01, "t0": 2}),
 ]
-
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
-
-
-def batch(rank: int, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(12, 7, generator=g), torch.randn(12, 3, generator=g)
-    per = 12 // world_size
-    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-
-
-def averaged_backward(model: nn.Module, rank: int, world_size: int, step: int) -> None:
-    x, y = batch(rank, world_size, step)
-    x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
-    ((model(x) - y) ** 2).mean().backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
-
-
-def max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(
-        (pa - pb).abs().max().item() if pa.numel() else 0.0
-        for pa, pb in zip(a.parameters(), b.parameters())
-    )
-
-
-def consolidated(opt: Any, rank: int) -> dict[str, Any] | None:
-    opt.consolidate_state_dict(to=0)
-    sd = [opt.state_dict() if rank == 0 else None]
-    dist.broadcast_object_list(sd, src=0)
-    return sd[0]
 
 
 def state_diff(a: dict[str, Any], b: dict[str, Any]) -> float:

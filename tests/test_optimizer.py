@@ -18,44 +18,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zero_functional.launch import run_ranks
 from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
+from tests.helpers import averaged_backward, local_batch, make_model, max_diff
+
 ATOL = 1e-6
-
-
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
-    return model.to(dtype)
-
-
-def global_batch(
-    step: int, n: int = 12, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(n, 7, generator=g, dtype=dtype), torch.randn(n, 3, generator=g, dtype=dtype)
-
-
-def local_batch(
-    rank: int, world_size: int, step: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = global_batch(step, dtype=dtype)
-    per = x.shape[0] // world_size
-    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-
-
-def averaged_backward(model: nn.Module, rank: int, world_size: int, step: int) -> torch.Tensor:
-    """Backward on this rank's slice, then average grads as DDP does (equal-size slices)."""
-    x, y = local_batch(rank, world_size, step, next(model.parameters()).dtype)
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
-    return loss.detach()
-
-
-def max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
 
 # ---------------------------------------------------------------- parity battery

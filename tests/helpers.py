@@ -1,0 +1,62 @@
+"""What the multi-process tests share: the small model, its batches, DDP's averaging by hand,
+and the comparisons (one copy each, so the tests cannot drift apart)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Three linear layers (7 -> 13 -> 5 -> 3), seeded, in ``dtype``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
+    return model.to(dtype)
+
+
+def global_batch(
+    step: int, n: int = 12, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch of ``step`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 7, generator=g, dtype=dtype), torch.randn(n, 3, generator=g, dtype=dtype)
+
+
+def local_batch(
+    rank: int, world_size: int, step: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's equal slice of :func:`global_batch`."""
+    x, y = global_batch(step, dtype=dtype)
+    per = x.shape[0] // world_size
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def averaged_backward(model: nn.Module, rank: int, world_size: int, step: int) -> torch.Tensor:
+    """Backward on this rank's slice, then average the gradients as DDP does (equal slices)."""
+    x, y = local_batch(rank, world_size, step, next(model.parameters()).dtype)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+    return loss.detach()
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    """The largest elementwise difference between two models' parameters (0 for empty ones)."""
+    return max(
+        (pa - pb).abs().max().item() if pa.numel() else 0.0
+        for pa, pb in zip(a.parameters(), b.parameters())
+    )
+
+
+def consolidated(opt: Any, rank: int) -> dict[str, Any] | None:
+    """``opt``'s full state dict, consolidated on rank 0 and sent to every rank; collective."""
+    opt.consolidate_state_dict(to=0)
+    sd = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(sd, src=0)
+    return sd[0]
