@@ -15,10 +15,23 @@ With gradient :math:`g_t` (negated when maximizing), step :math:`t`, learning ra
 Two kernel paths: torch's fused ``_fused_adam_``/``_fused_adamw_`` and the foreach path that is
 operation for operation torch's ``_multi_tensor_adam`` (which on CPU gives the same bits as
 torch's default single-tensor path).
+
+Example:
+    The pure update is the in-place one on copies; AdamW is Adam with decoupled decay:
+
+    >>> import torch
+    >>> p = [torch.tensor([1.0])]
+    >>> new_p, new_s = adam_update(p, [torch.tensor([3.0])], adam_init(p), lr=0.1)
+    >>> new_p[0], p[0], new_s.step[0]
+    (tensor([0.9000]), tensor([1.]), tensor(1.))
+    >>> new_p, _ = adamw_update(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)
+    >>> new_p[0]
+    tensor([0.9500])
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -32,6 +45,7 @@ from zero_functional.functional._common import (
     check_real_number,
     fused_adam_supports,
     group_indices,
+    pure_from_inplace,
 )
 
 __all__ = [
@@ -285,169 +299,10 @@ def adam_update_(
         )
 
 
-def _copy_state(state: AdamState) -> AdamState:
-    with torch.no_grad():
-        return AdamState(*([t.detach().clone() for t in ts] for ts in state))
+adam_update = pure_from_inplace(adam_update_)
 
-
-def adam_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    decoupled_weight_decay: bool = False,
-    fused: bool | None = None,
-) -> tuple[list[Tensor], AdamState]:
-    """Pure Adam step: return new params and state, leaving every argument untouched.
-
-    Bitwise equal to :func:`adam_update_` with the same ``fused`` on copies; no output
-    tensor shares storage with an input tensor.
-
-    Args:
-        params: current parameters (not modified).
-        grads: one gradient per parameter.
-        state: current state (not modified).
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
-        fused: kernel choice, as in :func:`adam_update_`.
-
-    Returns:
-        ``(new_params, new_state)``.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> new_p, new_s = adam_update(p, [torch.tensor([3.0])], adam_init(p), lr=0.1)
-        >>> new_p[0], p[0], new_s.step[0]
-        (tensor([0.9000]), tensor([1.]), tensor(1.))
-    """
-    _check_state("adam_update", params, grads, state, amsgrad)
-    with torch.no_grad():
-        new_params = [p.detach().clone() for p in params]
-    new_state = _copy_state(state)
-    adam_update_(
-        new_params,
-        grads,
-        new_state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=decoupled_weight_decay,
-        fused=fused,
-    )
-    return new_params, new_state
-
-
-def adamw_update_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    fused: bool | None = None,
-) -> None:
-    """AdamW step in place: :func:`adam_update_` with decoupled weight decay (default 1e-2).
-
-    Args:
-        params: parameters, updated in place.
-        grads: one gradient per parameter.
-        state: from :func:`adam_init` for the same params.
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: decoupled decay coefficient.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        fused: kernel choice, as in :func:`adam_update_`.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> adamw_update_(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)
-        >>> p[0]
-        tensor([0.9500])
-    """
-    adam_update_(
-        params,
-        grads,
-        state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=True,
-        fused=fused,
-    )
-
-
-def adamw_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    fused: bool | None = None,
-) -> tuple[list[Tensor], AdamState]:
-    """Pure AdamW step: :func:`adam_update` with decoupled weight decay (default 1e-2).
-
-    Args:
-        params: current parameters (not modified).
-        grads: one gradient per parameter.
-        state: current state (not modified).
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: decoupled decay coefficient.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        fused: kernel choice, as in :func:`adam_update_`.
-
-    Returns:
-        ``(new_params, new_state)``.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> new_p, _ = adamw_update(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)
-        >>> new_p[0]
-        tensor([0.9500])
-    """
-    return adam_update(
-        params,
-        grads,
-        state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=True,
-        fused=fused,
-    )
+# AdamW is Adam with decoupled weight decay and torch.optim.AdamW's default weight_decay
+adamw_update_ = functools.partial(adam_update_, weight_decay=1e-2, decoupled_weight_decay=True)
+adamw_update = functools.partial(adam_update, weight_decay=1e-2, decoupled_weight_decay=True)
+adamw_update_.__doc__ = ":func:`adam_update_` with AdamW's decoupled weight decay (default 1e-2)."
+adamw_update.__doc__ = ":func:`adam_update` with AdamW's decoupled weight decay (default 1e-2)."

@@ -10,6 +10,15 @@ With gradient :math:`g_t`, weight decay :math:`\lambda`, momentum :math:`\mu`, d
     \theta_t &\leftarrow \theta_{t-1} - \gamma g_t
 
 The momentum buffer is only created (lazily, at the first step) when ``momentum != 0``.
+
+Example:
+    The pure update is the in-place one on copies:
+
+    >>> import torch
+    >>> p = [torch.tensor([1.0])]
+    >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
+    >>> new_p[0], p[0]
+    (tensor([0.]), tensor([1.]))
 """
 
 from __future__ import annotations
@@ -20,7 +29,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from zero_functional.functional._common import check_lists, check_real_number, group_indices
+from zero_functional.functional._common import (
+    check_lists,
+    check_real_number,
+    group_indices,
+    pure_from_inplace,
+)
 
 __all__ = ["SGDState", "sgd_init", "sgd_update", "sgd_update_"]
 
@@ -141,61 +155,4 @@ def sgd_update_(
         torch._foreach_add_(ps, gs, alpha=-lr)
 
 
-def sgd_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: SGDState,
-    *,
-    lr: float = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-) -> tuple[list[Tensor], SGDState]:
-    """Pure SGD step: return new params and state, leaving every argument untouched.
-
-    Bitwise equal to :func:`sgd_update_` on copies; no output tensor shares storage with an
-    input tensor.
-
-    Args:
-        params: current parameters (not modified).
-        grads: one gradient per parameter.
-        state: current state (not modified).
-        lr: learning rate.
-        momentum: momentum factor; 0 disables the buffer.
-        dampening: dampening for momentum.
-        weight_decay: L2 penalty added to the gradient.
-        nesterov: use Nesterov momentum.
-        maximize: maximize the objective instead of minimizing it.
-
-    Returns:
-        ``(new_params, new_state)``.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
-        >>> new_p[0], p[0]
-        (tensor([0.]), tensor([1.]))
-    """
-    check_lists("sgd_update", params, grads, {"momentum_buffer": state.momentum_buffer})
-    with torch.no_grad():
-        new_params = [p.detach().clone() for p in params]
-        new_state = SGDState(
-            momentum_buffer=[
-                None if b is None else b.detach().clone() for b in state.momentum_buffer
-            ]
-        )
-    sgd_update_(
-        new_params,
-        grads,
-        new_state,
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
-        nesterov=nesterov,
-        maximize=maximize,
-    )
-    return new_params, new_state
+sgd_update = pure_from_inplace(sgd_update_)
