@@ -14,14 +14,6 @@ __all__: list[str] = []
 P = ParamSpec("P")
 S = TypeVar("S", bound=tuple[Sequence[Tensor | None], ...])  # a NamedTuple state of tensor lists
 
-FUSED_ADAM_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
-FUSED_ADAM_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
-
 
 def check_lists(
     fn: str,
@@ -87,11 +79,6 @@ def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dt
     return groups
 
 
-def fused_adam_supports(t: Tensor) -> bool:
-    """Whether torch's fused Adam kernels take a tensor of this device type and dtype."""
-    return t.device.type in FUSED_ADAM_DEVICE_TYPES and t.dtype in FUSED_ADAM_DTYPES
-
-
 def check_real_number(fn: str, name: str, value: object) -> None:
     """Reject tensors and non-numbers where the update needs a Python number."""
     if isinstance(value, Tensor):
@@ -101,6 +88,15 @@ def check_real_number(fn: str, name: str, value: object) -> None:
         )
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{fn}: {name} must be a float, got {type(value).__name__}")
+
+
+def reject_tensor(name: str, value: object) -> None:
+    """A factory's check: hyperparameters are Python numbers here, not Tensors."""
+    if isinstance(value, Tensor):
+        raise ValueError(
+            f"{name} as a Tensor is not supported by zero_functional; pass a Python float "
+            "(or use the torch.optim optimizer with capturable=True)"
+        )
 
 
 def pure_from_inplace(

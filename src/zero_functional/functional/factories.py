@@ -9,6 +9,7 @@ from typing import Union
 
 from torch import Tensor
 
+from zero_functional.functional._common import reject_tensor
 from zero_functional.functional.adam import AdamState, adam_init, adam_update, adam_update_
 from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
 
@@ -45,14 +46,6 @@ def _reject_unknown(factory: str, unknown: Mapping[str, object], accepted: Seque
         raise TypeError(
             f"{factory}() got unknown keyword(s) {sorted(unknown)}; accepted keywords: "
             f"{', '.join(accepted)}"
-        )
-
-
-def _reject_tensor(name: str, value: object) -> None:
-    if isinstance(value, Tensor):
-        raise ValueError(
-            f"{name} as a Tensor is not supported by zero_functional; pass a Python float "
-            "(or use the torch.optim optimizer with capturable=True)"
         )
 
 
@@ -129,8 +122,8 @@ def sgd(
         ValueError: Invalid learning rate: -1.0
     """
     _reject_unknown("sgd", unknown, _SGD_KEYS)
-    _reject_tensor("lr", lr)
-    _reject_tensor("weight_decay", weight_decay)
+    reject_tensor("lr", lr)
+    reject_tensor("weight_decay", weight_decay)
     if lr < 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
     if momentum < 0.0:
@@ -219,14 +212,14 @@ def _adam_factory(
     fused: bool | None,
     decoupled_weight_decay: bool,
 ) -> FunctionalOptimizer:
-    _reject_tensor("lr", lr)
+    reject_tensor("lr", lr)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
     beta1, beta2 = betas
-    _reject_tensor("betas[0]", beta1)
-    _reject_tensor("betas[1]", beta2)
+    reject_tensor("betas[0]", beta1)
+    reject_tensor("betas[1]", beta2)
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
     if not 0.0 <= beta2 < 1.0:

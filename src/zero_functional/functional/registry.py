@@ -8,6 +8,7 @@ the spec's ``init``/``update_`` with them; state crosses to and from torch's for
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,9 +17,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from zero_functional.functional.adam import AdamState, adam_init, adam_update_
+from zero_functional.functional.adam import (
+    AdamState,
+    adam_init,
+    adam_update_,
+    compiled_adam_update_,
+)
 from zero_functional.functional.factories import State
-from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update_
+from zero_functional.functional.sgd import SGDState, compiled_sgd_update_, sgd_init, sgd_update_
 
 __all__ = [
     "IGNORED_GROUP_KEYS",
@@ -26,6 +32,7 @@ __all__ = [
     "SUPPORTED",
     "FunctionalSpec",
     "UpdateKind",
+    "choose_update",
     "functional_spec",
     "group_hyperparams",
     "register_optimizer",
@@ -335,6 +342,52 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
         if spec.name == "adamw" and not hp["decoupled_weight_decay"]:
             return False
     return True
+
+
+# compile=None: the graphs where compile_policy says they are faster
+_UPDATES: dict[tuple[str, bool | None], Callable[..., None]] = {
+    ("sgd", False): sgd_update_,
+    ("sgd", True): compiled_sgd_update_,
+    ("sgd", None): functools.partial(sgd_update_, compile=None),
+    ("adam", False): adam_update_,
+    ("adam", True): compiled_adam_update_,
+    ("adam", None): functools.partial(adam_update_, compile=None),
+}
+
+
+def choose_update(
+    name: Literal["sgd", "adam", "adamw"], *, compile: bool | None = None
+) -> Callable[..., None]:
+    """The in-place update for a spec's ``name``, with ``compile`` bound.
+
+    The shell calls the result as ``update_(params, grads, state, **group_hyperparams)``; for
+    ``"adam"`` and ``"adamw"`` it is :func:`~zero_functional.functional.adam_update_` (AdamW's
+    groups pass ``decoupled_weight_decay=True``), as the specs' ``update_``. Nothing is compiled
+    until the returned function first runs.
+
+    Args:
+        name: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``FunctionalSpec.name``).
+        compile: the update's ``compile`` flag: ``True`` everywhere it applies, ``False``
+            never, ``None`` where :func:`~zero_functional.functional.compile_policy` says it
+            is faster.
+
+    Returns:
+        ``sgd_update_`` or ``adam_update_``, or one of them with ``compile`` bound.
+
+    Raises:
+        ValueError: an unknown ``name``.
+
+    Example:
+        >>> from zero_functional.functional import compiled_adam_update_
+        >>> choose_update("adamw", compile=True) is compiled_adam_update_
+        True
+        >>> choose_update("sgd", compile=False).__name__
+        'sgd_update_'
+    """
+    kind = "adam" if name == "adamw" else name
+    if (kind, compile) not in _UPDATES:
+        raise ValueError(f"choose_update: unknown optimizer {name!r}; expected sgd, adam or adamw")
+    return _UPDATES[(kind, compile)]
 
 
 UpdateKind = Literal["elementwise", "per_tensor", "closure"]
