@@ -8,6 +8,7 @@ the spec's ``init``/``update_`` with them; state crosses to and from torch's for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -18,13 +19,21 @@ import torch
 from torch import Tensor
 
 from zero_functional.functional.adam import (
+    ADAM_DEFAULTS,
+    ADAMW_DEFAULTS,
     AdamState,
     adam_init,
     adam_update_,
     compiled_adam_update_,
 )
 from zero_functional.functional.factories import State
-from zero_functional.functional.sgd import SGDState, compiled_sgd_update_, sgd_init, sgd_update_
+from zero_functional.functional.sgd import (
+    SGD_DEFAULTS,
+    SGDState,
+    compiled_sgd_update_,
+    sgd_init,
+    sgd_update_,
+)
 
 __all__ = [
     "IGNORED_GROUP_KEYS",
@@ -97,24 +106,14 @@ class FunctionalSpec:
             >>> spec.state_to_dicts(SGDState([None, torch.ones(1)]))
             [{}, {'momentum_buffer': tensor([1.])}]
         """
-        if isinstance(state, SGDState):
-            if self.name != "sgd":
-                raise TypeError(f"spec {self.name!r} got an SGDState")
-            return [{} if b is None else {"momentum_buffer": b} for b in state.momentum_buffer]
-        if self.name == "sgd":
-            raise TypeError("spec 'sgd' got an AdamState")
-        amsgrad = bool(state.max_exp_avg_sq)
-        out: list[dict[str, Tensor]] = []
-        for i in range(len(state.step)):
-            d = {
-                "step": state.step[i],
-                "exp_avg": state.exp_avg[i],
-                "exp_avg_sq": state.exp_avg_sq[i],
-            }
-            if amsgrad:
-                d["max_exp_avg_sq"] = state.max_exp_avg_sq[i]
-            out.append(d)
-        return out
+        if isinstance(state, SGDState) != (self.name == "sgd"):
+            raise TypeError(f"spec {self.name!r} got an {type(state).__name__}")
+        # empty lists (max_exp_avg_sq without amsgrad) and None buffers are not torch's keys
+        lists: tuple[Sequence[Tensor | None], ...] = state
+        return [
+            {k: t for k, ts in zip(state._fields, lists) if ts and (t := ts[i]) is not None}
+            for i in range(len(lists[0]))
+        ]
 
     def state_from_dicts(
         self, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], **hyper: object
@@ -156,18 +155,11 @@ class FunctionalSpec:
         amsgrad = bool(hyper.get("amsgrad", False))
         # Allocate fresh state only where a dict is empty: this runs on every step of the shell.
         empty = [i for i, d in enumerate(dicts) if not d]
-        init = adam_init([params[i] for i in empty], amsgrad=amsgrad)
-        born = {i: j for j, i in enumerate(empty)}
+        fresh = self.state_to_dicts(adam_init([params[i] for i in empty], amsgrad=amsgrad))
+        born = dict(zip(empty, fresh))
         out = AdamState(step=[], exp_avg=[], exp_avg_sq=[], max_exp_avg_sq=[])
         for i, (d, p) in enumerate(zip(dicts, params)):
-            if not d:
-                j = born[i]
-                out.step.append(init.step[j])
-                out.exp_avg.append(init.exp_avg[j])
-                out.exp_avg_sq.append(init.exp_avg_sq[j])
-                if amsgrad:
-                    out.max_exp_avg_sq.append(init.max_exp_avg_sq[j])
-                continue
+            d = d or born[i]
             step = d["step"]
             if not isinstance(step, Tensor):
                 step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
@@ -187,31 +179,6 @@ class FunctionalSpec:
         return out
 
 
-_SGD_DEFAULTS: dict[str, object] = {
-    "lr": 1e-3,
-    "momentum": 0,
-    "dampening": 0,
-    "weight_decay": 0,
-    "nesterov": False,
-    "maximize": False,
-}
-_ADAM_DEFAULTS: dict[str, object] = {
-    "lr": 1e-3,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
-    "weight_decay": 0,
-    "amsgrad": False,
-    "maximize": False,
-    "decoupled_weight_decay": False,
-    "fused": None,
-}
-_ADAMW_DEFAULTS: dict[str, object] = {
-    **_ADAM_DEFAULTS,
-    "weight_decay": 1e-2,
-    "decoupled_weight_decay": True,
-}
-
-
 def _sgd_init(params: Sequence[Tensor], **hyper: object) -> State:
     return sgd_init(params)
 
@@ -220,33 +187,20 @@ def _adam_init(params: Sequence[Tensor], **hyper: object) -> State:
     return adam_init(params, amsgrad=bool(hyper.get("amsgrad", False)))
 
 
-_SGD_SPEC = FunctionalSpec(
-    name="sgd",
-    defaults=_SGD_DEFAULTS,
-    init=_sgd_init,
-    update_=sgd_update_,
-)
-_ADAM_SPEC = FunctionalSpec(
-    name="adam",
-    defaults=_ADAM_DEFAULTS,
-    init=_adam_init,
-    update_=adam_update_,
-)
-# AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
-# the update reads decoupled_weight_decay from the group like Adam's does.
-_ADAMW_SPEC = FunctionalSpec(
-    name="adamw",
-    defaults=_ADAMW_DEFAULTS,
-    init=_adam_init,
-    update_=adam_update_,
-)
-
-SUPPORTED: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _SPECS: dict[type, FunctionalSpec] = {
-    torch.optim.SGD: _SGD_SPEC,
-    torch.optim.Adam: _ADAM_SPEC,
-    torch.optim.AdamW: _ADAMW_SPEC,
+    torch.optim.SGD: FunctionalSpec(
+        "sgd", dataclasses.asdict(SGD_DEFAULTS), _sgd_init, sgd_update_
+    ),
+    torch.optim.Adam: FunctionalSpec(
+        "adam", dataclasses.asdict(ADAM_DEFAULTS), _adam_init, adam_update_
+    ),
+    # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
+    # the update reads decoupled_weight_decay from the group like Adam's does.
+    torch.optim.AdamW: FunctionalSpec(
+        "adamw", dataclasses.asdict(ADAMW_DEFAULTS), _adam_init, adam_update_
+    ),
 }
+SUPPORTED: tuple[type, ...] = tuple(_SPECS)
 
 
 def functional_spec(optimizer_class: type) -> FunctionalSpec | None:
@@ -328,10 +282,8 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
     if spec.name != "sgd" and group.get("fused") and group.get("foreach"):
         return False
     hp = group_hyperparams(spec, group)
-    numeric = ["lr", "weight_decay"] + (
-        ["momentum", "dampening"] if spec.name == "sgd" else ["eps"]
-    )
-    if not all(_is_number(hp[k]) for k in numeric):
+    # the keys whose default is a number (lr, eps, weight_decay, momentum, dampening)
+    if not all(_is_number(hp[k]) for k, v in spec.defaults.items() if _is_number(v)):
         return False
     if spec.name != "sgd":
         betas = hp["betas"]
