@@ -1,4 +1,4 @@
-"""Pure optimizers on tensor lists (SGD, Adam, AdamW) and the torch.optim registry: the public names."""
+"""Pure optimizers on tensor lists (SGD, Adam, AdamW): the public names of the functional core."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What every functional optimizer shares: list checks, (device, dtype) groups, pure from in-place."""
+"""What the functional optimizers share: list checks, (device, dtype) groups, pure from in-place."""
 
 from __future__ import annotations
 

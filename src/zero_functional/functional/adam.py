@@ -247,20 +247,6 @@ def _fused(ps: list[Tensor], gs: list[Tensor], s: AdamState, h: AdamHyper) -> No
     )
 
 
-def _check_state(
-    fn: str, params: Sequence[Tensor], grads: Sequence[Tensor], state: AdamState, amsgrad: bool
-) -> None:
-    lists: dict[str, Sequence[Tensor | None]] = dict(zip(state._fields[:3], state[:3]))
-    if amsgrad:
-        if not state.max_exp_avg_sq and params:
-            raise ValueError(
-                f"{fn}: amsgrad=True but state.max_exp_avg_sq is empty; create the state with "
-                "adam_init(params, amsgrad=True)"
-            )
-        lists["max_exp_avg_sq"] = state.max_exp_avg_sq
-    check_lists(fn, params, grads, lists)
-
-
 @torch.no_grad()
 def adam_update_(
     params: Sequence[Tensor],
@@ -285,15 +271,8 @@ def adam_update_(
         params: parameters, updated in place.
         grads: one gradient per parameter, same shape, dtype and device.
         state: from :func:`adam_init` (or a previous step) for the same params.
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
-        fused: the eager kernel, as :attr:`AdamHyper.fused`; ``True`` also wins over
-            ``compile``.
+        lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused: the
+            :class:`AdamHyper` fields (``fused=True`` wins over ``compile``).
         compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
             (compiled on first use of a configuration, reused while values change; numerics
             and the fallback to eager in :mod:`~zero_functional.functional.compiled`);
@@ -317,11 +296,16 @@ def adam_update_(
         (tensor([ 0.8000, -0.8000]), tensor(2.))
     """
     h = AdamHyper(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused)
-    fn = "adam_update_"
-    _check_state(fn, params, grads, state, amsgrad)
+    if amsgrad and params and not state.max_exp_avg_sq:
+        raise ValueError(
+            "adam_update_: amsgrad=True but state.max_exp_avg_sq is empty; create the state "
+            "with adam_init(params, amsgrad=True)"
+        )
+    n_lists = 4 if amsgrad else 3
+    check_lists("adam_update_", params, grads, dict(zip(state._fields[:n_lists], state)))
     beta1, beta2 = betas
     for name, value in (("lr", lr), ("betas[0]", beta1), ("betas[1]", beta2)):
-        check_real_number(fn, name, value)
+        check_real_number("adam_update_", name, value)
     for (device, dtype), idx in group_indices(params).items():
         ps, gs = [params[i] for i in idx], [grads[i] for i in idx]
         s = AdamState(

@@ -1,4 +1,4 @@
-"""Registry: torch.optim classes -> the functional core that reproduces them.
+"""Registry: what the core knows of each torch.optim class (its functional spec, how it updates).
 
 The stateful shell reads a param group, asks :func:`supports_group` whether the core implements
 every option with torch's semantics, picks the keys with :func:`group_hyperparams` and calls

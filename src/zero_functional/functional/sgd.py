@@ -197,12 +197,8 @@ def sgd_update_(
         params: parameters, updated in place.
         grads: one gradient per parameter, same shape, dtype and device.
         state: from :func:`sgd_init` (or a previous step) for the same params.
-        lr: learning rate.
-        momentum: momentum factor; 0 disables the buffer.
-        dampening: dampening for momentum.
-        weight_decay: L2 penalty added to the gradient.
-        nesterov: use Nesterov momentum.
-        maximize: maximize the objective instead of minimizing it.
+        lr, momentum, dampening, weight_decay, nesterov, maximize: the :class:`SGDHyper`
+            fields.
         compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
             (float32 on CPU bitwise equal to the foreach kernels; see
             :mod:`~zero_functional.functional.compiled`); ``None``: only where
@@ -231,7 +227,7 @@ def sgd_update_(
     check_real_number("sgd_update_", "lr", lr)
     all_bufs = state.momentum_buffer
     for idx in group_indices(params).values():
-        graph = compiled.chosen("sgd", compile, [params[i] for i in idx])
+        graph = compile is not False and compiled.chosen("sgd", compile, [params[i] for i in idx])
         # torch makes buffers at a param's first step: those with and those without one yet
         # are two graphs (a group normally has all or none)
         parts = [idx]
