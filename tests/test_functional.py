@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib
 from collections.abc import Callable
 
@@ -13,7 +12,9 @@ from torch import Tensor, nn
 
 from zero_functional.functional import (
     SUPPORTED,
+    AdamHyper,
     AdamState,
+    SGDHyper,
     SGDState,
     adam,
     adam_init,
@@ -397,10 +398,10 @@ def test_registry_covers_sgd_adam_adamw_only() -> None:
     ids=["sgd", "adam", "adamw"],
 )
 def test_each_record_holds_torchs_defaults(
-    cls: type[torch.optim.Optimizer], record: object
+    cls: type[torch.optim.Optimizer], record: SGDHyper | AdamHyper
 ) -> None:
     group = cls([nn.Parameter(torch.zeros(1))]).param_groups[0]
-    fields = dataclasses.asdict(record)  # type: ignore[call-overload]
+    fields = record._asdict()
     assert {k: group[k] for k in fields} == fields
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -79,7 +78,7 @@ def _bind(
     update_: Callable[..., None],
 ) -> FunctionalOptimizer:
     """The optimizer whose update and update_ take ``hyper``'s fields as keywords."""
-    kw = dataclasses.asdict(hyper)
+    kw = hyper._asdict()
     state_type = SGDState if isinstance(hyper, SGDHyper) else AdamState
 
     def checked(fn: str, state: State) -> State:

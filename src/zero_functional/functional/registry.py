@@ -8,7 +8,6 @@ the spec's ``init``/``update_`` with them; state crosses to and from torch's for
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -188,17 +187,11 @@ def _adam_init(params: Sequence[Tensor], **hyper: object) -> State:
 
 
 _SPECS: dict[type, FunctionalSpec] = {
-    torch.optim.SGD: FunctionalSpec(
-        "sgd", dataclasses.asdict(SGD_DEFAULTS), _sgd_init, sgd_update_
-    ),
-    torch.optim.Adam: FunctionalSpec(
-        "adam", dataclasses.asdict(ADAM_DEFAULTS), _adam_init, adam_update_
-    ),
+    torch.optim.SGD: FunctionalSpec("sgd", SGD_DEFAULTS._asdict(), _sgd_init, sgd_update_),
+    torch.optim.Adam: FunctionalSpec("adam", ADAM_DEFAULTS._asdict(), _adam_init, adam_update_),
     # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
     # the update reads decoupled_weight_decay from the group like Adam's does.
-    torch.optim.AdamW: FunctionalSpec(
-        "adamw", dataclasses.asdict(ADAMW_DEFAULTS), _adam_init, adam_update_
-    ),
+    torch.optim.AdamW: FunctionalSpec("adamw", ADAMW_DEFAULTS._asdict(), _adam_init, adam_update_),
 }
 SUPPORTED: tuple[type, ...] = tuple(_SPECS)
 

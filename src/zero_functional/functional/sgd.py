@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -54,13 +53,12 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SGDHyper:
+class SGDHyper(NamedTuple):
     """SGD's hyperparameters, with torch.optim.SGD's defaults: the one list of them.
 
     The keys of a ``torch.optim.SGD`` param group that change the update, in torch's order.
     Building a record checks nothing (torch checks at construction, not at each step);
-    :meth:`validated` applies torch's checks.
+    :meth:`validated` applies torch's checks. A ``NamedTuple``, as :class:`AdamHyper`.
 
     Attributes:
         lr: learning rate.
