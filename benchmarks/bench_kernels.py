@@ -1,14 +1,14 @@
 """One in-place optimizer step on 8M float32 parameters in 8 tensors: every kernel, one process.
 
 Adam: torch.optim.Adam with its CPU default (the for-loop), with foreach=True and with
-fused=True; ours through ``adam_update_`` with fused=False (foreach: torch's default numerics)
-and at its default (torch's fused kernel where it applies); ours compiled
-(``compiled_adam_update_``). SGD with momentum 0.9: the same torch variants, ours (foreach, the
-only eager path) and ours compiled. Variants run interleaved, round by round, so that they share
-the machine's state; each owns its params and state, the grads are shared. Prints median
-milliseconds, each variant's time over torch's best and over torch's fused (below 1 is
-faster), and the compiled variants' warm-up (tracing and compiling, or loading inductor's
-on-disk cache) separately: what ``functional.compiled.compile_policy`` is decided from.
+fused=True; ours through ``adam_update_`` with fused=False (foreach: torch's default numerics),
+at its default (torch's fused kernel where it applies) and with compile=True. SGD with
+momentum 0.9: the same torch variants, ours (foreach, the only eager path) and ours compiled.
+Variants run interleaved, round by round, so that they share the machine's state; each owns its
+params and state, the grads are shared. Prints median milliseconds, each variant's time over
+torch's best and over torch's fused (below 1 is faster), and the compiled variants' warm-up
+(tracing and compiling, or loading inductor's on-disk cache) separately: what
+``functional.compile_policy`` is decided from.
 
     python benchmarks/bench_kernels.py [--rounds 30] [--numel 8388608] [--json F]
 """
@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from zero_functional.functional import adam_init, adam_update_, sgd_init, sgd_update_
-from zero_functional.functional.compiled import compiled_adam_update_, compiled_sgd_update_
 
 N_TENSORS = 8
 Step = Callable[[], None]
@@ -66,14 +65,16 @@ def _variants(params: list[torch.Tensor], grads: list[torch.Tensor]) -> dict[str
             "torch fused": _torch_step(adam, params, grads, fused=True),
             "ours foreach": _our_step(adam_update_, adam_init, params, grads, fused=False),
             "ours fused (default)": _our_step(adam_update_, adam_init, params, grads),
-            "ours compiled": _our_step(compiled_adam_update_, adam_init, params, grads),
+            "ours compiled": _our_step(adam_update_, adam_init, params, grads, compile=True),
         },
         "SGD momentum": {
             "torch default (for-loop)": _torch_step(sgd, params, grads, momentum=0.9),
             "torch foreach": _torch_step(sgd, params, grads, momentum=0.9, foreach=True),
             "torch fused": _torch_step(sgd, params, grads, momentum=0.9, fused=True),
             "ours foreach (default)": _our_step(sgd_update_, sgd_init, params, grads, momentum=0.9),
-            "ours compiled": _our_step(compiled_sgd_update_, sgd_init, params, grads, momentum=0.9),
+            "ours compiled": _our_step(
+                sgd_update_, sgd_init, params, grads, momentum=0.9, compile=True
+            ),
         },
     }
 

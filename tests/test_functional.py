@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 
 import pytest
@@ -11,7 +12,9 @@ from torch import Tensor, nn
 
 from zero_functional.functional import (
     SUPPORTED,
+    AdamHyper,
     AdamState,
+    SGDHyper,
     SGDState,
     adam,
     adam_init,
@@ -27,6 +30,8 @@ from zero_functional.functional import (
     sgd_update_,
     supports_group,
 )
+from zero_functional.functional.adam import ADAM_DEFAULTS, ADAMW_DEFAULTS
+from zero_functional.functional.sgd import SGD_DEFAULTS
 
 STEPS = 25
 SHAPES = [(3, 4), (5,), (2, 3, 2)]
@@ -381,6 +386,67 @@ def test_registry_covers_sgd_adam_adamw_only() -> None:
     assert functional_spec(torch.optim.RMSprop) is None
     names = [functional_spec(c).name for c in SUPPORTED]  # type: ignore[union-attr]
     assert names == ["sgd", "adam", "adamw"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "record"),
+    [
+        (torch.optim.SGD, SGD_DEFAULTS),
+        (torch.optim.Adam, ADAM_DEFAULTS),
+        (torch.optim.AdamW, ADAMW_DEFAULTS),
+    ],
+    ids=["sgd", "adam", "adamw"],
+)
+def test_each_record_holds_torchs_defaults(
+    cls: type[torch.optim.Optimizer], record: SGDHyper | AdamHyper
+) -> None:
+    group = cls([nn.Parameter(torch.zeros(1))]).param_groups[0]
+    fields = record._asdict()
+    assert {k: group[k] for k in fields} == fields
+
+
+OLD_LAYOUT = {
+    "adam": [
+        "AdamState",
+        "adam_init",
+        "adam_update",
+        "adam_update_",
+        "adamw_update",
+        "adamw_update_",
+    ],
+    "sgd": ["SGDState", "sgd_init", "sgd_update", "sgd_update_"],
+    "compiled": [
+        "COMPILED_DEVICE_TYPES",
+        "COMPILED_DTYPES",
+        "COMPILE_FASTER_FROM",
+        "choose_update",
+        "compile_policy",
+        "compiled_adam_update_",
+        "compiled_sgd_update_",
+    ],
+    "factories": ["FunctionalOptimizer", "State", "adam", "adamw", "sgd"],
+    "registry": [
+        "IGNORED_GROUP_KEYS",
+        "OPTIMIZER_KINDS",
+        "SUPPORTED",
+        "FunctionalSpec",
+        "UpdateKind",
+        "functional_spec",
+        "group_hyperparams",
+        "register_optimizer",
+        "supports_group",
+        "update_kind",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", OLD_LAYOUT)
+def test_every_name_a_module_exported_before_the_records_still_imports_from_it(module: str) -> None:
+    package = importlib.import_module("zero_functional.functional")
+    mod = importlib.import_module(f"zero_functional.functional.{module}")
+    for name in OLD_LAYOUT[module]:
+        value = getattr(mod, name)
+        assert getattr(package, name, value) is value, name  # one object under both paths
 
 
 def test_group_hyperparams_reads_a_torch_group() -> None:

@@ -25,8 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from zero_functional.functional import FunctionalSpec, group_hyperparams
-from zero_functional.functional.compiled import choose_update
+from zero_functional.functional import FunctionalSpec, choose_update, group_hyperparams
 from zero_functional.state_dict import is_elementwise
 
 __all__ = [

@@ -1,24 +1,19 @@
-"""Pure optimizers on tensor lists (SGD, Adam, AdamW), their compiled twins, the torch.optim
-registry."""
+"""Pure optimizers on tensor lists (SGD, Adam, AdamW): the public names of the functional core."""
 
 from __future__ import annotations
 
 from zero_functional.functional._common import group_indices
 from zero_functional.functional.adam import (
+    AdamHyper,
     AdamState,
     adam_init,
     adam_update,
     adam_update_,
     adamw_update,
     adamw_update_,
-)
-from zero_functional.functional.compiled import (
-    COMPILE_FASTER_FROM,
-    choose_update,
-    compile_policy,
     compiled_adam_update_,
-    compiled_sgd_update_,
 )
+from zero_functional.functional.compiled import COMPILE_FASTER_FROM, compile_policy
 from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
 from zero_functional.functional.registry import (
     IGNORED_GROUP_KEYS,
@@ -26,22 +21,32 @@ from zero_functional.functional.registry import (
     SUPPORTED,
     FunctionalSpec,
     UpdateKind,
+    choose_update,
     functional_spec,
     group_hyperparams,
     register_optimizer,
     supports_group,
     update_kind,
 )
-from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
+from zero_functional.functional.sgd import (
+    SGDHyper,
+    SGDState,
+    compiled_sgd_update_,
+    sgd_init,
+    sgd_update,
+    sgd_update_,
+)
 
 __all__ = [
     "COMPILE_FASTER_FROM",
     "IGNORED_GROUP_KEYS",
     "OPTIMIZER_KINDS",
     "SUPPORTED",
+    "AdamHyper",
     "AdamState",
     "FunctionalOptimizer",
     "FunctionalSpec",
+    "SGDHyper",
     "SGDState",
     "State",
     "UpdateKind",

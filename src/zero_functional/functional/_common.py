@@ -1,21 +1,18 @@
-"""Shared checks and grouping for the functional optimizers (private)."""
+"""What the functional optimizers share: list checks, (device, dtype) groups, pure from in-place."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 __all__: list[str] = []
 
-FUSED_ADAM_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
-FUSED_ADAM_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
+P = ParamSpec("P")
+S = TypeVar("S", bound=tuple[Sequence[Tensor | None], ...])  # a NamedTuple state of tensor lists
 
 
 def check_lists(
@@ -82,11 +79,6 @@ def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dt
     return groups
 
 
-def fused_adam_supports(t: Tensor) -> bool:
-    """Whether torch's fused Adam kernels take a tensor of this device type and dtype."""
-    return t.device.type in FUSED_ADAM_DEVICE_TYPES and t.dtype in FUSED_ADAM_DTYPES
-
-
 def check_real_number(fn: str, name: str, value: object) -> None:
     """Reject tensors and non-numbers where the update needs a Python number."""
     if isinstance(value, Tensor):
@@ -96,3 +88,58 @@ def check_real_number(fn: str, name: str, value: object) -> None:
         )
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{fn}: {name} must be a float, got {type(value).__name__}")
+
+
+def reject_tensor(name: str, value: object) -> None:
+    """A factory's check: hyperparameters are Python numbers here, not Tensors."""
+    if isinstance(value, Tensor):
+        raise ValueError(
+            f"{name} as a Tensor is not supported by zero_functional; pass a Python float "
+            "(or use the torch.optim optimizer with capturable=True)"
+        )
+
+
+def pure_from_inplace(
+    update_: Callable[Concatenate[Sequence[Tensor], Sequence[Tensor], S, P], None],
+) -> Callable[Concatenate[Sequence[Tensor], Sequence[Tensor], S, P], tuple[list[Tensor], S]]:
+    """The pure twin of an in-place update: ``update_`` run on copies of the params and state.
+
+    The result takes the same arguments, returns ``(new_params, new_state)`` and leaves every
+    argument untouched: bitwise ``update_`` on copies, and no output tensor shares storage with
+    an input tensor (``grads`` are only read).
+
+    Example:
+        >>> import torch
+        >>> from zero_functional.functional import sgd_init, sgd_update_
+        >>> sgd_update = pure_from_inplace(sgd_update_)
+        >>> p = [torch.tensor([1.0])]
+        >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
+        >>> new_p[0], p[0]
+        (tensor([0.]), tensor([1.]))
+    """
+
+    def update(
+        params: Sequence[Tensor], grads: Sequence[Tensor], state: S, *args: P.args, **kw: P.kwargs
+    ) -> tuple[list[Tensor], S]:
+        # a non-tensor goes through as is, for update_ to reject with its message
+        with torch.no_grad():
+            new_params = [p.detach().clone() if isinstance(p, Tensor) else p for p in params]
+            new_state = cast(Callable[..., S], type(state))(
+                *([t.detach().clone() if isinstance(t, Tensor) else t for t in ts] for ts in state)
+            )
+        update_(new_params, grads, new_state, *args, **kw)
+        return new_params, new_state
+
+    name = update_.__name__.removesuffix("_")
+    update.__module__, update.__name__, update.__qualname__ = update_.__module__, name, name
+    update.__doc__ = (
+        f"Pure :func:`{update_.__name__}`: return ``(new_params, new_state)``, leaving every "
+        f"argument untouched.\n\nSame arguments as :func:`{update_.__name__}`; bitwise equal to "
+        "it on copies, and no output tensor shares storage with an input tensor."
+    )
+    signature = inspect.signature(update_)  # for help() and IDEs: update_'s keywords
+    vars(update)["__signature__"] = signature.replace(
+        return_annotation=f"tuple[list[Tensor], {signature.parameters['state'].annotation}]"
+    )
+    # params, grads and state stay nameable (as before), which Concatenate cannot express
+    return update  # type: ignore[return-value]

@@ -1,4 +1,4 @@
-r"""Adam and AdamW, as ``torch.optim.Adam`` / ``torch.optim.AdamW`` compute them.
+r"""Adam and AdamW as ``torch.optim.Adam`` / ``torch.optim.AdamW`` compute them.
 
 With gradient :math:`g_t` (negated when maximizing), step :math:`t`, learning rate
 :math:`\gamma` and weight decay :math:`\lambda`:
@@ -12,36 +12,125 @@ With gradient :math:`g_t` (negated when maximizing), step :math:`t`, learning ra
     \theta_t &\leftarrow \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t}
         \frac{m_t}{\sqrt{\hat v_t}/\sqrt{1 - \beta_2^t} + \epsilon}
 
-Two kernel paths: torch's fused ``_fused_adam_``/``_fused_adamw_`` and the foreach path that is
-operation for operation torch's ``_multi_tensor_adam`` (which on CPU gives the same bits as
-torch's default single-tensor path).
+One record (:class:`AdamHyper`), one state (:class:`AdamState`) and one update
+(:func:`adam_update_`), which runs each (device, dtype) group through one of three kernels: torch's
+fused ``_fused_adam_``/``_fused_adamw_``; the foreach path that is operation for operation
+torch's ``_multi_tensor_adam`` (on CPU the same bits as torch's default single-tensor path); or a
+``torch.compile`` graph (:mod:`~zero_functional.functional.compiled`). The pure update and AdamW
+are derived from it.
+
+Example:
+    The pure update is the in-place one on copies; AdamW is Adam with decoupled decay:
+
+    >>> import torch
+    >>> p = [torch.tensor([1.0])]
+    >>> new_p, new_s = adam_update(p, [torch.tensor([3.0])], adam_init(p), lr=0.1)
+    >>> new_p[0], p[0], new_s.step[0]
+    (tensor([0.9000]), tensor([1.]), tensor(1.))
+    >>> new_p, _ = adamw_update(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)
+    >>> new_p[0]
+    tensor([0.9500])
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from zero_functional.functional import compiled
 from zero_functional.functional._common import (
-    FUSED_ADAM_DEVICE_TYPES,
-    FUSED_ADAM_DTYPES,
     check_lists,
     check_real_number,
-    fused_adam_supports,
     group_indices,
+    pure_from_inplace,
+    reject_tensor,
 )
 
 __all__ = [
+    "ADAMW_DEFAULTS",
+    "ADAM_DEFAULTS",
+    "AdamHyper",
     "AdamState",
     "adam_init",
     "adam_update",
     "adam_update_",
     "adamw_update",
     "adamw_update_",
+    "compiled_adam_update_",
 ]
+
+FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class AdamHyper(NamedTuple):
+    """Adam's hyperparameters, with torch.optim.Adam's defaults: the one list of them.
+
+    The keys of a ``torch.optim.Adam`` param group that change the update, in torch's order;
+    :data:`ADAMW_DEFAULTS` holds torch.optim.AdamW's. Building a record checks nothing (torch
+    checks at construction, not at each step); :meth:`validated` applies torch's checks. A
+    ``NamedTuple``, as the state: every update builds one, and a frozen dataclass costs three
+    times as much (1.9 against 0.6 us).
+
+    Attributes:
+        lr: learning rate.
+        betas: running-average coefficients for the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
+        amsgrad: use the AMSGrad maximum of the second moment.
+        maximize: maximize the objective instead of minimizing it.
+        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
+        fused: ``None``: torch's fused kernels for the groups they take (CPU/CUDA,
+            float16/bfloat16/float32/float64), foreach kernels for the rest; ``False``: always
+            foreach (torch.optim.Adam's default numerics); ``True``: fused, or an error.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0
+    amsgrad: bool = False
+    maximize: bool = False
+    decoupled_weight_decay: bool = False
+    fused: bool | None = None
+
+    def validated(self) -> AdamHyper:
+        """This record with ``betas`` as a tuple, after torch.optim.Adam's checks.
+
+        Raises:
+            ValueError: torch's message for the first invalid value; a Tensor where a float is
+                needed.
+
+        Example:
+            >>> AdamHyper(betas=(1.0, 0.999)).validated()
+            Traceback (most recent call last):
+            ...
+            ValueError: Invalid beta parameter at index 0: 1.0
+        """
+        reject_tensor("lr", self.lr)
+        if not 0.0 <= self.lr:
+            raise ValueError(f"Invalid learning rate: {self.lr}")
+        if not 0.0 <= self.eps:
+            raise ValueError(f"Invalid epsilon value: {self.eps}")
+        beta1, beta2 = self.betas
+        reject_tensor("betas[0]", beta1)
+        reject_tensor("betas[1]", beta2)
+        if not 0.0 <= beta1 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+        if not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+        if not 0.0 <= self.weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {self.weight_decay}")
+        return self._replace(betas=(beta1, beta2))
+
+
+ADAM_DEFAULTS = AdamHyper()
+ADAMW_DEFAULTS = AdamHyper(weight_decay=1e-2, decoupled_weight_decay=True)
+"""torch.optim.AdamW's defaults: Adam's, with decoupled decay of 1e-2."""
 
 
 class AdamState(NamedTuple):
@@ -61,7 +150,7 @@ class AdamState(NamedTuple):
     max_exp_avg_sq: list[Tensor]
 
 
-def adam_init(params: Sequence[Tensor], *, amsgrad: bool = False) -> AdamState:
+def adam_init(params: Sequence[Tensor], *, amsgrad: bool = ADAM_DEFAULTS.amsgrad) -> AdamState:
     """Create zero Adam state for ``params``.
 
     Args:
@@ -89,117 +178,70 @@ def adam_init(params: Sequence[Tensor], *, amsgrad: bool = False) -> AdamState:
     )
 
 
-def _check_state(
-    fn: str, params: Sequence[Tensor], grads: Sequence[Tensor], state: AdamState, amsgrad: bool
-) -> None:
-    lists: dict[str, Sequence[Tensor | None]] = {
-        "step": state.step,
-        "exp_avg": state.exp_avg,
-        "exp_avg_sq": state.exp_avg_sq,
-    }
-    if amsgrad:
-        if not state.max_exp_avg_sq and params:
-            raise ValueError(
-                f"{fn}: amsgrad=True but state.max_exp_avg_sq is empty; create the state with "
-                "adam_init(params, amsgrad=True)"
-            )
-        lists["max_exp_avg_sq"] = state.max_exp_avg_sq
-    check_lists(fn, params, grads, lists)
-
-
-def _foreach_group(
-    ps: list[Tensor],
-    gs: list[Tensor],
-    ms: list[Tensor],
-    vs: list[Tensor],
-    vmaxs: list[Tensor],
-    steps: list[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    decoupled_weight_decay: bool,
-) -> None:
+def _foreach(ps: list[Tensor], gs: list[Tensor], s: AdamState, h: AdamHyper) -> None:
     # Same operations in the same order as torch's _multi_tensor_adam (capturable=False).
+    ms, vs, vmaxs, steps = s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step
+    beta1, beta2 = h.betas
     if torch.is_complex(ps[0]):
         ps, gs, ms, vs = ([torch.view_as_real(t) for t in ts] for ts in (ps, gs, ms, vs))
         vmaxs = [torch.view_as_real(t) for t in vmaxs]
     owned = False
-    if maximize:
+    if h.maximize:
         gs = list(torch._foreach_neg(gs))
         owned = True
     torch._foreach_add_(steps, 1)
-    if weight_decay != 0:
-        if decoupled_weight_decay:
-            torch._foreach_mul_(ps, 1 - lr * weight_decay)
+    if h.weight_decay != 0:
+        if h.decoupled_weight_decay:
+            torch._foreach_mul_(ps, 1 - h.lr * h.weight_decay)
         elif owned:
-            torch._foreach_add_(gs, ps, alpha=weight_decay)
+            torch._foreach_add_(gs, ps, alpha=h.weight_decay)
         else:
-            gs = list(torch._foreach_add(gs, ps, alpha=weight_decay))
+            gs = list(torch._foreach_add(gs, ps, alpha=h.weight_decay))
     torch._foreach_lerp_(ms, gs, 1 - beta1)
     torch._foreach_mul_(vs, beta2)
     torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
     del gs
     # One host sync per group (torch syncs once per param via .item()).
     step_values: list[float] = torch.stack(steps).tolist()
-    bias_correction1 = [1 - beta1**s for s in step_values]
-    bias_correction2 = [1 - beta2**s for s in step_values]
-    step_size = [(lr / bc) * -1 for bc in bias_correction1]
+    bias_correction1 = [1 - beta1**t for t in step_values]
+    bias_correction2 = [1 - beta2**t for t in step_values]
+    step_size = [(h.lr / bc) * -1 for bc in bias_correction1]
     bias_correction2_sqrt = [bc**0.5 for bc in bias_correction2]
-    if amsgrad:
+    if h.amsgrad:
         torch._foreach_maximum_(vmaxs, vs)
         denom = torch._foreach_sqrt(vmaxs)
     else:
         denom = torch._foreach_sqrt(vs)
     torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
+    torch._foreach_add_(denom, h.eps)
     torch._foreach_addcdiv_(ps, ms, denom, step_size)
 
 
-def _fused_group(
-    ps: list[Tensor],
-    gs: list[Tensor],
-    ms: list[Tensor],
-    vs: list[Tensor],
-    vmaxs: list[Tensor],
-    steps: list[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    decoupled_weight_decay: bool,
-) -> None:
-    for i, (p, s) in enumerate(zip(ps, steps)):
-        if s.device != p.device:
+def _fused(ps: list[Tensor], gs: list[Tensor], s: AdamState, h: AdamHyper) -> None:
+    for i, (p, t) in enumerate(zip(ps, s.step)):
+        if t.device != p.device:
             raise RuntimeError(
                 f"fused Adam needs each step tensor on its param's device, but a step is on "
-                f"{s.device} and its param on {p.device} (group entry {i}); build the state "
+                f"{t.device} and its param on {p.device} (group entry {i}); build the state "
                 "with adam_init or state_from_dicts, which place it there"
             )
-    torch._foreach_add_(steps, 1)
-    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    torch._foreach_add_(s.step, 1)
+    kernel = torch._fused_adamw_ if h.decoupled_weight_decay else torch._fused_adam_
+    beta1, beta2 = h.betas
     kernel(
         ps,
         gs,
-        ms,
-        vs,
-        vmaxs if amsgrad else [],
-        steps,
-        amsgrad=amsgrad,
-        lr=lr,
+        s.exp_avg,
+        s.exp_avg_sq,
+        s.max_exp_avg_sq if h.amsgrad else [],
+        s.step,
+        amsgrad=h.amsgrad,
+        lr=h.lr,
         beta1=beta1,
         beta2=beta2,
-        weight_decay=weight_decay,
-        eps=eps,
-        maximize=maximize,
+        weight_decay=h.weight_decay,
+        eps=h.eps,
+        maximize=h.maximize,
         grad_scale=None,
         found_inf=None,
     )
@@ -211,16 +253,17 @@ def adam_update_(
     grads: Sequence[Tensor],
     state: AdamState,
     *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    decoupled_weight_decay: bool = False,
-    fused: bool | None = None,
+    lr: float = ADAM_DEFAULTS.lr,
+    betas: tuple[float, float] = ADAM_DEFAULTS.betas,
+    eps: float = ADAM_DEFAULTS.eps,
+    weight_decay: float = ADAM_DEFAULTS.weight_decay,
+    amsgrad: bool = ADAM_DEFAULTS.amsgrad,
+    maximize: bool = ADAM_DEFAULTS.maximize,
+    decoupled_weight_decay: bool = ADAM_DEFAULTS.decoupled_weight_decay,
+    fused: bool | None = ADAM_DEFAULTS.fused,
+    compile: bool | None = False,
 ) -> None:
-    """Apply one Adam step in place, grouped by (device, dtype).
+    """Apply one Adam step in place, each (device, dtype) group through one kernel.
 
     ``params`` and the state tensors are updated in place; ``grads`` are never modified.
 
@@ -228,21 +271,18 @@ def adam_update_(
         params: parameters, updated in place.
         grads: one gradient per parameter, same shape, dtype and device.
         state: from :func:`adam_init` (or a previous step) for the same params.
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
-        fused: ``None`` uses torch's fused kernels for the groups they support
-            (CPU/CUDA, float16/bfloat16/float32/float64) and foreach kernels for the rest;
-            ``False`` always uses foreach kernels (torch.optim.Adam's default numerics);
-            ``True`` requires the fused kernels.
+        lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused: the
+            :class:`AdamHyper` fields (``fused=True`` wins over ``compile``).
+        compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
+            (compiled on first use of a configuration, reused while values change; numerics
+            and the fallback to eager in :mod:`~zero_functional.functional.compiled`);
+            ``None``: only where :func:`~zero_functional.functional.compile_policy` measured it
+            faster; ``False``: never.
 
     Raises:
         RuntimeError: ``fused=True`` with a param the fused kernels do not support.
         ValueError: when the lists have different lengths or a grad does not match its param.
+        TypeError: when ``lr`` or ``betas`` are not Python numbers.
 
     Example:
         >>> import torch
@@ -251,203 +291,57 @@ def adam_update_(
         >>> adam_update_(p, [torch.tensor([0.5, -0.5])], s, lr=0.1, fused=False)
         >>> p[0], s.step[0]
         (tensor([ 0.9000, -0.9000]), tensor(1.))
+        >>> adam_update_(p, [torch.tensor([0.5, -0.5])], s, lr=0.1, compile=True)
+        >>> p[0], s.step[0]
+        (tensor([ 0.8000, -0.8000]), tensor(2.))
     """
-    _check_state("adam_update_", params, grads, state, amsgrad)
-    check_real_number("adam_update_", "lr", lr)
+    h = AdamHyper(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused)
+    if amsgrad and params and not state.max_exp_avg_sq:
+        raise ValueError(
+            "adam_update_: amsgrad=True but state.max_exp_avg_sq is empty; create the state "
+            "with adam_init(params, amsgrad=True)"
+        )
+    n_lists = 4 if amsgrad else 3
+    check_lists("adam_update_", params, grads, dict(zip(state._fields[:n_lists], state)))
     beta1, beta2 = betas
-    check_real_number("adam_update_", "betas[0]", beta1)
-    check_real_number("adam_update_", "betas[1]", beta2)
-    for (device, dtype), indices in group_indices(params).items():
-        use_fused = fused is not False and fused_adam_supports(params[indices[0]])
+    for name, value in (("lr", lr), ("betas[0]", beta1), ("betas[1]", beta2)):
+        check_real_number("adam_update_", name, value)
+    for (device, dtype), idx in group_indices(params).items():
+        ps, gs = [params[i] for i in idx], [grads[i] for i in idx]
+        s = AdamState(
+            step=[state.step[i] for i in idx],
+            exp_avg=[state.exp_avg[i] for i in idx],
+            exp_avg_sq=[state.exp_avg_sq[i] for i in idx],
+            max_exp_avg_sq=[state.max_exp_avg_sq[i] for i in idx] if amsgrad else [],
+        )
+        # an explicit fused=True wins; a graph that cannot compile falls back to eager
+        if fused is not True and compiled.chosen("adam", compile, ps):
+            if compiled.adam_group(ps, gs, s, h):
+                continue
+        use_fused = (
+            fused is not False and device.type in FUSED_DEVICE_TYPES and dtype in FUSED_DTYPES
+        )
         if fused and not use_fused:
             raise RuntimeError(
-                f"adam_update_(fused=True): params[{indices[0]}] is {dtype} on {device.type}, but "
-                f"torch's fused Adam kernels take device types {list(FUSED_ADAM_DEVICE_TYPES)} "
-                f"and dtypes {[str(d) for d in FUSED_ADAM_DTYPES]}; pass fused=None to use "
+                f"adam_update_(fused=True): params[{idx[0]}] is {dtype} on {device.type}, but "
+                f"torch's fused Adam kernels take device types {list(FUSED_DEVICE_TYPES)} "
+                f"and dtypes {[str(d) for d in FUSED_DTYPES]}; pass fused=None to use "
                 "foreach kernels where fused ones do not apply"
             )
-        group = _fused_group if use_fused else _foreach_group
-        group(
-            [params[i] for i in indices],
-            [grads[i] for i in indices],
-            [state.exp_avg[i] for i in indices],
-            [state.exp_avg_sq[i] for i in indices],
-            [state.max_exp_avg_sq[i] for i in indices] if amsgrad else [],
-            [state.step[i] for i in indices],
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            decoupled_weight_decay=decoupled_weight_decay,
-        )
+        (_fused if use_fused else _foreach)(ps, gs, s, h)
 
 
-def _copy_state(state: AdamState) -> AdamState:
-    with torch.no_grad():
-        return AdamState(*([t.detach().clone() for t in ts] for ts in state))
+adam_update = pure_from_inplace(adam_update_)
 
+adamw_update_ = functools.partial(
+    adam_update_, weight_decay=ADAMW_DEFAULTS.weight_decay, decoupled_weight_decay=True
+)
+adamw_update_.__doc__ = ":func:`adam_update_` with torch.optim.AdamW's decoupled weight decay."
+adamw_update = functools.partial(
+    adam_update, weight_decay=ADAMW_DEFAULTS.weight_decay, decoupled_weight_decay=True
+)
+adamw_update.__doc__ = ":func:`adam_update` with torch.optim.AdamW's decoupled weight decay."
 
-def adam_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    decoupled_weight_decay: bool = False,
-    fused: bool | None = None,
-) -> tuple[list[Tensor], AdamState]:
-    """Pure Adam step: return new params and state, leaving every argument untouched.
-
-    Bitwise equal to :func:`adam_update_` with the same ``fused`` on copies; no output
-    tensor shares storage with an input tensor.
-
-    Args:
-        params: current parameters (not modified).
-        grads: one gradient per parameter.
-        state: current state (not modified).
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
-        fused: kernel choice, as in :func:`adam_update_`.
-
-    Returns:
-        ``(new_params, new_state)``.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> new_p, new_s = adam_update(p, [torch.tensor([3.0])], adam_init(p), lr=0.1)
-        >>> new_p[0], p[0], new_s.step[0]
-        (tensor([0.9000]), tensor([1.]), tensor(1.))
-    """
-    _check_state("adam_update", params, grads, state, amsgrad)
-    with torch.no_grad():
-        new_params = [p.detach().clone() for p in params]
-    new_state = _copy_state(state)
-    adam_update_(
-        new_params,
-        grads,
-        new_state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=decoupled_weight_decay,
-        fused=fused,
-    )
-    return new_params, new_state
-
-
-def adamw_update_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    fused: bool | None = None,
-) -> None:
-    """AdamW step in place: :func:`adam_update_` with decoupled weight decay (default 1e-2).
-
-    Args:
-        params: parameters, updated in place.
-        grads: one gradient per parameter.
-        state: from :func:`adam_init` for the same params.
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: decoupled decay coefficient.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        fused: kernel choice, as in :func:`adam_update_`.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> adamw_update_(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)
-        >>> p[0]
-        tensor([0.9500])
-    """
-    adam_update_(
-        params,
-        grads,
-        state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=True,
-        fused=fused,
-    )
-
-
-def adamw_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    fused: bool | None = None,
-) -> tuple[list[Tensor], AdamState]:
-    """Pure AdamW step: :func:`adam_update` with decoupled weight decay (default 1e-2).
-
-    Args:
-        params: current parameters (not modified).
-        grads: one gradient per parameter.
-        state: current state (not modified).
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: decoupled decay coefficient.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        fused: kernel choice, as in :func:`adam_update_`.
-
-    Returns:
-        ``(new_params, new_state)``.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> new_p, _ = adamw_update(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)
-        >>> new_p[0]
-        tensor([0.9500])
-    """
-    return adam_update(
-        params,
-        grads,
-        state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=True,
-        fused=fused,
-    )
+# compat: the compiled twin's name, from before the kernel was a flag
+compiled_adam_update_ = functools.partial(adam_update_, compile=True)
+compiled_adam_update_.__doc__ = ":func:`adam_update_` with ``compile=True``."

@@ -1,10 +1,9 @@
-r"""Compiled in-place updates: Adam/AdamW and SGD as ``torch.compile(fullgraph=True)`` graphs.
+r"""The compiled kernel: Adam/AdamW and SGD groups as ``torch.compile(fullgraph=True)`` graphs.
 
-:func:`compiled_adam_update_` and :func:`compiled_sgd_update_` take exactly the arguments of
-:func:`~zero_functional.functional.adam_update_` and
-:func:`~zero_functional.functional.sgd_update_`, so a caller can swap one for the other. Each
-(device, dtype) group of params runs as one compiled graph: one fused loop per tensor that reads
-param, grad and state once and writes them once (the foreach path makes a dozen passes).
+What ``adam_update_(..., compile=True)`` and ``sgd_update_(..., compile=True)`` run for a
+(device, dtype) group of params: one compiled graph, one fused loop per tensor that reads param,
+grad and state once and writes them once (the foreach path makes a dozen passes). This module
+holds the graphs, their cache, the fallback to eager and the policy for ``compile=None``.
 
 What the graph sees, and why:
 
@@ -24,9 +23,9 @@ What the graph sees, and why:
   ``momentum != 0``, ``nesterov`` and whether momentum buffers exist yet (SGD); and the device
   and dtype. Shapes and list lengths recompile within a key (automatic dynamic shapes).
 * Only float32 and float64 on CPU and CUDA are compiled; other groups (complex, float16,
-  bfloat16, other devices) run the eager update with the caller's ``fused`` choice.
+  bfloat16, other devices) run the eager kernel of the caller's ``fused`` choice.
 
-Numerics against the eager foreach path (``fused=False``), on CPU:
+Numerics against the eager foreach kernel (``fused=False``), on CPU:
 
 * Step counts are bitwise equal. For float32, SGD's params and momentum buffers and Adam's
   ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` are bitwise equal too: torch's CPU
@@ -43,33 +42,27 @@ Numerics against the eager foreach path (``fused=False``), on CPU:
   and params differ from eager by an ulp now and then (relative 1e-16).
 
 If compilation fails (no C++ compiler, a dynamo or inductor error, too many recompilations),
-the group runs the eager update instead, one ``logging`` warning names the configuration and
+the group runs the eager kernel instead, one ``logging`` warning names the configuration and
 the error, and that configuration is not compiled again in this process.
+
+``compiled_adam_update_``, ``compiled_sgd_update_`` and ``choose_update``, once defined here, are
+still importable from here (:func:`__getattr__`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from zero_functional.functional._common import check_lists, check_real_number, group_indices
-from zero_functional.functional.adam import AdamState, _check_state, adam_update_
-from zero_functional.functional.sgd import SGDState, sgd_update_
+if TYPE_CHECKING:  # annotations only: adam.py and sgd.py import this module
+    from zero_functional.functional.adam import AdamHyper, AdamState
+    from zero_functional.functional.sgd import SGDHyper
 
-__all__ = [
-    "COMPILED_DEVICE_TYPES",
-    "COMPILED_DTYPES",
-    "COMPILE_FASTER_FROM",
-    "choose_update",
-    "compile_policy",
-    "compiled_adam_update_",
-    "compiled_sgd_update_",
-]
+__all__ = ["COMPILED_DEVICE_TYPES", "COMPILED_DTYPES", "COMPILE_FASTER_FROM", "compile_policy"]
 
 COMPILED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 COMPILED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
@@ -79,10 +72,6 @@ _log = logging.getLogger(__name__)
 # cache key -> compiled graph; cache key -> why its compilation failed (never retried)
 _GRAPHS: dict[tuple[object, ...], Callable[..., list[Tensor]]] = {}
 _FAILED: dict[tuple[object, ...], str] = {}
-
-
-class _Decide(Protocol):
-    def __call__(self, name: str, device_type: str, dtype: torch.dtype, numel: int) -> bool: ...
 
 
 COMPILE_FASTER_FROM: dict[tuple[str, str, torch.dtype], int] = {}
@@ -131,10 +120,6 @@ def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) 
     return least is not None and numel >= least
 
 
-def _always(name: str, device_type: str, dtype: torch.dtype, numel: int) -> bool:
-    return True
-
-
 def _compile(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
     """One compiled region per cache key: its recompilations do not count against another's."""
     # torch 2.13's overloads of torch.compile do not list isolate_recompiles yet
@@ -160,12 +145,14 @@ def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return torch.addcmul(c, a, b)
 
 
-def _chosen(
-    kind: str, device: torch.device, dtype: torch.dtype, numel: int, decide: _Decide
-) -> bool:
-    """Whether a group runs compiled: ``decide`` wants it and the graphs take it (a request
-    they cannot meet warns once); a group with no elements has nothing to gain."""
-    if numel == 0 or not decide(kind, device.type, dtype, numel):
+def chosen(kind: str, compile: bool | None, ps: Sequence[Tensor]) -> bool:
+    """Whether a group runs compiled: ``compile`` asks for it (``None``: where
+    :func:`compile_policy` says) and the graphs take it (a request they cannot meet warns
+    once); a group with no elements has nothing to gain."""
+    if compile is False:
+        return False
+    device, dtype, numel = ps[0].device, ps[0].dtype, sum(p.numel() for p in ps)
+    if numel == 0 or (compile is None and not compile_policy(kind, device.type, dtype, numel)):
         return False
     if device.type in COMPILED_DEVICE_TYPES and dtype in COMPILED_DTYPES:
         return True
@@ -265,173 +252,30 @@ def _adam_graph(
     return []
 
 
-def _adam_group(
-    ps: list[Tensor],
-    gs: list[Tensor],
-    state: AdamState,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    decoupled_weight_decay: bool,
-) -> bool:
+def adam_group(ps: list[Tensor], gs: list[Tensor], state: AdamState, h: AdamHyper) -> bool:
     """One (device, dtype) group through the compiled graph; ``False`` if it cannot compile."""
     p0 = ps[0]
-    steps = state.step
+    beta1, beta2 = h.betas
     # the step counts after this update, as the eager path reads them: float32 + 1, then floats
-    new_steps: list[float] = (torch.stack(steps) + 1).tolist()
-    shared = [1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay]
+    new_steps: list[float] = (torch.stack(state.step) + 1).tolist()
+    shared = [1 - beta1, beta2, 1 - beta2, h.eps, h.weight_decay, 1 - h.lr * h.weight_decay]
     coefs = _coefficients(
-        [[*shared, (lr / (1 - beta1**s)) * -1, (1 - beta2**s) ** 0.5] for s in new_steps], p0
+        [[*shared, (h.lr / (1 - beta1**s)) * -1, (1 - beta2**s) ** 0.5] for s in new_steps], p0
     )
     # torch's lerp tests the weight as the kernel holds it (a CPU tensor: no device sync)
     lerp_small_weight = abs(float(torch.tensor(1 - beta1, dtype=p0.dtype))) < 0.5
     flags = {
-        "amsgrad": amsgrad,
-        "maximize": maximize,
-        "with_weight_decay": weight_decay != 0,
-        "decoupled_weight_decay": decoupled_weight_decay,
+        "amsgrad": h.amsgrad,
+        "maximize": h.maximize,
+        "with_weight_decay": h.weight_decay != 0,
+        "decoupled_weight_decay": h.decoupled_weight_decay,
         "lerp_small_weight": lerp_small_weight,
     }
     args = (ps, gs, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, coefs)
     if _run("adam", _adam_graph, args, p0, flags) is None:
         return False
-    torch._foreach_add_(steps, 1)
+    torch._foreach_add_(state.step, 1)
     return True
-
-
-@torch.no_grad()
-def _adam(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    decoupled_weight_decay: bool = False,
-    fused: bool | None = None,
-    decide: _Decide = _always,
-) -> None:
-    fn = "compiled_adam_update_"
-    _check_state(fn, params, grads, state, amsgrad)
-    check_real_number(fn, "lr", lr)
-    beta1, beta2 = betas
-    check_real_number(fn, "betas[0]", beta1)
-    check_real_number(fn, "betas[1]", beta2)
-    for (device, dtype), indices in group_indices(params).items():
-        ps = [params[i] for i in indices]
-        gs = [grads[i] for i in indices]
-        sub = AdamState(
-            step=[state.step[i] for i in indices],
-            exp_avg=[state.exp_avg[i] for i in indices],
-            exp_avg_sq=[state.exp_avg_sq[i] for i in indices],
-            max_exp_avg_sq=[state.max_exp_avg_sq[i] for i in indices] if amsgrad else [],
-        )
-        if (
-            fused is not True
-            and _chosen("adam", device, dtype, sum(p.numel() for p in ps), decide)
-            and _adam_group(
-                ps,
-                gs,
-                sub,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=eps,
-                weight_decay=weight_decay,
-                amsgrad=amsgrad,
-                maximize=maximize,
-                decoupled_weight_decay=decoupled_weight_decay,
-            )
-        ):
-            continue
-        adam_update_(
-            ps,
-            gs,
-            sub,
-            lr=lr,
-            betas=(beta1, beta2),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            decoupled_weight_decay=decoupled_weight_decay,
-            fused=fused,
-        )
-
-
-@torch.no_grad()
-def compiled_adam_update_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: AdamState,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    decoupled_weight_decay: bool = False,
-    fused: bool | None = None,
-) -> None:
-    """:func:`~zero_functional.functional.adam_update_` as compiled graphs, one per group.
-
-    Same arguments and in-place effects (``grads`` are never modified); float32/float64 groups
-    on CPU/CUDA run a ``torch.compile(fullgraph=True)`` graph, compiled on first use of each
-    configuration (seconds to tens of seconds) and reused while hyperparameter values change.
-    Numerics: see the module docstring.
-
-    Args:
-        params: parameters, updated in place.
-        grads: one gradient per parameter, same shape, dtype and device.
-        state: from :func:`~zero_functional.functional.adam_init` for the same params.
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
-        fused: ``True`` runs torch's fused kernels and compiles nothing (an explicit request
-            for them wins); otherwise the kernel choice of
-            :func:`~zero_functional.functional.adam_update_` for groups that are not compiled
-            (unsupported dtype or device, or compilation failed).
-
-    Raises:
-        ValueError: when the lists have different lengths or a grad does not match its param.
-
-    Example:
-        >>> import torch
-        >>> from zero_functional.functional import adam_init
-        >>> p = [torch.tensor([1.0, -1.0])]
-        >>> s = adam_init(p)
-        >>> compiled_adam_update_(p, [torch.tensor([0.5, -0.5])], s, lr=0.1)
-        >>> p[0], s.step[0]
-        (tensor([ 0.9000, -0.9000]), tensor(1.))
-    """
-    _adam(
-        params,
-        grads,
-        state,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=decoupled_weight_decay,
-        fused=fused,
-        decide=_always,
-    )
 
 
 # ----------------------------------------------------------------------------- SGD
@@ -469,30 +313,20 @@ def _sgd_graph(
     return born
 
 
-def _sgd_group(
-    ps: list[Tensor],
-    gs: list[Tensor],
-    bufs: list[Tensor | None],
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-) -> bool:
-    """One group (all buffers present, or all absent) through the compiled graph."""
+def sgd_group(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: SGDHyper) -> bool:
+    """One group (all buffers present, or all absent) through the compiled graph; a new
+    buffer is put in ``bufs``; ``False`` if it cannot compile."""
     p0 = ps[0]
-    first_step = momentum != 0 and bufs[0] is None
-    coefs = _coefficients([[weight_decay, momentum, 1 - dampening, -lr]] * len(ps), p0)
+    first_step = h.momentum != 0 and bufs[0] is None
+    coefs = _coefficients([[h.weight_decay, h.momentum, 1 - h.dampening, -h.lr]] * len(ps), p0)
     flags = {
-        "maximize": maximize,
-        "with_weight_decay": weight_decay != 0,
-        "with_momentum": momentum != 0,
-        "nesterov": nesterov,
+        "maximize": h.maximize,
+        "with_weight_decay": h.weight_decay != 0,
+        "with_momentum": h.momentum != 0,
+        "nesterov": h.nesterov,
         "first_step": first_step,
     }
-    present = [] if first_step or momentum == 0 else [b for b in bufs if b is not None]
+    present = [] if first_step or h.momentum == 0 else [b for b in bufs if b is not None]
     born = _run("sgd", _sgd_graph, (ps, gs, present, coefs), p0, flags)
     if born is None:
         return False
@@ -501,164 +335,13 @@ def _sgd_group(
     return True
 
 
-@torch.no_grad()
-def _sgd(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: SGDState,
-    *,
-    lr: float = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-    decide: _Decide = _always,
-) -> None:
-    fn = "compiled_sgd_update_"
-    check_lists(fn, params, grads, {"momentum_buffer": state.momentum_buffer})
-    check_real_number(fn, "lr", lr)
-    all_bufs = state.momentum_buffer
-    for (device, dtype), indices in group_indices(params).items():
-        numel = sum(params[i].numel() for i in indices)
-        compile_group = _chosen("sgd", device, dtype, numel, decide)
-        # torch makes buffers at a param's first step: those with and those without one yet
-        # are two graphs (a group normally has all or none)
-        parts = [[i for i in indices if all_bufs[i] is not None]]
-        parts.append([i for i in indices if all_bufs[i] is None])
-        for part in parts if momentum != 0 else [indices]:
-            if not part:
-                continue
-            ps = [params[i] for i in part]
-            gs = [grads[i] for i in part]
-            bufs = [all_bufs[i] for i in part]
-            if not (
-                compile_group
-                and _sgd_group(
-                    ps,
-                    gs,
-                    bufs,
-                    lr=lr,
-                    momentum=momentum,
-                    dampening=dampening,
-                    weight_decay=weight_decay,
-                    nesterov=nesterov,
-                    maximize=maximize,
-                )
-            ):
-                sgd_update_(
-                    ps,
-                    gs,
-                    SGDState(momentum_buffer=bufs),
-                    lr=lr,
-                    momentum=momentum,
-                    dampening=dampening,
-                    weight_decay=weight_decay,
-                    nesterov=nesterov,
-                    maximize=maximize,
-                )
-            for i, b in zip(part, bufs):
-                all_bufs[i] = b
+_MOVED = {"compiled_adam_update_", "compiled_sgd_update_", "choose_update"}
 
 
-@torch.no_grad()
-def compiled_sgd_update_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: SGDState,
-    *,
-    lr: float = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-) -> None:
-    """:func:`~zero_functional.functional.sgd_update_` as compiled graphs, one per group.
+def __getattr__(name: str) -> object:
+    """compat: the names that moved to the package, where the kernel became a flag."""
+    if name in _MOVED:
+        from zero_functional import functional
 
-    Same arguments and in-place effects (a ``None`` buffer is replaced inside
-    ``state.momentum_buffer``; ``grads`` are never modified). Numerics: see the module
-    docstring (float32 bitwise equal to the eager update on CPU).
-
-    Args:
-        params: parameters, updated in place.
-        grads: one gradient per parameter, same shape, dtype and device.
-        state: from :func:`~zero_functional.functional.sgd_init` for the same params.
-        lr: learning rate.
-        momentum: momentum factor; 0 disables the buffer.
-        dampening: dampening for momentum.
-        weight_decay: L2 penalty added to the gradient.
-        nesterov: use Nesterov momentum.
-        maximize: maximize the objective instead of minimizing it.
-
-    Raises:
-        ValueError: when the lists have different lengths or a grad does not match its param.
-
-    Example:
-        >>> import torch
-        >>> from zero_functional.functional import sgd_init
-        >>> p = [torch.tensor([1.0, 2.0])]
-        >>> state = sgd_init(p)
-        >>> compiled_sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.5, momentum=0.9)
-        >>> p[0], state.momentum_buffer[0]
-        (tensor([0.5000, 1.5000]), tensor([1., 1.]))
-    """
-    _sgd(
-        params,
-        grads,
-        state,
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
-        nesterov=nesterov,
-        maximize=maximize,
-        decide=_always,
-    )
-
-
-# ----------------------------------------------------------------------------- choice
-
-# compile=None: the same graphs, compiled where compile_policy says they are faster
-_UPDATES: dict[tuple[str, bool | None], Callable[..., None]] = {
-    ("sgd", False): sgd_update_,
-    ("sgd", True): compiled_sgd_update_,
-    ("sgd", None): functools.partial(_sgd, decide=compile_policy),
-    ("adam", False): adam_update_,
-    ("adam", True): compiled_adam_update_,
-    ("adam", None): functools.partial(_adam, decide=compile_policy),
-}
-
-
-def choose_update(
-    name: Literal["sgd", "adam", "adamw"], *, compile: bool | None = None
-) -> Callable[..., None]:
-    """The in-place update for a functional spec's ``name``, compiled or not.
-
-    The shell calls the result as ``update_(params, grads, state, **group_hyperparams)``; for
-    ``"adam"`` and ``"adamw"`` it takes :func:`~zero_functional.functional.adam_update_`'s
-    arguments (AdamW passes ``decoupled_weight_decay=True``), as the registry's specs do.
-    Nothing is compiled until the returned function first runs.
-
-    Args:
-        name: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``FunctionalSpec.name``).
-        compile: ``True``: the compiled update everywhere it applies; ``False``: the eager
-            update; ``None``: compiled only for groups where :func:`compile_policy` says it is
-            faster.
-
-    Returns:
-        A function with the signature of ``sgd_update_`` or ``adam_update_``.
-
-    Raises:
-        ValueError: an unknown ``name``.
-
-    Example:
-        >>> choose_update("adamw", compile=True) is compiled_adam_update_
-        True
-        >>> choose_update("sgd", compile=False).__name__
-        'sgd_update_'
-    """
-    kind = "adam" if name == "adamw" else name
-    if (kind, compile) not in _UPDATES:
-        raise ValueError(f"choose_update: unknown optimizer {name!r}; expected sgd, adam or adamw")
-    return _UPDATES[(kind, compile)]
+        return getattr(functional, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,9 @@
-"""Optimizer factories: torch.optim's keywords, validated, bound into a ``FunctionalOptimizer``."""
+"""Optimizer factories: torch.optim's keywords, validated by the record, bound to the updates."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -9,8 +11,23 @@ from typing import Union
 
 from torch import Tensor
 
-from zero_functional.functional.adam import AdamState, adam_init, adam_update, adam_update_
-from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update, sgd_update_
+from zero_functional.functional.adam import (
+    ADAM_DEFAULTS,
+    ADAMW_DEFAULTS,
+    AdamHyper,
+    AdamState,
+    adam_init,
+    adam_update,
+    adam_update_,
+)
+from zero_functional.functional.sgd import (
+    SGD_DEFAULTS,
+    SGDHyper,
+    SGDState,
+    sgd_init,
+    sgd_update,
+    sgd_update_,
+)
 
 __all__ = ["FunctionalOptimizer", "State", "adam", "adamw", "sgd"]
 
@@ -23,7 +40,7 @@ class FunctionalOptimizer:
 
     Attributes:
         name: ``"sgd"``, ``"adam"`` or ``"adamw"``.
-        hyperparams: the validated keywords (read-only mapping), torch.optim's names.
+        hyperparams: the validated record's fields (read-only mapping), torch.optim's names.
         init: ``init(params) -> state``.
         update: pure ``update(params, grads, state) -> (new_params, new_state)``.
         update_: in-place ``update_(params, grads, state) -> None``.
@@ -40,55 +57,54 @@ class FunctionalOptimizer:
             raise ValueError(f"unknown optimizer name {self.name!r}; expected sgd, adam or adamw")
 
 
-def _reject_unknown(factory: str, unknown: Mapping[str, object], accepted: Sequence[str]) -> None:
+def _reject_unknown(
+    factory: Callable[..., FunctionalOptimizer], name: str, unknown: Mapping[str, object]
+) -> None:
     if unknown:
+        accepted = [
+            k for k, p in inspect.signature(factory).parameters.items() if p.kind is p.KEYWORD_ONLY
+        ]
         raise TypeError(
-            f"{factory}() got unknown keyword(s) {sorted(unknown)}; accepted keywords: "
+            f"{name}() got unknown keyword(s) {sorted(unknown)}; accepted keywords: "
             f"{', '.join(accepted)}"
         )
 
 
-def _reject_tensor(name: str, value: object) -> None:
-    if isinstance(value, Tensor):
-        raise ValueError(
-            f"{name} as a Tensor is not supported by zero_functional; pass a Python float "
-            "(or use the torch.optim optimizer with capturable=True)"
-        )
+def _bind(
+    name: str,
+    hyper: SGDHyper | AdamHyper,
+    init: Callable[[Sequence[Tensor]], State],
+    update: Callable[..., tuple[list[Tensor], State]],
+    update_: Callable[..., None],
+) -> FunctionalOptimizer:
+    """The optimizer whose update and update_ take ``hyper``'s fields as keywords."""
+    kw = hyper._asdict()
+    state_type = SGDState if isinstance(hyper, SGDHyper) else AdamState
 
+    def checked(fn: str, state: State) -> State:
+        if not isinstance(state, state_type):
+            raise TypeError(
+                f"{name}.{fn}: expected an {state_type.__name__}, got {type(state).__name__}"
+            )
+        return state
 
-def _sgd_state(fn: str, state: State) -> SGDState:
-    if not isinstance(state, SGDState):
-        raise TypeError(f"{fn}: expected an SGDState, got {type(state).__name__}")
-    return state
-
-
-def _adam_state(fn: str, state: State) -> AdamState:
-    if not isinstance(state, AdamState):
-        raise TypeError(f"{fn}: expected an AdamState, got {type(state).__name__}")
-    return state
-
-
-_SGD_KEYS = (
-    "lr",
-    "momentum",
-    "dampening",
-    "weight_decay",
-    "nesterov",
-    "maximize",
-    "foreach",
-    "differentiable",
-    "fused",
-)
+    return FunctionalOptimizer(
+        name,
+        MappingProxyType(kw),
+        init,
+        lambda params, grads, state: update(params, grads, checked("update", state), **kw),
+        lambda params, grads, state: update_(params, grads, checked("update_", state), **kw),
+    )
 
 
 def sgd(
     *,
-    lr: float = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
+    lr: float = SGD_DEFAULTS.lr,
+    momentum: float = SGD_DEFAULTS.momentum,
+    dampening: float = SGD_DEFAULTS.dampening,
+    weight_decay: float = SGD_DEFAULTS.weight_decay,
+    nesterov: bool = SGD_DEFAULTS.nesterov,
+    maximize: bool = SGD_DEFAULTS.maximize,
     foreach: bool | None = None,
     differentiable: bool = False,
     fused: bool | None = None,
@@ -97,12 +113,8 @@ def sgd(
     """SGD with torch.optim.SGD's keywords, defaults and validation messages.
 
     Args:
-        lr: learning rate.
-        momentum: momentum factor.
-        dampening: dampening for momentum.
-        weight_decay: L2 penalty.
-        nesterov: Nesterov momentum (needs momentum > 0 and zero dampening).
-        maximize: maximize the objective.
+        lr, momentum, dampening, weight_decay, nesterov, maximize: the :class:`SGDHyper`
+            fields.
         foreach: accepted and ignored (foreach kernels are always used).
         differentiable: only False is supported.
         fused: only None/False (fused SGD is not implemented here).
@@ -128,17 +140,8 @@ def sgd(
         ...
         ValueError: Invalid learning rate: -1.0
     """
-    _reject_unknown("sgd", unknown, _SGD_KEYS)
-    _reject_tensor("lr", lr)
-    _reject_tensor("weight_decay", weight_decay)
-    if lr < 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if momentum < 0.0:
-        raise ValueError(f"Invalid momentum value: {momentum}")
-    if weight_decay < 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    _reject_unknown(sgd, "sgd", unknown)
+    hyper = SGDHyper(lr, momentum, dampening, weight_decay, nesterov, maximize).validated()
     if differentiable:
         raise ValueError("differentiable=True is not supported by zero_functional's sgd")
     if fused:
@@ -146,187 +149,38 @@ def sgd(
             "fused=True is not implemented by zero_functional's sgd; pass fused=None "
             "(foreach kernels) or use torch.optim.SGD(fused=True)"
         )
-    hp: dict[str, object] = {
-        "lr": lr,
-        "momentum": momentum,
-        "dampening": dampening,
-        "weight_decay": weight_decay,
-        "nesterov": nesterov,
-        "maximize": maximize,
-    }
-
-    def init(params: Sequence[Tensor]) -> State:
-        return sgd_init(params, momentum=momentum)
-
-    def update(
-        params: Sequence[Tensor], grads: Sequence[Tensor], state: State
-    ) -> tuple[list[Tensor], State]:
-        return sgd_update(
-            params,
-            grads,
-            _sgd_state("sgd.update", state),
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-        )
-
-    def update_(params: Sequence[Tensor], grads: Sequence[Tensor], state: State) -> None:
-        sgd_update_(
-            params,
-            grads,
-            _sgd_state("sgd.update_", state),
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-        )
-
-    return FunctionalOptimizer("sgd", MappingProxyType(hp), init, update, update_)
-
-
-_ADAM_KEYS = (
-    "lr",
-    "betas",
-    "eps",
-    "weight_decay",
-    "amsgrad",
-    "maximize",
-    "foreach",
-    "capturable",
-    "differentiable",
-    "fused",
-    "decoupled_weight_decay",
-)
-
-
-def _adam_factory(
-    name: str,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    foreach: bool | None,
-    capturable: bool,
-    differentiable: bool,
-    fused: bool | None,
-    decoupled_weight_decay: bool,
-) -> FunctionalOptimizer:
-    _reject_tensor("lr", lr)
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    beta1, beta2 = betas
-    _reject_tensor("betas[0]", beta1)
-    _reject_tensor("betas[1]", beta2)
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if capturable:
-        raise ValueError(
-            f"capturable=True is not supported by zero_functional's {name}; "
-            "use the torch.optim optimizer"
-        )
-    if differentiable:
-        raise ValueError(
-            f"differentiable=True is not supported by zero_functional's {name}; "
-            "use the torch.optim optimizer"
-        )
-    if fused and foreach:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    hp: dict[str, object] = {
-        "lr": lr,
-        "betas": (beta1, beta2),
-        "eps": eps,
-        "weight_decay": weight_decay,
-        "amsgrad": amsgrad,
-        "maximize": maximize,
-        "decoupled_weight_decay": decoupled_weight_decay,
-        "fused": fused,
-    }
-
-    def init(params: Sequence[Tensor]) -> State:
-        return adam_init(params, amsgrad=amsgrad)
-
-    def update(
-        params: Sequence[Tensor], grads: Sequence[Tensor], state: State
-    ) -> tuple[list[Tensor], State]:
-        return adam_update(
-            params,
-            grads,
-            _adam_state(f"{name}.update", state),
-            lr=lr,
-            betas=(beta1, beta2),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            decoupled_weight_decay=decoupled_weight_decay,
-            fused=fused,
-        )
-
-    def update_(params: Sequence[Tensor], grads: Sequence[Tensor], state: State) -> None:
-        adam_update_(
-            params,
-            grads,
-            _adam_state(f"{name}.update_", state),
-            lr=lr,
-            betas=(beta1, beta2),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            decoupled_weight_decay=decoupled_weight_decay,
-            fused=fused,
-        )
-
-    return FunctionalOptimizer(name, MappingProxyType(hp), init, update, update_)
+    init = functools.partial(sgd_init, momentum=momentum)
+    return _bind("sgd", hyper, init, sgd_update, sgd_update_)
 
 
 def adam(
     *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    amsgrad: bool = False,
-    maximize: bool = False,
+    lr: float = ADAM_DEFAULTS.lr,
+    betas: tuple[float, float] = ADAM_DEFAULTS.betas,
+    eps: float = ADAM_DEFAULTS.eps,
+    weight_decay: float = ADAM_DEFAULTS.weight_decay,
+    amsgrad: bool = ADAM_DEFAULTS.amsgrad,
+    maximize: bool = ADAM_DEFAULTS.maximize,
     foreach: bool | None = None,
     capturable: bool = False,
     differentiable: bool = False,
-    fused: bool | None = None,
-    decoupled_weight_decay: bool = False,
+    fused: bool | None = ADAM_DEFAULTS.fused,
+    decoupled_weight_decay: bool = ADAM_DEFAULTS.decoupled_weight_decay,
     **unknown: object,
 ) -> FunctionalOptimizer:
-    """Adam with torch.optim.Adam's keywords, defaults and validation messages.
+    """Adam (AdamW with ``decoupled_weight_decay``) with torch.optim.Adam's keywords, defaults
+    and validation messages.
 
     Args:
-        lr: learning rate.
-        betas: running-average coefficients.
-        eps: added to the denominator.
-        weight_decay: L2 penalty (decoupled when ``decoupled_weight_decay``).
-        amsgrad: AMSGrad variant.
-        maximize: maximize the objective.
+        lr, betas, eps, weight_decay, amsgrad, maximize, fused, decoupled_weight_decay: the
+            :class:`AdamHyper` fields.
         foreach: accepted and ignored.
         capturable: only False is supported.
         differentiable: only False is supported.
-        fused: kernel choice, see :func:`adam_update_`.
-        decoupled_weight_decay: behave as AdamW.
         **unknown: rejected.
 
     Returns:
-        The bound ``FunctionalOptimizer``.
+        The bound ``FunctionalOptimizer``, named ``"adamw"`` with decoupled decay.
 
     Raises:
         ValueError: invalid values, with torch's messages.
@@ -343,77 +197,28 @@ def adam(
         Traceback (most recent call last):
         ...
         ValueError: Invalid beta parameter at index 0: 1.0
-    """
-    _reject_unknown("adam", unknown, _ADAM_KEYS)
-    return _adam_factory(
-        "adamw" if decoupled_weight_decay else "adam",
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        foreach=foreach,
-        capturable=capturable,
-        differentiable=differentiable,
-        fused=fused,
-        decoupled_weight_decay=decoupled_weight_decay,
-    )
-
-
-def adamw(
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    foreach: bool | None = None,
-    capturable: bool = False,
-    differentiable: bool = False,
-    fused: bool | None = None,
-    **unknown: object,
-) -> FunctionalOptimizer:
-    """AdamW with torch.optim.AdamW's keywords and defaults (``weight_decay=1e-2``).
-
-    Args:
-        lr: learning rate.
-        betas: running-average coefficients.
-        eps: added to the denominator.
-        weight_decay: decoupled decay coefficient.
-        amsgrad: AMSGrad variant.
-        maximize: maximize the objective.
-        foreach: accepted and ignored.
-        capturable: only False is supported.
-        differentiable: only False is supported.
-        fused: kernel choice, see :func:`adam_update_`.
-        **unknown: rejected.
-
-    Returns:
-        The bound ``FunctionalOptimizer``.
-
-    Raises:
-        ValueError: invalid values, with torch's messages.
-        TypeError: unknown keywords.
-
-    Example:
-        >>> opt = adamw(lr=0.1)
+        >>> opt = adamw(lr=0.1)  # adam with torch.optim.AdamW's defaults
         >>> opt.name, opt.hyperparams["weight_decay"], opt.hyperparams["decoupled_weight_decay"]
         ('adamw', 0.01, True)
     """
-    _reject_unknown("adamw", unknown, [k for k in _ADAM_KEYS if k != "decoupled_weight_decay"])
-    return _adam_factory(
-        "adamw",
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        foreach=foreach,
-        capturable=capturable,
-        differentiable=differentiable,
-        fused=fused,
-        decoupled_weight_decay=True,
-    )
+    name = "adamw" if decoupled_weight_decay else "adam"
+    _reject_unknown(adam, name, unknown)
+    hyper = AdamHyper(
+        lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused
+    ).validated()
+    for option, value in (("capturable", capturable), ("differentiable", differentiable)):
+        if value:
+            raise ValueError(
+                f"{option}=True is not supported by zero_functional's {name}; "
+                "use the torch.optim optimizer"
+            )
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    init = functools.partial(adam_init, amsgrad=amsgrad)
+    return _bind(name, hyper, init, adam_update, adam_update_)
+
+
+adamw = functools.partial(
+    adam, weight_decay=ADAMW_DEFAULTS.weight_decay, decoupled_weight_decay=True
+)
+adamw.__doc__ = ":func:`adam` with torch.optim.AdamW's defaults (decoupled decay of 1e-2)."

@@ -1,4 +1,4 @@
-"""Registry: torch.optim classes -> the functional core that reproduces them.
+"""Registry: what the core knows of each torch.optim class (its functional spec, how it updates).
 
 The stateful shell reads a param group, asks :func:`supports_group` whether the core implements
 every option with torch's semantics, picks the keys with :func:`group_hyperparams` and calls
@@ -8,6 +8,7 @@ the spec's ``init``/``update_`` with them; state crosses to and from torch's for
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,9 +17,22 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from zero_functional.functional.adam import AdamState, adam_init, adam_update_
+from zero_functional.functional.adam import (
+    ADAM_DEFAULTS,
+    ADAMW_DEFAULTS,
+    AdamState,
+    adam_init,
+    adam_update_,
+    compiled_adam_update_,
+)
 from zero_functional.functional.factories import State
-from zero_functional.functional.sgd import SGDState, sgd_init, sgd_update_
+from zero_functional.functional.sgd import (
+    SGD_DEFAULTS,
+    SGDState,
+    compiled_sgd_update_,
+    sgd_init,
+    sgd_update_,
+)
 
 __all__ = [
     "IGNORED_GROUP_KEYS",
@@ -26,6 +40,7 @@ __all__ = [
     "SUPPORTED",
     "FunctionalSpec",
     "UpdateKind",
+    "choose_update",
     "functional_spec",
     "group_hyperparams",
     "register_optimizer",
@@ -90,24 +105,14 @@ class FunctionalSpec:
             >>> spec.state_to_dicts(SGDState([None, torch.ones(1)]))
             [{}, {'momentum_buffer': tensor([1.])}]
         """
-        if isinstance(state, SGDState):
-            if self.name != "sgd":
-                raise TypeError(f"spec {self.name!r} got an SGDState")
-            return [{} if b is None else {"momentum_buffer": b} for b in state.momentum_buffer]
-        if self.name == "sgd":
-            raise TypeError("spec 'sgd' got an AdamState")
-        amsgrad = bool(state.max_exp_avg_sq)
-        out: list[dict[str, Tensor]] = []
-        for i in range(len(state.step)):
-            d = {
-                "step": state.step[i],
-                "exp_avg": state.exp_avg[i],
-                "exp_avg_sq": state.exp_avg_sq[i],
-            }
-            if amsgrad:
-                d["max_exp_avg_sq"] = state.max_exp_avg_sq[i]
-            out.append(d)
-        return out
+        if isinstance(state, SGDState) != (self.name == "sgd"):
+            raise TypeError(f"spec {self.name!r} got an {type(state).__name__}")
+        # empty lists (max_exp_avg_sq without amsgrad) and None buffers are not torch's keys
+        lists: tuple[Sequence[Tensor | None], ...] = state
+        return [
+            {k: t for k, ts in zip(state._fields, lists) if ts and (t := ts[i]) is not None}
+            for i in range(len(lists[0]))
+        ]
 
     def state_from_dicts(
         self, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], **hyper: object
@@ -149,18 +154,11 @@ class FunctionalSpec:
         amsgrad = bool(hyper.get("amsgrad", False))
         # Allocate fresh state only where a dict is empty: this runs on every step of the shell.
         empty = [i for i, d in enumerate(dicts) if not d]
-        init = adam_init([params[i] for i in empty], amsgrad=amsgrad)
-        born = {i: j for j, i in enumerate(empty)}
+        fresh = self.state_to_dicts(adam_init([params[i] for i in empty], amsgrad=amsgrad))
+        born = dict(zip(empty, fresh))
         out = AdamState(step=[], exp_avg=[], exp_avg_sq=[], max_exp_avg_sq=[])
         for i, (d, p) in enumerate(zip(dicts, params)):
-            if not d:
-                j = born[i]
-                out.step.append(init.step[j])
-                out.exp_avg.append(init.exp_avg[j])
-                out.exp_avg_sq.append(init.exp_avg_sq[j])
-                if amsgrad:
-                    out.max_exp_avg_sq.append(init.max_exp_avg_sq[j])
-                continue
+            d = d or born[i]
             step = d["step"]
             if not isinstance(step, Tensor):
                 step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
@@ -180,31 +178,6 @@ class FunctionalSpec:
         return out
 
 
-_SGD_DEFAULTS: dict[str, object] = {
-    "lr": 1e-3,
-    "momentum": 0,
-    "dampening": 0,
-    "weight_decay": 0,
-    "nesterov": False,
-    "maximize": False,
-}
-_ADAM_DEFAULTS: dict[str, object] = {
-    "lr": 1e-3,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
-    "weight_decay": 0,
-    "amsgrad": False,
-    "maximize": False,
-    "decoupled_weight_decay": False,
-    "fused": None,
-}
-_ADAMW_DEFAULTS: dict[str, object] = {
-    **_ADAM_DEFAULTS,
-    "weight_decay": 1e-2,
-    "decoupled_weight_decay": True,
-}
-
-
 def _sgd_init(params: Sequence[Tensor], **hyper: object) -> State:
     return sgd_init(params)
 
@@ -213,33 +186,14 @@ def _adam_init(params: Sequence[Tensor], **hyper: object) -> State:
     return adam_init(params, amsgrad=bool(hyper.get("amsgrad", False)))
 
 
-_SGD_SPEC = FunctionalSpec(
-    name="sgd",
-    defaults=_SGD_DEFAULTS,
-    init=_sgd_init,
-    update_=sgd_update_,
-)
-_ADAM_SPEC = FunctionalSpec(
-    name="adam",
-    defaults=_ADAM_DEFAULTS,
-    init=_adam_init,
-    update_=adam_update_,
-)
-# AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
-# the update reads decoupled_weight_decay from the group like Adam's does.
-_ADAMW_SPEC = FunctionalSpec(
-    name="adamw",
-    defaults=_ADAMW_DEFAULTS,
-    init=_adam_init,
-    update_=adam_update_,
-)
-
-SUPPORTED: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _SPECS: dict[type, FunctionalSpec] = {
-    torch.optim.SGD: _SGD_SPEC,
-    torch.optim.Adam: _ADAM_SPEC,
-    torch.optim.AdamW: _ADAMW_SPEC,
+    torch.optim.SGD: FunctionalSpec("sgd", SGD_DEFAULTS._asdict(), _sgd_init, sgd_update_),
+    torch.optim.Adam: FunctionalSpec("adam", ADAM_DEFAULTS._asdict(), _adam_init, adam_update_),
+    # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
+    # the update reads decoupled_weight_decay from the group like Adam's does.
+    torch.optim.AdamW: FunctionalSpec("adamw", ADAMW_DEFAULTS._asdict(), _adam_init, adam_update_),
 }
+SUPPORTED: tuple[type, ...] = tuple(_SPECS)
 
 
 def functional_spec(optimizer_class: type) -> FunctionalSpec | None:
@@ -321,10 +275,8 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
     if spec.name != "sgd" and group.get("fused") and group.get("foreach"):
         return False
     hp = group_hyperparams(spec, group)
-    numeric = ["lr", "weight_decay"] + (
-        ["momentum", "dampening"] if spec.name == "sgd" else ["eps"]
-    )
-    if not all(_is_number(hp[k]) for k in numeric):
+    # the keys whose default is a number (lr, eps, weight_decay, momentum, dampening)
+    if not all(_is_number(hp[k]) for k, v in spec.defaults.items() if _is_number(v)):
         return False
     if spec.name != "sgd":
         betas = hp["betas"]
@@ -335,6 +287,52 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
         if spec.name == "adamw" and not hp["decoupled_weight_decay"]:
             return False
     return True
+
+
+# compile=None: the graphs where compile_policy says they are faster
+_UPDATES: dict[tuple[str, bool | None], Callable[..., None]] = {
+    ("sgd", False): sgd_update_,
+    ("sgd", True): compiled_sgd_update_,
+    ("sgd", None): functools.partial(sgd_update_, compile=None),
+    ("adam", False): adam_update_,
+    ("adam", True): compiled_adam_update_,
+    ("adam", None): functools.partial(adam_update_, compile=None),
+}
+
+
+def choose_update(
+    name: Literal["sgd", "adam", "adamw"], *, compile: bool | None = None
+) -> Callable[..., None]:
+    """The in-place update for a spec's ``name``, with ``compile`` bound.
+
+    The shell calls the result as ``update_(params, grads, state, **group_hyperparams)``; for
+    ``"adam"`` and ``"adamw"`` it is :func:`~zero_functional.functional.adam_update_` (AdamW's
+    groups pass ``decoupled_weight_decay=True``), as the specs' ``update_``. Nothing is compiled
+    until the returned function first runs.
+
+    Args:
+        name: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``FunctionalSpec.name``).
+        compile: the update's ``compile`` flag: ``True`` everywhere it applies, ``False``
+            never, ``None`` where :func:`~zero_functional.functional.compile_policy` says it
+            is faster.
+
+    Returns:
+        ``sgd_update_`` or ``adam_update_``, or one of them with ``compile`` bound.
+
+    Raises:
+        ValueError: an unknown ``name``.
+
+    Example:
+        >>> from zero_functional.functional import compiled_adam_update_
+        >>> choose_update("adamw", compile=True) is compiled_adam_update_
+        True
+        >>> choose_update("sgd", compile=False).__name__
+        'sgd_update_'
+    """
+    kind = "adam" if name == "adamw" else name
+    if (kind, compile) not in _UPDATES:
+        raise ValueError(f"choose_update: unknown optimizer {name!r}; expected sgd, adam or adamw")
+    return _UPDATES[(kind, compile)]
 
 
 UpdateKind = Literal["elementwise", "per_tensor", "closure"]

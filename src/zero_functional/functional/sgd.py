@@ -9,20 +9,100 @@ With gradient :math:`g_t`, weight decay :math:`\lambda`, momentum :math:`\mu`, d
     g_t &\leftarrow g_t + \mu b_t \text{ (nesterov) or } b_t \\
     \theta_t &\leftarrow \theta_{t-1} - \gamma g_t
 
-The momentum buffer is only created (lazily, at the first step) when ``momentum != 0``.
+The momentum buffer is only created (lazily, at the first step) when ``momentum != 0``. One
+record (:class:`SGDHyper`), one state (:class:`SGDState`) and one update (:func:`sgd_update_`),
+which runs each (device, dtype) group through torch's foreach kernels or a ``torch.compile``
+graph (:mod:`~zero_functional.functional.compiled`); the pure update is derived from it.
+
+Example:
+    The pure update is the in-place one on copies:
+
+    >>> import torch
+    >>> p = [torch.tensor([1.0])]
+    >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
+    >>> new_p[0], p[0]
+    (tensor([0.]), tensor([1.]))
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from zero_functional.functional._common import check_lists, check_real_number, group_indices
+from zero_functional.functional import compiled
+from zero_functional.functional._common import (
+    check_lists,
+    check_real_number,
+    group_indices,
+    pure_from_inplace,
+    reject_tensor,
+)
 
-__all__ = ["SGDState", "sgd_init", "sgd_update", "sgd_update_"]
+__all__ = [
+    "SGD_DEFAULTS",
+    "SGDHyper",
+    "SGDState",
+    "compiled_sgd_update_",
+    "sgd_init",
+    "sgd_update",
+    "sgd_update_",
+]
+
+
+class SGDHyper(NamedTuple):
+    """SGD's hyperparameters, with torch.optim.SGD's defaults: the one list of them.
+
+    The keys of a ``torch.optim.SGD`` param group that change the update, in torch's order.
+    Building a record checks nothing (torch checks at construction, not at each step);
+    :meth:`validated` applies torch's checks. A ``NamedTuple``, as :class:`AdamHyper`.
+
+    Attributes:
+        lr: learning rate.
+        momentum: momentum factor; 0 disables the buffer.
+        dampening: dampening for momentum.
+        weight_decay: L2 penalty added to the gradient.
+        nesterov: use Nesterov momentum (needs momentum > 0 and zero dampening).
+        maximize: maximize the objective instead of minimizing it.
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0
+    dampening: float = 0
+    weight_decay: float = 0
+    nesterov: bool = False
+    maximize: bool = False
+
+    def validated(self) -> SGDHyper:
+        """This record, after torch.optim.SGD's checks.
+
+        Raises:
+            ValueError: torch's message for the first invalid value; a Tensor where a float is
+                needed.
+
+        Example:
+            >>> SGDHyper(lr=-1.0).validated()
+            Traceback (most recent call last):
+            ...
+            ValueError: Invalid learning rate: -1.0
+        """
+        reject_tensor("lr", self.lr)
+        reject_tensor("weight_decay", self.weight_decay)
+        if self.lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {self.lr}")
+        if self.momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {self.momentum}")
+        if self.weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {self.weight_decay}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        return self
+
+
+SGD_DEFAULTS = SGDHyper()
 
 
 class SGDState(NamedTuple):
@@ -36,7 +116,7 @@ class SGDState(NamedTuple):
     momentum_buffer: list[Tensor | None]
 
 
-def sgd_init(params: Sequence[Tensor], *, momentum: float = 0.0) -> SGDState:
+def sgd_init(params: Sequence[Tensor], *, momentum: float = SGD_DEFAULTS.momentum) -> SGDState:
     """Create the SGD state for ``params``: no buffers yet, as torch.optim.SGD starts.
 
     Args:
@@ -55,20 +135,58 @@ def sgd_init(params: Sequence[Tensor], *, momentum: float = 0.0) -> SGDState:
     return SGDState(momentum_buffer=[None] * len(params))
 
 
+def _foreach(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: SGDHyper) -> None:
+    """torch's foreach SGD on one group; a ``None`` buffer is replaced inside ``bufs``."""
+    owned = False  # whether gs are our temporaries (safe to modify) or the caller's grads
+    if h.maximize:
+        gs = list(torch._foreach_neg(gs))
+        owned = True
+    if h.weight_decay != 0:
+        if owned:
+            torch._foreach_add_(gs, ps, alpha=h.weight_decay)
+        else:
+            gs = list(torch._foreach_add(gs, ps, alpha=h.weight_decay))
+            owned = True
+    if h.momentum != 0:
+        present: list[Tensor] = []
+        if all(b is not None for b in bufs):
+            present = [b for b in bufs if b is not None]
+            torch._foreach_mul_(present, h.momentum)
+            torch._foreach_add_(present, gs, alpha=1 - h.dampening)
+        else:
+            for j, b in enumerate(bufs):
+                if b is None:
+                    b = bufs[j] = gs[j].detach().clone()
+                else:
+                    b.mul_(h.momentum).add_(gs[j], alpha=1 - h.dampening)
+                present.append(b)
+        if h.nesterov:
+            # compat: torch's foreach SGD adds into p.grad itself here when neither
+            # maximize nor weight_decay made a copy; we never touch the caller's grads.
+            if owned:
+                torch._foreach_add_(gs, present, alpha=h.momentum)
+            else:
+                gs = list(torch._foreach_add(gs, present, alpha=h.momentum))
+        else:
+            gs = present
+    torch._foreach_add_(ps, gs, alpha=-h.lr)
+
+
 @torch.no_grad()
 def sgd_update_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
     state: SGDState,
     *,
-    lr: float = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
+    lr: float = SGD_DEFAULTS.lr,
+    momentum: float = SGD_DEFAULTS.momentum,
+    dampening: float = SGD_DEFAULTS.dampening,
+    weight_decay: float = SGD_DEFAULTS.weight_decay,
+    nesterov: bool = SGD_DEFAULTS.nesterov,
+    maximize: bool = SGD_DEFAULTS.maximize,
+    compile: bool | None = False,
 ) -> None:
-    """Apply one SGD step in place with torch's foreach kernels, grouped by (device, dtype).
+    """Apply one SGD step in place, each (device, dtype) group through one kernel.
 
     ``params`` and the momentum buffers are updated in place; a ``None`` buffer is replaced
     inside the ``state.momentum_buffer`` list. ``grads`` are never modified.
@@ -77,12 +195,13 @@ def sgd_update_(
         params: parameters, updated in place.
         grads: one gradient per parameter, same shape, dtype and device.
         state: from :func:`sgd_init` (or a previous step) for the same params.
-        lr: learning rate.
-        momentum: momentum factor; 0 disables the buffer.
-        dampening: dampening for momentum.
-        weight_decay: L2 penalty added to the gradient.
-        nesterov: use Nesterov momentum.
-        maximize: maximize the objective instead of minimizing it.
+        lr, momentum, dampening, weight_decay, nesterov, maximize: the :class:`SGDHyper`
+            fields.
+        compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
+            (float32 on CPU bitwise equal to the foreach kernels; see
+            :mod:`~zero_functional.functional.compiled`); ``None``: only where
+            :func:`~zero_functional.functional.compile_policy` measured it faster;
+            ``False``: never.
 
     Raises:
         ValueError: when the lists have different lengths or a grad does not match its param.
@@ -97,105 +216,33 @@ def sgd_update_(
         tensor([0.9000, 1.9000])
         >>> state.momentum_buffer[0]
         tensor([1., 1.])
+        >>> sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.1, momentum=0.9, compile=True)
+        >>> p[0], state.momentum_buffer[0]
+        (tensor([0.7100, 1.7100]), tensor([1.9000, 1.9000]))
     """
+    h = SGDHyper(lr, momentum, dampening, weight_decay, nesterov, maximize)
     check_lists("sgd_update_", params, grads, {"momentum_buffer": state.momentum_buffer})
     check_real_number("sgd_update_", "lr", lr)
-    bufs_all = state.momentum_buffer
-    for indices in group_indices(params).values():
-        ps = [params[i] for i in indices]
-        gs: list[Tensor] = [grads[i] for i in indices]
-        owned = False  # whether gs are our temporaries (safe to modify) or the caller's grads
-        if maximize:
-            gs = list(torch._foreach_neg(gs))
-            owned = True
-        if weight_decay != 0:
-            if owned:
-                torch._foreach_add_(gs, ps, alpha=weight_decay)
-            else:
-                gs = list(torch._foreach_add(gs, ps, alpha=weight_decay))
-                owned = True
-        if momentum != 0:
-            existing = [bufs_all[i] for i in indices]
-            bufs: list[Tensor] = []
-            if all(b is not None for b in existing):
-                bufs = [b for b in existing if b is not None]
-                torch._foreach_mul_(bufs, momentum)
-                torch._foreach_add_(bufs, gs, alpha=1 - dampening)
-            else:
-                for j, (i, b) in enumerate(zip(indices, existing)):
-                    if b is None:
-                        b = gs[j].detach().clone()
-                        bufs_all[i] = b
-                    else:
-                        b.mul_(momentum).add_(gs[j], alpha=1 - dampening)
-                    bufs.append(b)
-            if nesterov:
-                # compat: torch's foreach SGD adds into p.grad itself here when neither
-                # maximize nor weight_decay made a copy; we never touch the caller's grads.
-                if owned:
-                    torch._foreach_add_(gs, bufs, alpha=momentum)
-                else:
-                    gs = list(torch._foreach_add(gs, bufs, alpha=momentum))
-            else:
-                gs = bufs
-        torch._foreach_add_(ps, gs, alpha=-lr)
+    all_bufs = state.momentum_buffer
+    for idx in group_indices(params).values():
+        graph = compile is not False and compiled.chosen("sgd", compile, [params[i] for i in idx])
+        # torch makes buffers at a param's first step: those with and those without one yet
+        # are two graphs (a group normally has all or none)
+        parts = [idx]
+        if compile is not False and momentum != 0:
+            parts = [[i for i in idx if all_bufs[i] is not None]]
+            parts.append([i for i in idx if all_bufs[i] is None])
+        for part in filter(None, parts):
+            ps, gs = [params[i] for i in part], [grads[i] for i in part]
+            bufs = [all_bufs[i] for i in part]
+            if not (graph and compiled.sgd_group(ps, gs, bufs, h)):
+                _foreach(ps, gs, bufs, h)
+            for i, b in zip(part, bufs):
+                all_bufs[i] = b
 
 
-def sgd_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    state: SGDState,
-    *,
-    lr: float = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-) -> tuple[list[Tensor], SGDState]:
-    """Pure SGD step: return new params and state, leaving every argument untouched.
+sgd_update = pure_from_inplace(sgd_update_)
 
-    Bitwise equal to :func:`sgd_update_` on copies; no output tensor shares storage with an
-    input tensor.
-
-    Args:
-        params: current parameters (not modified).
-        grads: one gradient per parameter.
-        state: current state (not modified).
-        lr: learning rate.
-        momentum: momentum factor; 0 disables the buffer.
-        dampening: dampening for momentum.
-        weight_decay: L2 penalty added to the gradient.
-        nesterov: use Nesterov momentum.
-        maximize: maximize the objective instead of minimizing it.
-
-    Returns:
-        ``(new_params, new_state)``.
-
-    Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0])]
-        >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
-        >>> new_p[0], p[0]
-        (tensor([0.]), tensor([1.]))
-    """
-    check_lists("sgd_update", params, grads, {"momentum_buffer": state.momentum_buffer})
-    with torch.no_grad():
-        new_params = [p.detach().clone() for p in params]
-        new_state = SGDState(
-            momentum_buffer=[
-                None if b is None else b.detach().clone() for b in state.momentum_buffer
-            ]
-        )
-    sgd_update_(
-        new_params,
-        grads,
-        new_state,
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
-        nesterov=nesterov,
-        maximize=maximize,
-    )
-    return new_params, new_state
+# compat: the compiled twin's name, from before the kernel was a flag
+compiled_sgd_update_ = functools.partial(sgd_update_, compile=True)
+compiled_sgd_update_.__doc__ = ":func:`sgd_update_` with ``compile=True``."
