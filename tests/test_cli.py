@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import zero_functional
 from zero_functional import train
 from zero_functional.cli import main
 
@@ -436,6 +438,7 @@ from zero_functional.cli import main
 
 for argv in (
     ["--help"],
+    ["--version"],
     ["train", "--help"],
     ["plan", "--help"],
     ["frobnicate"],
@@ -469,3 +472,39 @@ def test_python_dash_m_help_exits_0() -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and "train" in proc.stdout, proc.stderr
+
+
+def test_version_prints_the_packages_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["--version"], capsys)
+    assert code == 0, err
+    assert out == f"zero-functional {zero_functional.__version__}\n"
+
+
+@needs_partition
+def test_plan_finds_a_module_in_the_current_directory_as_python_dash_m_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "cwd_models_zf.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Linear(4, 4)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    # the `zero-functional` script's sys.path: its own folder first, not the current directory
+    here = os.getcwd()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != here])
+    try:
+        code, out, err = run_cli(["plan", "cwd_models_zf:build", "--world-sizes", "2"], capsys)
+    finally:
+        sys.modules.pop("cwd_models_zf", None)
+    assert code == 0, err
+    assert "cwd_models_zf:build: 2 tensors, 20 parameters" in out
+
+
+def test_plan_of_a_module_found_nowhere_says_where_it_looked_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["plan", "nowhere_to_be_found_zf:build"], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "no module named 'nowhere_to_be_found_zf'" in err, err
+    assert f"the current directory {os.getcwd()} included" in err, err
+    assert "run from the folder that holds it" in err and "PYTHONPATH" in err, err

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from zero_functional import __version__
+
 __all__ = ["build_parser", "format_bench", "format_plan", "main"]
 
 DEMO_WORLD_SIZES = (2, 8, 64)
@@ -117,9 +119,23 @@ def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) ->
     return "\n".join(lines)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from zero_functional.models import model_shapes, numels
+def _current_directory_on_path() -> None:
+    """Put the current directory first on ``sys.path``, as ``python -m`` does.
 
+    The ``zero-functional`` script's own ``sys.path[0]`` is the folder of the script (the
+    environment's ``bin``), so without this ``plan mymodels:build`` would not find
+    ``./mymodels.py``, which ``python -m zero_functional plan mymodels:build`` finds.
+    """
+    here = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == here for p in sys.path):
+        sys.path.insert(0, here)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from zero_functional.models import MODELS, model_shapes, numels
+
+    if args.model not in MODELS:
+        _current_directory_on_path()
     try:
         shapes = model_shapes(args.model)
     except ValueError as e:
@@ -436,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zero-functional",
         description="ZeRO stage-1 sharded optimizers for PyTorch DDP: demo job, plans, benchmarks.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser(
