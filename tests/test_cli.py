@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import zero_functional
-from zero_functional import train
+from zero_functional import cli, train
 from zero_functional.cli import main
 
 
@@ -508,3 +508,68 @@ def test_plan_of_a_module_found_nowhere_says_where_it_looked_and_what_to_do(
     assert "no module named 'nowhere_to_be_found_zf'" in err, err
     assert f"the current directory {os.getcwd()} included" in err, err
     assert "run from the folder that holds it" in err and "PYTHONPATH" in err, err
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch, no_launch: None) -> None:
+    """Fail the test if the command starts ranks or a benchmark script."""
+
+    def run(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a benchmark was started; the error should have come first")
+
+    monkeypatch.setattr(cli.subprocess, "run", run)
+
+
+TOO_MANY = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["train", "--epochs", TOO_MANY], "--epochs: expected an integer from 1 to 1,000,000"),
+        (["demo", "--epochs", TOO_MANY], "--epochs: expected an integer from 1 to 1,000,000"),
+        (["train", "--seed", TOO_MANY], "torch.manual_seed's range"),
+        (["train", "--seed", str(2**64)], "torch.manual_seed's range"),
+        (["train", "--seed", str(-(2**63) - 1)], "torch.manual_seed's range"),
+        (["train", "--nproc", "65"], "from 1 to 64 (gloo ranks on this one machine)"),
+        (["train", "--nproc", "9" * 5000], "expected an integer from 1 to 64, got '999"),
+        (["train", "--batch-size", "1439"], "the digits set has 1,438 training images"),
+        (["train", "--hidden", "1000000"], "--hidden: expected an integer from 1 to 4,096"),
+        (["train", "--bucket-cap-mb", "1e300"], "up to 1,048,576 (1 TiB)"),
+        (["train", "--timeout", "1e300"], "up to 604,800 (a week)"),
+        (["plan", "gpt2-small", "--world-sizes", TOO_MANY], "from 1 to 1,048,576"),
+        (["bench", "--world-sizes", "1000", "--quick"], "from 1 to 64 (gloo ranks"),
+        (["bench", "--rounds", TOO_MANY], "--rounds: expected an integer from 1 to 10,000"),
+        (["bench", "--numel", TOO_MANY], "--numel: expected an integer from 1 to 1,000,000,000"),
+    ],
+)
+def test_numeric_flags_out_of_bounds_exit_2_before_anything_starts(
+    argv: list[str],
+    problem: str,
+    capsys: pytest.CaptureFixture[str],
+    nothing_starts: None,
+) -> None:
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert problem in err, err
+
+
+def test_numeric_flags_take_their_bounds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[tuple[train.TrainConfig, int]] = []
+
+    def launch(cfg: train.TrainConfig, nproc: int, timeout_s: float) -> int:
+        started.append((cfg, nproc))
+        return 0
+
+    monkeypatch.setattr(train, "launch", launch)
+    for argv in (
+        ["--nproc", "64", "--epochs", "1000000", "--seed", str(2**64 - 1)],
+        ["--nproc", "1", "--seed", str(-(2**63)), "--batch-size", "1438", "--hidden", "4096"],
+    ):
+        code, _, err = run_cli(["train", *argv], capsys)
+        assert code == 0, err
+    (first, nproc), (second, _) = started
+    assert (nproc, first.epochs, first.seed) == (64, 1_000_000, 2**64 - 1)
+    assert (second.seed, second.batch_size, second.hidden) == (-(2**63), 1438, 4096)

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from zero_functional import cli, train
 from zero_functional.cli import main
+from zero_functional.launch import run_ranks
 from zero_functional.train import CHECKPOINT_FORMAT, build_model
 
 
@@ -138,3 +140,49 @@ def test_a_rank_killed_mid_training_is_named_and_the_run_ends_at_once_without_le
     assert float(seconds) < 30, seconds
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "leaked semaphore" not in proc.stderr, proc.stderr
+
+
+class _Asked(Exception):
+    """The job asked for the second epoch's batches (the test stops it there)."""
+
+
+def _second_epoch_worker(rank: int, world_size: int, seed: int, epochs: int) -> int:
+    """Steps the job takes before it asks for the batches of epoch 1."""
+    steps = [0]
+    real_batches, real_slice = train.epoch_batches, train.rank_slice
+
+    def batches(n: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
+        if epoch > 0:
+            raise _Asked
+        return real_batches(n, batch_size, seed, epoch)
+
+    def one_step(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        steps[0] += 1  # once per step
+        return real_slice(batch, rank, world_size)
+
+    train.epoch_batches, train.rank_slice = batches, one_step  # type: ignore[assignment]
+    cfg = train.TrainConfig(
+        epochs=epochs, seed=seed, hidden=8, batch_size=256, reference=False, progress=False
+    )
+    try:
+        train.run_job(rank, world_size, cfg)
+    except _Asked:
+        return steps[0]
+    raise AssertionError("the job never asked for epoch 1")
+
+
+@pytest.mark.skipif(
+    not _ours_importable(),
+    reason="zero_functional.optimizer (another session's module) does not import yet",
+)
+def test_batches_are_built_one_epoch_at_a_time_for_any_seed_in_torchs_range() -> None:
+    # 10**12 epochs built up front never end (and exhaust memory); the largest seed overflowed
+    # torch.manual_seed once multiplied with the epoch
+    steps = run_ranks(
+        _second_epoch_worker, 1, 2**64 - 1, 10**12, start_method="fork", timeout_s=120
+    )
+    assert steps == [-(-len(train.load_digits_split()[1]) // 256)]  # epoch 0, then epoch 1
+
+
+def test_the_largest_batch_the_command_line_takes_is_the_training_set() -> None:
+    assert len(train.load_digits_split()[1]) == cli.DIGITS_TRAIN_SIZE

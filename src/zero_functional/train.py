@@ -103,6 +103,10 @@ class TrainConfig:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(
+                f"seed must be in torch.manual_seed's range, -2**63 to 2**64-1, got {self.seed}"
+            )
         check_partition(self.partition)
 
 
@@ -130,7 +134,8 @@ def format_bytes(n: float) -> str:
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
     """The global batches of one epoch: a permutation of ``range(n)`` fixed by seed and epoch.
 
-    The last batch keeps the remainder, so every sample is seen once per epoch.
+    The last batch keeps the remainder, so every sample is seen once per epoch. The job asks
+    for one epoch's batches at a time, so the number of epochs costs no memory.
 
     Example:
         >>> [b.tolist() for b in epoch_batches(5, 2, seed=0, epoch=0)] == [
@@ -138,8 +143,12 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
         True
         >>> [len(b) for b in epoch_batches(5, 2, seed=0, epoch=0)]
         [2, 2, 1]
+        >>> [len(b) for b in epoch_batches(5, 2, seed=2**64 - 1, epoch=999_999)]  # any seed
+        [2, 2, 1]
     """
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    # torch takes seeds from -2**63 to 2**64-1 and uses them modulo 2**64: reducing here keeps
+    # every (seed, epoch) that fitted before on the same permutation, and makes the rest fit
+    g = torch.Generator().manual_seed((seed * 100_003 + epoch) % 2**64)
     perm = torch.randperm(n, generator=g)
     return list(torch.tensor_split(perm, list(range(batch_size, n, batch_size))))
 
@@ -333,7 +342,7 @@ def _state_bytes(opt: Optimizer) -> int:
 @dataclass
 class _RunResult:
     params: list[Tensor]
-    step_times: list[float]
+    step_s: float  # mean seconds per step
     state_bytes: int
     accuracy: float
 
@@ -403,35 +412,32 @@ def _train(
         for g in opt.param_groups:
             g["lr"] = cfg.lr
     start = int(ckpt["epoch"]) if ckpt is not None else 0
-    batches = [
-        (epoch, b)
-        for epoch in range(start, cfg.epochs)
-        for b in epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch)
-    ]
+    steps_per_epoch = -(-len(y_train) // cfg.batch_size)
     name = "ZeRO + DDP" if use_zero else "plain DDP"
-    step_times: list[float] = []
-    samples = 0
+    step_s, steps, samples = 0.0, 0, 0
     t_start = time.perf_counter()
-    with _progress(len(batches), name, cfg.progress and rank == 0) as bar:
-        for i, (epoch, batch) in enumerate(batches):
-            idx = rank_slice(batch, rank, world_size)
-            t0 = time.perf_counter()
-            out = ddp(x_train[idx])
-            loss = nn.functional.cross_entropy(out, y_train[idx], reduction="sum")
-            torch.autograd.backward(loss * (world_size / len(batch)))
-            if not (use_zero and cfg.overlap):
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            step_times.append(time.perf_counter() - t0)
-            samples += len(batch)
-            bar.set_postfix(
-                loss=f"{loss.item() / max(len(idx), 1):.4f}",
-                samples_s=f"{samples / (time.perf_counter() - t_start):,.0f}",
-                refresh=False,
-            )
-            bar.update()
-            last_of_epoch = i + 1 == len(batches) or batches[i + 1][0] != epoch
-            if use_zero and cfg.checkpoint is not None and last_of_epoch:
+    total = (cfg.epochs - start) * steps_per_epoch
+    with _progress(total, name, cfg.progress and rank == 0) as bar:
+        for epoch in range(start, cfg.epochs):  # one epoch's batches at a time
+            for batch in epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch):
+                idx = rank_slice(batch, rank, world_size)
+                t0 = time.perf_counter()
+                out = ddp(x_train[idx])
+                loss = nn.functional.cross_entropy(out, y_train[idx], reduction="sum")
+                torch.autograd.backward(loss * (world_size / len(batch)))
+                if not (use_zero and cfg.overlap):
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                step_s += time.perf_counter() - t0
+                steps += 1
+                samples += len(batch)
+                bar.set_postfix(
+                    loss=f"{loss.item() / max(len(idx), 1):.4f}",
+                    samples_s=f"{samples / (time.perf_counter() - t_start):,.0f}",
+                    refresh=False,
+                )
+                bar.update()
+            if use_zero and cfg.checkpoint is not None:
                 _write_checkpoint(cfg, rank, model, opt, epoch + 1, hidden)
     finish = getattr(opt, "finish_param_sync", None)
     if finish is not None:
@@ -440,7 +446,7 @@ def _train(
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     return _RunResult(
         params=[p.detach().clone() for p in model.parameters()],
-        step_times=step_times,
+        step_s=step_s / max(steps, 1),
         state_bytes=_state_bytes(opt),
         accuracy=accuracy,
     )
@@ -496,9 +502,9 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
     ref = _train(cfg, rank, world_size, ref_ckpt, use_zero=False) if cfg.reference else None
     mine: dict[str, Any] = {
         "state_bytes": zero.state_bytes,
-        "step_s": sum(zero.step_times) / max(len(zero.step_times), 1),
+        "step_s": zero.step_s,
         "ref_state_bytes": ref.state_bytes if ref else None,
-        "ref_step_s": sum(ref.step_times) / max(len(ref.step_times), 1) if ref else None,
+        "ref_step_s": ref.step_s if ref else None,
         "max_diff": (
             max((a - b).abs().max().item() for a, b in zip(zero.params, ref.params))
             if ref
