@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,53 @@ def test_batches_are_built_one_epoch_at_a_time_for_any_seed_in_torchs_range() ->
 
 def test_the_largest_batch_the_command_line_takes_is_the_training_set() -> None:
     assert len(train.load_digits_split()[1]) == cli.DIGITS_TRAIN_SIZE
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its exit status is left to collect
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.skipif(
+    not _ours_importable(),
+    reason="zero_functional.optimizer (another session's module) does not import yet",
+)
+def test_sigterm_to_train_stops_its_ranks_says_so_and_exits_143(tmp_path: Path) -> None:
+    # what kill, timeout and job schedulers send: it ended the parent alone, the ranks orphaned
+    ckpt = tmp_path / "ck"
+    args = ["train", "--nproc", "2", "--epochs", "1000", "--no-reference", "--no-progress"]
+    args += ["--hidden", "16", "--checkpoint", str(ckpt)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zero_functional", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ckpt.exists():  # the ranks have trained an epoch: they run
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        children = [
+            int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)  # the ranks' own epochs would take minutes
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    assert err.splitlines()[-1:] == [
+        "zero-functional train: stopped by SIGTERM; its 2 ranks were stopped too"
+    ], err
+    assert "Traceback" not in err, err
+    assert len(children) >= 2  # the ranks (and multiprocessing's resource tracker)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in children if _alive(pid)] == []

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import math
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -34,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.launch import LaunchError, process_group, run_ranks
+from zero_functional.launch import LaunchError, Terminated, process_group, run_ranks
 from zero_functional.ownership import check_partition
 
 __all__ = [
@@ -579,11 +580,23 @@ def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
     A rank that fails, dies or hangs past ``timeout_s`` ends the run: the others are stopped at
     once, and stderr names the rank that failed first and how (its traceback if it raised).
 
+    SIGTERM (``kill``, ``timeout``, a job scheduler) and Ctrl-C stop the ranks too, with one
+    line on stderr.
+
     Returns:
-        The exit code: 0 on success, 1 if a rank failed or timed out.
+        The exit code: 0 on success, 1 if a rank failed or timed out, 143 after SIGTERM, 130
+        after Ctrl-C.
     """
     try:
         summaries = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s)
+    except Terminated as e:  # kill, timeout or a job scheduler; run_ranks stopped the ranks
+        print(f"zero-functional train: {e.message}", file=sys.stderr)
+        return int(cast(int, e.code))
+    except KeyboardInterrupt:  # Ctrl-C: the ranks got it too, and run_ranks stopped them
+        print(
+            f"zero-functional train: interrupted; its {nproc} ranks were stopped", file=sys.stderr
+        )
+        return 128 + signal.SIGINT
     except LaunchError as e:
         lines = str(e).splitlines()
         if e.failures[0].reason.startswith("gave no result"):
