@@ -15,6 +15,13 @@ How each rank's end is seen:
 * It dies without reporting (a signal, ``os._exit``, a crash in C++): the launcher sees the
   process end and names the rank and how it died, e.g. ``rank 1 was killed by signal
   SIGKILL``.
+* It returns, then cannot leave its process group (its collectives broke, e.g. one timed out):
+  it reports why, with the :class:`~zero_functional.comm.CollectiveError` s it raised even if
+  its own code caught them, and the launcher names them.
+
+The ranks start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the environment sets it: when a peer
+dies, c10d's store client logs a warning carrying an 18-line C++ stack (``sendBytes failed``,
+from the process group's store on the dead rank 0), which the launcher's one line names better.
 
 After the first failure the others get :data:`GRACE_S` to report (a rank blocked in a
 collective with a dead peer usually errors out at once), then the launcher kills them: nobody
@@ -290,6 +297,14 @@ def _failure(t: float) -> bytes:
     return pickle.dumps((False, traceback.format_exc(), t))
 
 
+def _exit_failure() -> bytes:
+    """Why a rank that reported its result could not leave its group: the traceback of that,
+    and the CollectiveErrors it raised (what broke the group), if any."""
+    comm = sys.modules.get("zero_functional.comm")  # imported by whatever used its collectives
+    errors: list[str] = comm.failures() if comm is not None else []
+    return pickle.dumps(("exit", traceback.format_exc(), errors))
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -332,8 +347,7 @@ def _rank_main(
         except _Reported:
             pass
         except BaseException:  # joining or leaving the group failed
-            if not sent:
-                report.send_bytes(_failure(time.monotonic()))
+            report.send_bytes(_exit_failure() if sent else _failure(time.monotonic()))
         report.close()
         logging.shutdown()
         sys.stdout.flush()
@@ -447,17 +461,28 @@ def run_ranks(
     ranks: list[_Rank] = []
     with _SigtermGuard(ranks) as sigterm:
         try:
-            for rank in range(world_size):
-                # one pipe per rank, made just before its process, so no other rank inherits it
-                receive, send = ctx.Pipe(duplex=False)
-                process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]  # every context has it
-                    target=_rank_main,
-                    args=(rank, world_size, port, backend, pg_timeout, num_threads, fn, args, send),
-                    name=f"rank {rank}",
-                )
-                process.start()
-                send.close()
-                ranks.append(_Rank(rank, process, receive))
+            with _rank_environment():
+                for rank in range(world_size):
+                    # one pipe per rank, made just before its process: no other rank inherits it
+                    receive, send = ctx.Pipe(duplex=False)
+                    process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]  # every context has it
+                        target=_rank_main,
+                        args=(
+                            rank,
+                            world_size,
+                            port,
+                            backend,
+                            pg_timeout,
+                            num_threads,
+                            fn,
+                            args,
+                            send,
+                        ),
+                        name=f"rank {rank}",
+                    )
+                    process.start()
+                    send.close()
+                    ranks.append(_Rank(rank, process, receive))
             failures = _collect(ranks, timeout_s, grace_s)
             if not failures:
                 failures = _await_exit(ranks)
@@ -591,14 +616,63 @@ def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
     for r in ranks:
         r.process.join(max(deadline - time.monotonic(), 0.0))
         code = r.process.exitcode
+        tb = ""
         if code is None:
             reason = f"returned its result but had not exited {format_seconds(EXIT_WAIT_S)} later"
         elif code != 0:
             reason = f"returned its result, then {describe_exit(code)} while exiting"
+            why = _why_not_left(r)
+            if why is not None:
+                reason, tb = f"{reason}: {_cut(why[0])}", why[1]
         else:
             continue
-        (killed if code is not None and code < 0 else other).append(RankFailure(r.rank, reason))
+        failure = RankFailure(r.rank, reason, tb)
+        (killed if code is not None and code < 0 else other).append(failure)
     return _mark(killed, other, None) if killed or other else []
+
+
+def _why_not_left(r: _Rank) -> tuple[str, str] | None:
+    """What a rank that returned reported on failing to leave its group: a line, the details.
+
+    The line names the last CollectiveError the rank raised (the collective that broke the
+    group), else what leaving raised; the details hold every CollectiveError and the traceback.
+    """
+    try:
+        if r.conn is None or not r.conn.poll():
+            return None
+        kind, tb, errors = pickle.loads(r.conn.recv_bytes())
+    except Exception:  # nothing more came, or not this: the exit code says what is known
+        return None
+    if kind != "exit":
+        return None
+    named = [f"zero_functional.comm.CollectiveError: {e}" for e in errors]
+    line = (
+        f"it could not leave its process group after {named[-1]}"
+        if named
+        else f"leaving its process group raised {_last_line(tb)}"
+    )
+    return line, "\n".join([*named, tb])
+
+
+def _cut(line: str, limit: int = 400) -> str:
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+"""What the ranks' environment gets unless it sets them already (see the module doc)."""
+
+
+@contextmanager
+def _rank_environment() -> Iterator[None]:
+    """:data:`CHILD_ENV`'s variables that the environment lacks, set while ranks are started
+    (a spawned rank reads them as torch loads; a forked one has the launcher's torch)."""
+    added = [k for k in CHILD_ENV if k not in os.environ]
+    os.environ.update({k: CHILD_ENV[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _release(ranks: Sequence[_Rank]) -> None:
