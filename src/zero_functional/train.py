@@ -4,7 +4,9 @@ The job runs in every rank of a gloo process group, either spawned here on 127.0
 (:func:`launch`) or joined under ``torchrun`` (:func:`run_torchrun`). It trains with
 ``DistributedDataParallel`` and a ``ZeroRedundancyOptimizer`` over ``torch.optim.Adam``, then, in
 the same processes and from the same seed (or the same checkpoint), with plain DDP and
-``torch.optim.Adam``, and reports whether the two runs end with the same parameters.
+``torch.optim.Adam``, and reports whether the two runs end with the same parameters: both do
+the same arithmetic (:data:`FUSED`), so at 1 or 2 ranks they must be bitwise equal
+(:func:`parity_verdict` says why not at 3 or more).
 
 The global batch is split across ranks and each rank's loss is scaled by
 ``world_size / global_batch``, so DDP's gradient average is the global batch mean exactly and a
@@ -48,6 +50,7 @@ __all__ = [
     "launch",
     "load_checkpoint",
     "load_digits_split",
+    "parity_verdict",
     "rank_slice",
     "run_job",
     "run_torchrun",
@@ -152,6 +155,52 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
     g = torch.Generator().manual_seed((seed * 100_003 + epoch) % 2**64)
     perm = torch.randperm(n, generator=g)
     return list(torch.tensor_split(perm, list(range(batch_size, n, batch_size))))
+
+
+FUSED = False
+"""Adam's ``fused`` in both runs (and in torch's class): torch.optim.Adam's default arithmetic,
+one float operation per element and step wherever the element sits. Torch's fused CPU kernel
+computes the last ``numel % vector width`` elements of each tensor in double and the rest in
+float, so ZeRO's pieces, which end where whole tensors do not, would round differently."""
+
+
+def parity_verdict(max_diff: float, world_size: int, reduce_on_owners: bool) -> str:
+    """The verdict on the ZeRO run's parameters against the plain run's, after the same steps.
+
+    Both runs do the same arithmetic on every element (the same data, Adam's default kernel),
+    with one exception: at 3 or more ranks, ZeRO's hooks sum each gradient onto its owner (a
+    reduce) where DDP all-reduces, and gloo adds the ranks' gradients in another order for
+    each. Floating-point addition is not associative, and training amplifies a difference of one
+    rounding: on the demo's job, 2e-7 after 460 steps, 1e-3 after 1,840, so no tolerance holds
+    for every run. At 1 or 2 ranks (a sum of two is the same either way) and with torch's class
+    (which all-reduces too) the comparison is therefore exact; at 3 or more the difference is
+    reported, not judged.
+
+    Args:
+        max_diff: The largest ``|parameter difference|`` over every rank and parameter.
+        world_size: The ranks both runs used.
+        reduce_on_owners: Whether the ZeRO run reduced gradients onto owners (ours; torch's
+            class all-reduces).
+
+    Example:
+        >>> parity_verdict(0.0, 2, True)
+        'bitwise equal'
+        >>> parity_verdict(3e-8, 2, True)
+        'NOT equal (max |diff| 3.0e-08, where both runs do the same arithmetic)'
+        >>> print(parity_verdict(2e-7, 3, True))  # doctest: +NORMALIZE_WHITESPACE
+        not compared bitwise (max |diff| 2.0e-07): at 3 ranks gloo sums the gradients in another
+        order for ZeRO's reduce than for DDP's all-reduce, and training amplifies the rounding;
+        1 or 2 ranks compare bitwise
+    """
+    if max_diff == 0:
+        return "bitwise equal"
+    if world_size >= 3 and reduce_on_owners:
+        return (
+            f"not compared bitwise (max |diff| {max_diff:.1e}): at {world_size} ranks gloo sums "
+            "the gradients in another order for ZeRO's reduce than for DDP's all-reduce, and "
+            "training amplifies the rounding; 1 or 2 ranks compare bitwise"
+        )
+    return f"NOT equal (max |diff| {max_diff:.1e}, where both runs do the same arithmetic)"
 
 
 def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
@@ -378,7 +427,7 @@ def _train(
     if use_zero and cfg.impl == "torch":
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-        opt = TorchZero(ddp.parameters(), torch.optim.Adam, lr=cfg.lr)
+        opt = TorchZero(ddp.parameters(), torch.optim.Adam, lr=cfg.lr, fused=FUSED)
     elif use_zero:
         from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
         from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -389,6 +438,7 @@ def _train(
             overlap_with_ddp=cfg.overlap,
             partition=check_partition(cfg.partition),
             lr=cfg.lr,
+            fused=FUSED,
         )
         if cfg.overlap:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -399,7 +449,7 @@ def _train(
             ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
         opt = zero
     else:
-        opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
+        opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr, fused=FUSED)
     if sharded is not None:
         from zero_functional import checkpoint
 
@@ -492,7 +542,7 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
         from zero_functional import checkpoint
 
         model = build_model(int(ckpt["args"]["hidden"]))
-        adam = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        adam = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=FUSED)
         checkpoint.load(ckpt["sharded"], model=model, optimizer=adam)
         ref_ckpt = {
             **{k: v for k, v in ckpt.items() if k != "sharded"},
@@ -508,11 +558,6 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
         "ref_step_s": ref.step_s if ref else None,
         "max_diff": (
             max((a - b).abs().max().item() for a, b in zip(zero.params, ref.params))
-            if ref
-            else None
-        ),
-        "equal": (
-            all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(zero.params, ref.params))
             if ref
             else None
         ),
@@ -553,16 +598,12 @@ def _summary(
         )
     ref_acc = f", plain DDP + Adam {ref_accuracy:.4f}" if ref_accuracy is not None else ""
     lines.append(f"test accuracy: ZeRO {accuracy:.4f}{ref_acc}")
-    if rows[0]["equal"] is None:
+    if rows[0]["max_diff"] is None:
         lines.append("parity with plain DDP + torch.optim.Adam: not run (--no-reference)")
     else:
-        equal = all(row["equal"] for row in rows)
         diff = max(row["max_diff"] for row in rows)
-        verdict = "equal" if equal else "NOT equal"
-        lines.append(
-            f"parity with plain DDP + torch.optim.Adam (seed {cfg.seed}): {verdict} "
-            f"(max |diff| {diff:.1e}, allclose rtol=atol=1e-6)"
-        )
+        verdict = parity_verdict(diff, world_size, cfg.impl == "zero_functional")
+        lines.append(f"parity with plain DDP + torch.optim.Adam (seed {cfg.seed}): {verdict}")
     if cfg.resume is not None:
         lines.append(f"resumed from: {cfg.resume}")
     if cfg.checkpoint is not None:
