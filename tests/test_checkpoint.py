@@ -257,16 +257,60 @@ def _killed_writer(rank: int, world_size: int, root: str) -> None:
     checkpoint.save(os.path.join(root, "ck"), model=model, optimizer=opt, extra="second")
 
 
-def _reader(rank: int, world_size: int, root: str) -> Any:
+def _reader_then_writer(rank: int, world_size: int, root: str) -> Any:
     model = Net()
     opt = ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, lr=0.01)
-    return checkpoint.load(os.path.join(root, "ck"), model=model, optimizer=opt)
+    extra = checkpoint.load(os.path.join(root, "ck"), model=model, optimizer=opt)
+    left = sorted(os.listdir(root))  # every rank has read it before rank 0 saves
+    dist.barrier()
+    checkpoint.save(os.path.join(root, "ck"), model=model, optimizer=opt, extra="third")
+    return extra, left
 
 
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_readable(tmp_path: Path) -> None:
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_the_next_save_cleans_up(
+    tmp_path: Path,
+) -> None:
     with pytest.raises(LaunchError, match="rank 1 was killed by signal SIGKILL"):
         run_ranks(_killed_writer, 3, str(tmp_path), timeout_s=120)
-    assert run_ranks(_reader, 2, str(tmp_path), timeout_s=120) == ["first", "first"]
+    (left,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("ck.tmp-")]
+    # a user's directory that only looks like a leftover: no marker, so not ours
+    (tmp_path / "ck.tmp-0123456789ab").mkdir()
+    (tmp_path / "ck.tmp-0123456789ab" / "mine.txt").write_text("keep me")
+    results = run_ranks(_reader_then_writer, 2, str(tmp_path), timeout_s=120)
+    assert results == [("first", sorted(["ck", left, "ck.tmp-0123456789ab"]))] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.tmp-0123456789ab"]
+    assert (tmp_path / "ck.tmp-0123456789ab" / "mine.txt").read_text() == "keep me"
+
+
+def _refused_worker(rank: int, world_size: int, root: str) -> dict[str, str]:
+    model = Net()
+    opt = ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, partition="flat", lr=0.01)
+    train(model, opt, rank, world_size, range(1))
+    out: dict[str, str] = {}
+    for name in ("notes.txt", "project", "link"):
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.save(os.path.join(root, name), model=model, optimizer=opt)
+        out[name] = str(info.value)
+    return out
+
+
+def test_saving_onto_a_file_a_link_or_a_directory_of_something_else_is_refused_untouched(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "main.py").write_text("print()\n")
+    (tmp_path / "link").symlink_to(tmp_path / "project")
+    for out in run_ranks(_refused_worker, 2, str(tmp_path), start_method="fork", timeout_s=120):
+        assert all(m.startswith("checkpoint save refused, nothing written: ") for m in out.values())
+        assert "notes.txt is a file, not a checkpoint directory" in out["notes.txt"], out
+        assert "pass another path, or remove the file" in out["notes.txt"], out
+        assert "project is a directory that holds no checkpoint" in out["project"], out
+        assert "link is a symbolic link" in out["link"], out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "notes.txt", "project"]
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+    assert [p.name for p in (tmp_path / "project").iterdir()] == ["main.py"]
+    assert os.readlink(tmp_path / "link") == str(tmp_path / "project")
 
 
 def test_checkpoint_helpers_for_plain_optimizers() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -12,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_functional import train
+import zero_functional
+from zero_functional import cli, train
 from zero_functional.cli import main
 
 
@@ -436,6 +438,7 @@ from zero_functional.cli import main
 
 for argv in (
     ["--help"],
+    ["--version"],
     ["train", "--help"],
     ["plan", "--help"],
     ["frobnicate"],
@@ -469,3 +472,104 @@ def test_python_dash_m_help_exits_0() -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and "train" in proc.stdout, proc.stderr
+
+
+def test_version_prints_the_packages_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["--version"], capsys)
+    assert code == 0, err
+    assert out == f"zero-functional {zero_functional.__version__}\n"
+
+
+@needs_partition
+def test_plan_finds_a_module_in_the_current_directory_as_python_dash_m_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "cwd_models_zf.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Linear(4, 4)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    # the `zero-functional` script's sys.path: its own folder first, not the current directory
+    here = os.getcwd()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != here])
+    try:
+        code, out, err = run_cli(["plan", "cwd_models_zf:build", "--world-sizes", "2"], capsys)
+    finally:
+        sys.modules.pop("cwd_models_zf", None)
+    assert code == 0, err
+    assert "cwd_models_zf:build: 2 tensors, 20 parameters" in out
+
+
+def test_plan_of_a_module_found_nowhere_says_where_it_looked_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["plan", "nowhere_to_be_found_zf:build"], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "no module named 'nowhere_to_be_found_zf'" in err, err
+    assert f"the current directory {os.getcwd()} included" in err, err
+    assert "run from the folder that holds it" in err and "PYTHONPATH" in err, err
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch, no_launch: None) -> None:
+    """Fail the test if the command starts ranks or a benchmark script."""
+
+    def run(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a benchmark was started; the error should have come first")
+
+    monkeypatch.setattr(cli.subprocess, "run", run)
+
+
+TOO_MANY = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["train", "--epochs", TOO_MANY], "--epochs: expected an integer from 1 to 1,000,000"),
+        (["demo", "--epochs", TOO_MANY], "--epochs: expected an integer from 1 to 1,000,000"),
+        (["train", "--seed", TOO_MANY], "torch.manual_seed's range"),
+        (["train", "--seed", str(2**64)], "torch.manual_seed's range"),
+        (["train", "--seed", str(-(2**63) - 1)], "torch.manual_seed's range"),
+        (["train", "--nproc", "65"], "from 1 to 64 (gloo ranks on this one machine)"),
+        (["train", "--nproc", "9" * 5000], "expected an integer from 1 to 64, got '999"),
+        (["train", "--batch-size", "1439"], "the digits set has 1,438 training images"),
+        (["train", "--hidden", "1000000"], "--hidden: expected an integer from 1 to 4,096"),
+        (["train", "--bucket-cap-mb", "1e300"], "up to 1,048,576 (1 TiB)"),
+        (["train", "--timeout", "1e300"], "up to 604,800 (a week)"),
+        (["plan", "gpt2-small", "--world-sizes", TOO_MANY], "from 1 to 1,048,576"),
+        (["bench", "--world-sizes", "1000", "--quick"], "from 1 to 64 (gloo ranks"),
+        (["bench", "--rounds", TOO_MANY], "--rounds: expected an integer from 1 to 10,000"),
+        (["bench", "--numel", TOO_MANY], "--numel: expected an integer from 1 to 1,000,000,000"),
+    ],
+)
+def test_numeric_flags_out_of_bounds_exit_2_before_anything_starts(
+    argv: list[str],
+    problem: str,
+    capsys: pytest.CaptureFixture[str],
+    nothing_starts: None,
+) -> None:
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert problem in err, err
+
+
+def test_numeric_flags_take_their_bounds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[tuple[train.TrainConfig, int]] = []
+
+    def launch(cfg: train.TrainConfig, nproc: int, timeout_s: float) -> int:
+        started.append((cfg, nproc))
+        return 0
+
+    monkeypatch.setattr(train, "launch", launch)
+    for argv in (
+        ["--nproc", "64", "--epochs", "1000000", "--seed", str(2**64 - 1)],
+        ["--nproc", "1", "--seed", str(-(2**63)), "--batch-size", "1438", "--hidden", "4096"],
+    ):
+        code, _, err = run_cli(["train", *argv], capsys)
+        assert code == 0, err
+    (first, nproc), (second, _) = started
+    assert (nproc, first.epochs, first.seed) == (64, 1_000_000, 2**64 - 1)
+    assert (second.seed, second.batch_size, second.hidden) == (-(2**63), 1438, 4096)

@@ -196,3 +196,73 @@ def test_process_group_leaves_no_gloo_thread_running_after_ddp_and_an_optimizer(
     )
     assert proc.returncode == 0, proc.stderr
     assert "gloo" not in proc.stdout, proc.stdout
+
+
+def _time_out_and_return(rank: int, world_size: int) -> int:
+    from zero_functional import comm
+
+    group = comm.default_group(None)
+    try:
+        with comm.call(f"call_on_rank_{rank}()", group, timeout=2.0):
+            if rank == 0:
+                comm.all_reduce_scalar(torch.tensor(1.0), group)
+            else:
+                comm.recv_object(0, group, torch.device("cpu"))  # never sent: both time out
+    except comm.CollectiveError:
+        pass  # caught by the rank's own code: its group is broken all the same
+    return rank
+
+
+def test_a_rank_that_cannot_leave_the_group_its_collective_broke_is_named_with_that_error() -> None:
+    with pytest.raises(LaunchError) as info:
+        run_ranks(_time_out_and_return, 2, start_method="fork", timeout_s=60, pg_timeout_s=10)
+    lines = str(info.value).splitlines()
+    for rank in (0, 1):
+        assert lines[rank].startswith(
+            f"rank {rank} returned its result, then exited with code 1 while exiting: it could "
+            f"not leave its process group after zero_functional.comm.CollectiveError: "
+            f"call_on_rank_{rank}() #"
+        ), lines[rank]
+        assert f"failed on rank {rank} of 2 after 2.0 s" in lines[rank], lines[rank]
+    assert info.value.results == {0: 0, 1: 1}
+
+
+def _rank_0_dies_in_a_call(rank: int, world_size: int) -> int:
+    from zero_functional import comm
+
+    group = comm.default_group(None)
+    comm.all_reduce_scalar(torch.tensor(1.0), group)  # both ranks are up
+    if rank == 0:  # the process group's store dies with it
+        os.kill(os.getpid(), signal.SIGKILL)
+    with comm.call("after_the_death()", group, timeout=30.0):
+        comm.all_reduce_scalar(torch.tensor(1.0), group)
+    return rank
+
+
+KILL_0_SCRIPT = """
+import sys
+from zero_functional.launch import LaunchError, run_ranks
+from tests.test_launch import _rank_0_dies_in_a_call
+
+try:
+    run_ranks(_rank_0_dies_in_a_call, 2, timeout_s=120, pg_timeout_s=60, grace_s=15)
+except LaunchError as e:
+    print(e, file=sys.stderr)
+"""
+
+
+def test_when_rank_0_dies_no_cpp_stack_comes_before_the_launchers_message() -> None:
+    # rank 1's failure report goes to the store rank 0 held: c10d logged a warning there with
+    # an 18-line C++ stack, on the terminal before the launcher's one line
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_0_SCRIPT],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "rank 0 was killed by signal SIGKILL", proc.stderr
+    assert "after_the_death() #" in lines[1] and "rank 0 did not report" in lines[1], lines
+    assert "frame #" not in proc.stderr and "Exception raised from" not in proc.stderr, lines

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from zero_functional import cli, train
 from zero_functional.cli import main
+from zero_functional.launch import run_ranks
 from zero_functional.train import CHECKPOINT_FORMAT, build_model
 
 
@@ -42,7 +46,7 @@ def test_train_checkpoint_then_resume_at_another_world_size_matches_plain_ddp(
     code = main(["train", "--nproc", "2", "--epochs", "1", "--checkpoint", str(ckpt), *common])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "parity with plain DDP + torch.optim.Adam (seed 0): equal" in out
+    assert "parity with plain DDP + torch.optim.Adam (seed 0): bitwise equal\n" in out, out
     rank_rows = [line for line in out.splitlines() if line.lstrip()[:1].isdigit()]
     assert len(rank_rows) == 2  # ranks
     # partition=flat: an even split (the moments exactly; a 4-byte step per piece on top)
@@ -63,7 +67,7 @@ def test_train_checkpoint_then_resume_at_another_world_size_matches_plain_ddp(
     code = main(["train", "--nproc", "1", "--epochs", "2", "--overlap", *resume])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "parity with plain DDP + torch.optim.Adam (seed 0): equal" in out
+    assert "parity with plain DDP + torch.optim.Adam (seed 0): bitwise equal\n" in out, out
     assert "1 rank(s)" in out
     assert storage.read_objects(ckpt, ["extra"])["extra"]["epoch"] == 2  # type: ignore[index]
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary directory left
@@ -138,3 +142,99 @@ def test_a_rank_killed_mid_training_is_named_and_the_run_ends_at_once_without_le
     assert float(seconds) < 30, seconds
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "leaked semaphore" not in proc.stderr, proc.stderr
+
+
+class _Asked(Exception):
+    """The job asked for the second epoch's batches (the test stops it there)."""
+
+
+def _second_epoch_worker(rank: int, world_size: int, seed: int, epochs: int) -> int:
+    """Steps the job takes before it asks for the batches of epoch 1."""
+    steps = [0]
+    real_batches, real_slice = train.epoch_batches, train.rank_slice
+
+    def batches(n: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
+        if epoch > 0:
+            raise _Asked
+        return real_batches(n, batch_size, seed, epoch)
+
+    def one_step(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        steps[0] += 1  # once per step
+        return real_slice(batch, rank, world_size)
+
+    train.epoch_batches, train.rank_slice = batches, one_step  # type: ignore[assignment]
+    cfg = train.TrainConfig(
+        epochs=epochs, seed=seed, hidden=8, batch_size=256, reference=False, progress=False
+    )
+    try:
+        train.run_job(rank, world_size, cfg)
+    except _Asked:
+        return steps[0]
+    raise AssertionError("the job never asked for epoch 1")
+
+
+@pytest.mark.skipif(
+    not _ours_importable(),
+    reason="zero_functional.optimizer (another session's module) does not import yet",
+)
+def test_batches_are_built_one_epoch_at_a_time_for_any_seed_in_torchs_range() -> None:
+    # 10**12 epochs built up front never end (and exhaust memory); the largest seed overflowed
+    # torch.manual_seed once multiplied with the epoch
+    steps = run_ranks(
+        _second_epoch_worker, 1, 2**64 - 1, 10**12, start_method="fork", timeout_s=120
+    )
+    assert steps == [-(-len(train.load_digits_split()[1]) // 256)]  # epoch 0, then epoch 1
+
+
+def test_the_largest_batch_the_command_line_takes_is_the_training_set() -> None:
+    assert len(train.load_digits_split()[1]) == cli.DIGITS_TRAIN_SIZE
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its exit status is left to collect
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.skipif(
+    not _ours_importable(),
+    reason="zero_functional.optimizer (another session's module) does not import yet",
+)
+def test_sigterm_to_train_stops_its_ranks_says_so_and_exits_143(tmp_path: Path) -> None:
+    # what kill, timeout and job schedulers send: it ended the parent alone, the ranks orphaned
+    ckpt = tmp_path / "ck"
+    args = ["train", "--nproc", "2", "--epochs", "1000", "--no-reference", "--no-progress"]
+    args += ["--hidden", "16", "--checkpoint", str(ckpt)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zero_functional", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ckpt.exists():  # the ranks have trained an epoch: they run
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        children = [
+            int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)  # the ranks' own epochs would take minutes
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    assert err.splitlines()[-1:] == [
+        "zero-functional train: stopped by SIGTERM; its 2 ranks were stopped too"
+    ], err
+    assert "Traceback" not in err, err
+    assert len(children) >= 2  # the ranks (and multiprocessing's resource tracker)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in children if _alive(pid)] == []

@@ -20,9 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
+
+from zero_functional import __version__
 
 __all__ = ["build_parser", "format_bench", "format_plan", "main"]
 
@@ -42,24 +44,75 @@ def _fail(command: str, message: str) -> int:
     return 2
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+MAX_LOCAL_RANKS = 64
+"""Most ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""
+MAX_PLAN_WORLD_SIZE = 1 << 20
+"""Most ranks ``plan`` reports (past the largest clusters; 2**20 takes seconds and 0.6 GB)."""
+MAX_EPOCHS = 1_000_000
+"""Most epochs of the train job: 23 million steps at the default batch, days of training."""
+MAX_HIDDEN = 4096
+"""Widest MLP of the train job: 17M parameters, about 0.5 GB per rank with the reference run."""
+DIGITS_TRAIN_SIZE = 1438
+"""The train job's training images (scikit-learn's 1,797 digits less the fixed 20% test split):
+the largest global batch, as ``test_train.py`` checks against the data."""
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""``torch.manual_seed``'s range (it raises outside it)."""
+MAX_BUCKET_CAP_MB = float(1 << 20)
+"""1 TiB: past any model on one machine (DDP takes the cap in bytes as an int64)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""A week (the launcher's waits take at most 2**31 ms, 24.8 days)."""
+MAX_BENCH_ROUNDS = 10_000
+MAX_BENCH_NUMEL = 1_000_000_000
+"""4 GB per fp32 copy of the benchmarks' model, of which each rank holds several."""
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+
+
+def _int_in(low: int, high: int, why: str, span: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high``; the error says why the bound."""
+    span = span or f"from {low:,} to {high:,}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # not an integer, or more digits than int() takes
+            raise argparse.ArgumentTypeError(
+                f"expected an integer {span}, got {_shown(text)}"
+            ) from None
+        if not low <= value <= high:
+            reason = f" ({why})" if why and value > high else ""
+            raise argparse.ArgumentTypeError(
+                f"expected an integer {span}{reason}, got {_shown(text)}"
+            )
+        return value
+
+    return parse
+
+
+def _positive_float(high: float, why: str) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 and at most ``high``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive number, got {_shown(text)}"
+            ) from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {_shown(text)}")
+        if value > high:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive number up to {high:,.0f} ({why}), got {_shown(text)}"
+            )
+        return value
+
+    return parse
+
+
+_ranks = _int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine")
 
 
 # ----------------------------------------------------------------------------- plan
@@ -117,9 +170,23 @@ def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) ->
     return "\n".join(lines)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from zero_functional.models import model_shapes, numels
+def _current_directory_on_path() -> None:
+    """Put the current directory first on ``sys.path``, as ``python -m`` does.
 
+    The ``zero-functional`` script's own ``sys.path[0]`` is the folder of the script (the
+    environment's ``bin``), so without this ``plan mymodels:build`` would not find
+    ``./mymodels.py``, which ``python -m zero_functional plan mymodels:build`` finds.
+    """
+    here = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == here for p in sys.path):
+        sys.path.insert(0, here)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from zero_functional.models import MODELS, model_shapes, numels
+
+    if args.model not in MODELS:
+        _current_directory_on_path()
     try:
         shapes = model_shapes(args.model)
     except ValueError as e:
@@ -378,17 +445,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
-    p.add_argument("--nproc", type=_positive_int, default=2, help="local ranks to spawn (2)")
-    p.add_argument("--epochs", type=_positive_int, default=epochs, help=f"epochs ({epochs})")
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate (1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="init and data-order seed (0)")
     p.add_argument(
-        "--batch-size", type=_positive_int, default=64, help="global batch, split across ranks"
+        "--nproc", type=_ranks, default=2, help=f"local ranks to spawn (2; 1 to {MAX_LOCAL_RANKS})"
+    )
+    p.add_argument(
+        "--epochs",
+        type=_int_in(1, MAX_EPOCHS, "a million epochs already take days"),
+        default=epochs,
+        help=f"epochs ({epochs}; at most {MAX_EPOCHS:,})",
+    )
+    p.add_argument(
+        "--lr",
+        type=_positive_float(math.inf, ""),
+        default=1e-3,
+        help="Adam learning rate (1e-3)",
+    )
+    p.add_argument(
+        "--seed",
+        type=_int_in(*SEED_RANGE, "", span="in torch.manual_seed's range, -2**63 to 2**64-1"),
+        default=0,
+        help="init and data-order seed (0; -2**63 to 2**64-1, torch.manual_seed's range)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_int_in(
+            1, DIGITS_TRAIN_SIZE, f"the digits set has {DIGITS_TRAIN_SIZE:,} training images"
+        ),
+        default=64,
+        help=f"global batch, split across ranks (64; at most {DIGITS_TRAIN_SIZE:,}, the data)",
     )
     p.add_argument(
         "--hidden",
-        type=_positive_int,
-        help="MLP hidden width (128; a resumed run takes the checkpoint's)",
+        type=_int_in(1, MAX_HIDDEN, "a wider MLP needs gigabytes per rank"),
+        help=f"MLP hidden width (128; at most {MAX_HIDDEN}; a resumed run takes the checkpoint's)",
     )
     p.add_argument("--overlap", action="store_true", help="run the ZeRO step inside DDP's backward")
     p.add_argument(
@@ -414,7 +503,7 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     )
     p.add_argument(
         "--bucket-cap-mb",
-        type=_positive_float,
+        type=_positive_float(MAX_BUCKET_CAP_MB, "1 TiB"),
         default=25.0,
         help="DDP bucket size in MB (25); with --overlap, ranks own whole buckets",
     )
@@ -427,7 +516,10 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
-        "--timeout", type=_positive_float, default=600.0, help="seconds before a hang fails (600)"
+        "--timeout",
+        type=_positive_float(MAX_TIMEOUT_S, "a week"),
+        default=600.0,
+        help="seconds before a hang fails (600; at most a week)",
     )
 
 
@@ -436,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zero-functional",
         description="ZeRO stage-1 sharded optimizers for PyTorch DDP: demo job, plans, benchmarks.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser(
@@ -459,10 +554,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
     plan.add_argument(
         "--world-sizes",
-        type=_positive_int,
+        type=_int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
         nargs="+",
         default=list(DEMO_WORLD_SIZES),
-        help="world sizes to report (2 8 64)",
+        help=f"world sizes to report (2 8 64; at most {MAX_PLAN_WORLD_SIZE:,})",
     )
     plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(
@@ -472,9 +567,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick", action="store_true", help="2 ranks, 3 rounds, 2M parameters (a smoke run)"
     )
-    bench.add_argument("--world-sizes", type=_positive_int, nargs="+", help="(scripts: 2 4)")
-    bench.add_argument("--rounds", type=_positive_int, help="timed rounds per variant")
-    bench.add_argument("--numel", type=_positive_int, help="model parameters (8,000,000)")
+    bench.add_argument(
+        "--world-sizes",
+        type=_ranks,
+        nargs="+",
+        help=f"(scripts: 2 4; at most {MAX_LOCAL_RANKS}, ranks on this machine)",
+    )
+    bench.add_argument(
+        "--rounds",
+        type=_int_in(1, MAX_BENCH_ROUNDS, "more do not move a median"),
+        help=f"timed rounds per variant (at most {MAX_BENCH_ROUNDS:,})",
+    )
+    bench.add_argument(
+        "--numel",
+        type=_int_in(1, MAX_BENCH_NUMEL, "4 GB per fp32 copy, several per rank"),
+        help=f"model parameters (8,000,000; at most {MAX_BENCH_NUMEL:,})",
+    )
     bench.add_argument("--dir", help="the benchmarks directory (default: the checkout's)")
     bench.set_defaults(func=_cmd_bench)
     return parser

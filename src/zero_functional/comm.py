@@ -40,6 +40,7 @@ __all__ = [
     "collective_device",
     "default_group",
     "exchange_objects",
+    "failures",
     "gather_objects",
     "global_rank",
     "group_rank",
@@ -82,6 +83,7 @@ class _Call:
 
 _local = threading.local()
 _SEQ: dict[str, int] = {}
+_FAILED: list[str] = []  # every CollectiveError this process raised, oldest first
 REPORT_GRACE_S = 5.0
 """How long a failed rank waits for the others' reports before it raises."""
 
@@ -124,9 +126,24 @@ def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Ite
     except CollectiveError:
         raise
     except RuntimeError as e:
-        raise CollectiveError(_explain(current, e)) from e
+        error = CollectiveError(_explain(current, e))
+        _FAILED.append(str(error))
+        raise error from e
     finally:
         _local.call = None
+
+
+def failures() -> list[str]:
+    """The messages of the :class:`CollectiveError` s this process raised, oldest first.
+
+    What a launcher names when a rank cannot leave the process group they broke, even where the
+    rank's own code caught them.
+
+    Example:
+        >>> failures()  # none in this process
+        []
+    """
+    return list(_FAILED)
 
 
 def _wait(work: Work | None) -> None:

@@ -15,12 +15,24 @@ How each rank's end is seen:
 * It dies without reporting (a signal, ``os._exit``, a crash in C++): the launcher sees the
   process end and names the rank and how it died, e.g. ``rank 1 was killed by signal
   SIGKILL``.
+* It returns, then cannot leave its process group (its collectives broke, e.g. one timed out):
+  it reports why, with the :class:`~zero_functional.comm.CollectiveError` s it raised even if
+  its own code caught them, and the launcher names them.
+
+The ranks start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the environment sets it: when a peer
+dies, c10d's store client logs a warning carrying an 18-line C++ stack (``sendBytes failed``,
+from the process group's store on the dead rank 0), which the launcher's one line names better.
 
 After the first failure the others get :data:`GRACE_S` to report (a rank blocked in a
 collective with a dead peer usually errors out at once), then the launcher kills them: nobody
 waits for the process group's timeout. A rank that neither reports nor dies before
 ``timeout_s`` is killed and named too. All failures are raised together in one
 :class:`LaunchError`, whose first line names the rank that failed first.
+
+SIGTERM to the launcher (what ``kill``, ``timeout`` and job schedulers send) would by default end
+it alone, the ranks training on, orphaned. While ranks run, it raises :class:`Terminated` in the
+launcher instead, once every rank is stopped: a rank being stopped gets SIGTERM first (a rank
+that handles it has :data:`TERM_GRACE_S` to finish), then SIGKILL.
 
 How a rank shuts down, and why: after reporting, a rank that succeeded waits in a barrier for
 the others (in gloo a barrier also waits for every collective still pending), destroys the
@@ -43,6 +55,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,7 +65,7 @@ from datetime import timedelta
 from multiprocessing import connection
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -60,6 +73,8 @@ __all__ = [
     "LaunchError",
     "RankFailure",
     "StartMethod",
+    "TERM_GRACE_S",
+    "Terminated",
     "describe_exit",
     "format_seconds",
     "free_port",
@@ -84,6 +99,9 @@ SETTLE_S = 0.25
 
 EXIT_WAIT_S = 30.0
 """Seconds a rank that returned gets to leave its process group and exit."""
+
+TERM_GRACE_S = 2.0
+"""Seconds a rank being stopped gets between SIGTERM and SIGKILL."""
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -179,6 +197,26 @@ class LaunchError(RuntimeError):
         return str(self.failures[0])
 
 
+class Terminated(SystemExit):
+    """The launcher got SIGTERM while its ranks ran; it stopped every rank, then raised this.
+
+    A ``SystemExit`` with code 143 (128 + SIGTERM, what a shell reports for a process that
+    SIGTERM ended): uncaught, the program ends as SIGTERM would have ended it, but with no rank
+    left behind. ``message`` says so, in words a command line can print.
+
+    Example:
+        >>> e = Terminated(2)
+        >>> e.code, e.message
+        (143, 'stopped by SIGTERM; its 2 ranks were stopped too')
+    """
+
+    def __init__(self, ranks: int) -> None:
+        super().__init__(128 + signal.SIGTERM)
+        self.message = (
+            f"stopped by SIGTERM; its {ranks} rank{'s' if ranks != 1 else ''} were stopped too"
+        )
+
+
 def _last_line(tb: str, limit: int = 300) -> str:
     """The exception line of a traceback, cut to ``limit`` characters."""
     lines = [line.strip() for line in tb.splitlines() if line.strip()]
@@ -259,6 +297,14 @@ def _failure(t: float) -> bytes:
     return pickle.dumps((False, traceback.format_exc(), t))
 
 
+def _exit_failure() -> bytes:
+    """Why a rank that reported its result could not leave its group: the traceback of that,
+    and the CollectiveErrors it raised (what broke the group), if any."""
+    comm = sys.modules.get("zero_functional.comm")  # imported by whatever used its collectives
+    errors: list[str] = comm.failures() if comm is not None else []
+    return pickle.dumps(("exit", traceback.format_exc(), errors))
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -275,6 +321,8 @@ def _rank_main(
     The report goes out while the rank is still in the group: once it leaves, its peers'
     collectives fail, and their reports must not overtake the one that explains why.
     """
+    # a forked rank inherits the launcher's SIGTERM handler: SIGTERM ends a rank at once
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     code = 1
@@ -299,8 +347,7 @@ def _rank_main(
         except _Reported:
             pass
         except BaseException:  # joining or leaving the group failed
-            if not sent:
-                report.send_bytes(_failure(time.monotonic()))
+            report.send_bytes(_exit_failure() if sent else _failure(time.monotonic()))
         report.close()
         logging.shutdown()
         sys.stdout.flush()
@@ -319,6 +366,39 @@ class _Rank:
     conn: Connection | None  # None once closed
     state: Literal["running", "returned", "failed"] = "running"
     value: object = None
+
+
+class _SigtermGuard:
+    """While it is armed, SIGTERM raises :class:`Terminated` in the main thread; disarmed (the
+    ranks are being stopped), a SIGTERM is only noted, for the launcher to raise after."""
+
+    def __init__(self, ranks: Sequence[_Rank]) -> None:
+        self.ranks = ranks
+        self.armed = False
+        self.received = False
+        self.previous: object = None
+        self.installed = False
+
+    def __enter__(self) -> _SigtermGuard:
+        # not over a handler someone installed, nor outside the main thread (Python refuses)
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        ):
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+            self.installed = True
+        self.armed = True
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = True
+        if self.armed:
+            self.armed = False
+            raise Terminated(len(self.ranks))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, cast(signal.Handlers, self.previous))
 
 
 def run_ranks(
@@ -379,23 +459,38 @@ def run_ranks(
     port = free_port()
     pg_timeout = min(60.0, timeout_s) if pg_timeout_s is None else pg_timeout_s
     ranks: list[_Rank] = []
-    try:
-        for rank in range(world_size):
-            # one pipe per rank, made just before its process, so no other rank inherits it
-            receive, send = ctx.Pipe(duplex=False)
-            process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]  # every context has it
-                target=_rank_main,
-                args=(rank, world_size, port, backend, pg_timeout, num_threads, fn, args, send),
-                name=f"rank {rank}",
-            )
-            process.start()
-            send.close()
-            ranks.append(_Rank(rank, process, receive))
-        failures = _collect(ranks, timeout_s, grace_s)
-        if not failures:
-            failures = _await_exit(ranks)
-    finally:
-        _release(ranks)
+    with _SigtermGuard(ranks) as sigterm:
+        try:
+            with _rank_environment():
+                for rank in range(world_size):
+                    # one pipe per rank, made just before its process: no other rank inherits it
+                    receive, send = ctx.Pipe(duplex=False)
+                    process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]  # every context has it
+                        target=_rank_main,
+                        args=(
+                            rank,
+                            world_size,
+                            port,
+                            backend,
+                            pg_timeout,
+                            num_threads,
+                            fn,
+                            args,
+                            send,
+                        ),
+                        name=f"rank {rank}",
+                    )
+                    process.start()
+                    send.close()
+                    ranks.append(_Rank(rank, process, receive))
+            failures = _collect(ranks, timeout_s, grace_s)
+            if not failures:
+                failures = _await_exit(ranks)
+        finally:
+            sigterm.armed = False  # a SIGTERM from here on waits until every rank is stopped
+            _release(ranks)
+        if sigterm.received:
+            raise Terminated(len(ranks))
     if failures:
         raise LaunchError(failures, {r.rank: r.value for r in ranks if r.state == "returned"})
     return [r.value for r in ranks]  # type: ignore[misc]
@@ -521,19 +616,73 @@ def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
     for r in ranks:
         r.process.join(max(deadline - time.monotonic(), 0.0))
         code = r.process.exitcode
+        tb = ""
         if code is None:
             reason = f"returned its result but had not exited {format_seconds(EXIT_WAIT_S)} later"
         elif code != 0:
             reason = f"returned its result, then {describe_exit(code)} while exiting"
+            why = _why_not_left(r)
+            if why is not None:
+                reason, tb = f"{reason}: {_cut(why[0])}", why[1]
         else:
             continue
-        (killed if code is not None and code < 0 else other).append(RankFailure(r.rank, reason))
+        failure = RankFailure(r.rank, reason, tb)
+        (killed if code is not None and code < 0 else other).append(failure)
     return _mark(killed, other, None) if killed or other else []
 
 
+def _why_not_left(r: _Rank) -> tuple[str, str] | None:
+    """What a rank that returned reported on failing to leave its group: a line, the details.
+
+    The line names the last CollectiveError the rank raised (the collective that broke the
+    group), else what leaving raised; the details hold every CollectiveError and the traceback.
+    """
+    try:
+        if r.conn is None or not r.conn.poll():
+            return None
+        kind, tb, errors = pickle.loads(r.conn.recv_bytes())
+    except Exception:  # nothing more came, or not this: the exit code says what is known
+        return None
+    if kind != "exit":
+        return None
+    named = [f"zero_functional.comm.CollectiveError: {e}" for e in errors]
+    line = (
+        f"it could not leave its process group after {named[-1]}"
+        if named
+        else f"leaving its process group raised {_last_line(tb)}"
+    )
+    return line, "\n".join([*named, tb])
+
+
+def _cut(line: str, limit: int = 400) -> str:
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+"""What the ranks' environment gets unless it sets them already (see the module doc)."""
+
+
+@contextmanager
+def _rank_environment() -> Iterator[None]:
+    """:data:`CHILD_ENV`'s variables that the environment lacks, set while ranks are started
+    (a spawned rank reads them as torch loads; a forked one has the launcher's torch)."""
+    added = [k for k in CHILD_ENV if k not in os.environ]
+    os.environ.update({k: CHILD_ENV[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 def _release(ranks: Sequence[_Rank]) -> None:
-    """Kill every rank still alive, reap it, and close its pipe and process handles."""
-    for r in ranks:
+    """Stop every rank still alive (SIGTERM, then SIGKILL), reap it, close its pipe and handles."""
+    alive = [r for r in ranks if r.process.is_alive()]
+    for r in alive:
+        r.process.terminate()  # as a scheduler stops a job: a rank may handle SIGTERM
+    deadline = time.monotonic() + TERM_GRACE_S
+    for r in alive:
+        r.process.join(max(deadline - time.monotonic(), 0.0))
         if r.process.is_alive():
             r.process.kill()
     for r in ranks:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 
 __all__ = [
@@ -210,7 +212,9 @@ def module_shapes(target: str) -> list[Shape]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r} for model {target!r}: {e}") from e
+        raise ValueError(
+            f"cannot import {module_name!r} for model {target!r}: {_why(e, module_name)}"
+        ) from e
     except SyntaxError as e:
         raise ValueError(
             f"cannot import {module_name!r} for model {target!r}: syntax error in "
@@ -244,6 +248,24 @@ def module_shapes(target: str) -> list[Shape]:
             "return the model itself"
         )
     return [tuple(p.shape) for p in model.parameters()]
+
+
+def _why(e: ImportError, module_name: str) -> str:
+    """An import error, with where to look when the module (or its package) is not found."""
+    missing = e.name if isinstance(e, ModuleNotFoundError) else None
+    if missing is None or not (module_name == missing or module_name.startswith(missing + ".")):
+        return str(e)  # the module was found, and something it imports is missing
+    here = os.getcwd()
+    searched = "sys.path" + (
+        f" (the current directory {here} included)"
+        if any(os.path.abspath(p or os.curdir) == here for p in sys.path)
+        else ""
+    )
+    return (
+        f"no module named {missing!r} on {searched}: run from the folder that holds it "
+        "(zero-functional and python -m zero_functional look in the current directory), or "
+        "add that folder to PYTHONPATH"
+    )
 
 
 def model_shapes(name: str) -> list[Shape]:

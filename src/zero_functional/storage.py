@@ -13,8 +13,9 @@ overlap them. Underneath:
   ``.metadata`` beside it); the reader checks length and CRC32 before deserialising, so a
   flipped or truncated byte is a :class:`CheckpointCorruptError`, never NaN state;
 * the checkpoint is written to ``<path>.tmp-<id>`` and swapped onto ``<path>`` by rank 0 once
-  every rank's data is on disk (Linux ``renameat2(RENAME_EXCHANGE)``, else two renames): a
-  crash mid-save leaves the previous checkpoint readable.
+  every rank's data is on disk (:mod:`zero_functional.atomic_dir`): a crash mid-save leaves the
+  previous checkpoint readable, and the next save removes what it left. A ``<path>`` that is a
+  file, a link or a directory of something else is refused before anything is written.
 
 Values several ranks write under one key (a per-parameter scalar such as Adam's ``step``, the
 same object on every rank) are written once, after the coordinator has checked the copies
@@ -25,15 +26,12 @@ and DCP's stock reader read them unchanged.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import io
 import itertools
 import math
 import os
 import shutil
-import uuid
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any, cast
@@ -74,7 +72,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from zero_functional import comm
+from zero_functional import atomic_dir, comm
 from zero_functional.ownership import Box, flat_range_boxes
 
 __all__ = [
@@ -431,53 +429,6 @@ class _ChecksummedReader(FileSystemReader):
         return done
 
 
-# ------------------------------------------------------------------------------ commit
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    return (
-        int(renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)) == 0
-    )
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _commit(tmp: str, path: str) -> None:
-    _fsync_dir(tmp)
-    if not os.path.lexists(path):
-        os.rename(tmp, path)  # readers see no checkpoint, then the whole new one
-    elif _exchange(tmp, path):
-        shutil.rmtree(tmp)  # now the previous checkpoint
-    else:  # two renames: a crash between them leaves the previous one at <path>.old-*
-        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 # ------------------------------------------------------------------------------ entry points
 
 
@@ -522,10 +473,24 @@ def save_pieces(
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause; the previous checkpoint at
-            ``path``, if any, is untouched.
+            ``path``, if any, is untouched. ``path`` a file, a symbolic link or a directory
+            that holds no checkpoint is refused before anything is written.
     """
     target = os.path.abspath(os.fspath(path))
-    tmp = cast(str, comm.broadcast_object(f"{target}.tmp-{uuid.uuid4().hex[:12]}", process_group))
+    first = comm.rank_or_zero(process_group) == 0
+    tmp, reason = "", None
+    if first:  # one rank decides, before anything is written; every rank raises the same
+        reason = atomic_dir.refusal(target)
+        if reason is None:
+            try:
+                tmp = atomic_dir.make_temporary(target)
+            except OSError as e:
+                reason = f"cannot create a directory beside {target} ({e}); pass a writable path"
+    tmp, reason = cast(
+        tuple[str, "str | None"], comm.broadcast_object((tmp, reason), process_group)
+    )
+    if reason is not None:
+        raise CheckpointError(f"checkpoint save refused, nothing written: {reason}")
     writer = _ChecksummedWriter(tmp, sync_files=True, overwrite=False)
     try:
         with _dcp_errors("save"):
@@ -540,11 +505,13 @@ def save_pieces(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     error: object = None
-    if comm.rank_or_zero(process_group) == 0:
+    if first:
         try:
-            _commit(tmp, target)
+            atomic_dir.commit(tmp, target)
         except OSError as e:
             error = f"the checkpoint was written to {tmp} but could not replace {target}: {e}"
+        else:
+            atomic_dir.remove_leftovers(target)  # of earlier saves killed before their commit
     error = comm.broadcast_object(
         error, process_group
     )  # every rank returns after the commit, or raises
