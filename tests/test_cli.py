@@ -270,6 +270,7 @@ def test_bench_lists_the_scripts_in_benchmarks(capsys: pytest.CaptureFixture[str
     assert out
 
 
+@pytest.mark.bench  # a benchmark end to end (about two minutes): make bench runs it
 def test_bench_quick_ends_with_one_table_against_torch_best(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
