@@ -25,6 +25,7 @@ Later backwards update bucket by bucket.
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zero_functional import comm
 from zero_functional.amp import ScalerFacade, common_verdict, unscale_and_check_
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ownership import Run, bucket_ownership
+from zero_functional.ownership import Ownership, Run, bucket_ownership
 from zero_functional.plans import COLLECTIVES, Collectives, buffer_runs, choose_collectives
 
 __all__ = [
@@ -61,19 +62,157 @@ _STATES: weakref.WeakKeyDictionary[ZeroRedundancyOptimizer, OverlapState] = (
 )
 
 
-@dataclass
-class _Iteration:
+class BucketStatus(enum.Enum):
+    """Where a bucket of the backward in progress stands; buckets move on in bucket order.
+
+    ``ARRIVED``: the hook registered it. ``REDUCING``: its reduction is issued (onto its owners
+    by :meth:`OverlapState.reduce`, or by the user's hook). ``REDUCED``: waited for, its
+    gradients final. ``UPDATED``: this rank's pieces stepped (or the step skipped) and their
+    all-gather started.
+    """
+
+    ARRIVED = enum.auto()
+    REDUCING = enum.auto()
+    REDUCED = enum.auto()
+    UPDATED = enum.auto()
+
+
+@dataclass(slots=True)
+class _Reduce:
+    """A reduce onto the owners in flight, and the future handed to DDP (set once updated)."""
+
+    pending: comm.Pending
+    future: Future[Tensor]
+    flat: Tensor
+
+    @classmethod
+    def start(
+        cls, flat: Tensor, runs: tuple[Run, ...], chunk: int | None, group: comm.ProcessGroup
+    ) -> _Reduce:
+        """Start reducing each run of ``flat`` onto its owner."""
+        pending = comm.start_reduce(flat, runs, group, chunk=chunk)
+        fut: Future[Tensor] = Future(devices=[flat.device] if flat.device.type == "cuda" else None)
+        return cls(pending, fut, flat)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One bucket of the backward in progress: its parameters and its reduction."""
+
+    indices: tuple[int, ...]
+    status: BucketStatus = BucketStatus.ARRIVED
+    future: Future[Any] | None = None  # what DDP waits on: ours, or the user's hook's
+    reduce: _Reduce | None = None  # set when reduced onto its owners
+    flat: Tensor | None = None  # its reduced gradients, once REDUCED
+
+    def ready(self) -> bool:
+        """Whether its reduction is done (waiting for it would not block)."""
+        if self.flat is not None:
+            return True
+        if self.reduce is not None:
+            return self.reduce.pending.done()
+        assert self.future is not None
+        return self.future.done()
+
+    def wait(self) -> Tensor:
+        """Its reduced gradients, waiting for the reduction if need be."""
+        if self.flat is None:
+            if self.reduce is not None:
+                self.reduce.pending.wait()
+                self.flat = self.reduce.flat
+            else:
+                assert self.future is not None
+                value = self.future.wait()
+                self.flat = value if isinstance(value, Tensor) else value[0]
+            self.status = BucketStatus.REDUCED
+        return self.flat
+
+    def owned_grads(
+        self, zero: ZeroRedundancyOptimizer, used: set[int] | None
+    ) -> dict[int, Tensor]:
+        """The gradients of the pieces ``zero``'s rank owns (of ``used`` parameters only)."""
+        flat = self.wait()
+        return {
+            k: flat[lo:hi]
+            for k, lo, hi in zero.ownership.owned_slices(self.indices, zero.rank)
+            if used is None or k in used
+        }
+
+
+@dataclass(slots=True)
+class _Backward:
     """What one backward has seen so far."""
 
-    indices: list[tuple[int, ...]] = field(default_factory=list)
-    futures: list[Future[Any]] = field(default_factory=list)
-    # per bucket reduced onto its owners: the reduce in flight and the future handed to DDP
-    reduces: dict[int, tuple[comm.Pending, Future[Tensor], Tensor]] = field(default_factory=dict)
-    # per bucket whose reduction is done: its gradients and the future handed to DDP (if ours)
-    complete: dict[int, tuple[Tensor, Future[Tensor] | None]] = field(default_factory=dict)
-    processed: int = 0
-    deferred: bool = False
-    pending: list[tuple[comm.Pending, Sequence[Tensor]]] = field(default_factory=list)
+    buckets: list[_Bucket] = field(default_factory=list)
+    deferred: bool = False  # a bucket differed from the adopted structure: update at the last
+    gathers: list[tuple[comm.Pending, Sequence[Tensor]]] = field(default_factory=list)
+
+    def next_update(self) -> int:
+        """The first bucket not yet updated (they are updated in bucket order)."""
+        return sum(b.status is BucketStatus.UPDATED for b in self.buckets)
+
+
+def _known(
+    structure: tuple[tuple[int, ...], ...] | None, i: int, indices: tuple[int, ...], last: bool
+) -> bool:
+    """Whether bucket ``i`` (its parameters' ``indices``; the last bucket or not) is as adopted.
+
+    Example:
+        >>> s = ((0, 1), (2,))
+        >>> _known(s, 1, (2,), last=True), _known(s, 0, (0, 1), last=True)
+        (True, False)
+        >>> _known(s, 1, (2, 3), last=True), _known(None, 0, (0, 1), last=False)
+        (False, False)
+    """
+    return (
+        structure is not None
+        and i < len(structure)
+        and structure[i] == indices
+        and not (last and len(structure) != i + 1)
+    )
+
+
+def _bucket_runs(
+    ownership: Ownership, structure: tuple[tuple[int, ...], ...], collectives: Collectives
+) -> dict[int, tuple[tuple[Run, ...], int | None]]:
+    """Per bucket of ``structure``, its buffer's runs under ``ownership`` and their chunk."""
+    even = collectives == "reduce_scatter+all_gather"
+    # an uneven bucket takes reduces and broadcasts under either strategy
+    return {b: buffer_runs(ownership, indices, even=even) for b, indices in enumerate(structure)}
+
+
+def _indices(index: dict[Tensor, int], bucket: GradBucket) -> tuple[int, ...]:
+    """The global indices of ``bucket``'s parameters, or an error naming the fix."""
+    try:
+        return tuple(index[p] for p in bucket.parameters())
+    except KeyError as e:
+        raise RuntimeError(
+            "a DDP gradient bucket holds a parameter this ZeroRedundancyOptimizer does not "
+            "manage: build it from ddp.parameters() (or model.parameters())"
+        ) from e
+
+
+def _used_anywhere(params: Sequence[Tensor], group: comm.ProcessGroup) -> set[int]:
+    """The parameters some rank used in this backward: those with a gradient now (DDP fills
+    the buckets of unused ones with zeros but leaves their ``.grad`` as it was)."""
+    local = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
+    flags = comm.any_rank(local, group)
+    return {k for k, used in enumerate(flags.tolist()) if used}
+
+
+def _gather_group(
+    zero: ZeroRedundancyOptimizer, interleaved: bool
+) -> tuple[comm.ProcessGroup, bool]:
+    """The group the parameter all-gathers run on, and whether it is not ``zero``'s own.
+
+    Interleaved, the all-gathers run on a twin group where one can be made, so a bucket is
+    updated as soon as its reduction is done, never waited for on the autograd thread.
+    """
+    if interleaved and zero.world_size > 1:
+        twin = comm.twin_group(zero.process_group)
+        if twin is not None:
+            return twin, True
+    return zero.process_group, False
 
 
 class OverlapState:
@@ -107,25 +246,19 @@ class OverlapState:
         self.interleaved = interleaved
         self.collectives: Collectives = collectives
         self.scaler = grad_scaler
-        # interleaved: the all-gather runs on a twin group, so a bucket is updated as soon as
-        # its reduction is done, never waited for on the autograd thread
-        self.gather_group = zero.process_group
-        self.nonblocking = False
-        if interleaved and zero.world_size > 1:
-            twin = comm.twin_group(zero.process_group)
-            if twin is not None:
-                self.gather_group, self.nonblocking = twin, True
+        self.gather_group, self.nonblocking = _gather_group(zero, interleaved)
         self.skipped = 0  # backwards whose update the scaler skipped (non-finite gradients)
         self._facade = ScalerFacade()
         self.params = [p for g in zero.param_groups for p in g["params"]]
         self.index = {p: i for i, p in enumerate(self.params)}
         self.structure: tuple[tuple[int, ...], ...] | None = None
-        self.it: _Iteration | None = None
         self.restructures = 0
         self.reduced_buckets = 0
         self._runs: dict[int, tuple[tuple[Run, ...], int | None]] = {}
+        self._backward = _Backward()
 
-    # -------------------------------------------------------------- per bucket
+    def _scaling(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
 
     def start(self, bucket: GradBucket) -> bool:
         """Register ``bucket``; whether to reduce it onto its owners (else the user's hook runs).
@@ -133,81 +266,58 @@ class OverlapState:
         Every input of this decision (bucket indices, the structure adopted so far) is the same
         on every rank, so all ranks issue the same collectives in the same order.
         """
-        i = bucket.index()
-        if i == 0 or self.it is None:
+        i, bw = bucket.index(), self._backward
+        if i == 0 or not bw.buckets:  # a new backward
             self.zero.check_trainable()  # unfreezing is an error before anything moves
-            self.it = _Iteration()
-        it = self.it
-        try:
-            indices = tuple(self.index[p] for p in bucket.parameters())
-        except KeyError as e:
-            raise RuntimeError(
-                "a DDP gradient bucket holds a parameter this ZeroRedundancyOptimizer does not "
-                "manage: build it from ddp.parameters() (or model.parameters())"
-            ) from e
-        it.indices.append(indices)
-        s = self.structure
-        known = (
-            s is not None
-            and i < len(s)
-            and s[i] == indices
-            and not (bucket.is_last() and len(s) != i + 1)
-        )
-        if not known and not it.deferred:
-            it.deferred = True
-            if s is not None:
+            bw = self._backward = _Backward()
+        indices = _indices(self.index, bucket)
+        bw.buckets.append(_Bucket(indices))
+        if not bw.deferred and not _known(self.structure, i, indices, bucket.is_last()):
+            bw.deferred = True
+            if self.structure is not None:
                 self.restructures += 1
             # Buckets before this one match the adopted structure and may have been reduced onto
             # their owners under it: finish them with that ownership before adopt() moves state,
             # or, when a scaler must first see every gradient, give every rank their reduced
             # values (the owners broadcast their runs) so the new owners can step them.
             if self._scaling():
-                for j in range(i):
-                    self._complete_everywhere(j)
+                for j, b in enumerate(bw.buckets[:i]):
+                    flat = b.wait()
+                    if self.collectives != "allreduce+broadcast":
+                        comm.start_broadcast(flat, self._runs[j][0], self.zero.process_group).wait()
             else:
-                while it.processed < i:
-                    self._process(it.processed)
-        return not it.deferred and self.collectives != "allreduce+broadcast"
+                self._update_until(i)
+        return not bw.deferred and self.collectives != "allreduce+broadcast"
 
     def reduce(self, bucket: GradBucket) -> Future[Tensor]:
         """Average ``bucket`` onto the owners of its pieces; the future DDP waits on."""
-        it = self.it
-        assert it is not None
-        i = bucket.index()
+        b = self._backward.buckets[bucket.index()]
         flat = bucket.buffer()
         flat.div_(self.zero.world_size)  # as DDP's allreduce_hook: divide, then sum
-        runs, chunk = self._runs[i]
-        pending = comm.start_reduce(flat, runs, self.zero.process_group, chunk=chunk)
-        fut: Future[Tensor] = Future(devices=[flat.device] if flat.device.type == "cuda" else None)
-        it.reduces[i] = (pending, fut, flat)
+        runs, chunk = self._runs[bucket.index()]
+        b.reduce = _Reduce.start(flat, runs, chunk, self.zero.process_group)
         self.reduced_buckets += 1
-        return fut
+        return b.reduce.future
 
     def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
         """Record the bucket's future; update finished buckets (the last bucket: all of them)."""
-        it = self.it
-        assert it is not None
-        i = bucket.index()
-        it.futures.append(fut)
-        scaling = self._scaling()
-        if self.interleaved and not it.deferred and not scaling and not self.find_unused:
+        bw, i = self._backward, bucket.index()
+        bw.buckets[i].future, bw.buckets[i].status = fut, BucketStatus.REDUCING
+        if self.interleaved and not bw.deferred and not self._scaling() and not self.find_unused:
             # buckets whose reduction is done, in order; without a twin group, one bucket
             # behind whatever it takes (its reduction has had one bucket's backward to finish)
-            while it.processed < i and (not self.nonblocking or self._ready(it.processed)):
-                self._process(it.processed)
+            self._update_until(i, only_ready=self.nonblocking)
         if bucket.is_last():
-            if it.deferred:
-                self.adopt(tuple(it.indices))
+            if bw.deferred:
+                self.adopt(tuple(b.indices for b in bw.buckets))
             if self.find_unused:
-                self.used = self._used_anywhere()
-            if scaling:
+                self.used = _used_anywhere(self.params, self.zero.process_group)
+            if self._scaling():
                 self._scaled_step()
-            while it.processed < len(it.indices):
-                self._process(it.processed)
-            self._finish()
-
-    def _scaling(self) -> bool:
-        return self.scaler is not None and self.scaler.is_enabled()
+            self._update_until(len(bw.buckets))
+            # waited for now, or (overlap_param_gather) by the next forward, module by module
+            self.zero.defer_param_sync(bw.gathers)
+            self._backward = _Backward()
 
     def adopt(self, structure: tuple[tuple[int, ...], ...]) -> None:
         """Own the buckets of ``structure`` and move the optimizer's state accordingly.
@@ -224,105 +334,47 @@ class OverlapState:
             shard_buckets=self.shard_buckets,
         )
         zero.reshard(ownership)
-        even = self.collectives == "reduce_scatter+all_gather"
-        # an uneven bucket takes reduces and broadcasts under either strategy
-        self._runs = {
-            b: buffer_runs(ownership, indices, even=even) for b, indices in enumerate(structure)
-        }
+        self._runs = _bucket_runs(ownership, structure, self.collectives)
         self.structure = structure
 
-    def _ready(self, j: int) -> bool:
-        it = self.it
-        assert it is not None
-        if j in it.reduces:
-            return it.reduces[j][0].done()
-        return j in it.complete or it.futures[j].done()
+    def _update_until(self, n: int, *, only_ready: bool = False, update: bool = True) -> None:
+        """Update the buckets before ``n`` in order (``only_ready``: while reduced already)."""
+        bw = self._backward
+        while (j := bw.next_update()) < n and not (only_ready and not bw.buckets[j].ready()):
+            self._update(j, update=update)
 
-    def _reduced(self, j: int) -> tuple[Tensor, Future[Tensor] | None]:
-        """Bucket ``j``'s gradients once reduced, and the future DDP waits on (if ours)."""
-        it = self.it
-        assert it is not None
-        if j in it.reduces:
-            pending, fut, flat = it.reduces.pop(j)
-            pending.wait()
-            it.complete[j] = (flat, fut)
-            return flat, fut
-        if j in it.complete:
-            return it.complete[j]
-        value = it.futures[j].wait()
-        flat = value if isinstance(value, Tensor) else value[0]
-        it.complete[j] = (flat, None)
-        return flat, None
-
-    def _complete_everywhere(self, j: int) -> None:
-        """Give every rank bucket ``j``'s reduced values (owners broadcast their runs)."""
-        flat, _ = self._reduced(j)
-        if self.collectives != "allreduce+broadcast":
-            runs, _ = self._runs[j]
-            comm.start_broadcast(flat, runs, self.zero.process_group).wait()
-
-    def _used_anywhere(self) -> set[int]:
-        """The parameters some rank used in this backward: those with a gradient now (DDP fills
-        the buckets of unused ones with zeros but leaves their ``.grad`` as it was)."""
-        local = torch.tensor([p.grad is not None for p in self.params], dtype=torch.bool)
-        flags = comm.any_rank(local, self.zero.process_group)
-        return {k for k, used in enumerate(flags.tolist()) if used}
-
-    def _owned_grads(self, j: int, flat: Tensor) -> dict[int, Tensor]:
-        it = self.it
-        assert it is not None
-        zero = self.zero
-        used = self.used
-        return {
-            k: flat[a:b]
-            for k, a, b in zero.ownership.owned_slices(it.indices[j], zero.rank)
-            if used is None or k in used
-        }
-
-    def _process(self, j: int, *, update: bool = True) -> None:
+    def _update(self, j: int, *, update: bool = True) -> None:
         """Update this rank's pieces of bucket ``j`` and start the all-gather of the bucket."""
-        it = self.it
-        assert it is not None
-        it.processed = j + 1
-        flat, fut = self._reduced(j)
+        bw, zero = self._backward, self.zero
+        b = bw.buckets[j]
+        flat = b.wait()
+        b.status = BucketStatus.UPDATED
         if update:
-            self.zero.update_owned(self._owned_grads(j, flat))
-            if self.zero.world_size > 1:
+            zero.update_owned(b.owned_grads(zero, self.used))
+            if zero.world_size > 1:
                 # in place: these parameters' grads are final, so backward no longer reads
-                # them; the owners' values are on every rank by _finish
+                # them; the owners' values are on every rank once the backward has finished
                 runs, chunk = self._runs[j]
-                it.pending.extend(
-                    self.zero.param_sync.start_gather(it.indices[j], self.gather_group, runs, chunk)
+                bw.gathers += zero.param_sync.start_gather(
+                    b.indices, self.gather_group, runs, chunk
                 )
-        if fut is not None:
+        if b.reduce is not None:
             # on each rank only the pieces it owns hold the averaged gradient
-            fut.set_result(flat)
+            b.reduce.future.set_result(flat)
 
     def _scaled_step(self) -> None:
         """With a GradScaler: unscale every owned gradient, decide on every rank together
         whether any was non-finite, tell the scaler, then update everything or nothing."""
-        it = self.it
-        assert it is not None and self.scaler is not None
-        owned = [
-            g
-            for j in range(len(it.indices))
-            for g in self._owned_grads(j, self._reduced(j)[0]).values()
-        ]
+        assert self.scaler is not None
+        buckets = self._backward.buckets
+        owned = [g for b in buckets for g in b.owned_grads(self.zero, self.used).values()]
         device = owned[0].device if owned else self.zero.join_device
         found = unscale_and_check_(owned, 1.0 / self.scaler.get_scale(), device)
         found = comm.all_reduce_scalar(found, self.zero.process_group, op="max")
         self._facade.record(self.scaler, found)
         if bool(found.item()):
             self.skipped += 1
-            while it.processed < len(it.indices):
-                self._process(it.processed, update=False)
-
-    def _finish(self) -> None:
-        it = self.it
-        assert it is not None
-        # waited for now, or (overlap_param_gather) by the next forward, module by module
-        self.zero.defer_param_sync(it.pending)
-        self.it = None
+            self._update_until(len(buckets), update=False)
 
 
 def overlap_state(zero: ZeroRedundancyOptimizer) -> OverlapState | None:
@@ -582,13 +634,7 @@ def reduce_scatter_hook(
             done: Future[Tensor] = Future()
             done.set_result(flat)
             return done
-        try:
-            indices = tuple(index[p] for p in bucket.parameters())
-        except KeyError as e:
-            raise RuntimeError(
-                "a DDP gradient bucket holds a parameter this ZeroRedundancyOptimizer does not "
-                "manage: build it from ddp.parameters() (or model.parameters())"
-            ) from e
+        indices = _indices(index, bucket)
         runs, chunk = runs_of(indices)
         flat.div_(world)
         name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"
