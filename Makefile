@@ -33,7 +33,7 @@ rules: $(STAMP)
 	$(BIN)/python .ci/rules.py
 
 unit: $(STAMP)
-	$(BIN)/pytest -q -m "not bench" tests property_tests
+	$(BIN)/pytest -q -m "not bench" --durations=12 tests property_tests
 
 test: lint typecheck rules doctest unit
 
