@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -154,7 +155,8 @@ def check_hyperparameter_types(optimizer_class: type, defaults: dict[str, Any]) 
         return
 
     def numeric(v: object) -> bool:
-        return isinstance(v, int | float | Tensor) and not isinstance(v, bool)
+        # numbers.Real: numpy's scalars too, which torch's own comparisons accept
+        return isinstance(v, numbers.Real | Tensor) and not isinstance(v, bool)
 
     for name, value in defaults.items():
         parameter = signature.parameters.get(name)
