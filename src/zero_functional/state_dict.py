@@ -485,7 +485,7 @@ def not_consolidated_message(rank: int) -> str:
         )
     else:
         message += (
-            " Lightning and Fabric consolidate by themselves; for torch.distributed.checkpoint "
+            " Lightning and Fabric consolidate by themselves; for DCP (distributed checkpoint) "
             "use zero_functional.checkpoint.stateful(model, optimizer)."
         )
     return message
