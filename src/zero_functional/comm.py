@@ -21,6 +21,14 @@ from typing import Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
+
+# Imported with this package, so before the caller's init_process_group, as torch's own
+# ZeroRedundancyOptimizer imports it (through torch.distributed.optim). Its functions bind
+# `group=group.WORLD` as default arguments; imported after init_process_group (as it is by the
+# first torch.optim.Optimizer built then, through torch._dynamo) they hold the default group
+# past destroy_process_group, its gloo threads run on into interpreter shutdown, and one that
+# then frees a tensor aborts the process (issue 20). Imported first, the defaults are None.
+import torch.distributed.nn.functional  # noqa: F401
 from torch import Tensor
 from torch.futures import Future
 

@@ -1,0 +1,40 @@
+"""Teardown (issue 20, item 5): after destroy_process_group, nothing of this package is alive or
+in flight, and a program that then exits normally is not aborted by a gloo thread."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# A user's script: the optimizer's module imported at the top, the group made after it.
+_SCRIPT = """
+import tempfile, weakref
+import torch
+import torch.distributed as dist
+from torch import nn
+from zero_functional import ZeroRedundancyOptimizer
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+group = weakref.ref(dist.group.WORLD)
+model = nn.Linear(1, 1)
+opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+model(torch.ones(4, 1)).sum().backward()
+opt.step()
+dist.destroy_process_group()
+del opt, model
+print("freed" if group() is None else "alive")
+"""
+
+
+def test_destroy_process_group_frees_the_default_group_and_its_gloo_threads() -> None:
+    # torch.optim.Optimizer's constructor imports torch._dynamo and with it
+    # torch.distributed.nn.functional, whose `group=group.WORLD` defaults would hold the
+    # default group (and its threads) to interpreter exit had the package not imported it first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "freed"
