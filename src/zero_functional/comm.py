@@ -3,6 +3,12 @@
 Everything here is issued from the calling thread in an order that depends only on values every
 rank shares (the partition, the bucket layout), never on timing. That is the rule that keeps gloo
 from hanging: gloo matches collectives across ranks by the order they are issued.
+
+Nothing is left to gloo's threads once a collective has been waited for: the tensors a collective
+was given stay referenced here until the backend has let go of them (:class:`Pending`), so that
+no gloo thread frees a tensor that still has a Python object, which needs the GIL. A gloo thread
+that asks for the GIL while the interpreter shuts down ends the process with ``std::terminate``
+(SIGABRT, "terminate called without an active exception": issue 20).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import io
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, Protocol, cast
@@ -165,6 +171,11 @@ def _wait(work: Work | None) -> None:
         work.wait()
 
 
+def _wait_each(works: Sequence[Work]) -> None:
+    for work in works:
+        _wait(work)
+
+
 def _explain(current: _Call, error: BaseException) -> str:
     group = current.group
     me, world = group_rank(group), group_size(group)
@@ -269,22 +280,56 @@ def broadcast_object(obj: object, group: ProcessGroup | None = None) -> object:
     """Group rank 0's picklable ``obj`` on every rank of ``group`` (default: the world); ``obj``
     itself without a process group.
 
+    Two broadcasts (size, then bytes) on tensors of this module, as
+    ``torch.distributed.broadcast_object_list`` sends them, but waited for as every collective
+    here is (:class:`Pending`): within the enclosing :func:`call`'s timeout, and with nothing
+    left to the backend's threads.
+
     Example:
         >>> broadcast_object({"step": 3})  # no process group in this process
         {'step': 3}
     """
     if not dist.is_initialized():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=global_rank(default_group(group), 0), group=group)
-    return box[0]
+    group = default_group(group)
+    device = collective_device(group, torch.device("cpu"))
+    root, me = global_rank(group, 0), group_rank(group)
+    payload = _to_bytes(obj).to(device) if me == 0 else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    _start(lambda: dist.broadcast(size, root, group=group, async_op=True), [size], group).wait()
+    data = (
+        payload
+        if payload is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
+    _start(lambda: dist.broadcast(data, root, group=group, async_op=True), [data], group).wait()
+    return obj if me == 0 else _from_bytes(data)
 
 
 def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
-    """Every rank's picklable ``obj``, in rank order, on every rank (for small messages)."""
-    out: list[object] = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    """Every rank's picklable ``obj``, in rank order, on every rank (for small messages).
+
+    Two all-gathers (sizes, then bytes padded to the longest) on tensors of this module, as
+    ``torch.distributed.all_gather_object`` sends them, but waited for as every collective here
+    is (:class:`Pending`).
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> all_gather_objects(("ok", 3), dist.group.WORLD)
+        [('ok', 3)]
+        >>> dist.destroy_process_group()
+    """
+    device = collective_device(group, torch.device("cpu"))
+    payload = _to_bytes(obj).to(device)
+    sizes = [int(n) for n in all_gather_scalar(torch.tensor(payload.numel()), group).tolist()]
+    padded = _padded(payload, max(sizes))
+    out = [torch.empty_like(padded) for _ in sizes]
+    _start(
+        lambda: dist.all_gather(out, padded, group=group, async_op=True), [*out, padded], group
+    ).wait()
+    return [_from_bytes(t[:n]) for t, n in zip(out, sizes)]
 
 
 def twin_group(group: ProcessGroup) -> ProcessGroup | None:
@@ -313,12 +358,68 @@ def is_nccl(group: ProcessGroup) -> bool:
     return "nccl" in backend(group).lower()
 
 
-class Pending:
-    """Collectives in flight; :meth:`wait` finishes them, then runs their follow-up copies."""
+SETTLE_S = 1.0
+"""How long :meth:`Pending.wait` waits, after its collectives completed, for the backend's
+threads to let go of the tensors they were given (microseconds, unless a thread is starved)."""
 
-    def __init__(self, works: list[Work], finish: list[Callable[[], None]] | None = None) -> None:
+
+def _refs(t: Tensor) -> int:
+    count = getattr(t, "_use_count", None)  # the tensor's C++ reference count; 0 where absent
+    return int(count()) if count is not None else 0
+
+
+def _hold(tensors: Iterable[Tensor], group: ProcessGroup) -> list[tuple[Tensor, int]]:
+    """``tensors`` with their reference counts, taken just before a collective is given them.
+
+    Nothing on NCCL, whose watchdog thread keeps finished collectives for up to its polling
+    interval (and whose tensors torch keeps for the caching allocator): only gloo's threads
+    are waited for (:func:`_settle`).
+    """
+    if is_nccl(group):
+        return []
+    return [(t, _refs(t)) for t in tensors]
+
+
+def _settle(held: Sequence[tuple[Tensor, int]]) -> None:
+    """Return once no collective holds a tensor of ``held`` any more (:data:`SETTLE_S` at most).
+
+    A gloo thread lets go of a collective's tensors just after marking it complete, so a rank
+    that waited for it can run ahead. Were the tensors' Python objects gone first, the thread
+    would free them, which needs the GIL; asked for while the interpreter shuts down (a program
+    that returns right after its last collective), the GIL ends that thread with
+    ``pthread_exit`` and the process with ``std::terminate`` (issue 20). So the caller keeps the
+    tensors until their counts are back to what they were before the collective.
+    """
+    deadline: float | None = None
+    for t, count in held:
+        while _refs(t) > count:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + SETTLE_S
+            elif now > deadline:
+                return
+            time.sleep(0)
+
+
+class Pending:
+    """Collectives in flight; :meth:`wait` finishes them, then runs their follow-up copies.
+
+    ``held`` are the tensors made for the collectives (with their counts from :func:`_hold`):
+    kept until the backend has let go of them, so that none is freed by a backend thread.
+    Those passed in by the caller are the caller's to keep (their counts change with the views
+    a forward takes of them, so they could not be waited for).
+    """
+
+    def __init__(
+        self,
+        works: list[Work],
+        finish: list[Callable[[], None]] | None = None,
+        held: Sequence[tuple[Tensor, int]] = (),
+    ) -> None:
         self.works = works
         self.finish = finish or []
+        self.held = list(held)
+        self._settle = True
 
     @property
     def finished(self) -> bool:
@@ -330,10 +431,17 @@ class Pending:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
-        """Wait for every collective, then copy received data where it belongs (once)."""
-        for work in self.works:
-            _wait(work)
+        """Wait for every collective, then copy received data where it belongs (once).
+
+        On return the backend holds nothing of these collectives (see :func:`_settle`).
+        """
+        _wait_each(self.works)  # (no loop variable here: it would hold the last work)
+        finish = self.finish  # and what its copies read, until the backend has let go too
         self._run_finish()
+        if self._settle:
+            _settle(self.held)
+        self.held = []
+        del finish
 
     def _run_finish(self) -> None:
         with torch.no_grad():
@@ -359,8 +467,11 @@ class Pending:
             done = Future()
             done.set_result(value)
             return done
+        self._settle = False  # the futures hold the tensors too: `held` is kept, not waited for
 
         def complete(_: object) -> Tensor:
+            # on the backend's thread, which still holds the works: `held` stays with this
+            # object, dropped by whoever drops it (the hook's state, on the autograd thread)
             self._run_finish()
             return value
 
@@ -368,27 +479,46 @@ class Pending:
 
 
 def _issue(
-    op: Literal["broadcast", "reduce"], calls: Sequence[tuple[Tensor, int]], group: ProcessGroup
-) -> list[Work]:
+    op: Literal["broadcast", "reduce"],
+    calls: Sequence[tuple[Tensor, int]],
+    group: ProcessGroup,
+    finish: list[Callable[[], None]] | None = None,
+) -> Pending:
     """Start ``dist.<op>(tensor, root, group=..., async_op=True)`` per call, in list order.
 
     On NCCL several calls go into one coalesced group (one launch, as NCCL's own uneven
     reduce-scatter and all-gather are built) and the block's handle is what to wait for;
     elsewhere each is its own collective. ``root`` is a group rank. The collective is looked
-    up when called, so that it is the one any wrapper installed.
+    up when called, so that it is the one any wrapper installed. The tensors are made here (or
+    waited for at once): the :class:`Pending` holds them.
     """
+    held = _hold((tensor for tensor, _ in calls), group)
     if len(calls) > 1 and is_nccl(group):
         coalescing = dist.distributed_c10d._coalescing_manager
         with coalescing(group, calls[0][0].device, async_ops=True) as cm:
             for tensor, root in calls:
                 getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
-        return list(cm.works)
+        return Pending(list(cm.works), finish, held)
     handles: list[Work] = []
     for tensor, root in calls:
         work = getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
         assert work is not None
         handles.append(work)
-    return handles
+    return Pending(handles, finish, held)
+
+
+def _start(
+    issue: Callable[[], Work | None],
+    made: Sequence[Tensor],
+    group: ProcessGroup,
+    finish: list[Callable[[], None]] | None = None,
+) -> Pending:
+    """``issue()`` one asynchronous collective; its :class:`Pending`, holding ``made`` (the
+    tensors made for it here)."""
+    held = _hold(made, group)
+    work = issue()
+    assert work is not None
+    return Pending([work], finish, held)
 
 
 def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
@@ -436,19 +566,21 @@ def start_reduce(
         >>> dist.destroy_process_group()
     """
     if chunk is None:
-        pieces = [(buffer[a:b], rank) for a, b, rank in runs]
-        return Pending(_issue("reduce", pieces, group))
+        return _issue("reduce", [(buffer[a:b], rank) for a, b, rank in runs], group)
     world, me = group_size(group), group_rank(group)
     source = _padded(buffer, chunk * world)
     out = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
-    work = _reduce_scatter_single(out, source, group=group, async_op=True)
-    assert work is not None
     lo, hi = min(me * chunk, buffer.numel()), min((me + 1) * chunk, buffer.numel())
 
     def copy_back() -> None:
         buffer[lo:hi].copy_(out[: hi - lo])
 
-    return Pending([work], [copy_back])
+    return _start(
+        lambda: _reduce_scatter_single(out, source, group=group, async_op=True),
+        [out] if source is buffer else [out, source],
+        group,
+        [copy_back],
+    )
 
 
 def start_broadcast(
@@ -475,20 +607,24 @@ def start_broadcast(
         >>> dist.destroy_process_group()
     """
     if chunk is None:
-        pieces = [(buffer[a:b], rank) for a, b, rank in runs]
-        return Pending(_issue("broadcast", pieces, group))
+        return _issue("broadcast", [(buffer[a:b], rank) for a, b, rank in runs], group)
     world, me = group_size(group), group_rank(group)
     target = _padded(buffer, chunk * world)
     mine = target[me * chunk : (me + 1) * chunk]
-    work = _all_gather_single(target, mine, group=group, async_op=True)
-    assert work is not None
-    if target is buffer:
-        return Pending([work])
 
     def copy_back() -> None:
         buffer.copy_(target[: buffer.numel()])
 
-    return Pending([work], [copy_back])
+    if target is buffer:
+        return _start(
+            lambda: _all_gather_single(target, mine, group=group, async_op=True), [mine], group
+        )
+    return _start(
+        lambda: _all_gather_single(target, mine, group=group, async_op=True),
+        [target, mine],
+        group,
+        [copy_back],
+    )
 
 
 def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
@@ -528,9 +664,13 @@ def start_sync_params(
         tensor([1., 1., 1.])
         >>> dist.destroy_process_group()
     """
-    units = start_sync_units(params, owners, group, coalesce_below=coalesce_below)
+    units = [
+        unit for unit, _ in start_sync_units(params, owners, group, coalesce_below=coalesce_below)
+    ]
     return Pending(
-        [w for unit, _ in units for w in unit.works], [f for unit, _ in units for f in unit.finish]
+        [w for unit in units for w in unit.works],
+        [f for unit in units for f in unit.finish],
+        [h for unit in units for h in unit.held],
     )
 
 
@@ -596,16 +736,16 @@ def start_sync_units(
                 if owner == me:
                     before(indices)
         built = [(unit(owner, indices), owner) for owner, indices in plan]
-        works = _issue("broadcast", [(buffer, owner) for (buffer, _), owner in built], group)
         done = [f for (_, f), _ in built if f is not None]
-        return [(Pending(works, done), sorted(i for _, c in plan for i in c))]
+        calls = [(buffer, owner) for (buffer, _), owner in built]
+        return [(_issue("broadcast", calls, group, done), sorted(i for _, c in plan for i in c))]
     out: list[tuple[Pending, list[int]]] = []
     for owner, indices in plan:
         if before is not None and owner == me:
             before(indices)
         buffer, finish = unit(owner, indices)
-        (work,) = _issue("broadcast", [(buffer, owner)], group)
-        out.append((Pending([work], [finish] if finish is not None else []), indices))
+        pending = _issue("broadcast", [(buffer, owner)], group, [finish] if finish else None)
+        out.append((pending, indices))
     return out
 
 
@@ -679,7 +819,7 @@ def reduce_to_owners(
         for t in tensors:
             t.div_(world)
     calls = [(t, r) for t, r in zip(tensors, owners) if t.numel()]
-    Pending(_issue("reduce", calls, group)).wait()
+    _issue("reduce", calls, group).wait()
 
 
 def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
@@ -690,9 +830,7 @@ def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") ->
     device = collective_device(group, value.device)
     t = value.detach().reshape(1).to(device, copy=True)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    work = dist.all_reduce(t, op=reduce_op, group=group, async_op=True)
-    assert work is not None
-    _wait(work)
+    _start(lambda: dist.all_reduce(t, op=reduce_op, group=group, async_op=True), [t], group).wait()
     return t.reshape(()).to(value.device)
 
 
@@ -733,9 +871,9 @@ def all_gather_scalar(value: Tensor, group: ProcessGroup) -> Tensor:
     device = collective_device(group, value.device)
     local = value.detach().reshape(1).to(device, copy=True)
     out = [torch.empty_like(local) for _ in range(group_size(group))]
-    work = dist.all_gather(out, local, group=group, async_op=True)
-    assert work is not None
-    _wait(work)
+    _start(
+        lambda: dist.all_gather(out, local, group=group, async_op=True), [*out, local], group
+    ).wait()
     return torch.cat(out).to(value.device)
 
 
@@ -775,18 +913,20 @@ def gather_objects(
 
 def send_object(obj: object, dst: int, group: ProcessGroup, device: torch.device) -> None:
     """Send one picklable object to group rank ``dst`` (pairs with :func:`recv_object`)."""
-    payload = _to_bytes(obj)
+    to = global_rank(group, dst)
+    payload = _to_bytes(obj).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    _wait(dist.isend(size, dst=global_rank(group, dst), group=group))
-    _wait(dist.isend(payload.to(device), dst=global_rank(group, dst), group=group))
+    _start(lambda: dist.isend(size, dst=to, group=group), [size], group).wait()
+    _start(lambda: dist.isend(payload, dst=to, group=group), [payload], group).wait()
 
 
 def recv_object(src: int, group: ProcessGroup, device: torch.device) -> object:
     """Receive one object sent by :func:`send_object` from group rank ``src``, on the CPU."""
+    source = global_rank(group, src)
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    _wait(dist.irecv(size, src=global_rank(group, src), group=group))
+    _start(lambda: dist.irecv(size, src=source, group=group), [size], group).wait()
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _wait(dist.irecv(data, src=global_rank(group, src), group=group))
+    _start(functools.partial(dist.irecv, data, src=source, group=group), [data], group).wait()
     cpu = data.cpu()
     del data
     return _from_bytes(cpu)
