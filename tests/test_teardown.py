@@ -3,11 +3,23 @@ in flight, and a program that then exits normally is not aborted by a gloo threa
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zero_functional.hooks import hook_with_zero_step_interleaved, overlap_state
+from zero_functional.launch import run_ranks
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.exit_stress import CASES, run_round
 
@@ -42,6 +54,31 @@ def test_destroy_process_group_frees_the_default_group_and_its_gloo_threads() ->
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "freed"
+
+
+def _dropped_overlap(rank: int, world_size: int) -> list[bool]:
+    model = DDP(nn.Linear(4, 4))
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, lr=0.1, overlap_with_ddp=True
+    )
+    model.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, model, zero))
+    for _ in range(2):
+        model(torch.ones(3, 4)).sum().backward()
+    zero.finish_param_sync()  # else the next forward's hook, registered globally, holds `zero`
+    state = overlap_state(zero)
+    if state is None or state.gather_group is zero.process_group:
+        raise RuntimeError("no twin group to watch")  # not an assert: pytest's would hold it
+    twin = state.gather_group
+    refs: list[weakref.ref[Any]] = [weakref.ref(zero), weakref.ref(state), weakref.ref(twin)]
+    del model, zero, state
+    dist.destroy_process_group(twin)  # what the user's destroy_process_group() does to it
+    del twin
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_an_overlap_hook_keeps_neither_its_optimizer_nor_its_twin_group_alive() -> None:
+    assert run_ranks(_dropped_overlap, 2, timeout_s=120) == [[True, True, True]] * 2
 
 
 @pytest.mark.slow

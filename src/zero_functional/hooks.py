@@ -237,7 +237,9 @@ class OverlapState:
         grad_scaler: GradScaler | None = None,
         find_unused: bool = False,
     ) -> None:
-        self.zero = zero
+        # weakly: _STATES is keyed by `zero`, and a value that held its key would keep the
+        # optimizer, its process group and the twin group alive to interpreter exit (issue 20)
+        self._zero = weakref.ref(zero)
         # DDP's find_unused_parameters: a parameter no rank used has no gradient afterwards
         # and torch's optimizers skip it; that is known on every rank only at the last bucket
         self.find_unused = find_unused
@@ -256,6 +258,13 @@ class OverlapState:
         self.reduced_buckets = 0
         self._runs: dict[int, tuple[tuple[Run, ...], int | None]] = {}
         self._backward = _Backward()
+
+    @property
+    def zero(self) -> ZeroRedundancyOptimizer:
+        """The optimizer (held weakly; its hook holds it while DDP runs the hook)."""
+        zero = self._zero()
+        assert zero is not None, "the ZeroRedundancyOptimizer was garbage-collected"
+        return zero
 
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
