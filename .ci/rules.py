@@ -35,7 +35,6 @@ MAX_MODULE, MAX_CLASS = 700, 400
 # when the ratchet was set; remove an entry once it is within the budget.
 OVER_BUDGET = {
     "src/zero_functional/optimizer.py": 770,
-    "src/zero_functional/comm.py": 810,
     "class ZeroRedundancyOptimizer": 680,
 }
 

@@ -456,6 +456,6 @@ def test_object_bytes_round_trip_without_numpy() -> None:
     from zero_functional import comm
 
     obj = {"state": {3: {"step": torch.tensor(2.0), "exp_avg": torch.randn(4, 5)}}}
-    back = comm._from_bytes(comm._to_bytes(obj))
+    back = comm.from_bytes(comm.to_bytes(obj))
     assert isinstance(back, dict)
     assert torch.equal(back["state"][3]["exp_avg"], obj["state"][3]["exp_avg"])

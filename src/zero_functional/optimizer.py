@@ -12,12 +12,17 @@ that class over this rank's parameters or pieces (:mod:`zero_functional.steppers
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
+
+# imported here, not by torch.optim.Optimizer under our __init__: that import leaves a cycle
+# holding every frame on the stack, so this optimizer and its group past destroy (issue 20)
+import torch._dynamo  # noqa: F401
 from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
@@ -192,8 +197,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         )
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
+        # not the bound self._call, which would make a cycle through this optimizer (#20)
+        call = functools.partial(comm.call, group=self.process_group, timeout=self.timeout)
         self._param_sync = ParamSync(
-            self._params(), self.process_group, self._call, self.overlap_param_gather
+            self._params(), self.process_group, call, self.overlap_param_gather
         )
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
         spec = functional_spec(optimizer_class)

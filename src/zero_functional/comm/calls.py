@@ -1,0 +1,152 @@
+"""Calls: each call of the package's collectives named, timed out, and explained when it fails."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from zero_functional.comm.groups import ProcessGroup, Work, group_rank, group_size
+
+
+class CollectiveError(RuntimeError):
+    """A collective of this package failed or timed out.
+
+    The message names the call (``step()``, ``consolidate_state_dict()``, ...), its sequence
+    number among this process group's calls through the package, this rank, how long it waited,
+    and what every other rank reported it was doing when it failed too (or that it did not
+    report: it died, or is not in a call of this package).
+    """
+
+
+@dataclass
+class _Call:
+    name: str
+    group: ProcessGroup
+    seq: int
+    timeout: float | None
+    started: float
+
+
+_local = threading.local()
+_SEQ: dict[str, int] = {}
+_FAILED: list[str] = []  # every CollectiveError this process raised, oldest first
+REPORT_GRACE_S = 5.0
+"""How long a failed rank waits for the others' reports before it raises."""
+
+
+def _group_key(group: ProcessGroup) -> str:
+    return str(getattr(group, "group_name", "") or "default")
+
+
+@contextlib.contextmanager
+def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Iterator[None]:
+    """Run the collectives of one call of the package under ``name``; name its failures.
+
+    Every collective of the block waits at most ``timeout`` seconds (default: the process
+    group's own timeout). A failure or a timeout becomes a :class:`CollectiveError` that says
+    which call, which rank, and what the other ranks were doing: each failed rank writes its
+    call into the process group's store and reads the others' for up to
+    :data:`REPORT_GRACE_S` seconds, so ranks that called different things (one ``step()``,
+    another ``consolidate_state_dict()``) are named, and a dead rank is named by its silence.
+    Nothing is sent when all goes well. Calls nest: the outermost name counts.
+
+    Example:
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> from zero_functional.comm import all_gather_scalar
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> with call("example()", dist.group.WORLD, timeout=5.0):
+        ...     all_gather_scalar(torch.tensor(1.0), dist.group.WORLD)
+        tensor([1.])
+        >>> dist.destroy_process_group()
+    """
+    outer = getattr(_local, "call", None)
+    if outer is not None:
+        yield
+        return
+    key = _group_key(group)
+    _SEQ[key] = _SEQ.get(key, 0) + 1
+    current = _Call(name, group, _SEQ[key], timeout, time.monotonic())
+    _local.call = current
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        error = CollectiveError(_explain(current, e))
+        _FAILED.append(str(error))
+        raise error from e
+    finally:
+        _local.call = None
+
+
+def failures() -> list[str]:
+    """The messages of the :class:`CollectiveError` s this process raised, oldest first.
+
+    What a launcher names when a rank cannot leave the process group they broke, even where the
+    rank's own code caught them.
+
+    Example:
+        >>> failures()  # none in this process
+        []
+    """
+    return list(_FAILED)
+
+
+def wait(work: Work | None) -> None:
+    if work is None:
+        return
+    current: _Call | None = getattr(_local, "call", None)
+    if current is not None and current.timeout is not None:
+        left = current.timeout - (time.monotonic() - current.started)
+        work.wait(timedelta(seconds=max(left, 0.001)))
+    else:
+        work.wait()
+
+
+def wait_each(works: Sequence[Work]) -> None:
+    for work in works:
+        wait(work)
+
+
+def _explain(current: _Call, error: BaseException) -> str:
+    group = current.group
+    me, world = group_rank(group), group_size(group)
+    waited = time.monotonic() - current.started
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    # gloo's messages start with a source path and end with advice for gloo's own users
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first).split(" This is typically")[0]
+    mine = f"{current.name} #{current.seq}"
+    reports: dict[int, str] = {}
+    try:
+        store = group.get_group_store()
+        prefix = "zero_functional/failed/"
+        store.set(f"{prefix}{me}", mine)
+        deadline = time.monotonic() + REPORT_GRACE_S
+        while len(reports) < world - 1 and time.monotonic() < deadline:
+            for r in range(world):
+                if r != me and r not in reports and store.check([f"{prefix}{r}"]):
+                    reports[r] = store.get(f"{prefix}{r}").decode()
+            if len(reports) < world - 1:
+                time.sleep(0.05)
+    except Exception:  # no store to talk through (or it died with a peer): say what we know
+        pass
+    others = [
+        f"rank {r} was in {reports[r]}"
+        if r in reports
+        else f"rank {r} did not report (it died, or is not in a call of zero_functional)"
+        for r in range(world)
+        if r != me
+    ]
+    return (
+        f"{mine} (this process group's collective call #{current.seq} through "
+        f"zero_functional) failed on rank {me} of {world} after {waited:.1f} s: {first}. "
+        f"The other ranks: {'; '.join(others) or 'none'}. Every rank must make the same calls "
+        "in the same order (step(), consolidate_state_dict(), add_param_group(), "
+        "load_state_dict(), and the backward of a hooked DDP module)."
+    )

@@ -1,0 +1,100 @@
+"""Process groups: sizes, ranks, backends and devices, asked of ``torch.distributed`` in one place."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+ProcessGroup = dist.ProcessGroup
+
+
+class Work(Protocol):
+    """The handle an asynchronous collective returns."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+    def get_future(self) -> Future[object]: ...
+
+    def is_completed(self) -> bool: ...
+
+
+def default_group(group: ProcessGroup | None) -> ProcessGroup:
+    """``group``, or the default (world) group when it is ``None``."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group(...) before building a ZeroRedundancyOptimizer"
+        )
+    world = dist.group.WORLD
+    assert world is not None
+    return world
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Number of ranks in ``group``."""
+    return int(dist.get_world_size(group))
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's rank within ``group``."""
+    return int(dist.get_rank(group))
+
+
+def global_rank(group: ProcessGroup, rank: int) -> int:
+    """The global rank of ``rank`` of ``group`` (collectives take global ranks as sources)."""
+    return int(dist.get_global_rank(group, rank))
+
+
+def collective_device(group: ProcessGroup, fallback: torch.device) -> torch.device:
+    """The device that object messages travel on: CUDA for NCCL, else the CPU.
+
+    NCCL moves only device tensors; gloo moves CPU tensors fastest.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        if fallback.type == "cuda":
+            return fallback
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_or_zero(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world), or 0 without a process group.
+
+    Example:
+        >>> rank_or_zero()  # no process group in this process
+        0
+    """
+    return int(dist.get_rank(group)) if dist.is_initialized() else 0
+
+
+def twin_group(group: ProcessGroup) -> ProcessGroup | None:
+    """A second process group over ``group``'s ranks, or ``None`` where one cannot be made.
+
+    Collectives on the twin are ordered among themselves only, so one kind of traffic (the
+    parameter all-gather) can be issued when it is ready without breaking the issue order of
+    the other (the gradient reduce-scatter). Collective over ``group``'s ranks (only they
+    take part); ``None`` on a torch without local synchronisation of new groups.
+    """
+    ranks = [global_rank(group, r) for r in range(group_size(group))]
+    try:
+        twin = dist.new_group(ranks=ranks, use_local_synchronization=True)
+    except TypeError:  # torch < 2.1: new_group would need every rank of the world
+        return None
+    return cast(ProcessGroup | None, twin)
+
+
+def backend(group: ProcessGroup) -> str:
+    """The name of ``group``'s backend (``"gloo"``, ``"nccl"``, ...)."""
+    return str(dist.get_backend(group))
+
+
+def is_nccl(group: ProcessGroup) -> bool:
+    """Whether ``group`` runs on NCCL (whose collectives can be grouped into one launch)."""
+    return "nccl" in backend(group).lower()

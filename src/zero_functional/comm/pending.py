@@ -1,0 +1,177 @@
+"""Pending collectives: waited for, followed by their copies, with nothing left to gloo's threads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from zero_functional.comm.calls import wait_each
+from zero_functional.comm.groups import ProcessGroup, Work, global_rank, is_nccl
+
+SETTLE_S = 1.0
+"""How long :meth:`Pending.wait` waits, after its collectives completed, for the backend's
+threads to let go of the tensors they were given (microseconds, unless a thread is starved)."""
+
+
+def refs(t: Tensor) -> int:
+    count = getattr(t, "_use_count", None)  # the tensor's C++ reference count; 0 where absent
+    return int(count()) if count is not None else 0
+
+
+def hold(tensors: Iterable[Tensor], group: ProcessGroup) -> list[tuple[Tensor, int]]:
+    """``tensors`` with their reference counts, taken just before a collective is given them.
+
+    Nothing on NCCL, whose watchdog thread keeps finished collectives for up to its polling
+    interval (and whose tensors torch keeps for the caching allocator): only gloo's threads
+    are waited for (:func:`_settle`).
+    """
+    if is_nccl(group):
+        return []
+    return [(t, refs(t)) for t in tensors]
+
+
+def settle(held: Sequence[tuple[Tensor, int]]) -> None:
+    """Return once no collective holds a tensor of ``held`` any more (:data:`SETTLE_S` at most).
+
+    A gloo thread lets go of a collective's tensors just after marking it complete, so a rank
+    that waited for it can run ahead. Were the tensors' Python objects gone first, the thread
+    would free them, which needs the GIL; asked for while the interpreter shuts down (a program
+    that returns right after its last collective), the GIL ends that thread with
+    ``pthread_exit`` and the process with ``std::terminate`` (issue 20). So the caller keeps the
+    tensors until their counts are back to what they were before the collective.
+    """
+    deadline: float | None = None
+    for t, count in held:
+        while refs(t) > count:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + SETTLE_S
+            elif now > deadline:
+                return
+            time.sleep(0)
+
+
+class Pending:
+    """Collectives in flight; :meth:`wait` finishes them, then runs their follow-up copies.
+
+    ``held`` are the tensors made for the collectives (with their counts from :func:`hold`):
+    kept until the backend has let go of them, so that none is freed by a backend thread.
+    Those passed in by the caller are the caller's to keep (their counts change with the views
+    a forward takes of them, so they could not be waited for).
+    """
+
+    def __init__(
+        self,
+        works: list[Work],
+        finish: list[Callable[[], None]] | None = None,
+        held: Sequence[tuple[Tensor, int]] = (),
+    ) -> None:
+        self.works = works
+        self.finish = finish or []
+        self.held = list(held)
+        self._settle = True
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`wait` has run (collectives completed and data copied in place)."""
+        return not self.works and not self.finish
+
+    def done(self) -> bool:
+        """Whether every collective has completed (never blocks)."""
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        """Wait for every collective, then copy received data where it belongs (once).
+
+        On return the backend holds nothing of these collectives (see :func:`_settle`).
+        """
+        wait_each(self.works)  # (no loop variable here: it would hold the last work)
+        finish = self.finish  # and what its copies read, until the backend has let go too
+        self._run_finish()
+        if self._settle:
+            settle(self.held)
+        self.held = []
+        del finish
+
+    def _run_finish(self) -> None:
+        with torch.no_grad():
+            for fn in self.finish:
+                fn()
+        self.works, self.finish = [], []
+
+    def future(self, value: Tensor) -> Future[Tensor]:
+        """A future that completes with ``value`` once every collective and copy is done.
+
+        What a DDP communication hook returns; the copies run in the completion callback
+        (no collective is issued there, so ranks cannot issue them in different orders).
+        """
+        if not self.works:
+            self._run_finish()
+            done: Future[Tensor] = Future()
+            done.set_result(value)
+            return done
+        try:
+            futures = [w.get_future() for w in self.works]
+        except RuntimeError:  # a backend whose work has no future (gloo's reduce-scatter)
+            self.wait()
+            done = Future()
+            done.set_result(value)
+            return done
+        self._settle = False  # the futures hold the tensors too: `held` is kept, not waited for
+
+        def complete(_: object) -> Tensor:
+            # on the backend's thread, which still holds the works: `held` stays with this
+            # object, dropped by whoever drops it (the hook's state, on the autograd thread)
+            self._run_finish()
+            return value
+
+        return torch.futures.collect_all(futures).then(complete)
+
+
+def issue(
+    op: Literal["broadcast", "reduce"],
+    calls: Sequence[tuple[Tensor, int]],
+    group: ProcessGroup,
+    finish: list[Callable[[], None]] | None = None,
+) -> Pending:
+    """Start ``dist.<op>(tensor, root, group=..., async_op=True)`` per call, in list order.
+
+    On NCCL several calls go into one coalesced group (one launch, as NCCL's own uneven
+    reduce-scatter and all-gather are built) and the block's handle is what to wait for;
+    elsewhere each is its own collective. ``root`` is a group rank. The collective is looked
+    up when called, so that it is the one any wrapper installed. The tensors are made here (or
+    waited for at once): the :class:`Pending` holds them.
+    """
+    held = hold((tensor for tensor, _ in calls), group)
+    if len(calls) > 1 and is_nccl(group):
+        coalescing = dist.distributed_c10d._coalescing_manager
+        with coalescing(group, calls[0][0].device, async_ops=True) as cm:
+            for tensor, root in calls:
+                getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
+        return Pending(list(cm.works), finish, held)
+    handles: list[Work] = []
+    for tensor, root in calls:
+        work = getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
+        assert work is not None
+        handles.append(work)
+    return Pending(handles, finish, held)
+
+
+def start_one(
+    issue: Callable[[], Work | None],
+    made: Sequence[Tensor],
+    group: ProcessGroup,
+    finish: list[Callable[[], None]] | None = None,
+) -> Pending:
+    """``issue()`` one asynchronous collective; its :class:`Pending`, holding ``made`` (the
+    tensors made for it here)."""
+    held = hold(made, group)
+    work = issue()
+    assert work is not None
+    return Pending([work], finish, held)

@@ -1,0 +1,215 @@
+"""Small messages: scalars and picklable objects, waited for as every collective here is."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import io
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zero_functional.comm.buckets import padded
+from zero_functional.comm.groups import (
+    ProcessGroup,
+    collective_device,
+    default_group,
+    global_rank,
+    group_rank,
+    group_size,
+)
+from zero_functional.comm.pending import start_one
+
+
+def broadcast_object(obj: object, group: ProcessGroup | None = None) -> object:
+    """Group rank 0's picklable ``obj`` on every rank of ``group`` (default: the world); ``obj``
+    itself without a process group.
+
+    Two broadcasts (size, then bytes) on tensors of this module, as
+    ``torch.distributed.broadcast_object_list`` sends them, but waited for as every collective
+    here is (:class:`Pending`): within the enclosing :func:`call`'s timeout, and with nothing
+    left to the backend's threads.
+
+    Example:
+        >>> broadcast_object({"step": 3})  # no process group in this process
+        {'step': 3}
+    """
+    if not dist.is_initialized():
+        return obj
+    group = default_group(group)
+    device = collective_device(group, torch.device("cpu"))
+    root, me = global_rank(group, 0), group_rank(group)
+    payload = to_bytes(obj).to(device) if me == 0 else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    start_one(lambda: dist.broadcast(size, root, group=group, async_op=True), [size], group).wait()
+    data = (
+        payload
+        if payload is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
+    start_one(lambda: dist.broadcast(data, root, group=group, async_op=True), [data], group).wait()
+    return obj if me == 0 else from_bytes(data)
+
+
+def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (for small messages).
+
+    Two all-gathers (sizes, then bytes padded to the longest) on tensors of this module, as
+    ``torch.distributed.all_gather_object`` sends them, but waited for as every collective here
+    is (:class:`Pending`).
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> all_gather_objects(("ok", 3), dist.group.WORLD)
+        [('ok', 3)]
+        >>> dist.destroy_process_group()
+    """
+    device = collective_device(group, torch.device("cpu"))
+    payload = to_bytes(obj).to(device)
+    sizes = [int(n) for n in all_gather_scalar(torch.tensor(payload.numel()), group).tolist()]
+    longest = padded(payload, max(sizes))
+    out = [torch.empty_like(longest) for _ in sizes]
+    start_one(
+        lambda: dist.all_gather(out, longest, group=group, async_op=True), [*out, longest], group
+    ).wait()
+    return [from_bytes(t[:n]) for t, n in zip(out, sizes)]
+
+
+def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
+    """The sum (or max) of a 0-d tensor over the group, on every rank (one small all-reduce).
+
+    The tensor travels on :func:`collective_device`; the result comes back on ``value``'s.
+    """
+    device = collective_device(group, value.device)
+    t = value.detach().reshape(1).to(device, copy=True)
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    start_one(
+        lambda: dist.all_reduce(t, op=reduce_op, group=group, async_op=True), [t], group
+    ).wait()
+    return t.reshape(()).to(value.device)
+
+
+def any_rank(flags: Tensor, group: ProcessGroup) -> Tensor:
+    """Elementwise "any rank's flag is set" of a bool vector, on every rank (one all-reduce).
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> any_rank(torch.tensor([True, False]), dist.group.WORLD)
+        tensor([ True, False])
+        >>> dist.destroy_process_group()
+    """
+    device = collective_device(group, flags.device)
+    t = flags.detach().to(device=device, dtype=torch.uint8, copy=True)
+    start_one(
+        lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), [t], group
+    ).wait()
+    return t.to(flags.device).bool()
+
+
+def all_gather_scalar(value: Tensor, group: ProcessGroup) -> Tensor:
+    """Every rank's 0-d ``value``, stacked in rank order, on every rank (one small all-gather).
+
+    Unlike a sum, the gathered values are exact: a caller combines them however it must (for
+    instance as a norm of norms, the way ``torch.nn.utils.clip_grad_norm_`` does). The values
+    travel on :func:`collective_device`; the result comes back on ``value``'s.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> all_gather_scalar(torch.tensor(2.5), dist.group.WORLD)
+        tensor([2.5000])
+        >>> dist.destroy_process_group()
+    """
+    device = collective_device(group, value.device)
+    local = value.detach().reshape(1).to(device, copy=True)
+    out = [torch.empty_like(local) for _ in range(group_size(group))]
+    start_one(
+        lambda: dist.all_gather(out, local, group=group, async_op=True), [*out, local], group
+    ).wait()
+    return torch.cat(out).to(value.device)
+
+
+def to_bytes(obj: object) -> Tensor:
+    stream = io.BytesIO()
+    torch.save(obj, stream)
+    return torch.frombuffer(bytearray(stream.getbuffer()), dtype=torch.uint8)
+
+
+def from_bytes(data: Tensor) -> object:
+    cpu = data.cpu().contiguous()
+    # A straight memory copy: no numpy (torch's consolidation calls tensor.numpy() and fails
+    # without it), and not bytes(untyped_storage), which walks the bytes in Python.
+    raw = ctypes.string_at(cpu.data_ptr(), cpu.numel()) if cpu.numel() else b""
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+
+
+def gather_objects(
+    obj: Mapping[str, object], to: int, group: ProcessGroup, device: torch.device
+) -> list[object] | None:
+    """Collect one picklable object from every rank on group rank ``to``, in rank order.
+
+    Point-to-point, one rank at a time: ``to`` holds at most one other rank's serialized shard
+    in ``device`` memory at once, and moves it to the CPU before receiving the next (torch's
+    consolidation broadcasts every shard to every rank: pytorch#68181). Returns the list on
+    ``to`` and ``None`` elsewhere.
+    """
+    me = group_rank(group)
+    world = group_size(group)
+    if not 0 <= to < world:
+        raise ValueError(f"to={to} is not a rank of this group (size {world})")
+    if me != to:
+        send_object(obj, to, group, device)
+        return None
+    return [obj if src == me else recv_object(src, group, device) for src in range(world)]
+
+
+def send_object(obj: object, dst: int, group: ProcessGroup, device: torch.device) -> None:
+    """Send one picklable object to group rank ``dst`` (pairs with :func:`recv_object`)."""
+    to = global_rank(group, dst)
+    payload = to_bytes(obj).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    start_one(lambda: dist.isend(size, dst=to, group=group), [size], group).wait()
+    start_one(lambda: dist.isend(payload, dst=to, group=group), [payload], group).wait()
+
+
+def recv_object(src: int, group: ProcessGroup, device: torch.device) -> object:
+    """Receive one object sent by :func:`send_object` from group rank ``src``, on the CPU."""
+    source = global_rank(group, src)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    start_one(lambda: dist.irecv(size, src=source, group=group), [size], group).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    start_one(functools.partial(dist.irecv, data, src=source, group=group), [data], group).wait()
+    cpu = data.cpu()
+    del data
+    return from_bytes(cpu)
+
+
+def exchange_objects(
+    outgoing: Mapping[int, object],
+    pairs: Sequence[tuple[int, int]],
+    group: ProcessGroup,
+    device: torch.device,
+) -> dict[int, object]:
+    """Move objects along ``(src, dst)`` pairs that every rank lists in the same order.
+
+    Each rank sends ``outgoing[dst]`` for its pairs as source and returns what it received,
+    keyed by source. Walking one shared total order of pairs cannot deadlock: the earliest
+    unfinished pair always has both its ranks waiting on it.
+    """
+    me = group_rank(group)
+    received: dict[int, object] = {}
+    for src, dst in pairs:
+        if src == dst:
+            continue
+        if me == src:
+            send_object(outgoing.get(dst, {}), dst, group, device)
+        elif me == dst:
+            received[src] = recv_object(src, group, device)
+    return received
