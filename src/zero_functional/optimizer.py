@@ -45,6 +45,12 @@ from zero_functional.functional import (
     update_kind,
 )
 from zero_functional.grad_norm import clip_, norm_dtype, pieces_norm
+from zero_functional.main_params import (
+    MAIN_KEY,
+    check_main_params_dtype,
+    main_dtype_for,
+    step_through_main_,
+)
 from zero_functional.ownership import (
     Ownership,
     PartitionName,
@@ -121,6 +127,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             (:func:`~zero_functional.plans.choose_param_gather`): off in every mode,
             torch's contract: parameters are final when ``step()`` (overlap mode: backward)
             returns.
+        main_params_dtype: ``torch.float32`` to update bf16/fp16 parameters through an fp32
+            copy of the pieces this rank owns, with fp32 state (:mod:`.main_params`); the
+            parameters receive the copy rounded to their dtype. ``None`` (default): state in
+            the parameters' dtype, as torch's.
         compile: Run SGD, Adam and AdamW through ``torch.compile`` (one graph per group):
             ``None`` (default) only where it measures faster than the eager kernels (nowhere
             on CPU, where torch's fused Adam wins; see ``benchmarks/bench_kernels.py``),
@@ -150,6 +160,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         timeout: float | None = None,
         overlap_param_gather: bool | None = None,
         compile: bool | None = None,
+        main_params_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         self._initialized = False
@@ -159,10 +170,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # that a problem on one rank is an error on every rank rather than a hang on the others.
         problem: Exception | None = None
         items: list[Any] = []
+        self._main_params_dtype: torch.dtype | None = None
         try:
             items, probe = check_inputs(
                 params, optimizer_class, partition, overlap_with_ddp, defaults
             )
+            self._main_params_dtype = check_main_params_dtype(main_params_dtype)
+            if main_params_dtype is not None and update_kind(optimizer_class) != "elementwise":
+                raise ValueError(
+                    f"main_params_dtype needs an elementwise optimizer; "
+                    f"{optimizer_class.__name__} couples its parameters"
+                )
         except (TypeError, ValueError, RuntimeError) as e:
             problem = e
         self.partition: PartitionName = partition
@@ -255,7 +273,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._spec,
             self._compile,
             self._probe,
-            ownership.is_whole and not self._overlap_with_ddp,
+            ownership.is_whole and not self._overlap_with_ddp and self._main_params_dtype is None,
             self.param_groups,
             self._own,
             self.state,
@@ -466,7 +484,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.finish_param_sync()
         self._updates += 1
         params = self._params()
-        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]] = {}
+        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
         for k, grad in grads.items():
             seg = self._owned_segment(k, "gradients")
             if grad.is_sparse:
@@ -475,12 +493,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 )
             p = params[k]
             view = piece_view(p, seg)
-            ps, gs, ss = by_group.setdefault(self._group_of[k], ([], [], []))
+            ps, gs, ss, ds = by_group.setdefault(self._group_of[k], ([], [], [], []))
             ps.append(view)
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
-        for g, (ps, gs, ss) in sorted(by_group.items()):
-            self._stepper.step_pieces(self.param_groups[g], ps, gs, ss)
+            ds.append(main_dtype_for(p.dtype, self._main_params_dtype))
+        for g, (ps, gs, ss, ds) in sorted(by_group.items()):
+            step_through_main_(self._stepper.step_pieces, self.param_groups[g], ps, gs, ss, ds)
 
     def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
         """Hand over parameter all-gathers in flight (a pending collective and the parameters
@@ -669,7 +688,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for k, value in state.items()
             if k in self._own
         }
+        self._warn_without_main(pieces)
         self._install(pieces, state_dict["param_groups"], copy=False, loaded=bool(state))
+
+    def main_params(self) -> dict[Tensor, Tensor]:
+        """This rank's main copies (``main_params_dtype``), keyed by parameter: each the owned
+        piece's elements (in the parameter's shape when whole). Views of the optimizer's own
+        copies: read them, do not write them. A piece not stepped yet shows its parameter's
+        values upcast (a new tensor); parameters that need no copy are absent.
+        """
+        params = self._params()
+        out: dict[Tensor, Tensor] = {}
+        for k, seg in sorted(self._own.items()):
+            p = params[k]
+            dtype = main_dtype_for(p.dtype, self._main_params_dtype)
+            if dtype is not None:
+                main = self.state.get(p, {}).get(MAIN_KEY)
+                out[p] = main.detach() if main is not None else piece_view(p, seg).to(dtype)
+        return out
 
     def shard_state(self) -> dict[int, tuple[Segment, dict[str, Any]]]:
         """This rank's state: per global index of a parameter it owns a piece of (and has state
@@ -721,6 +757,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._agree("load_shard_state()", problem, self.param_groups)
         self._install(state, param_groups, copy=copy, loaded=True)
 
+    def _warn_without_main(self, pieces: Mapping[int, Mapping[str, Any]]) -> None:
+        params = self._params()
+        if any(
+            v and MAIN_KEY not in v and main_dtype_for(params[k].dtype, self._main_params_dtype)
+            for k, v in pieces.items()
+        ):
+            logger.warning(
+                "the loaded state has no %r for some low-precision parameters: their main "
+                "copies start from the parameters' values (rounded to their dtype)",
+                MAIN_KEY,
+            )
+
     def _schemas(self) -> list[dict[str, str] | None]:
         elementwise = update_kind(self.optimizer_class) == "elementwise"
         return [
@@ -755,7 +803,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self, key: str, value: object, param: Tensor, group: Mapping[str, Any], copy: bool = True
     ) -> object:
         fp32_step = self._spec is not None or bool(group.get("fused") or group.get("capturable"))
-        return placed(key, value, param, fp32_step=fp32_step, copy=copy)
+        dtype = main_dtype_for(param.dtype, self._main_params_dtype)
+        return placed(key, value, param, fp32_step=fp32_step, copy=copy, dtype=dtype)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter (all ranks' shards)."""

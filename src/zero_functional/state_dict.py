@@ -426,12 +426,21 @@ def merge_shards(
     return state
 
 
-def placed(key: str, value: object, param: Tensor, *, fp32_step: bool, copy: bool) -> object:
+def placed(
+    key: str,
+    value: object,
+    param: Tensor,
+    *,
+    fp32_step: bool,
+    copy: bool,
+    dtype: torch.dtype | None = None,
+) -> object:
     """Where a loaded or moved state value lives: torch's rule (floating values in the
     parameter's dtype, everything on its device), except that ``step`` is float32 on the
     parameter's device where ``fp32_step`` (the functional core, fused or capturable groups:
-    the fused kernels need it there; torch's CPU step: pytorch#124133); ``copy=False`` keeps a
-    tensor that is already in place.
+    the fused kernels need it there; torch's CPU step: pytorch#124133), and floating values are
+    in ``dtype`` where given (a parameter updated through a main copy of that dtype);
+    ``copy=False`` keeps a tensor that is already in place.
 
     Example:
         >>> import torch
@@ -448,7 +457,7 @@ def placed(key: str, value: object, param: Tensor, *, fp32_step: bool, copy: boo
             return value.detach().to(device=param.device, dtype=torch.float32, copy=copy)
         return value.detach().clone() if copy else value.detach()
     if value.is_floating_point():
-        return value.detach().to(device=param.device, dtype=param.dtype, copy=copy)
+        return value.detach().to(device=param.device, dtype=dtype or param.dtype, copy=copy)
     return value.detach().to(device=param.device, copy=copy)
 
 
