@@ -26,17 +26,22 @@ from tests.helpers import consolidated, local_batch, make_model
 
 BF16 = torch.bfloat16
 STEPS = 30
-MODES = [  # (how the step runs, partition)
-    ("after", "sorted_greedy"),
-    ("after", "flat"),
-    ("reduce_scatter_hook", "flat"),
-    ("hook_with_zero_step", "flat"),
-    ("hook_with_zero_step_interleaved", "flat"),
-    ("hook_with_zero_step_interleaved", "sorted_greedy"),
+FP32 = torch.float32
+MODES: list[tuple[str, str, torch.dtype | None]] = [  # (the step, partition, reduce_dtype)
+    ("after", "sorted_greedy", None),
+    ("after", "flat", None),
+    ("reduce_scatter_hook", "flat", None),
+    ("reduce_scatter_hook", "flat", FP32),
+    ("hook_with_zero_step", "flat", None),
+    ("hook_with_zero_step_interleaved", "flat", None),
+    ("hook_with_zero_step_interleaved", "flat", FP32),
+    ("hook_with_zero_step_interleaved", "sorted_greedy", FP32),
 ]
 
 
-def _train(rank: int, world_size: int, mode: str, partition: str) -> dict[str, Any]:
+def _train(
+    rank: int, world_size: int, mode: str, partition: str, reduce_dtype: torch.dtype | None
+) -> dict[str, Any]:
     """Train a bf16 model with fp32 main pieces; step a single fp32 reference on the same
     reduced gradients (every rank's owned pieces, gathered); compare."""
     model = make_model(dtype=BF16)
@@ -52,20 +57,25 @@ def _train(rank: int, world_size: int, mode: str, partition: str) -> dict[str, A
         main_params_dtype=torch.float32,
     )
     if mode == "reduce_scatter_hook":
-        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
-    elif mode == "hook_with_zero_step":
-        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
-    elif mode == "hook_with_zero_step_interleaved":
-        ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero, reduce_dtype=reduce_dtype))
+    elif overlap:
+        wrap = (
+            hook_with_zero_step
+            if mode == "hook_with_zero_step"
+            else hook_with_zero_step_interleaved
+        )
+        ddp.register_comm_hook(None, wrap(allreduce_hook, ddp, zero, reduce_dtype=reduce_dtype))
     params = list(model.parameters())
     ref = [p.detach().float().clone() for p in params]
     ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, foreach=False)
     seen: list[tuple[int, int, int, torch.Tensor]] = []
+    grad_dtypes: set[torch.dtype] = set()
     update_owned = zero.update_owned
 
     def recording(grads: Any) -> None:  # the reduced gradients this rank's update is given
         pieces = {s.param: s for s in zero.ownership.owned(zero.rank)}
         for k, g in grads.items():
+            grad_dtypes.add(g.dtype)
             seen.append((k, pieces[k].start, pieces[k].stop, g.detach().float().reshape(-1)))
         update_owned(grads)
 
@@ -109,21 +119,28 @@ def _train(rank: int, world_size: int, mode: str, partition: str) -> dict[str, A
         "rel": rel,
         "same": all(torch.equal(every[0], f) for f in every),
         "owned": len(zero.ownership.owned(zero.rank)),
+        "grad_dtypes": sorted(str(d) for d in grad_dtypes),
         "dtypes": sorted(dtypes),
     }
 
 
-def _parity_worker(rank: int, world_size: int) -> list[tuple[str, str, dict[str, Any]]]:
-    return [(mode, part, _train(rank, world_size, mode, part)) for mode, part in MODES]
+def _parity_worker(rank: int, world_size: int) -> list[tuple[Any, ...]]:
+    return [(*m, _train(rank, world_size, *m)) for m in MODES]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_fp32_main_pieces_match_a_single_process_fp32_reference(world_size: int) -> None:
     for results in run_ranks(_parity_worker, world_size, timeout_s=400):
-        for mode, part, r in results:
-            assert r["rel"] <= 1e-6, (mode, part, r)
-            assert r["same"], (mode, part, "ranks hold different parameters")
-            assert r["dtypes"] == (["torch.float32"] if r["owned"] else []), (mode, part, r)
+        for mode, part, reduce_dtype, r in results:
+            case = (mode, part, reduce_dtype, r)
+            assert r["rel"] <= 1e-6, case
+            assert r["same"], (case, "ranks hold different parameters")
+            assert r["dtypes"] == (["torch.float32"] if r["owned"] else []), case
+            # reduced in fp32, overlap mode updates from the fp32 values, never rounded, once
+            # the buckets are known (the first backward all-reduces in fp32, rounded once)
+            wide = reduce_dtype is not None and mode.startswith("hook_with") and world_size > 1
+            if r["owned"]:
+                assert ("torch.float32" in r["grad_dtypes"]) == wide, case
 
 
 def _mlp() -> nn.Module:
@@ -266,3 +283,33 @@ def test_main_params_dtype_is_checked() -> None:
             torch.optim.LBFGS,
             main_params_dtype=torch.float32,
         )
+
+
+def _refusals_worker(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    out: list[str] = []
+    mixed = DDP(make_model(), mixed_precision=_MixedPrecision(param_dtype=BF16))
+    zero = ZeroRedundancyOptimizer(mixed.parameters(), torch.optim.AdamW, overlap_with_ddp=True)
+    plain = ZeroRedundancyOptimizer(mixed.parameters(), torch.optim.AdamW)
+    for build in (
+        lambda: hook_with_zero_step(allreduce_hook, mixed, zero),
+        lambda: reduce_scatter_hook(mixed, plain),
+        lambda: hook_with_zero_step(fp16_compress_hook, DDP(make_model()), zero, reduce_dtype=FP32),
+        lambda: reduce_scatter_hook(DDP(make_model()), plain, reduce_dtype="fp32"),  # type: ignore[arg-type]
+    ):
+        try:
+            build()
+            out.append("accepted")
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    return out
+
+
+def test_ddp_mixed_precision_and_bad_reduce_dtypes_are_refused() -> None:
+    (mixed, mixed_rs, custom, bad), *_ = run_ranks(_refusals_worker, 1, timeout_s=120)
+    assert "mixed_precision" in mixed and "main_params_dtype" in mixed
+    assert "mixed_precision" in mixed_rs
+    assert "custom hook" in custom and "fp16_compress_hook" in custom
+    assert "reduce_dtype must be" in bad

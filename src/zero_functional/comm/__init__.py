@@ -30,6 +30,7 @@ import torch.distributed.nn.functional  # noqa: F401
 from zero_functional.comm.buckets import (
     COALESCE_BELOW,
     reduce_to_owners,
+    start_all_reduce,
     start_broadcast,
     start_reduce,
     start_sync_params,
@@ -95,6 +96,7 @@ __all__ = [
     "recv_object",
     "reduce_to_owners",
     "send_object",
+    "start_all_reduce",
     "start_broadcast",
     "start_reduce",
     "start_sync_params",

@@ -126,6 +126,22 @@ def start_broadcast(
     )
 
 
+def start_all_reduce(buffer: Tensor, group: ProcessGroup) -> Pending:
+    """Start summing ``buffer`` over the group, in place (DDP's all-reduce of a bucket).
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> t = torch.ones(2)
+        >>> start_all_reduce(t, dist.group.WORLD).wait()
+        >>> t
+        tensor([1., 1.])
+        >>> dist.destroy_process_group()
+    """
+    return start_one(lambda: dist.all_reduce(buffer, group=group, async_op=True), [], group)
+
+
 def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
     """Copy consecutive pieces of the 1-D ``buffer`` into ``tensors`` (in place)."""
     if not tensors:

@@ -131,6 +131,10 @@ class Pending:
             self._run_finish()
             return value
 
+        if len(futures) == 1:
+            # the work's own future: on CUDA it carries the collective's stream, so the copies
+            # above and DDP's wait are ordered after it (collect_all's result is a CPU future)
+            return futures[0].then(complete)
         return torch.futures.collect_all(futures).then(complete)
 
 

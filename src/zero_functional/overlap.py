@@ -1,0 +1,394 @@
+"""Overlap mode's state: per bucket of a backward, from arrival to reduced, updated and gathered.
+
+What :func:`~zero_functional.hooks.hook_with_zero_step` and its interleaved twin keep between
+buckets and iterations (:class:`OverlapState`): a state machine per bucket
+(:class:`BucketStatus`), small records for the work in flight, and the bucket structure adopted
+so far, from which the ownership of each bucket's pieces is built.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch._C._distributed_c10d import GradBucket
+from torch.amp import GradScaler
+from torch.futures import Future
+
+from zero_functional import comm
+from zero_functional.amp import ScalerFacade, unscale_and_check_
+from zero_functional.ownership import Ownership, Run, bucket_ownership
+from zero_functional.plans import Collectives, buffer_runs
+
+if TYPE_CHECKING:
+    from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["BucketStatus", "OverlapState", "bucket_indices", "widened"]
+
+
+class BucketStatus(enum.Enum):
+    """Where a bucket of the backward in progress stands; buckets move on in bucket order.
+
+    ``ARRIVED``: the hook registered it. ``REDUCING``: its reduction is issued (onto its owners
+    by :meth:`OverlapState.reduce`, or by the user's hook). ``REDUCED``: waited for, its
+    gradients final. ``UPDATED``: this rank's pieces stepped (or the step skipped) and their
+    all-gather started.
+    """
+
+    ARRIVED = enum.auto()
+    REDUCING = enum.auto()
+    REDUCED = enum.auto()
+    UPDATED = enum.auto()
+
+
+@dataclass(slots=True)
+class _Reduce:
+    """A reduce onto the owners in flight, and the future handed to DDP (set once updated)."""
+
+    pending: comm.Pending
+    future: Future[Tensor]
+    flat: Tensor  # what is reduced: the bucket's buffer, or its copy in the reduce dtype
+    out: Tensor  # the bucket's buffer, DDP's result
+
+    @classmethod
+    def start(
+        cls,
+        out: Tensor,
+        runs: tuple[Run, ...],
+        chunk: int | None,
+        group: comm.ProcessGroup,
+        dtype: torch.dtype | None = None,
+    ) -> _Reduce:
+        """Start averaging each run of the buffer ``out`` onto its owner (in ``dtype``)."""
+        flat = widened(out, dtype).div_(comm.group_size(group))  # as DDP's: divide, then sum
+        pending = comm.start_reduce(flat, runs, group, chunk=chunk)
+        fut: Future[Tensor] = Future(devices=[out.device] if out.device.type == "cuda" else None)
+        return cls(pending, fut, flat, out)
+
+    def result(self) -> Tensor:
+        """The bucket's buffer holding the reduced values (rounded back from the reduce dtype)."""
+        if self.out is not self.flat:
+            self.out.copy_(self.flat)
+        return self.out
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One bucket of the backward in progress: its parameters and its reduction."""
+
+    indices: tuple[int, ...]
+    status: BucketStatus = BucketStatus.ARRIVED
+    future: Future[Any] | None = None  # what DDP waits on: ours, or the user's hook's
+    reduce: _Reduce | None = None  # set when reduced onto its owners
+    flat: Tensor | None = None  # its reduced gradients, once REDUCED
+
+    def ready(self) -> bool:
+        """Whether its reduction is done (waiting for it would not block)."""
+        if self.flat is not None:
+            return True
+        if self.reduce is not None:
+            return self.reduce.pending.done()
+        assert self.future is not None
+        return self.future.done()
+
+    def wait(self) -> Tensor:
+        """Its reduced gradients, waiting for the reduction if need be."""
+        if self.flat is None:
+            if self.reduce is not None:
+                self.reduce.pending.wait()
+                self.flat = self.reduce.flat
+            else:
+                assert self.future is not None
+                value = self.future.wait()
+                self.flat = value if isinstance(value, Tensor) else value[0]
+            self.status = BucketStatus.REDUCED
+        return self.flat
+
+    def owned_grads(
+        self, zero: ZeroRedundancyOptimizer, used: set[int] | None
+    ) -> dict[int, Tensor]:
+        """The gradients of the pieces ``zero``'s rank owns (of ``used`` parameters only)."""
+        flat = self.wait()
+        return {
+            k: flat[lo:hi]
+            for k, lo, hi in zero.ownership.owned_slices(self.indices, zero.rank)
+            if used is None or k in used
+        }
+
+
+@dataclass(slots=True)
+class _Backward:
+    """What one backward has seen so far."""
+
+    buckets: list[_Bucket] = field(default_factory=list)
+    deferred: bool = False  # a bucket differed from the adopted structure: update at the last
+    gathers: list[tuple[comm.Pending, Sequence[Tensor]]] = field(default_factory=list)
+
+    def next_update(self) -> int:
+        """The first bucket not yet updated (they are updated in bucket order)."""
+        return sum(b.status is BucketStatus.UPDATED for b in self.buckets)
+
+
+def _known(
+    structure: tuple[tuple[int, ...], ...] | None, i: int, indices: tuple[int, ...], last: bool
+) -> bool:
+    """Whether bucket ``i`` (its parameters' ``indices``; the last bucket or not) is as adopted.
+
+    Example:
+        >>> s = ((0, 1), (2,))
+        >>> _known(s, 1, (2,), last=True), _known(s, 0, (0, 1), last=True)
+        (True, False)
+        >>> _known(s, 1, (2, 3), last=True), _known(None, 0, (0, 1), last=False)
+        (False, False)
+    """
+    return (
+        structure is not None
+        and i < len(structure)
+        and structure[i] == indices
+        and not (last and len(structure) != i + 1)
+    )
+
+
+def _bucket_runs(
+    ownership: Ownership, structure: tuple[tuple[int, ...], ...], collectives: Collectives
+) -> dict[int, tuple[tuple[Run, ...], int | None]]:
+    """Per bucket of ``structure``, its buffer's runs under ``ownership`` and their chunk."""
+    even = collectives == "reduce_scatter+all_gather"
+    # an uneven bucket takes reduces and broadcasts under either strategy
+    return {b: buffer_runs(ownership, indices, even=even) for b, indices in enumerate(structure)}
+
+
+def bucket_indices(index: dict[Tensor, int], bucket: GradBucket) -> tuple[int, ...]:
+    """The global indices of ``bucket``'s parameters, or an error naming the fix."""
+    try:
+        return tuple(index[p] for p in bucket.parameters())
+    except KeyError as e:
+        raise RuntimeError(
+            "a DDP gradient bucket holds a parameter this ZeroRedundancyOptimizer does not "
+            "manage: build it from ddp.parameters() (or model.parameters())"
+        ) from e
+
+
+def _used_anywhere(params: Sequence[Tensor], group: comm.ProcessGroup) -> set[int]:
+    """The parameters some rank used in this backward: those with a gradient now (DDP fills
+    the buckets of unused ones with zeros but leaves their ``.grad`` as it was)."""
+    local = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
+    flags = comm.any_rank(local, group)
+    return {k for k, used in enumerate(flags.tolist()) if used}
+
+
+def _gather_group(
+    zero: ZeroRedundancyOptimizer, interleaved: bool
+) -> tuple[comm.ProcessGroup, bool]:
+    """The group the parameter all-gathers run on, and whether it is not ``zero``'s own.
+
+    Interleaved, the all-gathers run on a twin group where one can be made, so a bucket is
+    updated as soon as its reduction is done, never waited for on the autograd thread.
+    """
+    if interleaved and zero.world_size > 1:
+        twin = comm.twin_group(zero.process_group)
+        if twin is not None:
+            return twin, True
+    return zero.process_group, False
+
+
+class OverlapState:
+    """What overlap mode keeps between buckets and iterations (one per optimizer).
+
+    Attributes:
+        collectives: The strategy the hook uses (see :func:`choose_collectives`).
+        structure: The bucket structure adopted (per bucket, its parameters' global indices),
+            or ``None`` before the first backward.
+        restructures: Backwards whose buckets differed from the adopted structure.
+        reduced_buckets: Buckets reduced onto their owners (rather than by the user's hook).
+        skipped: Backwards whose update was skipped because a gradient was not finite (with
+            a ``GradScaler``).
+    """
+
+    def __init__(
+        self,
+        zero: ZeroRedundancyOptimizer,
+        shard_buckets: bool,
+        interleaved: bool,
+        collectives: Collectives,
+        grad_scaler: GradScaler | None = None,
+        find_unused: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        # weakly: _STATES is keyed by `zero`, and a value that held its key would keep the
+        # optimizer, its process group and the twin group alive to interpreter exit (issue 20)
+        self._zero = weakref.ref(zero)
+        # DDP's find_unused_parameters: a parameter no rank used has no gradient afterwards
+        # and torch's optimizers skip it; that is known on every rank only at the last bucket
+        self.find_unused = find_unused
+        self.used: set[int] | None = None
+        self.reduce_dtype = reduce_dtype
+        self.shard_buckets = shard_buckets
+        self.interleaved = interleaved
+        self.collectives: Collectives = collectives
+        self.scaler = grad_scaler
+        self.gather_group, self.nonblocking = _gather_group(zero, interleaved)
+        self.skipped = 0  # backwards whose update the scaler skipped (non-finite gradients)
+        self._facade = ScalerFacade()
+        self.params = [p for g in zero.param_groups for p in g["params"]]
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.structure: tuple[tuple[int, ...], ...] | None = None
+        self.restructures = 0
+        self.reduced_buckets = 0
+        self._runs: dict[int, tuple[tuple[Run, ...], int | None]] = {}
+        self._backward = _Backward()
+
+    @property
+    def zero(self) -> ZeroRedundancyOptimizer:
+        """The optimizer (held weakly; its hook holds it while DDP runs the hook)."""
+        zero = self._zero()
+        assert zero is not None, "the ZeroRedundancyOptimizer was garbage-collected"
+        return zero
+
+    def _scaling(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def start(self, bucket: GradBucket) -> bool:
+        """Register ``bucket``; whether to reduce it onto its owners (else the user's hook runs).
+
+        Every input of this decision (bucket indices, the structure adopted so far) is the same
+        on every rank, so all ranks issue the same collectives in the same order.
+        """
+        i, bw = bucket.index(), self._backward
+        if i == 0 or not bw.buckets:  # a new backward
+            self.zero.check_trainable()  # unfreezing is an error before anything moves
+            bw = self._backward = _Backward()
+        indices = bucket_indices(self.index, bucket)
+        bw.buckets.append(_Bucket(indices))
+        if not bw.deferred and not _known(self.structure, i, indices, bucket.is_last()):
+            bw.deferred = True
+            if self.structure is not None:
+                self.restructures += 1
+            # Buckets before this one match the adopted structure and may have been reduced onto
+            # their owners under it: finish them with that ownership before adopt() moves state,
+            # or, when a scaler must first see every gradient, give every rank their reduced
+            # values (the owners broadcast their runs) so the new owners can step them.
+            if self._scaling():
+                for j, b in enumerate(bw.buckets[:i]):
+                    flat = b.wait()
+                    if self.collectives != "allreduce+broadcast":
+                        comm.start_broadcast(flat, self._runs[j][0], self.zero.process_group).wait()
+            else:
+                self._update_until(i)
+        return not bw.deferred and self.collectives != "allreduce+broadcast"
+
+    def reduce(self, bucket: GradBucket) -> Future[Tensor]:
+        """Average ``bucket`` onto the owners of its pieces; the future DDP waits on."""
+        b = self._backward.buckets[bucket.index()]
+        runs, chunk = self._runs[bucket.index()]
+        group, dtype = self.zero.process_group, self.reduce_dtype
+        b.reduce = _Reduce.start(bucket.buffer(), runs, chunk, group, dtype)
+        self.reduced_buckets += 1
+        return b.reduce.future
+
+    def all_reduce(self, bucket: GradBucket) -> Future[Tensor]:
+        """DDP's average of ``bucket`` on every rank, summed in the reduce dtype and rounded
+        back once: what replaces DDP's hook while the bucket structure is not yet known."""
+        flat = bucket.buffer()
+        wide = widened(flat, self.reduce_dtype).div_(self.zero.world_size)
+        pending = comm.start_all_reduce(wide, self.zero.process_group)
+        if wide is not flat:
+
+            def round_back() -> None:
+                flat.copy_(wide)
+
+            pending.finish.append(round_back)
+        return pending.future(flat)
+
+    def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
+        """Record the bucket's future; update finished buckets (the last bucket: all of them)."""
+        bw, i = self._backward, bucket.index()
+        bw.buckets[i].future, bw.buckets[i].status = fut, BucketStatus.REDUCING
+        if self.interleaved and not bw.deferred and not self._scaling() and not self.find_unused:
+            # buckets whose reduction is done, in order; without a twin group, one bucket
+            # behind whatever it takes (its reduction has had one bucket's backward to finish)
+            self._update_until(i, only_ready=self.nonblocking)
+        if bucket.is_last():
+            if bw.deferred:
+                self.adopt(tuple(b.indices for b in bw.buckets))
+            if self.find_unused:
+                self.used = _used_anywhere(self.params, self.zero.process_group)
+            if self._scaling():
+                self._scaled_step()
+            self._update_until(len(bw.buckets))
+            # waited for now, or (overlap_param_gather) by the next forward, module by module
+            self.zero.defer_param_sync(bw.gathers)
+            self._backward = _Backward()
+
+    def adopt(self, structure: tuple[tuple[int, ...], ...]) -> None:
+        """Own the buckets of ``structure`` and move the optimizer's state accordingly.
+
+        Collective: every rank calls it with the same structure (the hook does, at the last
+        bucket of a backward whose buckets are new). Tests call it to simulate a rebuild.
+        """
+        zero = self.zero
+        ownership = bucket_ownership(
+            structure,
+            zero.ownership.numels,
+            zero.world_size,
+            partition=zero.partition,
+            shard_buckets=self.shard_buckets,
+        )
+        zero.reshard(ownership)
+        self._runs = _bucket_runs(ownership, structure, self.collectives)
+        self.structure = structure
+
+    def _update_until(self, n: int, *, only_ready: bool = False, update: bool = True) -> None:
+        """Update the buckets before ``n`` in order (``only_ready``: while reduced already)."""
+        bw = self._backward
+        while (j := bw.next_update()) < n and not (only_ready and not bw.buckets[j].ready()):
+            self._update(j, update=update)
+
+    def _update(self, j: int, *, update: bool = True) -> None:
+        """Update this rank's pieces of bucket ``j`` and start the all-gather of the bucket."""
+        bw, zero = self._backward, self.zero
+        b = bw.buckets[j]
+        b.wait()
+        b.status = BucketStatus.UPDATED
+        if update:
+            zero.update_owned(b.owned_grads(zero, self.used))
+            if zero.world_size > 1:
+                # in place: these parameters' grads are final, so backward no longer reads
+                # them; the owners' values are on every rank once the backward has finished
+                runs, chunk = self._runs[j]
+                bw.gathers += zero.param_sync.start_gather(
+                    b.indices, self.gather_group, runs, chunk
+                )
+        if b.reduce is not None:
+            # on each rank only the pieces it owns hold the averaged gradient
+            b.reduce.future.set_result(b.reduce.result())
+
+    def _scaled_step(self) -> None:
+        """With a GradScaler: unscale every owned gradient, decide on every rank together
+        whether any was non-finite, tell the scaler, then update everything or nothing."""
+        assert self.scaler is not None
+        buckets = self._backward.buckets
+        owned = [g for b in buckets for g in b.owned_grads(self.zero, self.used).values()]
+        device = owned[0].device if owned else self.zero.join_device
+        found = unscale_and_check_(owned, 1.0 / self.scaler.get_scale(), device)
+        found = comm.all_reduce_scalar(found, self.zero.process_group, op="max")
+        self._facade.record(self.scaler, found)
+        if bool(found.item()):
+            self.skipped += 1
+            self._update_until(len(buckets), update=False)
+
+
+def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``t`` itself, or a copy in ``dtype`` where that is another dtype (a reduce dtype).
+
+    Example:
+        >>> t = torch.ones(2, dtype=torch.bfloat16)
+        >>> widened(t, None) is t, widened(t, torch.float32).dtype
+        (True, torch.float32)
+    """
+    return t if dtype is None or dtype == t.dtype else t.to(dtype)
