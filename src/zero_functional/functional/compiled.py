@@ -51,6 +51,7 @@ still importable from here (:func:`__getattr__`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -120,8 +121,15 @@ def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) 
     return least is not None and numel >= least
 
 
+# torch.compile takes isolate_recompiles from torch 2.13 on (2.11 refuses it: seen on an H200)
+_ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
 def _compile(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
-    """One compiled region per cache key: its recompilations do not count against another's."""
+    """One compiled region per cache key: its recompilations do not count against another's
+    (where torch can isolate them)."""
+    if not _ISOLATE:
+        return torch.compile(fn, fullgraph=True)
     # torch 2.13's overloads of torch.compile do not list isolate_recompiles yet
     return torch.compile(fn, fullgraph=True, isolate_recompiles=True)  # type: ignore[call-overload, no-any-return]
 
