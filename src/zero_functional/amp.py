@@ -20,7 +20,14 @@ from zero_functional import comm
 from zero_functional.functional import group_indices
 from zero_functional.ownership import Run
 
-__all__ = ["ScalerFacade", "common_verdict", "refuse_scaler_step", "unscale_and_check_"]
+__all__ = [
+    "ScalerFacade",
+    "common_verdict",
+    "refuse_scaler_step",
+    "scaler_verdict",
+    "unscale_and_check_",
+    "unscaled",
+]
 
 
 def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.device) -> Tensor:
@@ -102,3 +109,35 @@ def refuse_scaler_step(optimizer: object, kwargs: Mapping[str, Any]) -> None:
             "hook_with_zero_step(allreduce_hook, ddp, zero, grad_scaler=scaler), and call "
             "only scaler.scale(loss).backward() and scaler.update()"
         )
+
+
+def scaler_verdict(optimizer: object) -> tuple[bool, Tensor | None]:
+    """What ``scaler.step(optimizer)`` handed an optimizer that declares
+    ``_step_supports_amp_scaling``: whether to skip the step (a non-finite gradient), and the
+    scale the gradients still carry (``None``: unscaled, or no scaler).
+
+    Example:
+        >>> class Opt:
+        ...     found_inf, grad_scale = torch.tensor(0.0), torch.tensor(1024.0)
+        >>> scaler_verdict(Opt()), scaler_verdict(object())
+        ((False, tensor(1024.)), (False, None))
+    """
+    found = getattr(optimizer, "found_inf", None)
+    scale = getattr(optimizer, "grad_scale", None)
+    return bool(found is not None and float(found) > 0), scale
+
+
+def unscaled(
+    grads: Mapping[int, Tensor], dtypes: Mapping[int, torch.dtype | None], grad_scale: Tensor
+) -> dict[int, Tensor]:
+    """``grads`` divided by ``grad_scale``, each first cast to its ``dtypes`` entry (a main
+    copy's dtype, where the division must not happen in fp16): new tensors, as GradScaler's
+    ``inv_scale`` (the reciprocal in float64, then float32) multiplies them.
+
+    Example:
+        >>> g = {0: torch.tensor([1024.0], dtype=torch.float16)}
+        >>> unscaled(g, {0: torch.float32}, torch.tensor(1024.0))
+        {0: tensor([1.])}
+    """
+    inv = grad_scale.double().reciprocal().float()
+    return {k: g.to(dtypes.get(k) or g.dtype) * inv.to(g.device) for k, g in grads.items()}

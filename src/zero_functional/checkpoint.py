@@ -55,6 +55,7 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
 from zero_functional import comm
+from zero_functional.main_params import MAIN_KEY, main_dtype_for
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.ownership import flat_range_boxes
 from zero_functional.partition import Segment
@@ -270,7 +271,10 @@ def load(
             )
         for name, t in module_state.items():
             if name in names_saved:
-                wanted[f"model.{name}"] = (tuple(t.shape), t.dtype, [(0, t.numel())])
+                source = _model_source(saved, name, t.dtype)
+                meta = saved[source]
+                assert meta is not None
+                wanted[source] = (tuple(t.shape), meta[1], [(0, t.numel())])
     pieces_of: dict[int, dict[str, tuple[str, bool]]] = {}
     owned: dict[int, Segment] = {}
     if optimizer is not None:
@@ -278,11 +282,17 @@ def load(
         params = [p for g in optimizer.param_groups for p in g["params"]]
         owned, _ = _shards(optimizer)
         objects.append("param_groups")
+        main_dtype = (
+            optimizer.main_params_dtype if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+        )
         for k, seg in owned.items():
             prefix = f"state.{names[k]}."
+            keeps_main = main_dtype_for(params[k].dtype, main_dtype) is not None
             for key, meta in saved.items():
                 if not key.startswith(prefix) or "." in key[len(prefix) :]:
                     continue
+                if key[len(prefix) :] == MAIN_KEY and not keeps_main:
+                    continue  # a main copy this optimizer does not keep (the model may read it)
                 if meta is None:
                     objects.append(key)
                 elif meta[0] == ():
@@ -308,6 +318,16 @@ def load(
                     entry[state_key] = tensors[key][0].reshape(())
                 else:
                     entry[state_key] = tensors[key][0].view(p.shape) if whole else tensors[key][0]
+            model_key = f"model.{names[k]}"
+            if (
+                entry
+                and MAIN_KEY not in entry
+                and main_dtype_for(p.dtype, main_dtype) is not None
+                and model_key in tensors
+                and tensors[model_key][0].dtype.itemsize > p.dtype.itemsize
+            ):  # saved from a wider model (a plain fp32 run): its values are the main copy
+                main = tensors[model_key][0][seg.start : seg.stop]
+                entry[MAIN_KEY] = main.view(p.shape) if whole else main
             state[k] = entry
         saved_groups = values["param_groups"]
         expected = [names[a : a + n] for a, n in _spans(optimizer)]
@@ -335,10 +355,23 @@ def load(
     if model is not None:
         with torch.no_grad():
             for name, t in module_state.items():
-                key = f"model.{name}"
-                if key in tensors:
-                    t.copy_(tensors[key][0].view(t.shape))
+                if name in names_saved:  # in the saved dtype: cast as load_state_dict does
+                    t.copy_(tensors[_model_source(saved, name, t.dtype)][0].view(t.shape))
     return values["extra"]
+
+
+def _model_source(
+    saved: Mapping[str, tuple[tuple[int, ...], torch.dtype] | None], name: str, dtype: torch.dtype
+) -> str:
+    """The key a model tensor ``name`` of ``dtype`` is read from: its ``model.`` entry, or the
+    main copy saved with the optimizer state where that holds finer values the tensor can keep
+    (a bf16 model trained with ``main_params_dtype`` loading into an fp32 model)."""
+    key, main = f"model.{name}", f"state.{name}.{MAIN_KEY}"
+    model_meta, main_meta = saved.get(key), saved.get(main)
+    if model_meta is None or main_meta is None:
+        return key
+    narrow = model_meta[1].itemsize
+    return main if main_meta[1].itemsize > narrow and dtype.itemsize > narrow else key
 
 
 def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Tensor]:

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional._validate import prefix_sums
-from zero_functional.amp import refuse_scaler_step
+from zero_functional.amp import refuse_scaler_step, scaler_verdict, unscaled
 from zero_functional.checks import (
     agreement_verdict,
     check_devices,
@@ -242,6 +242,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._overlap_with_ddp
 
     @property
+    def main_params_dtype(self) -> torch.dtype | None:
+        """The dtype of the main copies of narrower parameters (``None``: no main copies)."""
+        return self._main_params_dtype
+
+    @property
     def param_sync(self) -> ParamSync:
         """The owner of the parameters' storage and of the parameter all-gathers in flight."""
         return self._param_sync
@@ -415,7 +420,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            skip, grad_scale = scaler_verdict(self)  # scaler.step(self), main copies
+            if skip:  # a non-finite gradient on every rank: no parameter changes anywhere
+                return loss
             grads = self._owned_grads()
+            if grad_scale is not None:
+                params = self._params()
+                dtypes = {
+                    k: main_dtype_for(params[k].dtype, self._main_params_dtype) for k in grads
+                }
+                grads = unscaled(grads, dtypes, grad_scale)
         with self._call("step()"):
             self._param_sync.sync(grads, self.update_owned)
         return loss
@@ -423,8 +437,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def _step_supports_amp_scaling(self) -> bool:
         # compat: GradScaler.step(opt) hands such an optimizer its found_inf instead of
-        # deciding itself; in overlap mode, step() then refuses (the step already ran)
-        return self._overlap_with_ddp
+        # deciding itself; in overlap mode, step() then refuses (the step already ran); with
+        # main copies step() unscales in their dtype (GradScaler refuses fp16 gradients)
+        return self._overlap_with_ddp or self._main_params_dtype is not None
 
     def check_trainable(self) -> bool:
         """Whether any parameter's ``requires_grad`` changed since the ownership was built.
@@ -755,6 +770,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         except (TypeError, ValueError) as e:
             problem = e
         self._agree("load_shard_state()", problem, self.param_groups)
+        self._warn_without_main(state)
         self._install(state, param_groups, copy=copy, loaded=True)
 
     def _warn_without_main(self, pieces: Mapping[int, Mapping[str, Any]]) -> None:
