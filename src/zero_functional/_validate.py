@@ -53,3 +53,23 @@ def ceil_div(a: int, b: int) -> int:
 def round_up(a: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is >= ``a``."""
     return ceil_div(a, multiple) * multiple
+
+
+def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": ") -> str:
+    """``(rank, message)`` pairs as one short text at any world size: ranks that say the same
+    thing share one entry, naming its first ``shown`` ranks and counting the rest; ``sep``
+    goes between the ranks and what they say.
+
+    Example:
+        >>> by_rank([(r, "timed out") for r in range(1, 1024)] + [(0, "bad key")])
+        'rank 0: bad key; ranks 1, 2, 3, 4 and 1019 more: timed out'
+    """
+    groups: dict[str, list[int]] = {}
+    for rank, message in sorted(messages):
+        groups.setdefault(message, []).append(rank)
+    parts = []
+    for message, ranks in sorted(groups.items(), key=lambda item: item[1][0]):
+        named = ", ".join(str(r) for r in ranks[:shown])
+        more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {named}{more}{sep}{message}")
+    return "; ".join(parts)

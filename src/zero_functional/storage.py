@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from zero_functional import atomic_dir, comm
+from zero_functional._validate import by_rank
 from zero_functional.ownership import Box, flat_range_boxes
 
 __all__ = [
@@ -434,13 +435,10 @@ class _ChecksummedReader(FileSystemReader):
 
 def _unwrap(step: str, error: CheckpointException) -> CheckpointError:
     """DCP's CheckpointException (a BaseException) as one error naming each failed rank."""
-    parts = []
-    corrupt = False
-    for rank, (exc, _) in sorted(error.failures.items()):
-        parts.append(f"rank {rank}: {exc}")
-        corrupt |= isinstance(exc, CheckpointCorruptError)
+    failures = sorted(error.failures.items())
+    corrupt = any(isinstance(exc, CheckpointCorruptError) for _, (exc, _) in failures)
     kind = CheckpointCorruptError if corrupt else CheckpointError
-    return kind(f"checkpoint {step} failed: " + "; ".join(parts))
+    return kind(f"checkpoint {step} failed: " + by_rank([(r, str(e)) for r, (e, _) in failures]))
 
 
 @contextlib.contextmanager

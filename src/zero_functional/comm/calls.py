@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+from zero_functional._validate import by_rank
 from zero_functional.comm.groups import ProcessGroup, Work, group_rank, group_size
 
 
@@ -35,6 +36,7 @@ class _Call:
 _local = threading.local()
 _SEQ: dict[str, int] = {}
 _FAILED: list[str] = []  # every CollectiveError this process raised, oldest first
+_SILENT = "did not report (it died, or is not in a call of zero_functional)"
 REPORT_GRACE_S = 5.0
 """How long a failed rank waits for the others' reports before it raises."""
 
@@ -136,17 +138,14 @@ def _explain(current: _Call, error: BaseException) -> str:
                 time.sleep(0.05)
     except Exception:  # no store to talk through (or it died with a peer): say what we know
         pass
-    others = [
-        f"rank {r} was in {reports[r]}"
-        if r in reports
-        else f"rank {r} did not report (it died, or is not in a call of zero_functional)"
-        for r in range(world)
-        if r != me
-    ]
+    others = by_rank(
+        [(r, f"was in {reports[r]}" if r in reports else _SILENT) for r in range(world) if r != me],
+        sep=" ",
+    )
     return (
         f"{mine} (this process group's collective call #{current.seq} through "
         f"zero_functional) failed on rank {me} of {world} after {waited:.1f} s: {first}. "
-        f"The other ranks: {'; '.join(others) or 'none'}. Every rank must make the same calls "
+        f"The other ranks: {others or 'none'}. Every rank must make the same calls "
         "in the same order (step(), consolidate_state_dict(), add_param_group(), "
         "load_state_dict(), and the backward of a hooked DDP module)."
     )
