@@ -101,6 +101,56 @@ def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
     assert flat_row[-1] == "1.000"  # max/formula
 
 
+def memory_rows(out: str) -> dict[tuple[str, str], list[str]]:
+    """The bytes-per-rank table's rows by (world size, partition): params .. total cells."""
+    table = out.split("bytes per rank (fullest rank)")[1]
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    # each cell is "<number> <unit>": pair them back up
+    return {(r[0], r[1]): [" ".join(r[i : i + 2]) for i in range(2, 12, 2)] for r in rows}
+
+
+def test_plan_with_bf16_and_fp32_main_params_prints_bytes_per_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "tests.test_cli:small_mlp", "--world-sizes", "2", "4"]
+    code, out, err = run_cli([*argv, "--dtype", "bf16", "--main-params", "fp32"], capsys)
+    assert code == 0, err
+    assert "bf16 parameters and gradients, fp32 main copy, AdamW's 2 fp32 states" in out
+    total = sum(p.numel() for p in small_mlp().parameters())  # 4,096 + 64 = 4,160
+    rows = memory_rows(out)
+    # flat: each rank owns total / world_size; 2 B params and grads, 4 B main, 2 x 4 B state
+    owned = total // 4
+    assert rows[("4", "flat")] == [
+        train.format_bytes(n)
+        for n in (2 * total, 2 * total, 4 * owned, 8 * owned, 4 * total + 12 * owned)
+    ]
+    # the balance table above is unchanged by the new flags
+    code, plain, _ = run_cli(argv, capsys)
+    assert code == 0 and out.startswith(plain.rstrip("\n")) and "bytes per rank" not in plain
+
+
+def test_plan_bytes_without_a_main_copy_keep_the_state_in_the_parameters_dtype(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    total = sum(p.numel() for p in small_mlp().parameters())
+    for flags, param, main_b, state in [
+        (["--dtype", "bf16"], 2, 0, 2 * 2),
+        (["--dtype", "fp16"], 2, 0, 2 * 2),
+        (["--main-params", "fp32"], 4, 0, 2 * 4),  # fp32 parameters need no main copy
+        (["--dtype", "fp32"], 4, 0, 2 * 4),
+    ]:
+        argv = ["plan", "tests.test_cli:small_mlp", "--world-sizes", "2", *flags]
+        code, out, err = run_cli(argv, capsys)
+        assert code == 0, err
+        owned = total // 2
+        want = [param * total, param * total, main_b * owned, state * owned]
+        assert memory_rows(out)[("2", "flat")][:4] == [train.format_bytes(n) for n in want]
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -116,6 +166,8 @@ def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
         ["train", "--partition", "even"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
+        ["plan", "gpt2-small", "--dtype", "int8"],
+        ["plan", "gpt2-small", "--main-params", "bf16"],
         ["plan", "no-such-model"],
         ["plan", "no_such_module_xyz:f"],
         ["plan", "tests.test_cli:missing"],
