@@ -147,6 +147,24 @@ def test_plan_bytes_without_a_main_copy_keep_the_state_in_the_parameters_dtype(
         assert memory_rows(out)[("2", "flat")][:4] == [train.format_bytes(n) for n in want]
 
 
+TINY_TRAIN = ["train", "--nproc", "2", "--epochs", "1", "--hidden", "16", "--batch-size", "256"]
+
+
+@pytest.mark.parametrize("main_params", [[], ["--main-params", "fp32"]], ids=["bf16", "fp32 main"])
+def test_train_a_bf16_model_matches_its_reference_bitwise_at_2_ranks(
+    main_params: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*TINY_TRAIN, "--no-progress", "--dtype", "bf16", *main_params]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert ("bf16 model, fp32 main params" if main_params else "bf16 model") in out
+    assert out.splitlines()[-1].endswith("(seed 0): bitwise equal"), out
+    # the reference's whole state: 4 B main weights (if any) + AdamW's 2 moments per element,
+    # plus a 4-byte step per tensor (6 tensors, 1,482 elements)
+    per_element = 4 + 2 * 4 if main_params else 2 * 2
+    assert f"  {train.format_bytes(per_element * 1482 + 6 * 4)}  " in out.splitlines()[2]
+
+
 def small_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU())
 
@@ -164,6 +182,11 @@ def small_mlp() -> nn.Module:
         ["train", "--nproc", "4", "--batch-size", "2"],
         ["train", "--overlap", "--impl", "torch"],
         ["train", "--partition", "even"],
+        ["train", "--dtype", "fp16"],  # no GradScaler in the job
+        ["train", "--main-params", "bf16"],
+        ["train", "--main-params", "fp32"],  # fp32 parameters need no main copy
+        ["train", "--dtype", "bf16", "--main-params", "fp32", "--impl", "torch"],
+        ["train", "--dtype", "bf16", "--checkpoint", "ck"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "gpt2-small", "--dtype", "int8"],

@@ -307,6 +307,24 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             command,
             "--overlap with --impl torch hangs on gloo (pytorch#62300); drop one of the two",
         )
+    if args.main_params and args.impl == "torch":
+        return None, _fail(
+            command,
+            "--main-params fp32 needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
+            "keeps no main copy",
+        )
+    if args.main_params and args.dtype == "fp32":
+        return None, _fail(
+            command,
+            "--main-params fp32 with --dtype fp32: fp32 parameters need no main copy; "
+            "pass --dtype bf16",
+        )
+    if args.dtype != "fp32" and (args.checkpoint or args.resume):
+        return None, _fail(
+            command,
+            f"--dtype {args.dtype} with --checkpoint/--resume is not supported yet; "
+            "checkpoint an fp32 run",
+        )
     if args.checkpoint is not None:
         parent = Path(args.checkpoint).resolve().parent
         if not parent.is_dir():
@@ -381,6 +399,8 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             bucket_cap_mb=args.bucket_cap_mb,
             partition=args.partition.replace("-", "_"),
             hidden=TrainConfig.hidden if hidden is None else hidden,
+            dtype=args.dtype,
+            main_params=args.main_params,
         )
     except ValueError as e:
         return None, _fail(command, str(e))
@@ -566,6 +586,18 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         default="flat",
         help="who owns what: flat (even split, a tensor may straddle ranks; default) or "
         "sorted-greedy (torch's whole tensors)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the model's dtype (fp32); bf16: the reference's Adam state is bf16 too",
+    )
+    p.add_argument(
+        "--main-params",
+        choices=("fp32",),
+        help="with --dtype bf16: ours with main_params_dtype=torch.float32 (fp32 main copies of "
+        "the owned pieces, fp32 state); the reference's Adam on fp32 main weights",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
