@@ -359,6 +359,7 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
         "checkpoint save",
         "collectives (2M fp32)",
         "iteration (2M MLP)",
+        "main params (2M bf16 AdamW)",
         "step (2M Adam)",
     }, table
     for line in table:  # each benchmark's own torch baseline is 1.00x by construction
