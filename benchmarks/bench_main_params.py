@@ -257,13 +257,15 @@ def main() -> None:
             print(f"  probe {PROBE_LABELS[v]:<50} weights changed {share:6.1%}")
         print(
             f"(b) optimizer bytes per rank after one step, bf16 MLP of {total:,} parameters "
-            "(per-element state; the scalar step counters left out)"
+            "(per-element state; the scalar step counters left out); B/element: per model "
+            f"element; step ms: median of {rounds} step() calls, slowest rank"
         )
         print(
             f"  {'variant':<24}{'max/rank':>12}{'B/element':>11}{'x DDP+main':>12}"
-            f"{'x torch ZeRO':>14}  exact?"
+            f"{'x torch ZeRO':>14}{'step ms':>9}  exact?"
         )
         worst = {v: max(r["bytes"][v] for r in results) for v in MEMORY}
+        med = {v: max(r["median_s"][v] for r in results) for v in MEMORY}
         for v in MEMORY:
             exact = ""
             if v == OURS_MAIN:
@@ -275,6 +277,7 @@ def main() -> None:
             line = (
                 f"  {v:<24}{_mib(worst[v]):>12}{worst[v] / total:>11.3f}"
                 f"{worst[v] / worst[DDP_MAIN]:>11.3f}x{worst[v] / worst[TORCH_ZERO]:>13.3f}x"
+                f"{med[v] * 1e3:>9.1f}"
             )
             print(f"{line}  {exact}".rstrip())
         print(
@@ -287,7 +290,6 @@ def main() -> None:
             g, p, o = (max(x[i] for x in per) for i in range(3))
             ops = ", ".join(f"{k} {_mib(n)}" for k, n in sorted(results[0]["moved"][key].items()))
             print(f"  {label:<14}{g:>10.3f}{p:>11.3f}{o:>7.3f}  rank 0: {ops}")
-        med = {v: max(r["median_s"][v] for r in results) for v in MEMORY}
         for v in MEMORY:
             rows.append(
                 {
