@@ -61,16 +61,19 @@ class ByteCounter:
     """Counts the bytes this rank sends through ``torch.distributed`` collectives.
 
     ``with counter.counting(): ...`` wraps the collectives for the block; ``counter.sent`` is
-    the ring-model total since the last :meth:`reset`. Collectives DDP issues from C++ (its
-    built-in all-reduce) are invisible to it: register ``allreduce_hook`` to count DDP.
+    the ring-model total since the last :meth:`reset`, and ``counter.buffers`` the bytes of the
+    buffers each kind of collective covered (``"broadcast"``, ``"all_gather"``, ...: the ``S``
+    of each call, summed). Collectives DDP issues from C++ (its built-in all-reduce) are
+    invisible to it: register ``allreduce_hook`` to count DDP.
     """
 
     def __init__(self) -> None:
         self.sent = 0.0
         self.calls = 0
+        self.buffers: dict[str, int] = {}
 
     def reset(self) -> None:
-        self.sent, self.calls = 0.0, 0
+        self.sent, self.calls, self.buffers = 0.0, 0, {}
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[ByteCounter]:
@@ -87,6 +90,7 @@ class ByteCounter:
                 tensor = list(bound.values())[position]
                 self.sent += bytes_sent(op, size(tensor, n), n)
                 self.calls += 1
+                self.buffers[op] = self.buffers.get(op, 0) + size(tensor, n)
                 return fn(*args, **kwargs)
 
             return counted

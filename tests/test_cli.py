@@ -101,6 +101,74 @@ def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
     assert flat_row[-1] == "1.000"  # max/formula
 
 
+def memory_rows(out: str) -> dict[tuple[str, str], list[str]]:
+    """The bytes-per-rank table's rows by (world size, partition): params .. total cells."""
+    table = out.split("bytes per rank (fullest rank)")[1]
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    # each cell is "<number> <unit>": pair them back up
+    return {(r[0], r[1]): [" ".join(r[i : i + 2]) for i in range(2, 12, 2)] for r in rows}
+
+
+def test_plan_with_bf16_and_fp32_main_params_prints_bytes_per_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "tests.test_cli:small_mlp", "--world-sizes", "2", "4"]
+    code, out, err = run_cli([*argv, "--dtype", "bf16", "--main-params", "fp32"], capsys)
+    assert code == 0, err
+    assert "bf16 parameters and gradients, fp32 main copy, AdamW's 2 fp32 states" in out
+    total = sum(p.numel() for p in small_mlp().parameters())  # 4,096 + 64 = 4,160
+    rows = memory_rows(out)
+    # flat: each rank owns total / world_size; 2 B params and grads, 4 B main, 2 x 4 B state
+    owned = total // 4
+    assert rows[("4", "flat")] == [
+        train.format_bytes(n)
+        for n in (2 * total, 2 * total, 4 * owned, 8 * owned, 4 * total + 12 * owned)
+    ]
+    # the balance table above is unchanged by the new flags
+    code, plain, _ = run_cli(argv, capsys)
+    assert code == 0 and out.startswith(plain.rstrip("\n")) and "bytes per rank" not in plain
+
+
+def test_plan_bytes_without_a_main_copy_keep_the_state_in_the_parameters_dtype(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    total = sum(p.numel() for p in small_mlp().parameters())
+    for flags, param, main_b, state in [
+        (["--dtype", "bf16"], 2, 0, 2 * 2),
+        (["--dtype", "fp16"], 2, 0, 2 * 2),
+        (["--main-params", "fp32"], 4, 0, 2 * 4),  # fp32 parameters need no main copy
+        (["--dtype", "fp32"], 4, 0, 2 * 4),
+    ]:
+        argv = ["plan", "tests.test_cli:small_mlp", "--world-sizes", "2", *flags]
+        code, out, err = run_cli(argv, capsys)
+        assert code == 0, err
+        owned = total // 2
+        want = [param * total, param * total, main_b * owned, state * owned]
+        assert memory_rows(out)[("2", "flat")][:4] == [train.format_bytes(n) for n in want]
+
+
+TINY_TRAIN = ["train", "--nproc", "2", "--epochs", "1", "--hidden", "16", "--batch-size", "256"]
+
+
+@pytest.mark.parametrize("main_params", [[], ["--main-params", "fp32"]], ids=["bf16", "fp32 main"])
+def test_train_a_bf16_model_matches_its_reference_bitwise_at_2_ranks(
+    main_params: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*TINY_TRAIN, "--no-progress", "--dtype", "bf16", *main_params]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert ("bf16 model, fp32 main params" if main_params else "bf16 model") in out
+    assert out.splitlines()[-1].endswith("(seed 0): bitwise equal"), out
+    # the reference's whole state: 4 B main weights (if any) + AdamW's 2 moments per element,
+    # plus a 4-byte step per tensor (6 tensors, 1,482 elements)
+    per_element = 4 + 2 * 4 if main_params else 2 * 2
+    assert f"  {train.format_bytes(per_element * 1482 + 6 * 4)}  " in out.splitlines()[2]
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -114,8 +182,15 @@ def test_plan_predicted_adam_bytes_match_zeros_formula_for_flat_partition(
         ["train", "--nproc", "4", "--batch-size", "2"],
         ["train", "--overlap", "--impl", "torch"],
         ["train", "--partition", "even"],
+        ["train", "--dtype", "fp16"],  # no GradScaler in the job
+        ["train", "--main-params", "bf16"],
+        ["train", "--main-params", "fp32"],  # fp32 parameters need no main copy
+        ["train", "--dtype", "bf16", "--main-params", "fp32", "--impl", "torch"],
+        ["train", "--dtype", "bf16", "--checkpoint", "ck"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
+        ["plan", "gpt2-small", "--dtype", "int8"],
+        ["plan", "gpt2-small", "--main-params", "bf16"],
         ["plan", "no-such-model"],
         ["plan", "no_such_module_xyz:f"],
         ["plan", "tests.test_cli:missing"],
@@ -284,6 +359,7 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
         "checkpoint save",
         "collectives (2M fp32)",
         "iteration (2M MLP)",
+        "main params (2M bf16 AdamW)",
         "step (2M Adam)",
     }, table
     for line in table:  # each benchmark's own torch baseline is 1.00x by construction

@@ -13,6 +13,7 @@ from zero_functional.partition import (
     balance_report,
     flat,
     owners,
+    rank_bytes,
     rank_loads,
     sorted_greedy,
     sorted_greedy_groups,
@@ -186,3 +187,18 @@ def test_sorted_greedy_and_balance_report_scale_to_10k_params_4096_ranks() -> No
     assert elapsed < 2.0, f"took {elapsed:.2f} s"
     assert report.max_load <= report.mean_load + report.largest
     assert flat_report.max_load == -(-sum(numels) // 4096)
+
+
+def test_rank_bytes_counts_the_main_copy_and_its_state_per_owned_element_only() -> None:
+    total, world = 1000, 4
+    owned = flat([total], world).loads
+    bf16_main = [rank_bytes(load, total, param_bytes=2, main_bytes=4) for load in owned]
+    # (4 B main + 2 x 4 B moments) per owned element: 12 B x total over the ranks
+    assert sum(b.main + b.state for b in bf16_main) == 12 * total
+    assert all(b.params == b.grads == 2 * total for b in bf16_main)
+    assert rank_bytes(250, total, param_bytes=2).state == 2 * 2 * 250  # bf16 moments
+    assert rank_bytes(250, total, param_bytes=4, main_bytes=4).main == 0  # nothing to widen
+    with pytest.raises(ValueError, match="load <= total"):
+        rank_bytes(1001, total, param_bytes=2)
+    with pytest.raises(ValueError, match="param_bytes"):
+        rank_bytes(1, total, param_bytes=0)

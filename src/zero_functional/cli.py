@@ -26,7 +26,7 @@ from typing import NoReturn
 
 from zero_functional import __version__
 
-__all__ = ["build_parser", "format_bench", "format_plan", "main"]
+__all__ = ["DTYPE_BYTES", "build_parser", "format_bench", "format_memory", "format_plan", "main"]
 
 DEMO_WORLD_SIZES = (2, 8, 64)
 
@@ -170,6 +170,54 @@ def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) ->
     return "\n".join(lines)
 
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of the dtypes ``--dtype`` and ``--main-params`` take."""
+
+
+def format_memory(
+    numels: Sequence[int], world_sizes: Sequence[int], dtype: str, main_params: str | None
+) -> str:
+    """Bytes per rank (the fullest rank) of an AdamW run, per world size and partition.
+
+    Parameters and gradients are in ``dtype`` on every rank; the main copy
+    (``main_params_dtype``, only for parameters narrower than it) and AdamW's two moments
+    (in the main dtype with a main copy, else in ``dtype``) cover the owned elements
+    (:func:`zero_functional.partition.rank_bytes`).
+
+    Example:
+        >>> print(format_memory([6, 3, 3], [2], "bf16", "fp32"))
+        bytes per rank (fullest rank): bf16 parameters and gradients, fp32 main copy, AdamW's 2 fp32 states
+        world  partition          params       grads   main copy       state       total
+            2  sorted-greedy        24 B        24 B        24 B        48 B       120 B
+            2  flat                 24 B        24 B        24 B        48 B       120 B
+    """
+    from zero_functional.partition import flat, rank_bytes, rank_loads, sorted_greedy
+    from zero_functional.train import format_bytes
+
+    param_bytes = DTYPE_BYTES[dtype]
+    main_bytes = DTYPE_BYTES[main_params] if main_params else 0
+    has_main = main_bytes > param_bytes
+    copy = f"{main_params} main copy" if has_main else "no main copy"
+    lines = [
+        f"bytes per rank (fullest rank): {dtype} parameters and gradients, {copy}, "
+        f"AdamW's 2 {main_params if has_main else dtype} states",
+        f"{'world':>5}  {'partition':<13}  "
+        + "  ".join(f"{c:>10}" for c in ("params", "grads", "main copy", "state", "total")),
+    ]
+    total = sum(numels)
+    for w in world_sizes:
+        for label, loads in (
+            ("sorted-greedy", rank_loads(numels, sorted_greedy(numels, w))),
+            ("flat", flat(numels, w).loads),
+        ):
+            b = rank_bytes(max(loads), total, param_bytes=param_bytes, main_bytes=main_bytes)
+            cells = (b.params, b.grads, b.main, b.state, b.total)
+            lines.append(
+                f"{w:>5}  {label:<13}  " + "  ".join(f"{format_bytes(c):>10}" for c in cells)
+            )
+    return "\n".join(lines)
+
+
 def _current_directory_on_path() -> None:
     """Put the current directory first on ``sys.path``, as ``python -m`` does.
 
@@ -194,6 +242,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not shapes:
         return _fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
     print(format_plan(args.model, numels(shapes), args.world_sizes))
+    if args.dtype is not None or args.main_params is not None:
+        print()
+        print(
+            format_memory(numels(shapes), args.world_sizes, args.dtype or "fp32", args.main_params)
+        )
     return 0
 
 
@@ -253,6 +306,24 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
         return None, _fail(
             command,
             "--overlap with --impl torch hangs on gloo (pytorch#62300); drop one of the two",
+        )
+    if args.main_params and args.impl == "torch":
+        return None, _fail(
+            command,
+            "--main-params fp32 needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
+            "keeps no main copy",
+        )
+    if args.main_params and args.dtype == "fp32":
+        return None, _fail(
+            command,
+            "--main-params fp32 with --dtype fp32: fp32 parameters need no main copy; "
+            "pass --dtype bf16",
+        )
+    if args.dtype != "fp32" and (args.checkpoint or args.resume):
+        return None, _fail(
+            command,
+            f"--dtype {args.dtype} with --checkpoint/--resume is not supported yet; "
+            "checkpoint an fp32 run",
         )
     if args.checkpoint is not None:
         parent = Path(args.checkpoint).resolve().parent
@@ -328,6 +399,8 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             bucket_cap_mb=args.bucket_cap_mb,
             partition=args.partition.replace("-", "_"),
             hidden=TrainConfig.hidden if hidden is None else hidden,
+            dtype=args.dtype,
+            main_params=args.main_params,
         )
     except ValueError as e:
         return None, _fail(command, str(e))
@@ -514,6 +587,18 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         help="who owns what: flat (even split, a tensor may straddle ranks; default) or "
         "sorted-greedy (torch's whole tensors)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the model's dtype (fp32); bf16: the reference's Adam state is bf16 too",
+    )
+    p.add_argument(
+        "--main-params",
+        choices=("fp32",),
+        help="with --dtype bf16: ours with main_params_dtype=torch.float32 (fp32 main copies of "
+        "the owned pieces, fp32 state); the reference's Adam on fp32 main weights",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--timeout",
@@ -558,6 +643,18 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=list(DEMO_WORLD_SIZES),
         help=f"world sizes to report (2 8 64; at most {MAX_PLAN_WORLD_SIZE:,})",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=tuple(DTYPE_BYTES),
+        help="parameters' and gradients' dtype (fp32); with it or --main-params, also print "
+        "the bytes per rank of parameters, gradients, main copy and AdamW state",
+    )
+    plan.add_argument(
+        "--main-params",
+        choices=("fp32",),
+        help="an fp32 main copy of the owned pieces of narrower parameters, with fp32 state "
+        "(main_params_dtype=torch.float32; default: none)",
     )
     plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(

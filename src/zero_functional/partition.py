@@ -28,10 +28,12 @@ from zero_functional._validate import (
 __all__ = [
     "BalanceReport",
     "FlatPartition",
+    "RankBytes",
     "Segment",
     "balance_report",
     "flat",
     "owners",
+    "rank_bytes",
     "rank_loads",
     "sorted_greedy",
     "sorted_greedy_groups",
@@ -387,4 +389,60 @@ def balance_report(
         mean_load=sum(loads) / n,
         largest=largest,
         lower_bound=float(max(largest, total / n)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RankBytes:
+    """One rank's training memory in bytes: what every rank holds whole (``params``,
+    ``grads``) and what it holds only for the elements it owns (``main``, ``state``)."""
+
+    params: int
+    grads: int
+    main: int
+    state: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.main + self.state
+
+
+def rank_bytes(
+    load: int, total: int, *, param_bytes: int, main_bytes: int = 0, states: int = 2
+) -> RankBytes:
+    """The bytes of a rank that owns ``load`` of a model's ``total`` elements (ZeRO stage 1).
+
+    Parameters and gradients are whole on every rank, ``param_bytes`` per element. A main
+    copy exists where the main dtype is wider than the parameters' (``main_bytes >
+    param_bytes``; ``main_params_dtype``): ``main_bytes`` per owned element, and the
+    optimizer's ``states`` per-element states (2 for Adam/AdamW) are then in the main dtype;
+    without one they are in the parameters' dtype.
+
+    Raises:
+        ValueError: A negative count, ``load > total``, or a byte size below 1.
+
+    Example:
+        >>> rank_bytes(6, 12, param_bytes=2, main_bytes=4)  # bf16, fp32 main copy, AdamW
+        RankBytes(params=24, grads=24, main=24, state=48)
+        >>> rank_bytes(6, 12, param_bytes=2)  # bf16 alone: bf16 moments
+        RankBytes(params=24, grads=24, main=0, state=24)
+        >>> rank_bytes(6, 12, param_bytes=4, main_bytes=4).total  # fp32 needs no main copy
+        144
+    """
+    if load < 0 or total < load or states < 0:
+        raise ValueError(
+            f"need 0 <= load <= total and states >= 0, got load {load}, total {total}, "
+            f"states {states}"
+        )
+    if param_bytes < 1 or main_bytes < 0:
+        raise ValueError(
+            f"param_bytes must be >= 1 and main_bytes >= 0 (0: no main copy), got "
+            f"{param_bytes} and {main_bytes}"
+        )
+    main = main_bytes if main_bytes > param_bytes else 0
+    return RankBytes(
+        params=param_bytes * total,
+        grads=param_bytes * total,
+        main=main * load,
+        state=states * (main or param_bytes) * load,
     )

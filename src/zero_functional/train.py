@@ -61,6 +61,7 @@ CHECKPOINT_FORMAT = "zero_functional.train/1"
 """The ``format`` key of the checkpoints this job writes; others are refused on resume."""
 
 Impl = Literal["zero_functional", "torch"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a GradScaler
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class TrainConfig:
         bucket_cap_mb: DDP's gradient bucket size; in overlap mode buckets are what ranks own.
         partition: ``"flat"`` (even split; the demo's) or ``"sorted_greedy"`` (torch's whole
             tensors); ignored by ``--impl torch``.
+        dtype: The model's dtype, ``"fp32"`` or ``"bf16"`` (inputs cast to it, loss in fp32).
+        main_params: ``"fp32"``: ours with ``main_params_dtype=torch.float32``, and the
+            reference's Adam on fp32 main weights (bf16 gradients upcast, parameters rounded).
     """
 
     epochs: int = 10
@@ -98,8 +102,15 @@ class TrainConfig:
     progress: bool = True
     bucket_cap_mb: float = 25.0
     partition: str = "flat"
+    dtype: str = "fp32"
+    main_params: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES or self.main_params not in (None, "fp32"):
+            raise ValueError(
+                f"dtype must be one of {', '.join(DTYPES)} and main_params None or 'fp32', got "
+                f"{self.dtype!r} and {self.main_params!r}"
+            )
         if self.epochs < 1 or self.batch_size < 1 or self.hidden < 1:
             raise ValueError(
                 f"epochs, batch_size and hidden must be >= 1, got {self.epochs}, "
@@ -379,14 +390,33 @@ def _load_sharded(path: Path) -> dict[str, Any]:
 
 
 def _state_bytes(opt: Optimizer) -> int:
-    """Bytes of the tensors in this rank's optimizer state (torch's ZeRO keeps them in .optim)."""
+    """Bytes of the tensors in this rank's optimizer state (torch's ZeRO keeps them in .optim;
+    the reference's main weights count, as ours keep them in the state)."""
     local = getattr(opt, "optim", opt)
-    return sum(
+    return sum(int(m.nbytes) for m in getattr(opt, "main", ())) + sum(
         v.numel() * v.element_size()
         for s in local.state.values()
         for v in s.values()
         if isinstance(v, Tensor)
     )
+
+
+class _ThroughMain(torch.optim.Adam):
+    """The reference of ``main_params_dtype``: Adam on fp32 copies of every parameter, the
+    gradients upcast, and the parameters the copies rounded after each step."""
+
+    def __init__(self, params: list[Tensor], **kwargs: Any) -> None:
+        self.params = params
+        self.main = [p.detach().float() for p in params]
+        super().__init__(self.main, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for m, p in zip(self.main, self.params):  # the gradients move, upcast, to the copies
+            m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
+        super().step()
+        for m, p in zip(self.main, self.params):
+            p.copy_(m)
 
 
 @dataclass
@@ -416,9 +446,11 @@ def _train(
     use_zero: bool,
 ) -> _RunResult:
     x_train, y_train, x_test, y_test = load_digits_split()
+    dtype = DTYPES[cfg.dtype]
+    x_train, x_test = x_train.to(dtype), x_test.to(dtype)
     torch.manual_seed(cfg.seed)
     hidden = int(ckpt["args"]["hidden"]) if ckpt is not None else cfg.hidden
-    model = build_model(hidden)
+    model = build_model(hidden).to(dtype)
     sharded = ckpt.get("sharded") if ckpt is not None else None
     if ckpt is not None and sharded is None:
         model.load_state_dict(ckpt["model"])
@@ -439,6 +471,7 @@ def _train(
             partition=check_partition(cfg.partition),
             lr=cfg.lr,
             fused=FUSED,
+            main_params_dtype=torch.float32 if cfg.main_params else None,
         )
         if cfg.overlap:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -448,6 +481,8 @@ def _train(
             # gradients reduced onto their owners only: with step()'s all-gather, DDP's bytes
             ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
         opt = zero
+    elif cfg.main_params:
+        opt = _ThroughMain(list(ddp.parameters()), lr=cfg.lr, fused=FUSED)
     else:
         opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr, fused=FUSED)
     if sharded is not None:
@@ -474,7 +509,7 @@ def _train(
                 idx = rank_slice(batch, rank, world_size)
                 t0 = time.perf_counter()
                 out = ddp(x_train[idx])
-                loss = nn.functional.cross_entropy(out, y_train[idx], reduction="sum")
+                loss = nn.functional.cross_entropy(out.float(), y_train[idx], reduction="sum")
                 torch.autograd.backward(loss * (world_size / len(batch)))
                 if not (use_zero and cfg.overlap):
                     opt.step()
@@ -581,6 +616,8 @@ def _summary(
         else "torch.distributed.optim"
     )
     mode = "overlap_with_ddp" if cfg.overlap else "step after backward"
+    if cfg.dtype != "fp32":
+        mode += f", {cfg.dtype} model" + (", fp32 main params" if cfg.main_params else "")
     lines = [
         f"ZeroRedundancyOptimizer ({impl}, {mode}) over Adam, {world_size} rank(s), "
         f"epochs up to {cfg.epochs}",
@@ -603,7 +640,8 @@ def _summary(
     else:
         diff = max(row["max_diff"] for row in rows)
         verdict = parity_verdict(diff, world_size, cfg.impl == "zero_functional")
-        lines.append(f"parity with plain DDP + torch.optim.Adam (seed {cfg.seed}): {verdict}")
+        on = " on fp32 main weights" if cfg.main_params else ""
+        lines.append(f"parity with plain DDP + torch.optim.Adam{on} (seed {cfg.seed}): {verdict}")
     if cfg.resume is not None:
         lines.append(f"resumed from: {cfg.resume}")
     if cfg.checkpoint is not None:
