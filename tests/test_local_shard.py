@@ -210,3 +210,21 @@ def test_functional_stepper_puts_step_in_float32_on_the_parameters_device() -> N
     assert state[params[0]]["step"].dtype == torch.float32
     assert state[params[0]]["exp_avg"].dtype == torch.float64
     assert groups[0]["lr"] == 0.2
+
+
+def test_low_precision_pieces_step_through_float32_main_copies_kept_in_their_state() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6).to(torch.bfloat16))]
+    ref = params[0].detach().float().clone()
+    groups: list[dict[str, Any]] = [{"params": params, "lr": 1e-3, "momentum": 0.0}]
+    state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+    stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)  # type: ignore[arg-type]
+    shard = LocalShard(flat_ownership([6], 2), 1, groups, state, stepper, "SGD", torch.float32)
+    assert shard.main_params()[params[0]].dtype == torch.float32  # before any step: upcast
+    grad = torch.ones(3, dtype=torch.bfloat16)
+    for _ in range(3):
+        shard.update({0: grad})
+    main = shard.main_params()[params[0]]
+    torch.testing.assert_close(main, ref[3:] - 3e-3)
+    assert torch.equal(params[0].detach()[3:], main.to(torch.bfloat16))
+    assert torch.equal(params[0].detach()[:3], ref[:3].to(torch.bfloat16))  # rank 0's, untouched

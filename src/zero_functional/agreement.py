@@ -10,7 +10,7 @@ ranks, is then the same error on every rank
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch.optim import Optimizer
 
@@ -22,6 +22,8 @@ from zero_functional.checks import (
     fingerprint,
     param_tensors,
 )
+from zero_functional.functional import update_kind
+from zero_functional.main_params import check_main_params_dtype
 
 __all__ = ["agree", "agreed_inputs"]
 
@@ -72,11 +74,12 @@ def agreed_inputs(
     overlap_with_ddp: bool,
     defaults: Mapping[str, Any],
     timeout: float | None = None,
+    main_params_dtype: object = None,
 ) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
     """``ZeroRedundancyOptimizer``'s arguments, checked on every rank; collective.
 
-    :func:`~zero_functional.checks.check_inputs`, then that every parameter is on a device the
-    group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
+    :func:`~zero_functional.checks.check_inputs` and ``main_params_dtype``'s, then that every
+    parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
     the arguments' own error comes first, else the missing group's.
 
     Returns:
@@ -93,6 +96,12 @@ def agreed_inputs(
     checked: tuple[list[Any], Optimizer] | None = None
     try:
         checked = check_inputs(params, optimizer_class, partition, overlap_with_ddp, dict(defaults))
+        if check_main_params_dtype(main_params_dtype) is not None:
+            if update_kind(cast(type, optimizer_class)) != "elementwise":
+                raise ValueError(
+                    f"main_params_dtype needs an elementwise optimizer; "
+                    f"{cast(type, optimizer_class).__name__} couples its parameters"
+                )
     except CHECK_ERRORS as e:
         problem = e
     try:

@@ -10,6 +10,7 @@ dicts are the shell's own mapping, read and written in place.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_functional.checks import check_unfrozen
+from zero_functional.main_params import MAIN_KEY, main_dtype_for, step_through_main_
 from zero_functional.ownership import Ownership, Transfer, piece_view
 from zero_functional.partition import Segment
 from zero_functional.plans import ReshardPlan
@@ -40,6 +42,8 @@ from zero_functional.steppers import (
 
 __all__ = ["LocalShard"]
 
+logger = logging.getLogger(__name__)
+
 PieceStates = dict[int, dict[Transfer, dict[str, Any]]]
 
 
@@ -54,6 +58,8 @@ class LocalShard:
             shared, changed in place.
         stepper: What updates the pieces (:func:`~zero_functional.steppers.choose_stepper`).
         name: The optimizer class's name, for messages.
+        main_params_dtype: Update low-precision parameters through main copies of this dtype
+            (:mod:`zero_functional.main_params`), or ``None``.
 
     Example:
         >>> import torch
@@ -80,6 +86,7 @@ class LocalShard:
         state: MutableMapping[Tensor, Any],
         stepper: Stepper | RealStepper,
         name: str,
+        main_params_dtype: torch.dtype | None = None,
     ) -> None:
         self.ownership = ownership
         self.rank = rank
@@ -87,6 +94,7 @@ class LocalShard:
         self.state = state
         self.stepper = stepper
         self.name = name
+        self.main_params_dtype = main_params_dtype
         self.pieces: dict[int, Segment] = {s.param: s for s in ownership.owned(rank)}
         self.trainable = [p.requires_grad for p in self.params()]
         self._built_trainable = list(self.trainable)
@@ -141,19 +149,20 @@ class LocalShard:
         """
         stepper = self.pieces_stepper()
         params, group_of = self.params(), self.group_of()
-        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]] = {}
+        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
         for k, grad in grads.items():
             seg = self.piece(k, "gradients")
             if grad.is_sparse:
                 raise RuntimeError(f"{self.name} does not support sparse gradients")
             p = params[k]
             view = piece_view(p, seg)
-            ps, gs, ss = by_group.setdefault(group_of[k], ([], [], []))
+            ps, gs, ss, ds = by_group.setdefault(group_of[k], ([], [], [], []))
             ps.append(view)
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
-        for g, (ps, gs, ss) in sorted(by_group.items()):
-            stepper.step_pieces(self.param_groups[g], ps, gs, ss)
+            ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
+        for g, (ps, gs, ss, ds) in sorted(by_group.items()):
+            step_through_main_(stepper.step_pieces, self.param_groups[g], ps, gs, ss, ds)
 
     def local_step(
         self, closure: Callable[[], float] | None, **kwargs: Any
@@ -207,13 +216,38 @@ class LocalShard:
         return {k: ((s.start, s.stop), to_cpu(v)) for k, (s, v) in self.shard_state().items()}
 
     def cut(self, state: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, object]]:
-        """The states of this rank's pieces, from whole parameters' states (global index)."""
+        """The states of this rank's pieces, from whole parameters' states (global index); one
+        warning where a parameter that needs a main copy has state without one."""
         params = self.params()
-        return {
+        pieces = {
             k: slice_state(v, (0, params[k].numel()), (self.pieces[k].start, self.pieces[k].stop))
             for k, v in state.items()
             if k in self.pieces
         }
+        if any(
+            v and MAIN_KEY not in v and main_dtype_for(params[k].dtype, self.main_params_dtype)
+            for k, v in pieces.items()
+        ):
+            logger.warning(
+                "the loaded state has no %r for some low-precision parameters: their main "
+                "copies start from the parameters' values (rounded to their dtype)",
+                MAIN_KEY,
+            )
+        return pieces
+
+    def main_params(self) -> dict[Tensor, Tensor]:
+        """This rank's main copies, keyed by parameter: views of the optimizer's own (a piece
+        not stepped yet: its parameter's values upcast, a new tensor); parameters that need
+        no copy are absent."""
+        params = self.params()
+        out: dict[Tensor, Tensor] = {}
+        for k, seg in sorted(self.pieces.items()):
+            p = params[k]
+            dtype = main_dtype_for(p.dtype, self.main_params_dtype)
+            if dtype is not None:
+                main = self.state.get(p, {}).get(MAIN_KEY)
+                out[p] = main.detach() if main is not None else piece_view(p, seg).to(dtype)
+        return out
 
     def check(
         self,
@@ -240,7 +274,11 @@ class LocalShard:
         fp32_step = isinstance(self.stepper, FunctionalStepper) or bool(
             group.get("fused") or group.get("capturable")
         )
-        return {key: placed(key, v, p, fp32_step=fp32_step, copy=copy) for key, v in value.items()}
+        dtype = main_dtype_for(p.dtype, self.main_params_dtype)
+        return {
+            key: placed(key, v, p, fp32_step=fp32_step, copy=copy, dtype=dtype)
+            for key, v in value.items()
+        }
 
     def install(
         self,
