@@ -34,10 +34,7 @@ PURE = {
 MAX_MODULE, MAX_CLASS = 700, 400
 # A ratchet while the restructure (issue 21) is under way: these may not grow past their size
 # when the ratchet was set; remove an entry once it is within the budget.
-OVER_BUDGET = {
-    "src/zero_functional/optimizer.py": 818,
-    "class ZeroRedundancyOptimizer": 719,
-}
+OVER_BUDGET: dict[str, int] = {}
 
 
 def _files(*dirs: str) -> list[Path]:

@@ -23,6 +23,7 @@ __all__ = [
     "check_devices",
     "check_hyperparameter_types",
     "check_inputs",
+    "check_new_group",
     "check_unfrozen",
     "check_params",
     "check_update_kind",
@@ -370,3 +371,20 @@ def check_inputs(
     if name == "flat":
         check_splittable(param_tensors(items))
     return items, optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)
+
+
+def check_new_group(param_group: object, backend: str, partition: str) -> None:
+    """The local checks of a group given to ``add_param_group``: its parameters, their devices
+    for ``backend``, and under ``"flat"`` that they can be split.
+
+    Example:
+        >>> check_new_group({"params": [torch.zeros(2)]}, "gloo", "flat")
+        >>> check_new_group({"params": [torch.zeros(2, device="meta")]}, "gloo", "flat")
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter 0 is on the meta device (it has no data)...
+    """
+    check_params([param_group])
+    check_devices(param_tensors([param_group]), backend)
+    if partition == "flat":
+        check_splittable(param_tensors([param_group]))

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from zero_functional.functional import group_indices
 
-__all__ = ["clip_", "norm_dtype", "pieces_norm"]
+__all__ = ["clip_", "local_norm", "norm_dtype", "pieces_norm", "total_norm"]
 
 
 def norm_dtype(grads: Sequence[Tensor]) -> torch.dtype:
@@ -48,6 +48,46 @@ def pieces_norm(
             return torch.zeros((), device=device, dtype=dtype)
         total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type).to(dtype)
         return total
+
+
+def local_norm(
+    grads: Sequence[Tensor], pieces: Sequence[Tensor], norm_type: float, device: torch.device
+) -> Tensor:
+    """This rank's share of the total: the norm of the gradient ``pieces`` it owns, in the dtype
+    :func:`norm_dtype` gives all ``grads``, on their device (``device`` when there are none).
+
+    Raises:
+        ValueError: ``norm_type`` is not positive.
+
+    Example:
+        >>> g = torch.tensor([3.0, 4.0, 12.0])
+        >>> local_norm([g], [g[:2]], 2.0, torch.device("cpu"))
+        tensor(5.)
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    at = grads[0].device if grads else device
+    return pieces_norm(pieces, norm_type, at, norm_dtype(grads))
+
+
+def total_norm(rank_norms: Tensor, norm_type: float, error_if_nonfinite: bool = False) -> Tensor:
+    """The norm of the ranks' norms, as torch totals tensors' norms.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the total is nan or inf.
+
+    Example:
+        >>> total_norm(torch.tensor([3.0, 4.0]), 2.0)
+        tensor(5.)
+    """
+    total: Tensor = torch.linalg.vector_norm(rank_norms, float(norm_type))
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {float(norm_type)} of the gradients is non-finite, so it "
+            "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+        )
+    return total
 
 
 def clip_(grads: Sequence[Tensor], total: Tensor, max_norm: float) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "merge_shards",
     "not_consolidated_message",
     "placed",
+    "rank_state_dict",
     "slice_state",
     "to_cpu",
     "validated_state",
@@ -498,6 +499,54 @@ def not_consolidated_message(rank: int) -> str:
             "use zero_functional.checkpoint.stateful(model, optimizer)."
         )
     return message
+
+
+def rank_state_dict(
+    param_groups: Sequence[Mapping[str, Any]],
+    shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]],
+    *,
+    updates: int,
+    consolidated_at: int | None,
+    rank: int,
+) -> dict[str, Any]:
+    """What ``ZeroRedundancyOptimizer.state_dict()`` returns on ``rank`` (pure).
+
+    Args:
+        param_groups: The optimizer's groups.
+        shards: Every rank's shard as the last consolidation onto this rank gathered them (see
+            :func:`merge_shards`); empty where none was gathered here.
+        updates: How often this rank's state has changed (steps and loads).
+        consolidated_at: ``updates`` at the last consolidation (``None``: none ran).
+        rank: This rank, for the message.
+
+    Raises:
+        RuntimeError: The state changed since the last consolidation (or none ran).
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
+        >>> rank_state_dict(groups, [], updates=0, consolidated_at=None, rank=0)
+        {'state': {}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
+        >>> shard = {0: ((0, 2), {"momentum_buffer": torch.ones(2)})}
+        >>> rank_state_dict(groups, [shard], updates=1, consolidated_at=1, rank=0)["state"]
+        {0: {'momentum_buffer': tensor([1., 1.])}}
+    """
+    starts = prefix_sums([len(g["params"]) for g in param_groups])
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": list(range(a, a + len(g["params"]))),
+        }
+        for g, a in zip(param_groups, starts)
+    ]
+    if updates == 0 and not shards:
+        return {"state": {}, "param_groups": groups}
+    if consolidated_at != updates:
+        raise RuntimeError(not_consolidated_message(rank))
+    if not shards:
+        return {"state": {}, "param_groups": groups, PARTIAL_KEY: True}
+    shapes = [tuple(p.shape) for g in param_groups for p in g["params"]]
+    return {"state": merge_shards(shards, shapes), "param_groups": groups}
 
 
 def check_shard_state(

@@ -25,7 +25,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from zero_functional.functional import FunctionalSpec, choose_update, group_hyperparams
+from zero_functional.functional import (
+    FunctionalSpec,
+    choose_update,
+    group_hyperparams,
+    update_kind,
+)
 from zero_functional.state_dict import is_elementwise
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "choose_stepper",
     "probe_state",
     "state_schema",
+    "state_schemas",
 ]
 
 StateDicts = list[dict[str, Any]]
@@ -238,6 +244,25 @@ def state_schema(
     if state is None:
         return None
     return {key: "elementwise" if is_elementwise(v, 2) else "scalar" for key, v in state.items()}
+
+
+def state_schemas(
+    optimizer_class: type[Optimizer],
+    groups: Sequence[Mapping[str, Any]],
+    defaults: Mapping[str, Any],
+) -> list[dict[str, str] | None]:
+    """Per group, :func:`state_schema` where ``optimizer_class`` is elementwise, else ``None``
+    (no per-element state to check a loaded one against).
+
+    Example:
+        >>> state_schemas(torch.optim.SGD, [{"lr": 0.1, "momentum": 0.9}], {})
+        [{'momentum_buffer': 'elementwise'}]
+        >>> state_schemas(torch.optim.LBFGS, [{"lr": 1.0}], {})
+        [None]
+    """
+    if update_kind(optimizer_class) != "elementwise":
+        return [None for _ in groups]
+    return [state_schema(optimizer_class, g, defaults) for g in groups]
 
 
 class LocalView:

@@ -1,0 +1,122 @@
+"""Verdicts every rank shares: local checks, then one small gather of objects.
+
+A check that fails on one rank only would leave the others waiting in its next collective. So
+each rank checks locally, and the ranks exchange their verdicts (or, where all passed, a
+fingerprint of their parameters): a problem on any rank, or parameters that differ between
+ranks, is then the same error on every rank
+(:func:`~zero_functional.checks.agreement_verdict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+from torch.optim import Optimizer
+
+from zero_functional import comm
+from zero_functional.checks import (
+    agreement_verdict,
+    check_devices,
+    check_inputs,
+    fingerprint,
+    param_tensors,
+)
+from zero_functional.functional import update_kind
+from zero_functional.main_params import check_main_params_dtype
+
+__all__ = ["agree", "agreed_inputs"]
+
+CHECK_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, RuntimeError)
+"""What a failed local check raises; anything else is a bug, raised where it happens."""
+
+
+def agree(
+    call: str,
+    check: Callable[[], object],
+    items: Sequence[Any],
+    group: comm.ProcessGroup,
+    timeout: float | None = None,
+    errors: tuple[type[Exception], ...] = CHECK_ERRORS,
+) -> None:
+    """Run ``check`` here, then raise the same error on every rank if it failed on any rank
+    (with one of ``errors``) or the ranks' ``items`` (parameters or groups) differ; collective.
+
+    Example:
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> agree("example()", lambda: None, [torch.zeros(2)], dist.group.WORLD)
+        >>> agree("example()", lambda: int("x"), [], dist.group.WORLD)
+        Traceback (most recent call last):
+        ...
+        ValueError: invalid literal for int() with base 10: 'x'
+        >>> dist.destroy_process_group()
+    """
+    problem: Exception | None = None
+    try:
+        check()
+    except errors as e:
+        problem = e
+    mine = (type(problem).__name__, str(problem)) if problem is not None else fingerprint(items)
+    with comm.call(call, group, timeout=timeout):
+        everyone = comm.all_gather_objects(mine, group)
+    error = agreement_verdict(call, problem, everyone)
+    if error is not None:
+        raise error
+
+
+def agreed_inputs(
+    params: object,
+    optimizer_class: object,
+    process_group: comm.ProcessGroup | None,
+    partition: object,
+    overlap_with_ddp: bool,
+    defaults: Mapping[str, Any],
+    timeout: float | None = None,
+    main_params_dtype: object = None,
+) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
+    """``ZeroRedundancyOptimizer``'s arguments, checked on every rank; collective.
+
+    :func:`~zero_functional.checks.check_inputs` and ``main_params_dtype``'s, then that every
+    parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
+    the arguments' own error comes first, else the missing group's.
+
+    Returns:
+        The process group, the parameters (or groups) as a list, and the probe instance.
+
+    Example:
+        >>> import torch
+        >>> agreed_inputs([], torch.optim.SGD, None, "flat", False, {"lr": 0.1})
+        Traceback (most recent call last):
+        ...
+        ValueError: ZeroRedundancyOptimizer got an empty parameter list
+    """
+    problem: Exception | None = None
+    checked: tuple[list[Any], Optimizer] | None = None
+    try:
+        checked = check_inputs(params, optimizer_class, partition, overlap_with_ddp, dict(defaults))
+        if check_main_params_dtype(main_params_dtype) is not None:
+            if update_kind(cast(type, optimizer_class)) != "elementwise":
+                raise ValueError(
+                    f"main_params_dtype needs an elementwise optimizer; "
+                    f"{cast(type, optimizer_class).__name__} couples its parameters"
+                )
+    except CHECK_ERRORS as e:
+        problem = e
+    try:
+        group = comm.default_group(process_group)
+    except RuntimeError:
+        if problem is not None:
+            raise problem from None
+        raise
+    items, backend = (checked[0] if checked is not None else []), comm.backend(group)
+
+    def check() -> None:
+        if problem is not None:
+            raise problem
+        check_devices(param_tensors(items), backend)
+
+    agree("ZeroRedundancyOptimizer()", check, items, group, timeout=timeout)
+    assert checked is not None  # agree raised otherwise
+    return group, items, checked[1]

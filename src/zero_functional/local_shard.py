@@ -1,0 +1,344 @@
+"""This rank's shard: the pieces it owns, their gradients, their state and their update.
+
+:class:`LocalShard` answers everything :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer`
+asks about its own rank under one :class:`~zero_functional.ownership.Ownership`: which piece of a
+parameter it owns, the gradients of its pieces, one step over them, their state in and out
+(state dicts, sharded checkpoints, resharding) and which parameters train. It issues no
+collective (the shell runs those around it), so it works without a process group. The state
+dicts are the shell's own mapping, read and written in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from zero_functional.amp import unscaled
+from zero_functional.checks import check_unfrozen
+from zero_functional.main_params import MAIN_KEY, main_dtype_for, step_through_main_
+from zero_functional.ownership import Ownership, Transfer, piece_view
+from zero_functional.partition import Segment
+from zero_functional.plans import ReshardPlan
+from zero_functional.state_dict import (
+    Range,
+    StateSchema,
+    check_shard_state,
+    join_states,
+    placed,
+    slice_state,
+    to_cpu,
+)
+from zero_functional.steppers import (
+    FunctionalStepper,
+    LocalView,
+    RealStepper,
+    Stepper,
+    hyperparameters,
+)
+
+__all__ = ["LocalShard"]
+
+logger = logging.getLogger(__name__)
+
+PieceStates = dict[int, dict[Transfer, dict[str, Any]]]
+
+
+class LocalShard:
+    """This rank's pieces under ``ownership`` and their state.
+
+    Args:
+        ownership: Which rank owns which pieces of which parameters.
+        rank: This rank.
+        param_groups: The optimizer's groups (read at each call, so edits apply).
+        state: The optimizer's state (parameter -> state dict, a ``defaultdict(dict)``),
+            shared, changed in place.
+        stepper: What updates the pieces (:func:`~zero_functional.steppers.choose_stepper`).
+        name: The optimizer class's name, for messages.
+        main_params_dtype: Update low-precision parameters through main copies of this dtype
+            (:mod:`zero_functional.main_params`), or ``None``.
+
+    Example:
+        >>> import torch
+        >>> from collections import defaultdict
+        >>> from zero_functional.functional import functional_spec
+        >>> from zero_functional.ownership import flat_ownership
+        >>> w = torch.nn.Parameter(torch.ones(4))
+        >>> groups = torch.optim.SGD([w], lr=0.5).param_groups
+        >>> stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)
+        >>> state = defaultdict(dict)  # as ``Optimizer.state``
+        >>> shard = LocalShard(flat_ownership([4], 2), 1, groups, state, stepper, "SGD")
+        >>> shard.pieces
+        {0: Segment(param=0, start=2, stop=4)}
+        >>> shard.update({0: torch.ones(2)})
+        >>> w.tolist()
+        [1.0, 1.0, 0.5, 0.5]
+    """
+
+    def __init__(
+        self,
+        ownership: Ownership,
+        rank: int,
+        param_groups: list[dict[str, Any]],
+        state: MutableMapping[Tensor, Any],
+        stepper: Stepper | RealStepper,
+        name: str,
+        main_params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.ownership = ownership
+        self.rank = rank
+        self.param_groups = param_groups
+        self.state = state
+        self.stepper = stepper
+        self.name = name
+        self.main_params_dtype = main_params_dtype
+        self.pieces: dict[int, Segment] = {s.param: s for s in ownership.owned(rank)}
+        self.trainable = [p.requires_grad for p in self.params()]
+        self._built_trainable = list(self.trainable)
+
+    def params(self) -> list[Tensor]:
+        """Every parameter, in global index order."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def group_of(self) -> list[int]:
+        """Each parameter's group, by global index."""
+        return [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
+
+    def piece(self, k: Hashable, what: str) -> Segment:
+        """The piece of parameter ``k`` this rank owns.
+
+        Raises:
+            ValueError: This rank owns none; the message names ``what`` was given for it.
+        """
+        seg = self.pieces.get(k) if isinstance(k, int) else None
+        if seg is None:
+            raise ValueError(
+                f"{what} for parameter {k!r}, of which rank {self.rank} owns no piece: pass "
+                f"the {what} of the pieces ownership.owned(rank) lists"
+            )
+        return seg
+
+    def grads(self) -> dict[int, Tensor]:
+        """Global index -> the gradient of this rank's piece, where the parameter has one."""
+        params = self.params()
+        return {
+            k: piece_view(grad, seg)
+            for k, seg in self.pieces.items()
+            if (grad := params[k].grad) is not None
+        }
+
+    def pieces_stepper(self) -> Stepper:
+        """The stepper, which runs on pieces; a RuntimeError where it is a
+        :class:`~zero_functional.steppers.RealStepper` (whole parameters, ``step()`` only)."""
+        if isinstance(self.stepper, RealStepper):
+            raise RuntimeError(
+                "update_owned needs an optimizer that runs on pieces; this one runs "
+                f"{self.name} over whole parameters: call step()"
+            )
+        return self.stepper
+
+    def update(self, grads: Mapping[int, Tensor]) -> None:
+        """Step this rank's pieces of the parameters in ``grads``, one stepper call per group.
+
+        Raises:
+            ValueError: This rank owns no piece of a parameter in ``grads``.
+            RuntimeError: A sparse gradient, or a stepper that runs on whole parameters.
+        """
+        stepper = self.pieces_stepper()
+        params, group_of = self.params(), self.group_of()
+        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
+        for k, grad in grads.items():
+            seg = self.piece(k, "gradients")
+            if grad.is_sparse:
+                raise RuntimeError(f"{self.name} does not support sparse gradients")
+            p = params[k]
+            view = piece_view(p, seg)
+            ps, gs, ss, ds = by_group.setdefault(group_of[k], ([], [], [], []))
+            ps.append(view)
+            gs.append(grad.view_as(view))
+            ss.append(self.state[p])
+            ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
+        for g, (ps, gs, ss, ds) in sorted(by_group.items()):
+            step_through_main_(stepper.step_pieces, self.param_groups[g], ps, gs, ss, ds)
+
+    def local_step(
+        self,
+        closure: Callable[[], float] | None,
+        grad_scale: Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[float | None, dict[int, Tensor] | None]:
+        """This rank's part of ``step()`` before the parameter sync, and the closure's loss.
+
+        A :class:`~zero_functional.steppers.RealStepper` steps its whole parameters now
+        (``closure`` and ``kwargs`` reach the class's ``step``) and no gradients come back;
+        otherwise the closure runs and the gradients of the pieces come back, for the sync to
+        :meth:`update` in its order: divided by ``grad_scale`` (a GradScaler's, handed to an
+        optimizer with main copies) in each piece's main dtype, where fp16 would underflow.
+        """
+        if isinstance(self.stepper, RealStepper):
+            return self.stepper.step(self.param_groups, closure, **kwargs), None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self.grads()
+        if grad_scale is not None:
+            params = self.params()
+            dtypes = {k: main_dtype_for(params[k].dtype, self.main_params_dtype) for k in grads}
+            grads = unscaled(grads, dtypes, grad_scale)
+        return loss, grads
+
+    def check_trainable(self) -> bool:
+        """Whether any ``requires_grad`` changed since this shard was built (freezing is
+        followed; unfreezing a parameter built frozen raises, naming it)."""
+        trainable = [p.requires_grad for p in self.params()]
+        if trainable == self.trainable:
+            return False
+        check_unfrozen(self._built_trainable, trainable, [p.shape for p in self.params()])
+        self.trainable = trainable
+        return True
+
+    def local_view(self) -> Optimizer | LocalView:
+        """This rank's share as a local optimizer shows it (torch's ``optim`` attribute)."""
+        if isinstance(self.stepper, RealStepper):
+            return self.stepper.local
+        return LocalView.of(self.param_groups, self.pieces, self.state)
+
+    # ------------------------------------------------------------------ state in and out
+
+    def shard_state(self) -> dict[int, tuple[Segment, dict[str, Any]]]:
+        """Global index -> (this rank's piece, its state: the optimizer's own tensors), for
+        each parameter this rank owns a piece of and has state for."""
+        params = self.params()
+        return {
+            k: (seg, self.state[params[k]])
+            for k, seg in sorted(self.pieces.items())
+            if self.state.get(params[k])
+        }
+
+    def cpu_shard(self) -> dict[int, tuple[Range, dict[str, object]]]:
+        """:meth:`shard_state` with ranges for pieces and CPU copies for tensors: what travels
+        to a consolidating rank (:func:`~zero_functional.state_dict.merge_shards` joins them)."""
+        return {k: ((s.start, s.stop), to_cpu(v)) for k, (s, v) in self.shard_state().items()}
+
+    def cut(self, state: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, object]]:
+        """The states of this rank's pieces, from whole parameters' states (global index); one
+        warning where a parameter that needs a main copy has state without one."""
+        params = self.params()
+        pieces = {
+            k: slice_state(v, (0, params[k].numel()), (self.pieces[k].start, self.pieces[k].stop))
+            for k, v in state.items()
+            if k in self.pieces
+        }
+        self.warn_without_main(pieces)
+        return pieces
+
+    def warn_without_main(self, pieces: Mapping[int, Mapping[str, Any]]) -> None:
+        """One warning where a piece that needs a main copy has loaded state without one."""
+        params = self.params()
+        if any(
+            v and MAIN_KEY not in v and main_dtype_for(params[k].dtype, self.main_params_dtype)
+            for k, v in pieces.items()
+        ):
+            logger.warning(
+                "the loaded state has no %r for some low-precision parameters: their main "
+                "copies start from the parameters' values (rounded to their dtype)",
+                MAIN_KEY,
+            )
+
+    def main_params(self) -> dict[Tensor, Tensor]:
+        """This rank's main copies, keyed by parameter: views of the optimizer's own (a piece
+        not stepped yet: its parameter's values upcast, a new tensor); parameters that need
+        no copy are absent."""
+        params = self.params()
+        out: dict[Tensor, Tensor] = {}
+        for k, seg in sorted(self.pieces.items()):
+            p = params[k]
+            dtype = main_dtype_for(p.dtype, self.main_params_dtype)
+            if dtype is not None:
+                main = self.state.get(p, {}).get(MAIN_KEY)
+                out[p] = main.detach() if main is not None else piece_view(p, seg).to(dtype)
+        return out
+
+    def check(
+        self,
+        state: Mapping[int, Mapping[str, Any]],
+        saved_groups: Sequence[Mapping[str, Any]],
+        schemas: Sequence[StateSchema | None],
+    ) -> None:
+        """Raise unless ``state`` (global index -> a piece's state) fits this rank's pieces and
+        ``saved_groups`` the groups (:func:`~zero_functional.state_dict.check_shard_state`);
+        ``schemas`` per group."""
+        params, group_of = self.params(), self.group_of()
+        check_shard_state(
+            state,
+            saved_groups,
+            self.param_groups,
+            {k: (self.piece(k, "state"), params[k]) for k in state},
+            [schemas[group_of[k]] for k in range(len(params))],
+        )
+
+    def _placed(
+        self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, object], copy: bool
+    ) -> dict[str, object]:
+        """``p``'s state with each value where it lives (:func:`~.state_dict.placed`)."""
+        fp32_step = isinstance(self.stepper, FunctionalStepper) or bool(
+            group.get("fused") or group.get("capturable")
+        )
+        dtype = main_dtype_for(p.dtype, self.main_params_dtype)
+        return {
+            key: placed(key, v, p, fp32_step=fp32_step, copy=copy, dtype=dtype)
+            for key, v in value.items()
+        }
+
+    def install(
+        self,
+        pieces: Mapping[int, Mapping[str, Any]],
+        saved_groups: Sequence[Mapping[str, Any]],
+        *,
+        copy: bool,
+    ) -> None:
+        """Replace this rank's state by ``pieces`` (checked already) and the groups'
+        hyperparameters by ``saved_groups``'."""
+        params, group_of = self.params(), self.group_of()
+        new = {
+            params[k]: self._placed(params[k], self.param_groups[group_of[k]], value, copy)
+            for k, value in pieces.items()
+        }
+        for g, s in zip(self.param_groups, saved_groups):
+            g.update(hyperparameters(s))
+        self.state.clear()  # in place: a RealStepper's instance shares this mapping
+        self.state.update(new)
+
+    def outgoing(self, plan: ReshardPlan, old: Ownership) -> PieceStates:
+        """Per destination rank, the state of each stretch ``plan`` sends, this rank's state
+        being held as ``old`` says (this rank's own entry: what it keeps)."""
+        params = self.params()
+        parts: PieceStates = {}
+        for t in plan.sends:
+            held, state = old.piece(self.rank, t.param), self.state.get(params[t.param])
+            if held is not None and state:
+                part = slice_state(state, (held.start, held.stop), (t.start, t.stop))
+                parts.setdefault(t.dst, {})[t] = part
+        return parts
+
+    def incoming(
+        self, plan: ReshardPlan, new: Ownership, arrived: Mapping[Transfer, dict[str, Any]]
+    ) -> None:
+        """Replace the state of every piece ``plan`` says this rank held by the states of its
+        pieces under ``new``, joined from the stretches that ``arrived`` (or were kept)."""
+        params, group_of = self.params(), self.group_of()
+        for k in plan.held:
+            self.state.pop(params[k], None)
+        for k, moves in plan.receives.items():
+            parts = [((t.start, t.stop), arrived[t]) for t in moves if t in arrived]
+            seg, p = new.piece(self.rank, k), params[k]
+            if not parts or seg is None:
+                continue
+            whole = seg.start == 0 and seg.stop == p.numel()
+            joined = join_states(parts, tuple(p.shape) if whole else None)
+            self.state[p] = self._placed(p, self.param_groups[group_of[k]], joined, copy=False)
