@@ -205,7 +205,26 @@ def save(
             if isinstance(t, Tensor) and t not in in_optimizer:
                 flat = t.detach().reshape(-1)
                 pieces[f"model.{name}"] = (tuple(t.shape), t.dtype, [(0, t.numel(), flat)])
-    save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
+    replicate = (
+        optimizer.replicate_group if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    )
+    if replicate is None:
+        save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
+        return
+    # hybrid sharding: the first replica writes each element once; the others wait for its
+    # verdict, so that every rank returns (or raises) when the checkpoint is committed
+    failure: CheckpointError | None = None
+    if comm.group_rank(replicate) == 0:
+        try:
+            save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
+        except CheckpointError as e:
+            failure = e
+    with comm.call("checkpoint.save()", replicate):
+        verdict = comm.broadcast_object(None if failure is None else str(failure), replicate)
+    if failure is not None:
+        raise failure
+    if verdict is not None:
+        raise CheckpointError(str(verdict))
 
 
 def _spans(optimizer: Optimizer) -> list[tuple[int, int]]:

@@ -98,12 +98,21 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
             f"{len(missing)} trainable parameters of the DDP module are not in the "
             "ZeroRedundancyOptimizer: build it from ddp.parameters()"
         )
-    ddp_group = getattr(ddp, "process_group", None) or zero.process_group
-    if comm.group_size(ddp_group) != zero.world_size:
+    replicas = comm.group_size(zero.replicate_group) if zero.replicate_group else 1
+    if comm.group_size(_ddp_group(ddp, zero)) != zero.world_size * replicas:
         raise ValueError(
-            f"the DDP module runs on {comm.group_size(ddp_group)} ranks but the "
-            f"ZeroRedundancyOptimizer on {zero.world_size}: give both the same process group"
+            f"the DDP module runs on {comm.group_size(_ddp_group(ddp, zero))} ranks but the "
+            f"ZeroRedundancyOptimizer on {zero.world_size * replicas}: give both the same "
+            "process group, or, to shard within groups of ranks and replicate across them, "
+            'build the optimizer with device_mesh=init_device_mesh(..., mesh_dim_names=("'
+            'replicate", "shard"))'
         )
+
+
+def _ddp_group(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> comm.ProcessGroup:
+    """The group DDP averages gradients over (its own, else the default group)."""
+    group = getattr(ddp, "process_group", None)
+    return group if group is not None else comm.default_group(None)
 
 
 def _with_annotations(fn: Hook) -> Hook:
@@ -172,6 +181,7 @@ def _make_hook(
         grad_scaler,
         find_unused=bool(getattr(ddp, "find_unused_parameters", False)),
         reduce_dtype=reduce_dtype,
+        world_group=_ddp_group(ddp, zero),
     )
     _STATES[zero] = overlap
 
@@ -346,7 +356,8 @@ def reduce_scatter_hook(
     _check_ddp(ddp, zero)
     params = [p for g in zero.param_groups for p in g["params"]]
     index = {p: i for i, p in enumerate(params)}
-    world = zero.world_size
+    world, total = zero.world_size, comm.group_size(_ddp_group(ddp, zero))
+    replicate = zero.replicate_group
     even = choose_collectives(comm.backend(zero.process_group), world, even=True) == (
         "reduce_scatter+all_gather"
     )
@@ -364,16 +375,20 @@ def reduce_scatter_hook(
 
     def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         flat = bucket.buffer()
-        if world == 1:
+        if total == 1:
             done: Future[Tensor] = Future()
             done.set_result(flat)
             return done
         indices = bucket_indices(index, bucket)
         runs, chunk = runs_of(indices)
-        wide = widened(flat, reduce_dtype).div_(world)
+        wide = widened(flat, reduce_dtype).div_(total)
         name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
             pending = comm.start_reduce(wide, runs, zero.process_group, chunk=chunk)
+            if replicate is not None:  # then each owner's runs across its replicas
+                pending.wait()
+                mine = [(a, b) for a, b, r in runs if r == zero.rank]
+                pending = comm.start_all_reduce_spans(wide, mine, replicate)
             if wide is not flat:  # rounded back once, before DDP reads the bucket
 
                 def round_back() -> None:

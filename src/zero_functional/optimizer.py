@@ -82,6 +82,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         main_params_dtype: ``torch.float32`` to update bf16/fp16 parameters through an fp32
             copy of the owned pieces, with fp32 state (:mod:`.main_params`); ``None``
             (default): state in the parameters' dtype, as torch's.
+        device_mesh: A 2-D ``DeviceMesh`` named ``("replicate", "shard")`` (FSDP2's hybrid
+            sharding): state sharded over ``"shard"``, replicated over ``"replicate"``; DDP
+            spans the whole mesh. Instead of ``process_group``.
         timeout: Seconds any collective may wait (default: the group's); a failure raises
             :class:`~zero_functional.comm.CollectiveError` naming the call.
         **defaults: Hyperparameters for ``optimizer_class``.
@@ -105,9 +108,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_param_gather: bool | None = None,
         compile: bool | None = None,
         main_params_dtype: torch.dtype | None = None,
+        device_mesh: Any = None,
         **defaults: Any,
     ) -> None:
         self._initialized = False
+        self._replicate_group: comm.ProcessGroup | None = None
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError(
+                    "pass device_mesh (2-D: shard within, replicate across) or process_group "
+                    "(1-D), not both"
+                )
+            process_group, self._replicate_group = comm.mesh_groups(device_mesh)
         self.timeout = timeout
         self.partition: PartitionName = partition
         self.process_group, items, probe = agreed_inputs(
@@ -160,6 +172,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def overlap_with_ddp(self) -> bool:
         """Whether the step runs inside DDP's backward (through a hook of :mod:`.hooks`)."""
         return self._overlap_with_ddp
+
+    @property
+    def shard_group(self) -> comm.ProcessGroup:
+        """The group the state is sharded over (``process_group``; a mesh's ``"shard"``)."""
+        return self.process_group
+
+    @property
+    def replicate_group(self) -> comm.ProcessGroup | None:
+        """The group the shards are replicated over (a mesh's ``"replicate"``), or ``None``."""
+        return self._replicate_group
 
     @property
     def main_params_dtype(self) -> torch.dtype | None:

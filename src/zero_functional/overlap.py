@@ -54,6 +54,7 @@ class _Reduce:
     future: Future[Tensor]
     flat: Tensor  # what is reduced: the bucket's buffer, or its copy in the reduce dtype
     out: Tensor  # the bucket's buffer, DDP's result
+    replicas: tuple[comm.ProcessGroup, list[tuple[int, int]]] | None  # then across replicas
 
     @classmethod
     def start(
@@ -61,14 +62,28 @@ class _Reduce:
         out: Tensor,
         runs: tuple[Run, ...],
         chunk: int | None,
-        group: comm.ProcessGroup,
+        zero: ZeroRedundancyOptimizer,
+        ranks: int,
         dtype: torch.dtype | None = None,
     ) -> _Reduce:
-        """Start averaging each run of the buffer ``out`` onto its owner (in ``dtype``)."""
-        flat = widened(out, dtype).div_(comm.group_size(group))  # as DDP's: divide, then sum
-        pending = comm.start_reduce(flat, runs, group, chunk=chunk)
+        """Start averaging each run of the buffer ``out`` (over ``ranks``, DDP's world) onto
+        its owner in ``zero``'s shard group (in ``dtype``); with a replicate group, each owner's
+        runs are then summed across the replicas (:meth:`wait`)."""
+        flat = widened(out, dtype).div_(ranks)  # as DDP's: divide, then sum
+        pending = comm.start_reduce(flat, runs, zero.process_group, chunk=chunk)
         fut: Future[Tensor] = Future(devices=[out.device] if out.device.type == "cuda" else None)
-        return cls(pending, fut, flat, out)
+        replicate = zero.replicate_group
+        mine = [(a, b) for a, b, r in runs if r == zero.rank]
+        return cls(pending, fut, flat, out, (replicate, mine) if replicate is not None else None)
+
+    def wait(self) -> None:
+        """Wait for the reduce onto the owners, then sum the owned runs across the replicas
+        (issued here, on the hook's thread, in bucket order on every replica)."""
+        self.pending.wait()
+        if self.replicas is not None:
+            group, spans = self.replicas
+            self.replicas = None
+            comm.start_all_reduce_spans(self.flat, spans, group).wait()
 
     def result(self) -> Tensor:
         """The bucket's buffer holding the reduced values (rounded back from the reduce dtype)."""
@@ -100,7 +115,7 @@ class _Bucket:
         """Its reduced gradients, waiting for the reduction if need be."""
         if self.flat is None:
             if self.reduce is not None:
-                self.reduce.pending.wait()
+                self.reduce.wait()
                 self.flat = self.reduce.flat
             else:
                 assert self.future is not None
@@ -219,6 +234,7 @@ class OverlapState:
         grad_scaler: GradScaler | None = None,
         find_unused: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        world_group: comm.ProcessGroup | None = None,
     ) -> None:
         # weakly: _STATES is keyed by `zero`, and a value that held its key would keep the
         # optimizer, its process group and the twin group alive to interpreter exit (issue 20)
@@ -228,6 +244,9 @@ class OverlapState:
         self.find_unused = find_unused
         self.used: set[int] | None = None
         self.reduce_dtype = reduce_dtype
+        # DDP's group: the world a gradient is averaged over (the shard group times its
+        # replicas under a device mesh)
+        self.world_group = world_group if world_group is not None else zero.process_group
         self.shard_buckets = shard_buckets
         self.interleaved = interleaved
         self.collectives: Collectives = collectives
@@ -286,8 +305,8 @@ class OverlapState:
         """Average ``bucket`` onto the owners of its pieces; the future DDP waits on."""
         b = self._backward.buckets[bucket.index()]
         runs, chunk = self._runs[bucket.index()]
-        group, dtype = self.zero.process_group, self.reduce_dtype
-        b.reduce = _Reduce.start(bucket.buffer(), runs, chunk, group, dtype)
+        ranks = comm.group_size(self.world_group)
+        b.reduce = _Reduce.start(bucket.buffer(), runs, chunk, self.zero, ranks, self.reduce_dtype)
         self.reduced_buckets += 1
         return b.reduce.future
 
@@ -295,8 +314,8 @@ class OverlapState:
         """DDP's average of ``bucket`` on every rank, summed in the reduce dtype and rounded
         back once: what replaces DDP's hook while the bucket structure is not yet known."""
         flat = bucket.buffer()
-        wide = widened(flat, self.reduce_dtype).div_(self.zero.world_size)
-        pending = comm.start_all_reduce(wide, self.zero.process_group)
+        wide = widened(flat, self.reduce_dtype).div_(comm.group_size(self.world_group))
+        pending = comm.start_all_reduce(wide, self.world_group)
         if wide is not flat:
 
             def round_back() -> None:
@@ -317,7 +336,7 @@ class OverlapState:
             if bw.deferred:
                 self.adopt(tuple(b.indices for b in bw.buckets))
             if self.find_unused:
-                self.used = _used_anywhere(self.params, self.zero.process_group)
+                self.used = _used_anywhere(self.params, self.world_group)
             if self._scaling():
                 self._scaled_step()
             self._update_until(len(bw.buckets))

@@ -31,6 +31,7 @@ from zero_functional.comm.buckets import (
     COALESCE_BELOW,
     reduce_to_owners,
     start_all_reduce,
+    start_all_reduce_spans,
     start_broadcast,
     start_reduce,
     start_sync_params,
@@ -40,6 +41,7 @@ from zero_functional.comm.buckets import (
 )
 from zero_functional.comm.calls import REPORT_GRACE_S, CollectiveError, call, failures
 from zero_functional.comm.groups import (
+    MESH_DIMS,
     ProcessGroup,
     Work,
     backend,
@@ -49,6 +51,7 @@ from zero_functional.comm.groups import (
     group_rank,
     group_size,
     is_nccl,
+    mesh_groups,
     rank_or_zero,
     twin_group,
 )
@@ -91,12 +94,15 @@ __all__ = [
     "global_rank",
     "group_rank",
     "group_size",
+    "MESH_DIMS",
     "is_nccl",
+    "mesh_groups",
     "rank_or_zero",
     "recv_object",
     "reduce_to_owners",
     "send_object",
     "start_all_reduce",
+    "start_all_reduce_spans",
     "start_broadcast",
     "start_reduce",
     "start_sync_params",

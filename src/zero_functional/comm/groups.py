@@ -98,3 +98,39 @@ def backend(group: ProcessGroup) -> str:
 def is_nccl(group: ProcessGroup) -> bool:
     """Whether ``group`` runs on NCCL (whose collectives can be grouped into one launch)."""
     return "nccl" in backend(group).lower()
+
+
+MESH_DIMS = ("replicate", "shard")
+"""The dimension names of a hybrid-sharding mesh (FSDP2's): state sharded over ``"shard"``,
+replicated over ``"replicate"``."""
+
+
+def mesh_groups(mesh: object) -> tuple[ProcessGroup, ProcessGroup]:
+    """The shard group and the replicate group of a 2-D ``DeviceMesh`` named :data:`MESH_DIMS`.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        ValueError: It is not 2-D, or its dimensions have other names.
+
+    Example:
+        >>> mesh_groups("2x2")
+        Traceback (most recent call last):
+        ...
+        TypeError: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got str
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+            f"{type(mesh).__name__}"
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or names != MESH_DIMS:
+        raise ValueError(
+            f"device_mesh must be 2-D with mesh_dim_names={MESH_DIMS} (FSDP2's names: state "
+            f"sharded over 'shard', replicated over 'replicate'); got {mesh.ndim}-D {names}: "
+            'build it with init_device_mesh(device, (R, S), mesh_dim_names=("replicate", '
+            '"shard"))'
+        )
+    return mesh.get_group("shard"), mesh.get_group("replicate")

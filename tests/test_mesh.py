@@ -1,0 +1,222 @@
+"""Hybrid sharding on a 2-D mesh (issue 23, part 1): state sharded within the "shard" groups and
+replicated across "replicate", in every mode, equal to plain DDP + AdamW; checkpoints move
+between meshes, 1-D groups and one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zero_functional import ZeroRedundancyOptimizer, checkpoint
+from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
+from zero_functional.launch import run_ranks
+from zero_functional.plans import ownership_for
+
+from tests.helpers import consolidated, local_batch, make_model, max_diff
+
+STEPS = 20
+MODES = [  # (the step, partition)
+    ("after", "flat"),
+    ("after", "sorted_greedy"),
+    ("reduce_scatter_hook", "flat"),
+    ("hook_with_zero_step_interleaved", "flat"),
+]
+
+
+def _mesh(replicas: int, shards: int) -> Any:
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def _train(rank: int, world: int, mode: str, partition: str, **where: Any) -> dict[str, Any]:
+    """Train a DDP model over the world with our AdamW sharded as ``where`` says (device_mesh or
+    process_group), beside plain DDP + AdamW; clip after backward where the mode allows."""
+    model, ref_model = make_model(), make_model()
+    ddp, ref = DDP(model), DDP(ref_model)
+    overlap = mode.startswith("hook_with")
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(),
+        torch.optim.AdamW,
+        lr=1e-2,
+        partition=partition,
+        overlap_with_ddp=overlap,
+        **where,
+    )
+    if mode == "reduce_scatter_hook":
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+    elif overlap:
+        ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    norms: list[tuple[float, float]] = []
+    for step in range(STEPS):
+        x, y = local_batch(rank, world, step)
+        for d in (ddp, ref):
+            ((d(x) - y) ** 2).mean().backward()
+        if not overlap:
+            ours = zero.clip_grad_norm_(0.5)
+            theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            norms.append((float(ours), float(theirs)))
+            zero.step()
+        plain.step()
+        ddp.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    owned = sum(s.stop - s.start for s in zero.ownership.owned(zero.rank))
+    plan = ownership_for(partition, zero.param_groups, zero.world_size).owned(zero.rank)
+    return {
+        "diff": max_diff(model, ref_model),
+        "norm": max((abs(a - b) / b for a, b in norms), default=0.0),
+        "owned": owned,
+        "planned": sum(s.stop - s.start for s in plan),
+        "total": sum(p.numel() for p in model.parameters()),
+        "state": sum(v.numel() for s in zero.state.values() for v in s.values() if v.dim()),
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def _state(zero: ZeroRedundancyOptimizer, rank: int) -> dict[int, dict[str, Any]]:
+    sd = consolidated(zero, rank)
+    assert sd is not None
+    return sd["state"]  # type: ignore[no-any-return]
+
+
+def _checkpointed(
+    rank: int, world: int, load: str | None, save: str, **where: Any
+) -> tuple[dict[int, Any], dict[int, Any] | None]:
+    """Load ``load`` (when given) into an AdamW sharded as ``where`` says; its state, then
+    (after two more steps) save to ``save``."""
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, **where)
+    loaded = None
+    if load is not None:
+        checkpoint.load(load, model=model, optimizer=zero)
+        loaded = _state(zero, rank)
+    for step in range(2):
+        x, y = local_batch(rank, world, step)
+        ((model(x) - y) ** 2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # type: ignore[arg-type]
+            p.grad /= world  # type: ignore[operator]
+        zero.step()
+        model.zero_grad(set_to_none=True)
+    checkpoint.save(save, model=model, optimizer=zero)
+    return _state(zero, rank), loaded
+
+
+def _mesh_worker(rank: int, world: int, shape: tuple[int, int], ckpt: str) -> dict[str, Any]:
+    replicas, shards = shape
+    mesh = _mesh(replicas, shards)
+    out: dict[str, Any] = {"modes": {}}
+    for mode, partition in MODES:
+        out["modes"][(mode, partition)] = _train(rank, world, mode, partition, device_mesh=mesh)
+    one_d: dict[str, Any] = {}
+    if replicas == 1:  # 1 x S: today's 1-D run over the world
+        one_d = _train(rank, world, "reduce_scatter_hook", "flat")
+    elif shards == 1:  # R x 1: each rank its own shard group, DDP averaging over the world
+        one_d = _train(rank, world, "after", "flat", process_group=dist.new_group([rank]))
+    if one_d:
+        mode = ("reduce_scatter_hook", "flat") if replicas == 1 else ("after", "flat")
+        mine = out["modes"][mode]["params"]
+        out["bitwise_1d"] = all(map(torch.equal, mine, one_d["params"]))
+    for r in out["modes"].values():
+        del r["params"]
+    # checkpoints: the previous mesh's (if any) loads here; this mesh's is saved for the next
+    previous = f"{ckpt}.previous" if shape != (2, 2) else None
+    out["saved"], out["loaded"] = _checkpointed(rank, world, previous, ckpt, device_mesh=mesh)
+    return out
+
+
+def _plain_load_worker(rank: int, world: int, ckpt: str) -> dict[int, Any] | None:
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    checkpoint.load(ckpt, model=model, optimizer=zero)
+    return _state(zero, rank)
+
+
+def _equal_states(a: dict[int, Any], b: dict[int, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        all(torch.equal(torch.as_tensor(a[k][key]), torch.as_tensor(b[k][key])) for key in a[k])
+        for k in a
+    )
+
+
+SHAPES = [(2, 2), (3, 2), (1, 4), (4, 1), (2, 3)]
+
+
+def test_meshes_match_plain_ddp_and_checkpoints_move_between_them(tmp_path: Any) -> None:
+    import os
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    saved: dict[int, Any] | None = None
+    for shape in SHAPES:
+        if saved is not None:
+            shutil.rmtree(f"{ckpt}.previous", ignore_errors=True)
+            os.replace(ckpt, f"{ckpt}.previous")
+        world = shape[0] * shape[1]
+        results = run_ranks(_mesh_worker, world, shape, ckpt, timeout_s=600)
+        for r in results:
+            for (mode, partition), m in r["modes"].items():
+                case = (shape, mode, partition)
+                assert m["diff"] <= 1e-6, (case, m["diff"])
+                assert m["norm"] <= 1e-6, (case, m["norm"])
+                assert m["owned"] == m["planned"], case
+                assert m["state"] == 2 * m["owned"], case  # AdamW's two moments, 1/S each
+                if partition == "flat":  # 1/S of the model, exactly (the last takes the rest)
+                    assert m["owned"] in (-(-m["total"] // shape[1]), m["total"] % shape[1]) or (
+                        m["total"] % shape[1] == 0 and m["owned"] == m["total"] // shape[1]
+                    ), case
+            if "bitwise_1d" in r:
+                assert r["bitwise_1d"], shape
+            if saved is not None:  # the previous mesh's checkpoint, bitwise
+                assert r["loaded"] is not None and _equal_states(r["loaded"], saved), shape
+        saved = results[0]["saved"]
+    # the last mesh's checkpoint loads at 4 ranks (1-D) and in one process
+    assert saved is not None
+    for world in (4, 1):
+        for loaded in run_ranks(_plain_load_worker, world, ckpt, timeout_s=200):
+            assert loaded is not None and _equal_states(loaded, saved), world
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    mesh = _mesh(2, 2)
+    ddp = DDP(make_model())  # over the world, 4 ranks; an optimizer over a 1-D group of 2
+    out = []
+    for build in (
+        lambda: ZeroRedundancyOptimizer(
+            make_model().parameters(),
+            torch.optim.AdamW,
+            process_group=dist.group.WORLD,
+            device_mesh=mesh,
+        ),
+        lambda: ZeroRedundancyOptimizer(
+            make_model().parameters(), torch.optim.AdamW, device_mesh=init_device_mesh("cpu", (4,))
+        ),
+        lambda: reduce_scatter_hook(
+            ddp,
+            ZeroRedundancyOptimizer(
+                ddp.parameters(), torch.optim.AdamW, process_group=mesh.get_group("shard")
+            ),
+        ),
+    ):
+        try:
+            build()
+            out.append("accepted")
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    zero = ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, device_mesh=mesh)
+    out.append(
+        f"{dist.get_world_size(zero.shard_group)} {dist.get_world_size(zero.replicate_group)}"
+    )
+    return out
+
+
+def test_mesh_arguments_are_checked() -> None:
+    both, one_d, hook, sizes = run_ranks(_refusals, 4, timeout_s=120)[0]
+    assert "not both" in both
+    assert "2-D" in one_d
+    assert "device_mesh" in hook
+    assert sizes == "2 2"
