@@ -13,7 +13,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import ZeroRedundancyOptimizer, checkpoint
-from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
+from zero_functional.hooks import (
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    reduce_scatter_hook,
+)
 from zero_functional.launch import run_ranks
 from zero_functional.plans import ownership_for
 
@@ -26,6 +30,13 @@ MODES = [  # (the step, partition)
     ("reduce_scatter_hook", "flat"),
     ("hook_with_zero_step_interleaved", "flat"),
 ]
+MORE_MODES = [  # on one uneven mesh (3 shards): the options, each once
+    ("after, bucket view", "sorted_greedy"),
+    ("reduce_scatter_hook, GradScaler", "flat"),
+    ("hook_with_zero_step, GradScaler", "sorted_greedy"),
+    ("reduce_scatter_hook", "sorted_greedy"),
+]
+OVERFLOW_AT = 3  # the step where the last rank's gradient overflows (with a GradScaler)
 
 
 def _mesh(replicas: int, shards: int) -> Any:
@@ -44,30 +55,52 @@ def _train(rank: int, world: int, mode: str, partition: str, **where: Any) -> di
         lr=1e-2,
         partition=partition,
         overlap_with_ddp=overlap,
+        parameters_as_bucket_view="bucket view" in mode,
         **where,
     )
-    if mode == "reduce_scatter_hook":
-        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
-    elif overlap:
+    scaling = "GradScaler" in mode
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2))
+    kw: dict[str, Any] = {"grad_scaler": scaler} if scaling else {}
+    if mode.startswith("reduce_scatter_hook"):
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero, **kw))
+    elif mode.startswith("hook_with_zero_step_interleaved"):
         ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    elif overlap:
+        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero, **kw))
     plain = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     norms: list[tuple[float, float]] = []
+    scales: list[tuple[float, float]] = []
     for step in range(STEPS):
         x, y = local_batch(rank, world, step)
-        for d in (ddp, ref):
-            ((d(x) - y) ** 2).mean().backward()
-        if not overlap:
-            ours = zero.clip_grad_norm_(0.5)
-            theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-            norms.append((float(ours), float(theirs)))
-            zero.step()
-        plain.step()
+        for d, s in ((ddp, scaler), (ref, ref_scaler)):
+            loss = ((d(x) - y) ** 2).mean()
+            handle = None
+            if scaling and step == OVERFLOW_AT and rank == world - 1:
+                handle = d.module[0].bias.register_hook(lambda g: g * float("inf"))
+            (s.scale(loss) if scaling else loss).backward()
+            if handle is not None:
+                handle.remove()
+        if scaling:
+            if not overlap:
+                scaler.step(zero)
+            ref_scaler.step(plain)
+            scaler.update()
+            ref_scaler.update()
+            scales.append((scaler.get_scale(), ref_scaler.get_scale()))
+        else:
+            if not overlap:
+                ours = zero.clip_grad_norm_(0.5)
+                theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                norms.append((float(ours), float(theirs)))
+                zero.step()
+            plain.step()
         ddp.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     owned = sum(s.stop - s.start for s in zero.ownership.owned(zero.rank))
     plan = ownership_for(partition, zero.param_groups, zero.world_size).owned(zero.rank)
     return {
         "diff": max_diff(model, ref_model),
+        "scales": all(a == b for a, b in scales) and (not scales or scales[-1][0] < 2.0**10),
         "norm": max((abs(a - b) / b for a, b in norms), default=0.0),
         "owned": owned,
         "planned": sum(s.stop - s.start for s in plan),
@@ -110,7 +143,7 @@ def _mesh_worker(rank: int, world: int, shape: tuple[int, int], ckpt: str) -> di
     replicas, shards = shape
     mesh = _mesh(replicas, shards)
     out: dict[str, Any] = {"modes": {}}
-    for mode, partition in MODES:
+    for mode, partition in MODES + (MORE_MODES if shape == (2, 3) else []):
         out["modes"][(mode, partition)] = _train(rank, world, mode, partition, device_mesh=mesh)
     one_d: dict[str, Any] = {}
     if replicas == 1:  # 1 x S: today's 1-D run over the world
@@ -163,7 +196,9 @@ def test_meshes_match_plain_ddp_and_checkpoints_move_between_them(tmp_path: Any)
                 case = (shape, mode, partition)
                 assert m["diff"] <= 1e-6, (case, m["diff"])
                 assert m["norm"] <= 1e-6, (case, m["norm"])
-                assert m["owned"] == m["planned"], case
+                assert m["scales"], case  # equal scales, lowered by the overflow
+                if not mode.startswith("hook_with"):  # overlap mode owns by DDP's buckets
+                    assert m["owned"] == m["planned"], case
                 assert m["state"] == 2 * m["owned"], case  # AdamW's two moments, 1/S each
                 if partition == "flat":  # 1/S of the model, exactly (the last takes the rest)
                     assert m["owned"] in (-(-m["total"] // shape[1]), m["total"] % shape[1]) or (
