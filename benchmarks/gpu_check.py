@@ -1055,6 +1055,49 @@ def _whole_step_builders(
     }
 
 
+def _main_step_builders(
+    params: list[torch.Tensor], grads: list[torch.Tensor]
+) -> dict[str, Callable[[], Step]]:
+    """bf16 parameters updated through fp32 main copies: ours (main_params_dtype) against the
+    same by hand with torch's fused AdamW on fp32 masters (gradients upcast, parameters
+    rounded back), and torch's ZeRO keeping bf16 state."""
+    kw: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.01}
+    adamw = torch.optim.AdamW
+
+    def by_hand() -> Step:
+        low = [p.clone() for p in params]
+        masters = [nn.Parameter(p.float()) for p in params]
+        for m in masters:
+            m.grad = torch.empty_like(m)
+        opt = adamw(masters, fused=True, **kw)
+
+        def step() -> None:
+            torch._foreach_copy_([m.grad for m in masters], grads)  # type: ignore[misc]
+            opt.step()
+            torch._foreach_copy_(low, masters)
+
+        return step
+
+    def zero(cls: type, **extra: Any) -> Step:
+        ps = [nn.Parameter(p.clone()) for p in params]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        return cls(ps, adamw, **kw, **extra).step  # type: ignore[no-any-return]
+
+    return {
+        "torch fused AdamW on fp32 masters, by hand (no ZeRO)": by_hand,
+        "torch ZeRO, bucket view + fused (bf16 state)": lambda: zero(
+            TorchZero, parameters_as_bucket_view=True, fused=True
+        ),
+        "ours main_params_dtype=float32": lambda: zero(
+            ZeroRedundancyOptimizer, main_params_dtype=torch.float32
+        ),
+        "ours main_params_dtype=float32, flat": lambda: zero(
+            ZeroRedundancyOptimizer, main_params_dtype=torch.float32, partition="flat"
+        ),
+    }
+
+
 def _timings_worker(rank: int, world_size: int, env: Env, compiled: bool) -> bool:
     """Kernels in fp32 and bf16, then whole steps (eager); or, ``compiled``, the compiled
     variants (fp32: the graphs take float32/float64 only) with torch's references measured
@@ -1080,10 +1123,18 @@ def _timings_worker(rank: int, world_size: int, env: Env, compiled: bool) -> boo
             for k in ("AdamW", "Adam", "SGD momentum")
         ]
         plan.append(("step()", torch.float32))
+        if "main_params_dtype" in inspect.signature(ZeroRedundancyOptimizer.__init__).parameters:
+            plan.append(("step() main", torch.bfloat16))
     tensors: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for kernel, dtype in plan:
         dname = str(dtype).removeprefix("torch.")
-        group = f"step() AdamW {dname}, 1 rank" if kernel == "step()" else f"{kernel} {dname}"
+        group = (
+            f"step() AdamW {dname}, 1 rank"
+            if kernel == "step()"
+            else "step() AdamW bfloat16 + fp32 main, 1 rank"
+            if kernel == "step() main"
+            else f"{kernel} {dname}"
+        )
         if compiled and time.monotonic() - t_start > env["compile_budget_s"] / 2:
             detail = f"not started: {time.monotonic() - t_start:.0f} s of the {env['compile_budget_s']:.0f} s budget spent"
             _emit(env, _timing_row(run, group, "compile=True", status="SKIP", detail=detail))
@@ -1097,6 +1148,8 @@ def _timings_worker(rank: int, world_size: int, env: Env, compiled: bool) -> boo
         params, grads = tensors[dtype]
         if kernel == "step()":
             builders = _whole_step_builders(params, grads, compiled)
+        elif kernel == "step() main":
+            builders = _main_step_builders(params, grads)
         else:
             builders = _kernel_variants(kernel, params, grads, compiled)
         _time_group(env, run, group, builders, dev)
