@@ -8,6 +8,7 @@ after. The command line's cases live in ``test_cli.py`` and ``test_launch.py``.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -376,5 +377,6 @@ def test_a_rank_killed_mid_call_is_named_by_the_survivors(where: str) -> None:
     for rank in (0, 2):
         message, seconds = info.value.results[rank]  # type: ignore[misc]
         assert f"{where}(" in message and f"failed on rank {rank} of 3" in message, message
-        assert "rank 1 did not report (it died" in message, message
+        # rank 1 among the silent (a survivor slow to report under load is named with it)
+        assert re.search(r"ranks? (\d+, )*1(, \d+)* did not report \(it died", message), message
         assert seconds < 20.0 + 5.0 + 5.0

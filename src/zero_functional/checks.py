@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
@@ -388,3 +389,17 @@ def check_new_group(param_group: object, backend: str, partition: str) -> None:
     check_devices(param_tensors([param_group]), backend)
     if partition == "flat":
         check_splittable(param_tensors([param_group]))
+
+
+def warn_ignored_bucket_view(overlap_with_ddp: bool, parameters_as_bucket_view: bool) -> None:
+    """One warning when ``parameters_as_bucket_view`` is asked for in overlap mode, where DDP's
+    gradient buckets group the parameters instead (torch's rule).
+
+    Example:
+        >>> warn_ignored_bucket_view(overlap_with_ddp=False, parameters_as_bucket_view=True)
+    """
+    if overlap_with_ddp and parameters_as_bucket_view:
+        logging.getLogger("zero_functional.optimizer").warning(
+            "parameters_as_bucket_view=True is ignored when overlap_with_ddp=True: "
+            "parameters are grouped by DDP's gradient buckets instead"
+        )

@@ -25,9 +25,10 @@ from torch.optim import Optimizer
 from zero_functional import comm
 from zero_functional.agreement import agree, agreed_inputs
 from zero_functional.amp import refuse_scaler_step, scaler_verdict
-from zero_functional.checks import check_new_group
+from zero_functional.checks import check_new_group, warn_ignored_bucket_view
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.grad_norm import clip_, local_norm, total_norm
+from zero_functional.join import StepJoinHook
 from zero_functional.local_shard import LocalShard
 from zero_functional.ownership import Ownership, PartitionName, Transfer
 from zero_functional.param_sync import ParamSync
@@ -46,16 +47,6 @@ __all__ = ["PARTIAL_KEY", "ZeroRedundancyOptimizer", "not_consolidated_message"]
 logger = logging.getLogger(__name__)
 
 StateDict = dict[str, Any]
-
-
-class _ZeroJoinHook(JoinHook):
-    """Shadows the step's collectives on a rank that has run out of inputs."""
-
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        self.zero.step()
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -112,26 +103,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         self._initialized = False
-        self._replicate_group: comm.ProcessGroup | None = None
-        if device_mesh is not None:
-            if process_group is not None:
-                raise ValueError(
-                    "pass device_mesh (2-D: shard within, replicate across) or process_group "
-                    "(1-D), not both"
-                )
-            process_group, self._replicate_group = comm.mesh_groups(device_mesh)
+        process_group, self._replicate_group = comm.sharding_groups(process_group, device_mesh)
         self.timeout = timeout
         self.partition: PartitionName = partition
-        self.process_group, items, probe = agreed_inputs(
-            params,
-            optimizer_class,
-            process_group,
-            partition,
-            overlap_with_ddp,
-            defaults,
-            timeout,
-            main_params_dtype,
-        )
+        args = (params, optimizer_class, process_group, partition, overlap_with_ddp, defaults)
+        self.process_group, items, probe = agreed_inputs(*args, timeout, main_params_dtype)
         self._main_params_dtype = main_params_dtype
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
@@ -145,9 +121,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._shards: list[Mapping[int, Any]] = []
         self._updates = 0
         self._consolidated_at: int | None = None
-        gather = overlap_param_gather
-        gather = choose_param_gather(overlap_with_ddp) if gather is None else bool(gather)
-        self.overlap_param_gather = gather
+        self.overlap_param_gather = choose_param_gather(overlap_with_ddp, overlap_param_gather)
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
         # not the bound self._call, which would make a cycle through this optimizer (#20)
@@ -158,11 +132,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
         spec = functional_spec(optimizer_class)
         spec = spec if spec and all(supports_group(spec, g) for g in self.param_groups) else None
-        if overlap_with_ddp and parameters_as_bucket_view:
-            logger.warning(
-                "parameters_as_bucket_view=True is ignored when overlap_with_ddp=True: "
-                "parameters are grouped by DDP's gradient buckets instead"
-            )
+        warn_ignored_bucket_view(overlap_with_ddp, parameters_as_bucket_view)
         self._spec = spec
         self._stepper_for = functools.partial(choose_stepper, spec, compile, probe)
         self._set_ownership(ownership_for(partition, self.param_groups, self.world_size))
@@ -285,9 +255,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        # compat: GradScaler.step(opt) hands such an optimizer its found_inf instead of
-        # deciding itself; in overlap mode, step() then refuses (the step already ran); with
-        # main copies step() unscales in their dtype (GradScaler refuses fp16 gradients)
+        # compat: GradScaler.step(opt) then hands us its verdict: overlap mode refuses (the step
+        # ran in backward); main copies unscale in their dtype (GradScaler refuses fp16 grads)
         return self._overlap_with_ddp or self._main_params_dtype is not None
 
     def check_trainable(self) -> bool:
@@ -339,7 +308,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "(overlap_with_ddp=False, optionally with reduce_scatter_hook), or give every "
                 "rank the same number of batches"
             )
-        return _ZeroJoinHook(self)
+        return StepJoinHook(self)
 
     @property
     def join_device(self) -> torch.device:

@@ -112,8 +112,9 @@ def choose_collectives(
     return "reduce+broadcast"
 
 
-def choose_param_gather(overlap_with_ddp: bool) -> bool:
-    """Whether the parameter all-gather may finish during the next forward by default: never.
+def choose_param_gather(overlap_with_ddp: bool, requested: bool | None = None) -> bool:
+    """Whether the parameter all-gather may finish during the next forward: what the user
+    ``requested`` (``overlap_param_gather``), and by default never.
 
     A drop-in keeps torch's observable behaviour at its defaults: parameters are final when
     ``step()`` returns, and in overlap mode when the backward that ran the step returns (torch's
@@ -126,8 +127,10 @@ def choose_param_gather(overlap_with_ddp: bool) -> bool:
     Example:
         >>> choose_param_gather(overlap_with_ddp=True), choose_param_gather(overlap_with_ddp=False)
         (False, False)
+        >>> choose_param_gather(True, requested=True)
+        True
     """
-    return False
+    return bool(requested) if requested is not None else False
 
 
 def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int) -> int | None:

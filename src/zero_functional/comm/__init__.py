@@ -53,6 +53,7 @@ from zero_functional.comm.groups import (
     is_nccl,
     mesh_groups,
     rank_or_zero,
+    sharding_groups,
     twin_group,
 )
 from zero_functional.comm.pending import SETTLE_S, Pending
@@ -101,6 +102,7 @@ __all__ = [
     "recv_object",
     "reduce_to_owners",
     "send_object",
+    "sharding_groups",
     "start_all_reduce",
     "start_all_reduce_spans",
     "start_broadcast",

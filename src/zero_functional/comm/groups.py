@@ -105,6 +105,26 @@ MESH_DIMS = ("replicate", "shard")
 replicated over ``"replicate"``."""
 
 
+def sharding_groups(
+    process_group: ProcessGroup | None, mesh: object
+) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """The group to shard over and the group to replicate over: ``(process_group, None)``
+    without a mesh, else :func:`mesh_groups`; a ``ValueError`` when both are given.
+
+    Example:
+        >>> sharding_groups(None, None)
+        (None, None)
+    """
+    if mesh is None:
+        return process_group, None
+    if process_group is not None:
+        raise ValueError(
+            "pass device_mesh (2-D: shard within, replicate across) or process_group (1-D), "
+            "not both"
+        )
+    return mesh_groups(mesh)
+
+
 def mesh_groups(mesh: object) -> tuple[ProcessGroup, ProcessGroup]:
     """The shard group and the replicate group of a 2-D ``DeviceMesh`` named :data:`MESH_DIMS`.
 
