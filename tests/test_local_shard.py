@@ -14,7 +14,7 @@ from zero_functional.grad_norm import local_norm, total_norm
 from zero_functional.local_shard import LocalShard
 from zero_functional.ownership import Ownership, flat_ownership, sorted_greedy_ownership
 from zero_functional.plans import plan_moves
-from zero_functional.state_dict import PARTIAL_KEY, merge_shards, rank_state_dict
+from zero_functional.state_dict import PARTIAL_KEY, Consolidation, merge_shards, rank_state_dict
 from zero_functional.steppers import FunctionalStepper, choose_stepper, state_schemas
 
 WORLD = 3
@@ -228,3 +228,19 @@ def test_low_precision_pieces_step_through_float32_main_copies_kept_in_their_sta
     torch.testing.assert_close(main, ref[3:] - 3e-3)
     assert torch.equal(params[0].detach()[3:], main.to(torch.bfloat16))
     assert torch.equal(params[0].detach()[:3], ref[:3].to(torch.bfloat16))  # rank 0's, untouched
+
+
+def test_a_consolidation_is_stale_once_the_state_changes_again() -> None:
+    groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
+    book = Consolidation()
+    assert book.state_dict(groups, rank=0)["state"] == {}
+    book.changed()
+    with pytest.raises(RuntimeError, match="not been consolidated"):
+        book.state_dict(groups, rank=0)
+    book.gathered([])  # consolidated onto another rank
+    assert book.state_dict(groups, rank=0)[PARTIAL_KEY] is True
+    book.gathered([{0: ((0, 2), {"momentum_buffer": torch.ones(2)})}])
+    assert list(book.state_dict(groups, rank=0)["state"]) == [0]
+    book.changed()
+    with pytest.raises(RuntimeError, match="not been consolidated"):
+        book.state_dict(groups, rank=0)

@@ -36,8 +36,8 @@ from zero_functional.partition import Segment
 from zero_functional.plans import choose_param_gather, ownership_for, plan_moves
 from zero_functional.state_dict import (
     PARTIAL_KEY,
+    Consolidation,
     not_consolidated_message,
-    rank_state_dict,
     validated_state,
 )
 from zero_functional.steppers import LocalView, choose_stepper, state_schemas
@@ -62,17 +62,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_with_ddp: The step runs inside DDP's backward through a hook of
             :mod:`zero_functional.hooks`; ``step()`` then only warns.
         partition: ``"sorted_greedy"`` (torch's: whole tensors, largest first to the least
-            loaded rank) or ``"flat"`` (each (device, dtype) group, or DDP bucket, split
-            evenly; needs an elementwise optimizer, see
-            :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
+            loaded rank) or ``"flat"`` (each (device, dtype) group, or DDP bucket, split evenly;
+            elementwise optimizers only: :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
         overlap_param_gather: Opt-in: ``step()`` (overlap mode: backward) returns once the
             parameter all-gather has started, and each module's forward waits for its own
             (:mod:`zero_functional.param_sync`). Default off: torch's contract.
         compile: ``torch.compile`` SGD, Adam and AdamW: ``None`` where it measures faster
             (nowhere on CPU), ``True`` wherever it applies, ``False`` never.
-        main_params_dtype: ``torch.float32`` to update bf16/fp16 parameters through an fp32
-            copy of the owned pieces, with fp32 state (:mod:`.main_params`); ``None``
-            (default): state in the parameters' dtype, as torch's.
+        main_params_dtype: ``torch.float32``: bf16/fp16 parameters step through fp32 copies of
+            the owned pieces, with fp32 state (:mod:`.main_params`). Default ``None``: torch's.
         device_mesh: A 2-D ``DeviceMesh`` named ``("replicate", "shard")`` (FSDP2's hybrid
             sharding): state sharded over ``"shard"``, replicated over ``"replicate"``; DDP
             spans the whole mesh. Instead of ``process_group``.
@@ -116,11 +114,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._user_defaults = dict(defaults)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = overlap_with_ddp
-        # state_dict() needs no collective: it compares how often this rank's state changed
-        # (steps and loads) with when it was last consolidated
-        self._shards: list[Mapping[int, Any]] = []
-        self._updates = 0
-        self._consolidated_at: int | None = None
+        self._book = Consolidation()  # so that state_dict() needs no collective
         self.overlap_param_gather = choose_param_gather(overlap_with_ddp, overlap_param_gather)
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
@@ -244,7 +238,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.finish_param_sync()
         if self.check_trainable():
             self._build_buffers()
-        self._updates += 1
+        self._book.changed()
         skip, grad_scale = scaler_verdict(self)  # scaler.step(self), with main copies
         if skip:  # a non-finite gradient on every rank: no parameter changes anywhere
             return None
@@ -270,7 +264,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``param_groups`` now. The hooks call it with DDP's buckets, ``step()`` with ``.grad``."""
         self._shard.pieces_stepper()  # one that runs on whole parameters raises here, first
         self.finish_param_sync()
-        self._updates += 1
+        self._book.changed()
         self._shard.update(grads)
 
     def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
@@ -332,20 +326,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with self._call(f"consolidate_state_dict(to={to})"):
             shard = {"state": self._shard.cpu_shard()}
             gathered = comm.gather_objects(shard, to, self.process_group, self._collective_device())
-        self._shards = [cast(StateDict, x)["state"] for x in gathered or []]
-        self._consolidated_at = self._updates
+        self._book.gathered([cast(StateDict, x)["state"] for x in gathered or []])
 
     def state_dict(self) -> StateDict:
         """torch's format, each parameter's state whole; local. Full on rank ``to`` after
         :meth:`consolidate_state_dict` ``(to)`` (elsewhere ``PARTIAL_KEY``), empty before any
-        step, else a RuntimeError naming the fix (:func:`~.state_dict.rank_state_dict`)."""
-        return rank_state_dict(
-            self.param_groups,
-            self._shards,
-            updates=self._updates,
-            consolidated_at=self._consolidated_at,
-            rank=self.rank,
-        )
+        step, else a RuntimeError naming the fix (:class:`~.state_dict.Consolidation`)."""
+        return self._book.state_dict(self.param_groups, self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's pieces of a whole state dict (ours or ``torch.optim``'s); local.
@@ -359,7 +346,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         state = validated_state(state_dict, self.param_groups, self._schemas())
         self._shard.install(self._shard.cut(state), state_dict["param_groups"], copy=False)
         if state:
-            self._updates += 1
+            self._book.changed()
 
     def main_params(self) -> dict[Tensor, Tensor]:
         """This rank's main copies (``main_params_dtype``), keyed by parameter, each the owned
@@ -386,7 +373,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         agree("load_shard_state()", check, self.param_groups, group, self.timeout, errors)
         self._shard.warn_without_main(state)
         self._shard.install(state, param_groups, copy=copy)
-        self._updates += 1
+        self._book.changed()
 
     def _schemas(self) -> list[dict[str, str] | None]:
         return state_schemas(self.optimizer_class, self.param_groups, self._user_defaults)

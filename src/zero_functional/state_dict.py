@@ -33,6 +33,7 @@ from torch import Tensor
 from zero_functional._validate import prefix_sums
 
 __all__ = [
+    "Consolidation",
     "StateSchema",
     "check_hyperparameters",
     "check_param_state",
@@ -547,6 +548,47 @@ def rank_state_dict(
         return {"state": {}, "param_groups": groups, PARTIAL_KEY: True}
     shapes = [tuple(p.shape) for g in param_groups for p in g["params"]]
     return {"state": merge_shards(shards, shapes), "param_groups": groups}
+
+
+class Consolidation:
+    """How often this rank's state changed, and what the last consolidation gathered here: all
+    ``state_dict()`` needs to answer without a collective (:func:`rank_state_dict`).
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
+        >>> book = Consolidation()
+        >>> book.state_dict(groups, rank=0)["state"]
+        {}
+        >>> book.changed()
+        >>> book.gathered([{0: ((0, 2), {"momentum_buffer": torch.ones(2)})}])
+        >>> book.state_dict(groups, rank=0)["state"]
+        {0: {'momentum_buffer': tensor([1., 1.])}}
+    """
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.consolidated_at: int | None = None
+        self.shards: list[Mapping[int, tuple[Range, Mapping[str, object]]]] = []
+
+    def changed(self) -> None:
+        """This rank's state changed (a step or a load)."""
+        self.updates += 1
+
+    def gathered(self, shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]]) -> None:
+        """A consolidation ran: ``shards`` are every rank's on its target rank, none elsewhere."""
+        self.shards = list(shards)
+        self.consolidated_at = self.updates
+
+    def state_dict(self, param_groups: Sequence[Mapping[str, Any]], rank: int) -> dict[str, Any]:
+        """:func:`rank_state_dict` as of now."""
+        return rank_state_dict(
+            param_groups,
+            self.shards,
+            updates=self.updates,
+            consolidated_at=self.consolidated_at,
+            rank=rank,
+        )
 
 
 def check_shard_state(

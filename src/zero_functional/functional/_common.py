@@ -79,6 +79,22 @@ def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dt
     return groups
 
 
+def bias_corrections(
+    lr: float, betas: tuple[float, float], steps: Sequence[float]
+) -> tuple[list[float], list[float]]:
+    """Adam's per-tensor scalars for step counts ``steps``, in Python floats as torch's
+    ``_multi_tensor_adam`` computes them: ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``.
+
+    Example:
+        >>> bias_corrections(0.1, (0.5, 0.75), [1.0, 2.0])
+        ([-0.2, -0.13333333333333333], [0.5, 0.6614378277661477])
+    """
+    beta1, beta2 = betas
+    step_size = [(lr / (1 - beta1**t)) * -1 for t in steps]
+    bias_correction2_sqrt = [(1 - beta2**t) ** 0.5 for t in steps]
+    return step_size, bias_correction2_sqrt
+
+
 def check_real_number(fn: str, name: str, value: object) -> None:
     """Reject tensors and non-numbers where the update needs a Python number."""
     if isinstance(value, Tensor):

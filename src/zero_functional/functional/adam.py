@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from zero_functional.functional import compiled
 from zero_functional.functional._common import (
+    bias_corrections,
     check_lists,
     check_real_number,
     group_indices,
@@ -52,6 +53,7 @@ from zero_functional.functional._common import (
 
 __all__ = [
     "ADAMW_DEFAULTS",
+    "ADAMW_KEYWORDS",
     "ADAM_DEFAULTS",
     "AdamHyper",
     "AdamState",
@@ -129,7 +131,10 @@ class AdamHyper(NamedTuple):
 
 
 ADAM_DEFAULTS = AdamHyper()
-ADAMW_DEFAULTS = AdamHyper(weight_decay=1e-2, decoupled_weight_decay=True)
+ADAMW_KEYWORDS: dict[str, Any] = {"weight_decay": 1e-2, "decoupled_weight_decay": True}
+"""What makes Adam torch.optim.AdamW: decoupled decay, of 1e-2 by default (bound by the
+``adamw`` variants, :func:`functools.partial` of Adam's)."""
+ADAMW_DEFAULTS = ADAM_DEFAULTS._replace(**ADAMW_KEYWORDS)
 """torch.optim.AdamW's defaults: Adam's, with decoupled decay of 1e-2."""
 
 
@@ -202,11 +207,7 @@ def _foreach(ps: list[Tensor], gs: list[Tensor], s: AdamState, h: AdamHyper) -> 
     torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
     del gs
     # One host sync per group (torch syncs once per param via .item()).
-    step_values: list[float] = torch.stack(steps).tolist()
-    bias_correction1 = [1 - beta1**t for t in step_values]
-    bias_correction2 = [1 - beta2**t for t in step_values]
-    step_size = [(h.lr / bc) * -1 for bc in bias_correction1]
-    bias_correction2_sqrt = [bc**0.5 for bc in bias_correction2]
+    step_size, bias_correction2_sqrt = bias_corrections(h.lr, h.betas, torch.stack(steps).tolist())
     if h.amsgrad:
         torch._foreach_maximum_(vmaxs, vs)
         denom = torch._foreach_sqrt(vmaxs)
@@ -271,8 +272,8 @@ def adam_update_(
         params: parameters, updated in place.
         grads: one gradient per parameter, same shape, dtype and device.
         state: from :func:`adam_init` (or a previous step) for the same params.
-        lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused: the
-            :class:`AdamHyper` fields (``fused=True`` wins over ``compile``).
+        lr ... fused: the :class:`AdamHyper` fields, by name (``fused=True`` wins over
+            ``compile``).
         compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
             (compiled on first use of a configuration, reused while values change; numerics
             and the fallback to eager in :mod:`~zero_functional.functional.compiled`);
@@ -295,7 +296,7 @@ def adam_update_(
         >>> p[0], s.step[0]
         (tensor([ 0.8000, -0.8000]), tensor(2.))
     """
-    h = AdamHyper(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused)
+    h = AdamHyper._make(map(locals().__getitem__, AdamHyper._fields))  # spelled once: above
     if amsgrad and params and not state.max_exp_avg_sq:
         raise ValueError(
             "adam_update_: amsgrad=True but state.max_exp_avg_sq is empty; create the state "
@@ -333,13 +334,9 @@ def adam_update_(
 
 adam_update = pure_from_inplace(adam_update_)
 
-adamw_update_ = functools.partial(
-    adam_update_, weight_decay=ADAMW_DEFAULTS.weight_decay, decoupled_weight_decay=True
-)
+adamw_update_ = functools.partial(adam_update_, **ADAMW_KEYWORDS)
 adamw_update_.__doc__ = ":func:`adam_update_` with torch.optim.AdamW's decoupled weight decay."
-adamw_update = functools.partial(
-    adam_update, weight_decay=ADAMW_DEFAULTS.weight_decay, decoupled_weight_decay=True
-)
+adamw_update = functools.partial(adam_update, **ADAMW_KEYWORDS)
 adamw_update.__doc__ = ":func:`adam_update` with torch.optim.AdamW's decoupled weight decay."
 
 # compat: the compiled twin's name, from before the kernel was a flag

@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from zero_functional.functional._common import bias_corrections
+
 if TYPE_CHECKING:  # annotations only: adam.py and sgd.py import this module
     from zero_functional.functional.adam import AdamHyper, AdamState
     from zero_functional.functional.sgd import SGDHyper
@@ -265,11 +267,9 @@ def adam_group(ps: list[Tensor], gs: list[Tensor], state: AdamState, h: AdamHype
     p0 = ps[0]
     beta1, beta2 = h.betas
     # the step counts after this update, as the eager path reads them: float32 + 1, then floats
-    new_steps: list[float] = (torch.stack(state.step) + 1).tolist()
+    step_size, bc2_sqrt = bias_corrections(h.lr, h.betas, (torch.stack(state.step) + 1).tolist())
     shared = [1 - beta1, beta2, 1 - beta2, h.eps, h.weight_decay, 1 - h.lr * h.weight_decay]
-    coefs = _coefficients(
-        [[*shared, (h.lr / (1 - beta1**s)) * -1, (1 - beta2**s) ** 0.5] for s in new_steps], p0
-    )
+    coefs = _coefficients([[*shared, a, b] for a, b in zip(step_size, bc2_sqrt)], p0)
     # torch's lerp tests the weight as the kernel holds it (a CPU tensor: no device sync)
     lerp_small_weight = abs(float(torch.tensor(1 - beta1, dtype=p0.dtype))) < 0.5
     flags = {

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from zero_functional.functional.adam import (
     ADAM_DEFAULTS,
-    ADAMW_DEFAULTS,
+    ADAMW_KEYWORDS,
     AdamHyper,
     AdamState,
     adam_init,
@@ -113,8 +113,7 @@ def sgd(
     """SGD with torch.optim.SGD's keywords, defaults and validation messages.
 
     Args:
-        lr, momentum, dampening, weight_decay, nesterov, maximize: the :class:`SGDHyper`
-            fields.
+        lr ... maximize: the :class:`SGDHyper` fields, by name.
         foreach: accepted and ignored (foreach kernels are always used).
         differentiable: only False is supported.
         fused: only None/False (fused SGD is not implemented here).
@@ -141,7 +140,7 @@ def sgd(
         ValueError: Invalid learning rate: -1.0
     """
     _reject_unknown(sgd, "sgd", unknown)
-    hyper = SGDHyper(lr, momentum, dampening, weight_decay, nesterov, maximize).validated()
+    hyper = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields)).validated()
     if differentiable:
         raise ValueError("differentiable=True is not supported by zero_functional's sgd")
     if fused:
@@ -172,8 +171,7 @@ def adam(
     and validation messages.
 
     Args:
-        lr, betas, eps, weight_decay, amsgrad, maximize, fused, decoupled_weight_decay: the
-            :class:`AdamHyper` fields.
+        lr ... decoupled_weight_decay: the :class:`AdamHyper` fields, by name.
         foreach: accepted and ignored.
         capturable: only False is supported.
         differentiable: only False is supported.
@@ -203,9 +201,7 @@ def adam(
     """
     name = "adamw" if decoupled_weight_decay else "adam"
     _reject_unknown(adam, name, unknown)
-    hyper = AdamHyper(
-        lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, fused
-    ).validated()
+    hyper = AdamHyper._make(map(locals().__getitem__, AdamHyper._fields)).validated()
     for option, value in (("capturable", capturable), ("differentiable", differentiable)):
         if value:
             raise ValueError(
@@ -218,7 +214,5 @@ def adam(
     return _bind(name, hyper, init, adam_update, adam_update_)
 
 
-adamw = functools.partial(
-    adam, weight_decay=ADAMW_DEFAULTS.weight_decay, decoupled_weight_decay=True
-)
+adamw = functools.partial(adam, **ADAMW_KEYWORDS)
 adamw.__doc__ = ":func:`adam` with torch.optim.AdamW's defaults (decoupled decay of 1e-2)."

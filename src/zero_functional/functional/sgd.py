@@ -195,8 +195,7 @@ def sgd_update_(
         params: parameters, updated in place.
         grads: one gradient per parameter, same shape, dtype and device.
         state: from :func:`sgd_init` (or a previous step) for the same params.
-        lr, momentum, dampening, weight_decay, nesterov, maximize: the :class:`SGDHyper`
-            fields.
+        lr ... maximize: the :class:`SGDHyper` fields, by name.
         compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
             (float32 on CPU bitwise equal to the foreach kernels; see
             :mod:`~zero_functional.functional.compiled`); ``None``: only where
@@ -220,7 +219,7 @@ def sgd_update_(
         >>> p[0], state.momentum_buffer[0]
         (tensor([0.7100, 1.7100]), tensor([1.9000, 1.9000]))
     """
-    h = SGDHyper(lr, momentum, dampening, weight_decay, nesterov, maximize)
+    h = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields))  # spelled once: above
     check_lists("sgd_update_", params, grads, {"momentum_buffer": state.momentum_buffer})
     check_real_number("sgd_update_", "lr", lr)
     all_bufs = state.momentum_buffer
