@@ -23,6 +23,7 @@ from zero_functional.ownership import Run
 __all__ = [
     "ScalerFacade",
     "common_verdict",
+    "overlap_verdict",
     "refuse_scaler_step",
     "scaler_verdict",
     "unscale_and_check_",
@@ -141,3 +142,31 @@ def unscaled(
     """
     inv = grad_scale.double().reciprocal().float()
     return {k: g.to(dtypes.get(k) or g.dtype) * inv.to(g.device) for k, g in grads.items()}
+
+
+def overlap_verdict(
+    scaler: GradScaler,
+    facade: ScalerFacade,
+    owned: list[Tensor],
+    fallback: torch.device,
+    group: comm.ProcessGroup,
+) -> bool:
+    """Overlap mode's GradScaler step: unscale the ``owned`` gradient pieces in place, agree on
+    every rank whether any was non-finite (one all-reduce), tell ``scaler`` through ``facade``;
+    whether to skip the update.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> scaler, g = GradScaler("cpu", init_scale=4.0), torch.full((2,), 8.0)
+        >>> _ = scaler.scale(torch.ones(()))  # as the loss is scaled before backward
+        >>> overlap_verdict(scaler, ScalerFacade(), [g], g.device, dist.group.WORLD), g
+        (False, tensor([2., 2.]))
+        >>> dist.destroy_process_group()
+    """
+    device = owned[0].device if owned else fallback
+    found = unscale_and_check_(owned, 1.0 / scaler.get_scale(), device)
+    found = comm.all_reduce_scalar(found, group, op="max")
+    facade.record(scaler, found)
+    return bool(found.item())

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zero_functional import comm
 from zero_functional.amp import common_verdict
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.overlap import OverlapState, bucket_indices, widened
+from zero_functional.overlap import OverlapState, all_reduce_widened, bucket_indices, widened
 from zero_functional.ownership import Run
 from zero_functional.plans import COLLECTIVES, Collectives, buffer_runs, choose_collectives
 
@@ -193,7 +193,8 @@ def _make_hook(
             if substitute:
                 fut = overlap.reduce(bucket)
             elif reduce_dtype is not None and zero.world_size > 1:
-                fut = overlap.all_reduce(bucket)  # buckets not known yet: all-reduce, widened
+                # the buckets not known yet: all-reduce, widened
+                fut = all_reduce_widened(bucket.buffer(), reduce_dtype, overlap.world_group)
             else:
                 fut = hook(state, bucket)
             overlap.on_bucket(bucket, fut)

@@ -12,7 +12,7 @@ import enum
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -21,14 +21,20 @@ from torch.amp import GradScaler
 from torch.futures import Future
 
 from zero_functional import comm
-from zero_functional.amp import ScalerFacade, unscale_and_check_
+from zero_functional.amp import ScalerFacade, overlap_verdict
 from zero_functional.ownership import Ownership, Run, bucket_ownership
 from zero_functional.plans import Collectives, buffer_runs
 
 if TYPE_CHECKING:
     from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["BucketStatus", "OverlapState", "bucket_indices", "widened"]
+__all__ = [
+    "BucketStatus",
+    "OverlapState",
+    "all_reduce_widened",
+    "bucket_indices",
+    "widened",
+]
 
 
 class BucketStatus(enum.Enum):
@@ -213,17 +219,11 @@ def _gather_group(
 
 
 class OverlapState:
-    """What overlap mode keeps between buckets and iterations (one per optimizer).
-
-    Attributes:
-        collectives: The strategy the hook uses (see :func:`choose_collectives`).
-        structure: The bucket structure adopted (per bucket, its parameters' global indices),
-            or ``None`` before the first backward.
-        restructures: Backwards whose buckets differed from the adopted structure.
-        reduced_buckets: Buckets reduced onto their owners (rather than by the user's hook).
-        skipped: Backwards whose update was skipped because a gradient was not finite (with
-            a ``GradScaler``).
-    """
+    """What overlap mode keeps between buckets and iterations (one per optimizer): the
+    ``collectives`` used (:func:`choose_collectives`), the bucket ``structure`` adopted (per
+    bucket, its parameters' global indices; ``None`` before the first backward), and counts of
+    ``restructures``, ``reduced_buckets`` (onto their owners, not by the user's hook) and
+    backwards ``skipped`` by a ``GradScaler`` (a non-finite gradient)."""
 
     def __init__(
         self,
@@ -236,16 +236,12 @@ class OverlapState:
         reduce_dtype: torch.dtype | None = None,
         world_group: comm.ProcessGroup | None = None,
     ) -> None:
-        # weakly: _STATES is keyed by `zero`, and a value that held its key would keep the
-        # optimizer, its process group and the twin group alive to interpreter exit (issue 20)
+        # weakly: _STATES is keyed by `zero`; holding it would keep the groups alive (issue 20)
         self._zero = weakref.ref(zero)
-        # DDP's find_unused_parameters: a parameter no rank used has no gradient afterwards
-        # and torch's optimizers skip it; that is known on every rank only at the last bucket
-        self.find_unused = find_unused
-        self.used: set[int] | None = None
+        # DDP's find_unused_parameters: which parameters some rank used, at the last bucket
+        self.find_unused, self.used = find_unused, cast("set[int] | None", None)
         self.reduce_dtype = reduce_dtype
-        # DDP's group: the world a gradient is averaged over (the shard group times its
-        # replicas under a device mesh)
+        # DDP's group, over which gradients are averaged (a mesh's shard x replicate groups)
         self.world_group = world_group if world_group is not None else zero.process_group
         self.shard_buckets = shard_buckets
         self.interleaved = interleaved
@@ -309,20 +305,6 @@ class OverlapState:
         b.reduce = _Reduce.start(bucket.buffer(), runs, chunk, self.zero, ranks, self.reduce_dtype)
         self.reduced_buckets += 1
         return b.reduce.future
-
-    def all_reduce(self, bucket: GradBucket) -> Future[Tensor]:
-        """DDP's average of ``bucket`` on every rank, summed in the reduce dtype and rounded
-        back once: what replaces DDP's hook while the bucket structure is not yet known."""
-        flat = bucket.buffer()
-        wide = widened(flat, self.reduce_dtype).div_(comm.group_size(self.world_group))
-        pending = comm.start_all_reduce(wide, self.world_group)
-        if wide is not flat:
-
-            def round_back() -> None:
-                flat.copy_(wide)
-
-            pending.finish.append(round_back)
-        return pending.future(flat)
 
     def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
         """Record the bucket's future; update finished buckets (the last bucket: all of them)."""
@@ -388,16 +370,12 @@ class OverlapState:
             b.reduce.future.set_result(b.reduce.result())
 
     def _scaled_step(self) -> None:
-        """With a GradScaler: unscale every owned gradient, decide on every rank together
-        whether any was non-finite, tell the scaler, then update everything or nothing."""
+        """With a GradScaler: unscale every owned gradient, one verdict on every rank
+        (:func:`~zero_functional.amp.overlap_verdict`), then update everything or nothing."""
         assert self.scaler is not None
-        buckets = self._backward.buckets
-        owned = [g for b in buckets for g in b.owned_grads(self.zero, self.used).values()]
-        device = owned[0].device if owned else self.zero.join_device
-        found = unscale_and_check_(owned, 1.0 / self.scaler.get_scale(), device)
-        found = comm.all_reduce_scalar(found, self.zero.process_group, op="max")
-        self._facade.record(self.scaler, found)
-        if bool(found.item()):
+        buckets, zero = self._backward.buckets, self.zero
+        owned = [g for b in buckets for g in b.owned_grads(zero, self.used).values()]
+        if overlap_verdict(self.scaler, self._facade, owned, zero.join_device, zero.process_group):
             self.skipped += 1
             self._update_until(len(buckets), update=False)
 
@@ -411,3 +389,30 @@ def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
         (True, torch.float32)
     """
     return t if dtype is None or dtype == t.dtype else t.to(dtype)
+
+
+def all_reduce_widened(
+    flat: Tensor, dtype: torch.dtype | None, group: comm.ProcessGroup
+) -> Future[Tensor]:
+    """DDP's average of a bucket's buffer ``flat`` over ``group``, summed in ``dtype`` and
+    rounded back once: what replaces DDP's hook, with a reduce dtype, while the bucket
+    structure is not known yet.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> all_reduce_widened(torch.ones(2, dtype=torch.bfloat16), torch.float32,
+        ...                    dist.group.WORLD).wait()
+        tensor([1., 1.], dtype=torch.bfloat16)
+        >>> dist.destroy_process_group()
+    """
+    wide = widened(flat, dtype).div_(comm.group_size(group))
+    pending = comm.start_all_reduce(wide, group)
+    if wide is not flat:
+
+        def round_back() -> None:
+            flat.copy_(wide)
+
+        pending.finish.append(round_back)
+    return pending.future(flat)
