@@ -187,6 +187,9 @@ def small_mlp() -> nn.Module:
         ["train", "--main-params", "fp32"],  # fp32 parameters need no main copy
         ["train", "--dtype", "bf16", "--main-params", "fp32", "--impl", "torch"],
         ["train", "--dtype", "bf16", "--checkpoint", "ck"],
+        ["train", "--nproc", "4", "--shard-size", "3"],
+        ["train", "--shard-size", "0"],
+        ["train", "--nproc", "4", "--shard-size", "2", "--impl", "torch"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "gpt2-small", "--dtype", "int8"],
@@ -650,3 +653,16 @@ def test_numeric_flags_take_their_bounds(
     (first, nproc), (second, _) = started
     assert (nproc, first.epochs, first.seed) == (64, 1_000_000, 2**64 - 1)
     assert (second.seed, second.batch_size, second.hidden) == (-(2**63), 1438, 4096)
+
+
+def test_a_shard_size_that_does_not_divide_the_ranks_names_the_ones_that_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_cli(["train", "--nproc", "6", "--shard-size", "4"], capsys)
+    assert code == 2 and out == "", err
+    assert err == (
+        "zero-functional train: error: --shard-size: shard size 4 does not divide world size 6: "
+        "pass one of its divisors, 1, 2, 3, 6 (--nproc)\n"
+    )
+    code, _, err = run_cli(["train", "--shard-size", "0"], capsys)
+    assert code == 2 and "expected an integer from 1 to 64, got '0'" in err, err

@@ -214,6 +214,21 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             "--main-params fp32 needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
             "keeps no main copy",
         )
+    if args.shard_size is not None:
+        if args.impl == "torch":
+            return None, _fail(
+                command,
+                "--shard-size needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
+                "takes no device mesh",
+            )
+        from zero_functional.partition import hybrid_shape
+
+        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
+        try:
+            hybrid_shape(world, args.shard_size)
+        except ValueError as e:
+            where = "torchrun's WORLD_SIZE" if _under_torchrun() else "--nproc"
+            return None, _fail(command, f"--shard-size: {e} ({where})")
     if args.main_params and args.dtype == "fp32":
         return None, _fail(
             command,
@@ -302,6 +317,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             hidden=TrainConfig.hidden if hidden is None else hidden,
             dtype=args.dtype,
             main_params=args.main_params,
+            shard_size=args.shard_size,
         )
     except ValueError as e:
         return None, _fail(command, str(e))
@@ -499,6 +515,13 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         choices=("fp32",),
         help="with --dtype bf16: ours with main_params_dtype=torch.float32 (fp32 main copies of "
         "the owned pieces, fp32 state); the reference's Adam on fp32 main weights",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=_int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine"),
+        metavar="S",
+        help="hybrid sharding: state sharded within groups of S ranks (a node) and replicated "
+        "across the world/S groups (device_mesh=); S must divide --nproc (default: the world)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

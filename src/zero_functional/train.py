@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from zero_functional import comm
 from zero_functional.launch import LaunchError, Terminated, process_group, run_ranks
 from zero_functional.ownership import check_partition
+from zero_functional.partition import hybrid_shape
 from zero_functional.train_checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -88,6 +89,9 @@ class TrainConfig:
         dtype: The model's dtype, ``"fp32"`` or ``"bf16"`` (inputs cast to it, loss in fp32).
         main_params: ``"fp32"``: ours with ``main_params_dtype=torch.float32``, and the
             reference's Adam on fp32 main weights (bf16 gradients upcast, parameters rounded).
+        shard_size: Hybrid sharding (ours only): the state sharded within groups of this many
+            consecutive ranks and replicated across the ``world_size / shard_size`` groups, a
+            ``("replicate", "shard")`` device mesh; ``None``: sharded over the whole world.
     """
 
     epochs: int = 10
@@ -105,6 +109,7 @@ class TrainConfig:
     partition: str = "flat"
     dtype: str = "fp32"
     main_params: str | None = None
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES or self.main_params not in (None, "fp32"):
@@ -124,6 +129,11 @@ class TrainConfig:
                 f"seed must be in torch.manual_seed's range, -2**63 to 2**64-1, got {self.seed}"
             )
         check_partition(self.partition)
+        if self.shard_size is not None and (self.shard_size < 1 or self.impl != "zero_functional"):
+            raise ValueError(
+                f"shard_size must be >= 1 and needs impl 'zero_functional' (torch's class takes "
+                f"no device mesh), got {self.shard_size} with impl {self.impl!r}"
+            )
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -334,6 +344,12 @@ def _train(
         from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
         from zero_functional.optimizer import ZeroRedundancyOptimizer
 
+        mesh = None
+        if cfg.shard_size is not None:  # hybrid: sharded within, replicated across
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = hybrid_shape(world_size, cfg.shard_size)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         zero = ZeroRedundancyOptimizer(
             ddp.parameters(),
             torch.optim.Adam,
@@ -342,6 +358,7 @@ def _train(
             lr=cfg.lr,
             fused=FUSED,
             main_params_dtype=torch.float32 if cfg.main_params else None,
+            device_mesh=mesh,
         )
         if cfg.overlap:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -486,6 +503,9 @@ def _summary(
         else "torch.distributed.optim"
     )
     mode = "overlap_with_ddp" if cfg.overlap else "step after backward"
+    if cfg.shard_size is not None:
+        replicas = world_size // cfg.shard_size
+        mode += f", mesh {replicas} x {cfg.shard_size} (replicate x shard)"
     if cfg.dtype != "fp32":
         mode += f", {cfg.dtype} model" + (", fp32 main params" if cfg.main_params else "")
     lines = [
