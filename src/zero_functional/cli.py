@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from zero_functional import __version__
-from zero_functional.plan_format import DTYPE_BYTES, format_memory, format_plan
+from zero_functional.plan_format import (
+    DTYPE_BYTES,
+    check_ranks,
+    format_hybrid,
+    format_memory,
+    format_plan,
+)
 
 __all__ = ["DTYPE_BYTES", "build_parser", "format_bench", "format_memory", "format_plan", "main"]
 
@@ -49,6 +55,8 @@ MAX_LOCAL_RANKS = 64
 """Most ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""
 MAX_PLAN_WORLD_SIZE = 1 << 20
 """Most ranks ``plan`` reports (past the largest clusters; 2**20 takes seconds and 0.6 GB)."""
+MAX_SIMULATED_RANKS = 64
+"""Most ranks ``plan --simulate`` builds per world size (each takes up to a second)."""
 MAX_EPOCHS = 1_000_000
 """Most epochs of the train job: 23 million steps at the default batch, days of training."""
 MAX_HIDDEN = 4096
@@ -116,6 +124,17 @@ def _positive_float(high: float, why: str) -> Callable[[str], float]:
 _ranks = _int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine")
 
 
+def _rank_list(text: str) -> list[int]:
+    """An argparse type: ranks separated by commas (``0,1023``), each an integer >= 0."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts) or len(parts) > MAX_SIMULATED_RANKS:
+        raise argparse.ArgumentTypeError(
+            f"expected up to {MAX_SIMULATED_RANKS} ranks (integers >= 0) separated by commas, "
+            f"such as 0,1023, got {_shown(text)}"
+        )
+    return [int(part) for part in parts]
+
+
 # ----------------------------------------------------------------------------- plan
 
 
@@ -142,12 +161,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _fail("plan", str(e))
     if not shapes:
         return _fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
+    if args.shard_size is not None:
+        from zero_functional.partition import hybrid_shape
+
+        try:
+            for w in args.world_sizes:
+                hybrid_shape(w, args.shard_size)
+        except ValueError as e:
+            return _fail("plan", f"--shard-size: {e} (--world-sizes)")
+    params = None
+    if args.simulate is not None:
+        try:
+            check_ranks(args.simulate, args.world_sizes)  # before torch is imported
+            from zero_functional.simulate import model_params
+
+            params = model_params(shapes, args.dtype or "fp32")
+        except ValueError as e:
+            return _fail("plan", f"--simulate: {e}")
+    dtype = args.dtype or "fp32"
     print(format_plan(args.model, numels(shapes), args.world_sizes))
     if args.dtype is not None or args.main_params is not None:
         print()
+        print(format_memory(numels(shapes), args.world_sizes, dtype, args.main_params))
+    if args.shard_size is not None:
+        print()
         print(
-            format_memory(numels(shapes), args.world_sizes, args.dtype or "fp32", args.main_params)
+            format_hybrid(
+                numels(shapes), args.world_sizes, args.shard_size, dtype, args.main_params
+            )
         )
+    if params is not None:
+        from zero_functional.simulate import format_simulated, simulate_ranks
+
+        has_main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
+        rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
+        print()
+        print(format_simulated(rows))
     return 0
 
 
@@ -579,6 +628,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp32",),
         help="an fp32 main copy of the owned pieces of narrower parameters, with fp32 state "
         "(main_params_dtype=torch.float32; default: none)",
+    )
+    plan.add_argument(
+        "--shard-size",
+        type=_int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
+        metavar="S",
+        help="also print hybrid sharding (state sharded within groups of S ranks, a node, and "
+        "replicated across world/S): state per rank and bytes per rank and step within and "
+        "across nodes; S must divide every world size",
+    )
+    plan.add_argument(
+        "--simulate",
+        type=_rank_list,
+        metavar="RANKS",
+        help="also build the optimizer as these ranks (such as 0,1023) of each world size "
+        "would, under torch's fake process group, step once, and print what each holds",
     )
     plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(
