@@ -187,6 +187,9 @@ def small_mlp() -> nn.Module:
         ["train", "--main-params", "fp32"],  # fp32 parameters need no main copy
         ["train", "--dtype", "bf16", "--main-params", "fp32", "--impl", "torch"],
         ["train", "--dtype", "bf16", "--checkpoint", "ck"],
+        ["train", "--nproc", "4", "--shard-size", "3"],
+        ["train", "--shard-size", "0"],
+        ["train", "--nproc", "4", "--shard-size", "2", "--impl", "torch"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "gpt2-small", "--dtype", "int8"],
@@ -197,6 +200,12 @@ def small_mlp() -> nn.Module:
         ["plan", "tests.test_cli:not_a_module"],
         ["plan", "tests.test_cli:needs_arguments"],
         ["plan", "tests.test_cli:raises_inside"],
+        ["plan", "gpt2-small", "--world-sizes", "64", "12", "--shard-size", "8"],
+        ["plan", "gpt2-small", "--shard-size", "0"],
+        ["plan", "gpt2-small", "--world-sizes", "64", "--simulate", "0,64"],
+        ["plan", "gpt2-small", "--world-sizes", "64", "--simulate", "-1"],
+        ["plan", "gpt2-small", "--world-sizes", "64", "--simulate", "0;1"],
+        ["plan", "llama-7b", "--world-sizes", "64", "--simulate", "0"],  # 50 GiB to allocate
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_on_stderr(
@@ -524,6 +533,8 @@ for argv in (
     ["train", "--nproc", "4", "--batch-size", "2"],
     ["train", "--overlap", "--impl", "torch"],
     ["plan", "gpt2-small", "--world-sizes", "0"],
+    ["plan", "gpt2-small", "--world-sizes", "64", "12", "--shard-size", "8"],
+    ["plan", "gpt2-small", "--world-sizes", "64", "--simulate", "0,64"],
 ):
     try:
         main(argv)
@@ -650,3 +661,107 @@ def test_numeric_flags_take_their_bounds(
     (first, nproc), (second, _) = started
     assert (nproc, first.epochs, first.seed) == (64, 1_000_000, 2**64 - 1)
     assert (second.seed, second.batch_size, second.hidden) == (-(2**63), 1438, 4096)
+
+
+def test_a_shard_size_that_does_not_divide_the_ranks_names_the_ones_that_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_cli(["train", "--nproc", "6", "--shard-size", "4"], capsys)
+    assert code == 2 and out == "", err
+    assert err == (
+        "zero-functional train: error: --shard-size: shard size 4 does not divide world size 6: "
+        "pass one of its divisors, 1, 2, 3, 6 (--nproc)\n"
+    )
+    code, _, err = run_cli(["train", "--shard-size", "0"], capsys)
+    assert code == 2 and "expected an integer from 1 to 64, got '0'" in err, err
+
+
+def test_plan_with_shard_size_prints_state_and_bytes_within_and_across_nodes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "tests.test_cli:small_mlp", "--world-sizes", "8", "64"]
+    code, plain, _ = run_cli(argv, capsys)
+    code, out, err = run_cli([*argv, "--shard-size", "8"], capsys)
+    assert code == 0, err
+    assert out.startswith(plain)  # the plan above is unchanged by the flag
+    table = out.split("hybrid sharding, shard size 8")[1].splitlines()
+    rows = {r[0]: r for r in (line.split() for line in table[4:])}
+    total = sum(p.numel() for p in small_mlp().parameters())  # 4,160 fp32 elements
+    b = 4 * total
+    # world, R x S, flat state (8 B per owned element), sorted-greedy, within, across, 1-D
+    assert rows["64"][1:4] == ["8", "x", "8"]
+    cells = [" ".join(rows["64"][i : i + 2]) for i in range(4, 16, 2)]
+    assert cells == [
+        train.format_bytes(n)
+        for n in (
+            8 * total / 8,
+            8 * 4096,  # the weight is one tensor: sorted-greedy gives it to one rank whole
+            2 * b * 7 / 8,
+            2 * (b / 8) * 7 / 8,
+            8 * total / 64,
+            2 * b * 63 / 64,
+        )
+    ]
+    assert " ".join(rows["8"][10:12]) == "0 B"  # 1 x 8: nothing crosses nodes
+
+
+def test_plan_shard_size_that_does_not_divide_a_world_size_names_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_cli(
+        ["plan", "gpt2-small", "--world-sizes", "64", "12", "--shard-size", "8"], capsys
+    )
+    assert code == 2 and out == ""
+    assert err == (
+        "zero-functional plan: error: --shard-size: shard size 8 does not divide world size 12: "
+        "pass one of its divisors, 1, 2, 3, 4, 6, 12 (--world-sizes)\n"
+    )
+
+
+def test_plan_simulate_builds_the_optimizer_as_those_ranks_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from zero_functional.plans import ownership_for
+
+    argv = ["plan", "tests.test_cli:small_mlp", "--world-sizes", "1024", "--simulate", "0,1023"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    table = out.split("simulated ranks")[1].splitlines()[2:]
+    rows = {(r[1], r[3]): r for r in (line.split() for line in table)}
+    assert len(rows) == 4  # 2 ranks x 2 partitions
+    params = list(small_mlp().parameters())
+    plan = ownership_for("flat", [{"params": params}], 1024)  # what the optimizer's own plan says
+    loads = [sum(s.stop - s.start for s in plan.owned(r)) for r in (0, 1023)]
+    for rank, load in zip((0, 1023), loads):
+        world, _, shard, _, pieces, elements = rows[(str(rank), "flat")][:6]
+        assert (world, shard) == ("1024", "1024")
+        assert int(elements.replace(",", "")) == load
+        assert int(pieces) == len(plan.owned(rank))
+        # AdamW's 2 fp32 moments per owned element and a 4-byte step count per piece
+        state = " ".join(rows[(str(rank), "flat")][6:8])
+        assert state == train.format_bytes(8 * load + 4 * int(pieces))
+        assert float(rows[(str(rank), "flat")][-1]) < 10  # seconds
+    assert loads[0] > 0  # (flat pieces are aligned: 4,160 elements fill the first ranks only)
+    # sorted-greedy at 1,024 ranks: the weight to rank 0, the bias to rank 1, rank 1023 nothing
+    assert rows[("0", "sorted-greedy")][4:6] == ["1", "4,096"]
+    assert rows[("1023", "sorted-greedy")][4:8] == ["0", "0", "0", "B"]
+
+    # hybrid: each rank owns its share of its shard group of 8
+    code, out, err = run_cli([*argv, "--shard-size", "8"], capsys)
+    assert code == 0, err
+    table = out.split("simulated ranks")[1].splitlines()[2:]
+    flat_rows = [r.split() for r in table if " flat " in r]
+    assert [r[2] for r in flat_rows] == ["8", "8"]
+    assert [int(r[5].replace(",", "")) for r in flat_rows] == [520, 520]
+
+
+def test_plan_simulate_names_the_ranks_each_world_size_has(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "gpt2-small", "--world-sizes", "1024", "64", "--simulate", "0,1023"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and out == ""
+    assert err == (
+        "zero-functional plan: error: --simulate: rank 1023 is not a rank of world size 64: "
+        "pass ranks from 0 to 63\n"
+    )

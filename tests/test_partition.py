@@ -12,9 +12,11 @@ from zero_functional.partition import (
     Segment,
     balance_report,
     flat,
+    hybrid_shape,
     owners,
     rank_bytes,
     rank_loads,
+    rank_traffic,
     sorted_greedy,
     sorted_greedy_groups,
 )
@@ -202,3 +204,34 @@ def test_rank_bytes_counts_the_main_copy_and_its_state_per_owned_element_only() 
         rank_bytes(1001, total, param_bytes=2)
     with pytest.raises(ValueError, match="param_bytes"):
         rank_bytes(1, total, param_bytes=0)
+
+
+def test_rank_traffic_is_the_ring_cost_within_and_across_and_its_limits_are_1d_and_ddp() -> None:
+    b = 8 * 124_439_808 // 2  # any byte count
+    for replicas, shards in [(8, 8), (128, 8), (2, 2), (3, 2), (1, 4), (4, 1)]:
+        t = rank_traffic(b, shards, replicas)
+        assert t.within == 2 * b * (shards - 1) / shards  # reduce onto owners + gather
+        assert t.across == 2 * (b / shards) * (replicas - 1) / replicas  # owned piece
+        assert t.total == t.within + t.across
+    world = 64
+    one_d, ddp = rank_traffic(b, world), rank_traffic(b, 1, world)
+    assert one_d.across == ddp.within == 0 and one_d.within == ddp.across  # both 2B(W-1)/W
+    # across nodes, each rank all-reduces 1/S of the bytes: S times fewer than an all-reduce of
+    # everything over the same R replicas
+    assert rank_traffic(b, 8, 8).across * 8 == rank_traffic(b, 1, 8).across
+    with pytest.raises(ValueError, match="shard_size >= 1"):
+        rank_traffic(b, 0)
+    with pytest.raises(ValueError, match="nbytes >= 0"):
+        rank_traffic(-1, 2)
+
+
+def test_hybrid_shape_is_replicas_by_shards_and_names_the_divisors() -> None:
+    assert hybrid_shape(64, 8) == (8, 8) and hybrid_shape(4, 4) == (1, 4)
+    assert hybrid_shape(4, 1) == (4, 1)
+    for world, shard in [(12, 8), (4, 0), (4, 8)]:
+        with pytest.raises(ValueError, match="pass one of its divisors, 1, 2"):
+            hybrid_shape(world, shard)
+    with pytest.raises(
+        ValueError, match=r"1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, \.\.\.$"
+    ):
+        hybrid_shape(2**20, 3)

@@ -25,6 +25,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from zero_functional import __version__
+from zero_functional.plan_format import (
+    DTYPE_BYTES,
+    check_ranks,
+    format_hybrid,
+    format_memory,
+    format_plan,
+)
 
 __all__ = ["DTYPE_BYTES", "build_parser", "format_bench", "format_memory", "format_plan", "main"]
 
@@ -48,6 +55,8 @@ MAX_LOCAL_RANKS = 64
 """Most ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""
 MAX_PLAN_WORLD_SIZE = 1 << 20
 """Most ranks ``plan`` reports (past the largest clusters; 2**20 takes seconds and 0.6 GB)."""
+MAX_SIMULATED_RANKS = 64
+"""Most ranks ``plan --simulate`` builds per world size (each takes up to a second)."""
 MAX_EPOCHS = 1_000_000
 """Most epochs of the train job: 23 million steps at the default batch, days of training."""
 MAX_HIDDEN = 4096
@@ -115,107 +124,18 @@ def _positive_float(high: float, why: str) -> Callable[[str], float]:
 _ranks = _int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine")
 
 
+def _rank_list(text: str) -> list[int]:
+    """An argparse type: ranks separated by commas (``0,1023``), each an integer >= 0."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts) or len(parts) > MAX_SIMULATED_RANKS:
+        raise argparse.ArgumentTypeError(
+            f"expected up to {MAX_SIMULATED_RANKS} ranks (integers >= 0) separated by commas, "
+            f"such as 0,1023, got {_shown(text)}"
+        )
+    return [int(part) for part in parts]
+
+
 # ----------------------------------------------------------------------------- plan
-
-
-def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) -> str:
-    """The balance of sorted-greedy and flat partitions of ``numels`` at each world size.
-
-    Per world size and partition: max/mean load, the lower bound on the max load of any
-    whole-tensor partition (``max(mean, largest tensor)``), max/lower bound (below 1 for
-    ``flat``, which splits tensors), the smallest and largest rank load, and the Adam state of the fullest rank (2 fp32 states: ``8 * load`` bytes)
-    against ZeRO's formula (``8 * total / world_size``).
-
-    Args:
-        name: The model's name, for the header.
-        numels: Each parameter tensor's number of elements, in ``parameters()`` order.
-        world_sizes: The world sizes to report.
-
-    Returns:
-        The report, one header and a table.
-
-    Example:
-        >>> print(format_plan("toy", [6, 3, 3], [2]))
-        toy: 3 tensors, 12 parameters, largest 6 (50.0%)
-        Adam state unsharded (2 fp32 states): 96 B; ZeRO's formula per rank: 8 B x 12 / world_size
-        world  partition      max/mean  lower bound  max/lower     min load     max load  Adam/rank (max)  ZeRO formula  max/formula
-            2  sorted-greedy     1.000            6      1.000            6            6             48 B          48 B        1.000
-            2  flat              1.000            6      1.000            6            6             48 B          48 B        1.000
-    """
-    from zero_functional.partition import balance_report, flat, sorted_greedy
-    from zero_functional.train import format_bytes
-
-    total = sum(numels)
-    largest = max(numels, default=0)
-    lines = [
-        f"{name}: {len(numels):,} tensors, {total:,} parameters, largest {largest:,} "
-        f"({largest / total if total else 0:.1%})",
-        f"Adam state unsharded (2 fp32 states): {format_bytes(8 * total)}; "
-        f"ZeRO's formula per rank: 8 B x {total:,} / world_size",
-        f"{'world':>5}  {'partition':<13}  {'max/mean':>8}  {'lower bound':>11}  "
-        f"{'max/lower':>9}  {'min load':>11}  {'max load':>11}  {'Adam/rank (max)':>15}  "
-        f"{'ZeRO formula':>12}  {'max/formula':>11}",
-    ]
-    for w in world_sizes:
-        formula = 8 * total / w
-        for label, part in (("sorted-greedy", sorted_greedy(numels, w)), ("flat", flat(numels, w))):
-            r = balance_report(numels, part)
-            predicted = 8 * r.max_load
-            lines.append(
-                f"{w:>5}  {label:<13}  {r.max_over_mean:>8.3f}  {r.lower_bound:>11,.0f}  "
-                f"{r.max_over_lower_bound:>9.3f}  {min(r.loads):>11,}  {r.max_load:>11,}  "
-                f"{format_bytes(predicted):>15}  {format_bytes(formula):>12}  "
-                f"{predicted / formula if formula else 1.0:>11.3f}"
-            )
-    return "\n".join(lines)
-
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of the dtypes ``--dtype`` and ``--main-params`` take."""
-
-
-def format_memory(
-    numels: Sequence[int], world_sizes: Sequence[int], dtype: str, main_params: str | None
-) -> str:
-    """Bytes per rank (the fullest rank) of an AdamW run, per world size and partition.
-
-    Parameters and gradients are in ``dtype`` on every rank; the main copy
-    (``main_params_dtype``, only for parameters narrower than it) and AdamW's two moments
-    (in the main dtype with a main copy, else in ``dtype``) cover the owned elements
-    (:func:`zero_functional.partition.rank_bytes`).
-
-    Example:
-        >>> print(format_memory([6, 3, 3], [2], "bf16", "fp32"))
-        bytes per rank (fullest rank): bf16 parameters and gradients, fp32 main copy, AdamW's 2 fp32 states
-        world  partition          params       grads   main copy       state       total
-            2  sorted-greedy        24 B        24 B        24 B        48 B       120 B
-            2  flat                 24 B        24 B        24 B        48 B       120 B
-    """
-    from zero_functional.partition import flat, rank_bytes, rank_loads, sorted_greedy
-    from zero_functional.train import format_bytes
-
-    param_bytes = DTYPE_BYTES[dtype]
-    main_bytes = DTYPE_BYTES[main_params] if main_params else 0
-    has_main = main_bytes > param_bytes
-    copy = f"{main_params} main copy" if has_main else "no main copy"
-    lines = [
-        f"bytes per rank (fullest rank): {dtype} parameters and gradients, {copy}, "
-        f"AdamW's 2 {main_params if has_main else dtype} states",
-        f"{'world':>5}  {'partition':<13}  "
-        + "  ".join(f"{c:>10}" for c in ("params", "grads", "main copy", "state", "total")),
-    ]
-    total = sum(numels)
-    for w in world_sizes:
-        for label, loads in (
-            ("sorted-greedy", rank_loads(numels, sorted_greedy(numels, w))),
-            ("flat", flat(numels, w).loads),
-        ):
-            b = rank_bytes(max(loads), total, param_bytes=param_bytes, main_bytes=main_bytes)
-            cells = (b.params, b.grads, b.main, b.state, b.total)
-            lines.append(
-                f"{w:>5}  {label:<13}  " + "  ".join(f"{format_bytes(c):>10}" for c in cells)
-            )
-    return "\n".join(lines)
 
 
 def _current_directory_on_path() -> None:
@@ -241,12 +161,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _fail("plan", str(e))
     if not shapes:
         return _fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
+    if args.shard_size is not None:
+        from zero_functional.partition import hybrid_shape
+
+        try:
+            for w in args.world_sizes:
+                hybrid_shape(w, args.shard_size)
+        except ValueError as e:
+            return _fail("plan", f"--shard-size: {e} (--world-sizes)")
+    params = None
+    if args.simulate is not None:
+        try:
+            check_ranks(args.simulate, args.world_sizes)  # before torch is imported
+            from zero_functional.simulate import model_params
+
+            params = model_params(shapes, args.dtype or "fp32")
+        except ValueError as e:
+            return _fail("plan", f"--simulate: {e}")
+    dtype = args.dtype or "fp32"
     print(format_plan(args.model, numels(shapes), args.world_sizes))
     if args.dtype is not None or args.main_params is not None:
         print()
+        print(format_memory(numels(shapes), args.world_sizes, dtype, args.main_params))
+    if args.shard_size is not None:
+        print()
         print(
-            format_memory(numels(shapes), args.world_sizes, args.dtype or "fp32", args.main_params)
+            format_hybrid(
+                numels(shapes), args.world_sizes, args.shard_size, dtype, args.main_params
+            )
         )
+    if params is not None:
+        from zero_functional.simulate import format_simulated, simulate_ranks
+
+        has_main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
+        rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
+        print()
+        print(format_simulated(rows))
     return 0
 
 
@@ -313,6 +263,21 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             "--main-params fp32 needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
             "keeps no main copy",
         )
+    if args.shard_size is not None:
+        if args.impl == "torch":
+            return None, _fail(
+                command,
+                "--shard-size needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
+                "takes no device mesh",
+            )
+        from zero_functional.partition import hybrid_shape
+
+        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
+        try:
+            hybrid_shape(world, args.shard_size)
+        except ValueError as e:
+            where = "torchrun's WORLD_SIZE" if _under_torchrun() else "--nproc"
+            return None, _fail(command, f"--shard-size: {e} ({where})")
     if args.main_params and args.dtype == "fp32":
         return None, _fail(
             command,
@@ -401,6 +366,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             hidden=TrainConfig.hidden if hidden is None else hidden,
             dtype=args.dtype,
             main_params=args.main_params,
+            shard_size=args.shard_size,
         )
     except ValueError as e:
         return None, _fail(command, str(e))
@@ -599,6 +565,13 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         help="with --dtype bf16: ours with main_params_dtype=torch.float32 (fp32 main copies of "
         "the owned pieces, fp32 state); the reference's Adam on fp32 main weights",
     )
+    p.add_argument(
+        "--shard-size",
+        type=_int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine"),
+        metavar="S",
+        help="hybrid sharding: state sharded within groups of S ranks (a node) and replicated "
+        "across the world/S groups (device_mesh=); S must divide --nproc (default: the world)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--timeout",
@@ -655,6 +628,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp32",),
         help="an fp32 main copy of the owned pieces of narrower parameters, with fp32 state "
         "(main_params_dtype=torch.float32; default: none)",
+    )
+    plan.add_argument(
+        "--shard-size",
+        type=_int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
+        metavar="S",
+        help="also print hybrid sharding (state sharded within groups of S ranks, a node, and "
+        "replicated across world/S): state per rank and bytes per rank and step within and "
+        "across nodes; S must divide every world size",
+    )
+    plan.add_argument(
+        "--simulate",
+        type=_rank_list,
+        metavar="RANKS",
+        help="also build the optimizer as these ranks (such as 0,1023) of each world size "
+        "would, under torch's fake process group, step once, and print what each holds",
     )
     plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(

@@ -29,12 +29,15 @@ __all__ = [
     "BalanceReport",
     "FlatPartition",
     "RankBytes",
+    "RankTraffic",
     "Segment",
     "balance_report",
     "flat",
+    "hybrid_shape",
     "owners",
     "rank_bytes",
     "rank_loads",
+    "rank_traffic",
     "sorted_greedy",
     "sorted_greedy_groups",
 ]
@@ -445,4 +448,75 @@ def rank_bytes(
         grads=param_bytes * total,
         main=main * load,
         state=states * (main or param_bytes) * load,
+    )
+
+
+def hybrid_shape(world_size: int, shard_size: int) -> tuple[int, int]:
+    """The mesh ``(replicas, shard_size)`` of hybrid sharding: ``world_size`` ranks in
+    ``world_size / shard_size`` replica groups of ``shard_size`` ranks each.
+
+    Raises:
+        ValueError: ``world_size < 1``, ``shard_size < 1``, or ``shard_size`` does not divide
+            ``world_size``; the message lists the shard sizes that do.
+
+    Example:
+        >>> hybrid_shape(64, 8)
+        (8, 8)
+        >>> hybrid_shape(12, 8)
+        Traceback (most recent call last):
+        ...
+        ValueError: shard size 8 does not divide world size 12: pass one of its divisors, 1, 2, 3, 4, 6, 12
+    """
+    check_world_size(world_size)
+    if shard_size < 1 or world_size % shard_size:
+        small = [d for d in range(1, int(world_size**0.5) + 1) if world_size % d == 0]
+        divisors = sorted({*small, *(world_size // d for d in small)})
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+        raise ValueError(
+            f"shard size {shard_size} does not divide world size {world_size}: pass one of its "
+            f"divisors, {shown}"
+        )
+    return world_size // shard_size, shard_size
+
+
+@dataclass(frozen=True, slots=True)
+class RankTraffic:
+    """Bytes one rank sends per step under hybrid sharding (bandwidth-optimal rings, the
+    standard model): ``within`` its shard group (a node), ``across`` its replicate group."""
+
+    within: float
+    across: float
+
+    @property
+    def total(self) -> float:
+        return self.within + self.across
+
+
+def rank_traffic(nbytes: int, shard_size: int, replicas: int = 1) -> RankTraffic:
+    """Bytes per rank and step for ``nbytes`` of gradients (and as many of parameters) on a
+    ``replicas x shard_size`` mesh: state sharded within, replicated across.
+
+    Within the shard group, the reduce of the gradients onto their owners and the gather of
+    the updated parameters each move ``B (S-1)/S`` per rank: ``2 B (S-1)/S``. Across, each
+    owner's piece (``B/S``) is all-reduced over its ``R`` replicas, ``2 (B/S) (R-1)/R``. With
+    ``replicas=1`` this is 1-D ZeRO (all within); with ``shard_size=1``, plain DDP's all-reduce
+    (all across).
+
+    Raises:
+        ValueError: ``nbytes < 0``, or ``shard_size`` or ``replicas`` below 1.
+
+    Example:
+        >>> rank_traffic(800, shard_size=8, replicas=8)  # 64 ranks, 8 per node
+        RankTraffic(within=1400.0, across=175.0)
+        >>> rank_traffic(800, shard_size=64).across, rank_traffic(800, 1, 64).across
+        (0.0, 1575.0)
+    """
+    if nbytes < 0 or shard_size < 1 or replicas < 1:
+        raise ValueError(
+            f"need nbytes >= 0, shard_size >= 1 and replicas >= 1, got {nbytes}, {shard_size} "
+            f"and {replicas}"
+        )
+    return RankTraffic(
+        within=2 * nbytes * (shard_size - 1) / shard_size,
+        across=2 * (nbytes / shard_size) * (replicas - 1) / replicas,
     )

@@ -11,23 +11,21 @@ the same arithmetic (:data:`FUSED`), so at 1 or 2 ranks they must be bitwise equ
 The global batch is split across ranks and each rank's loss is scaled by
 ``world_size / global_batch``, so DDP's gradient average is the global batch mean exactly and a
 run resumed at another world size continues the same optimisation.
+
+Its checkpoints (writing, checking, resuming) are in :mod:`zero_functional.train_checkpoint`,
+whose names this module re-exports.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import os
 import signal
 import sys
-import tempfile
 import threading
 import time
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
@@ -39,6 +37,13 @@ from torch.optim import Optimizer
 from zero_functional import comm
 from zero_functional.launch import LaunchError, Terminated, process_group, run_ranks
 from zero_functional.ownership import check_partition
+from zero_functional.partition import hybrid_shape
+from zero_functional.train_checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -56,9 +61,6 @@ __all__ = [
     "run_torchrun",
     "save_checkpoint",
 ]
-
-CHECKPOINT_FORMAT = "zero_functional.train/1"
-"""The ``format`` key of the checkpoints this job writes; others are refused on resume."""
 
 Impl = Literal["zero_functional", "torch"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a GradScaler
@@ -87,6 +89,9 @@ class TrainConfig:
         dtype: The model's dtype, ``"fp32"`` or ``"bf16"`` (inputs cast to it, loss in fp32).
         main_params: ``"fp32"``: ours with ``main_params_dtype=torch.float32``, and the
             reference's Adam on fp32 main weights (bf16 gradients upcast, parameters rounded).
+        shard_size: Hybrid sharding (ours only): the state sharded within groups of this many
+            consecutive ranks and replicated across the ``world_size / shard_size`` groups, a
+            ``("replicate", "shard")`` device mesh; ``None``: sharded over the whole world.
     """
 
     epochs: int = 10
@@ -104,6 +109,7 @@ class TrainConfig:
     partition: str = "flat"
     dtype: str = "fp32"
     main_params: str | None = None
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES or self.main_params not in (None, "fp32"):
@@ -123,10 +129,11 @@ class TrainConfig:
                 f"seed must be in torch.manual_seed's range, -2**63 to 2**64-1, got {self.seed}"
             )
         check_partition(self.partition)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the message says which file and why."""
+        if self.shard_size is not None and (self.shard_size < 1 or self.impl != "zero_functional"):
+            raise ValueError(
+                f"shard_size must be >= 1 and needs impl 'zero_functional' (torch's class takes "
+                f"no device mesh), got {self.shard_size} with impl {self.impl!r}"
+            )
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -259,133 +266,6 @@ def load_digits_split() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return x[train], y[train], x[test], y[test]
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(path: str | os.PathLike[str], payload: Mapping[str, object]) -> None:
-    """Write ``payload`` with ``torch.save`` atomically: a crash mid-write keeps the old file.
-
-    The bytes go to a temporary file in the same directory, are flushed to disk, and then
-    ``os.replace`` renames it over ``path`` (atomic on POSIX and Windows).
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(dict(payload), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _first_line(e: BaseException) -> str:
-    """The informative line of an exception (torch's load_state_dict puts it second)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].startswith("Error(s) in loading"):
-        lines = lines[1:]
-    return (lines or [type(e).__name__])[0][:300]
-
-
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and check a checkpoint written by this job: a sharded directory, or an older file.
-
-    For a directory (``zero_functional.checkpoint``), every stored item's checksum is verified
-    and its model and optimizer state are checked against the MLP its own ``args`` describe;
-    the result holds ``epoch``, ``args`` and ``sharded`` (the path). For a single file (what
-    earlier versions wrote, and ``--impl torch`` writes), the zip archive's CRCs are verified and
-    the result also holds ``model`` and ``optimizer``.
-
-    Raises:
-        CheckpointError: Missing, corrupt, not this job's format, or not this job's model.
-    """
-    p = Path(path)
-    if p.is_dir():
-        return _load_sharded(p)
-    if not p.is_file():
-        raise CheckpointError(f"checkpoint {p} does not exist")
-    if not zipfile.is_zipfile(p):
-        raise CheckpointError(f"checkpoint {p} is corrupt or truncated: not a torch.save archive")
-    try:
-        with zipfile.ZipFile(p) as archive:
-            bad = archive.testzip()  # every member's CRC32: a flipped byte is caught here
-    except (zipfile.BadZipFile, OSError) as e:
-        raise CheckpointError(f"checkpoint {p} is corrupt: {e}") from e
-    if bad is not None:
-        raise CheckpointError(f"checkpoint {p} is corrupt: {bad} fails its CRC32 check")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {p} is corrupt: {_first_line(e)}") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(
-            f"checkpoint {p} was not written by `zero-functional train --checkpoint` "
-            f"(no format {CHECKPOINT_FORMAT!r})"
-        )
-    missing = {"model", "optimizer", "epoch", "args"} - ckpt.keys()
-    if missing:
-        raise CheckpointError(f"checkpoint {p} lacks {sorted(missing)}; it is truncated or edited")
-    try:
-        model = build_model(int(ckpt["args"]["hidden"]))
-        model.load_state_dict(ckpt["model"])
-        torch.optim.Adam(model.parameters()).load_state_dict(ckpt["optimizer"])
-        _check_optimizer_shapes(model, ckpt["optimizer"])
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {p} does not fit the demo MLP: {_first_line(e)}") from e
-    return dict(ckpt)
-
-
-def _check_optimizer_shapes(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
-    params = list(model.parameters())
-    for index, state in state_dict["state"].items():
-        for key, value in state.items():
-            if isinstance(value, Tensor) and value.dim() and value.shape != params[index].shape:
-                raise ValueError(
-                    f"the optimizer state {key!r} of parameter {index} has shape "
-                    f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}"
-                )
-
-
-def _load_sharded(path: Path) -> dict[str, Any]:
-    from zero_functional import storage
-
-    try:
-        storage.verify(path)
-        extra = storage.read_objects(path, ["extra"])["extra"]
-    except storage.CheckpointError as e:
-        raise CheckpointError(f"checkpoint {path}: {_first_line(e)}") from e
-    if not isinstance(extra, dict) or extra.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(
-            f"checkpoint {path} was not written by `zero-functional train --checkpoint` "
-            f"(no format {CHECKPOINT_FORMAT!r})"
-        )
-    model = build_model(int(extra["args"]["hidden"]))
-    keys = storage.read_keys(path)
-    names = [name for name, _ in model.named_parameters()]
-    for name, p in model.named_parameters():
-        for key, meta in keys.items():
-            if key == f"model.{name}" or key.startswith(f"state.{name}."):
-                if meta is not None and meta[0] not in ((), tuple(p.shape)):
-                    raise CheckpointError(
-                        f"checkpoint {path} does not fit the demo MLP: {key} has shape "
-                        f"{meta[0]}, the model's {name} {tuple(p.shape)}"
-                    )
-    unknown = sorted(
-        k
-        for k in keys
-        if k.startswith("state.") and k[len("state.") :].rsplit(".", 1)[0] not in names
-    )
-    if unknown or any(f"model.{n}" not in keys for n in names):
-        raise CheckpointError(
-            f"checkpoint {path} does not fit the demo MLP (hidden {extra['args']['hidden']}): "
-            f"{unknown[:3] or 'model tensors are missing'}"
-        )
-    return {**extra, "sharded": str(path)}
-
-
 # ----------------------------------------------------------------------------- the job
 
 
@@ -464,6 +344,12 @@ def _train(
         from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
         from zero_functional.optimizer import ZeroRedundancyOptimizer
 
+        mesh = None
+        if cfg.shard_size is not None:  # hybrid: sharded within, replicated across
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = hybrid_shape(world_size, cfg.shard_size)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         zero = ZeroRedundancyOptimizer(
             ddp.parameters(),
             torch.optim.Adam,
@@ -472,6 +358,7 @@ def _train(
             lr=cfg.lr,
             fused=FUSED,
             main_params_dtype=torch.float32 if cfg.main_params else None,
+            device_mesh=mesh,
         )
         if cfg.overlap:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -616,6 +503,9 @@ def _summary(
         else "torch.distributed.optim"
     )
     mode = "overlap_with_ddp" if cfg.overlap else "step after backward"
+    if cfg.shard_size is not None:
+        replicas = world_size // cfg.shard_size
+        mode += f", mesh {replicas} x {cfg.shard_size} (replicate x shard)"
     if cfg.dtype != "fp32":
         mode += f", {cfg.dtype} model" + (", fp32 main params" if cfg.main_params else "")
     lines = [

@@ -1,0 +1,206 @@
+"""What ``zero-functional plan`` prints: partition balance, bytes per rank, hybrid-sharding traffic.
+
+Each function formats one table from parameter sizes; the arithmetic is in
+:mod:`zero_functional.partition` (pure). :mod:`zero_functional.cli` re-exports these names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["DTYPE_BYTES", "check_ranks", "format_hybrid", "format_memory", "format_plan"]
+
+
+def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) -> str:
+    """The balance of sorted-greedy and flat partitions of ``numels`` at each world size.
+
+    Per world size and partition: max/mean load, the lower bound on the max load of any
+    whole-tensor partition (``max(mean, largest tensor)``), max/lower bound (below 1 for
+    ``flat``, which splits tensors), the smallest and largest rank load, and the Adam state of the fullest rank (2 fp32 states: ``8 * load`` bytes)
+    against ZeRO's formula (``8 * total / world_size``).
+
+    Args:
+        name: The model's name, for the header.
+        numels: Each parameter tensor's number of elements, in ``parameters()`` order.
+        world_sizes: The world sizes to report.
+
+    Returns:
+        The report, one header and a table.
+
+    Example:
+        >>> print(format_plan("toy", [6, 3, 3], [2]))
+        toy: 3 tensors, 12 parameters, largest 6 (50.0%)
+        Adam state unsharded (2 fp32 states): 96 B; ZeRO's formula per rank: 8 B x 12 / world_size
+        world  partition      max/mean  lower bound  max/lower     min load     max load  Adam/rank (max)  ZeRO formula  max/formula
+            2  sorted-greedy     1.000            6      1.000            6            6             48 B          48 B        1.000
+            2  flat              1.000            6      1.000            6            6             48 B          48 B        1.000
+    """
+    from zero_functional.partition import balance_report, flat, sorted_greedy
+    from zero_functional.train import format_bytes
+
+    total = sum(numels)
+    largest = max(numels, default=0)
+    lines = [
+        f"{name}: {len(numels):,} tensors, {total:,} parameters, largest {largest:,} "
+        f"({largest / total if total else 0:.1%})",
+        f"Adam state unsharded (2 fp32 states): {format_bytes(8 * total)}; "
+        f"ZeRO's formula per rank: 8 B x {total:,} / world_size",
+        f"{'world':>5}  {'partition':<13}  {'max/mean':>8}  {'lower bound':>11}  "
+        f"{'max/lower':>9}  {'min load':>11}  {'max load':>11}  {'Adam/rank (max)':>15}  "
+        f"{'ZeRO formula':>12}  {'max/formula':>11}",
+    ]
+    for w in world_sizes:
+        formula = 8 * total / w
+        for label, part in (("sorted-greedy", sorted_greedy(numels, w)), ("flat", flat(numels, w))):
+            r = balance_report(numels, part)
+            predicted = 8 * r.max_load
+            lines.append(
+                f"{w:>5}  {label:<13}  {r.max_over_mean:>8.3f}  {r.lower_bound:>11,.0f}  "
+                f"{r.max_over_lower_bound:>9.3f}  {min(r.loads):>11,}  {r.max_load:>11,}  "
+                f"{format_bytes(predicted):>15}  {format_bytes(formula):>12}  "
+                f"{predicted / formula if formula else 1.0:>11.3f}"
+            )
+    return "\n".join(lines)
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of the dtypes ``--dtype`` and ``--main-params`` take."""
+
+
+def format_memory(
+    numels: Sequence[int], world_sizes: Sequence[int], dtype: str, main_params: str | None
+) -> str:
+    """Bytes per rank (the fullest rank) of an AdamW run, per world size and partition.
+
+    Parameters and gradients are in ``dtype`` on every rank; the main copy
+    (``main_params_dtype``, only for parameters narrower than it) and AdamW's two moments
+    (in the main dtype with a main copy, else in ``dtype``) cover the owned elements
+    (:func:`zero_functional.partition.rank_bytes`).
+
+    Example:
+        >>> print(format_memory([6, 3, 3], [2], "bf16", "fp32"))
+        bytes per rank (fullest rank): bf16 parameters and gradients, fp32 main copy, AdamW's 2 fp32 states
+        world  partition          params       grads   main copy       state       total
+            2  sorted-greedy        24 B        24 B        24 B        48 B       120 B
+            2  flat                 24 B        24 B        24 B        48 B       120 B
+    """
+    from zero_functional.partition import flat, rank_bytes, rank_loads, sorted_greedy
+    from zero_functional.train import format_bytes
+
+    param_bytes = DTYPE_BYTES[dtype]
+    main_bytes = DTYPE_BYTES[main_params] if main_params else 0
+    has_main = main_bytes > param_bytes
+    copy = f"{main_params} main copy" if has_main else "no main copy"
+    lines = [
+        f"bytes per rank (fullest rank): {dtype} parameters and gradients, {copy}, "
+        f"AdamW's 2 {main_params if has_main else dtype} states",
+        f"{'world':>5}  {'partition':<13}  "
+        + "  ".join(f"{c:>10}" for c in ("params", "grads", "main copy", "state", "total")),
+    ]
+    total = sum(numels)
+    for w in world_sizes:
+        for label, loads in (
+            ("sorted-greedy", rank_loads(numels, sorted_greedy(numels, w))),
+            ("flat", flat(numels, w).loads),
+        ):
+            b = rank_bytes(max(loads), total, param_bytes=param_bytes, main_bytes=main_bytes)
+            cells = (b.params, b.grads, b.main, b.state, b.total)
+            lines.append(
+                f"{w:>5}  {label:<13}  " + "  ".join(f"{format_bytes(c):>10}" for c in cells)
+            )
+    return "\n".join(lines)
+
+
+def format_hybrid(
+    numels: Sequence[int],
+    world_sizes: Sequence[int],
+    shard_size: int,
+    dtype: str = "fp32",
+    main_params: str | None = None,
+) -> str:
+    """State and bytes moved per rank and step under hybrid sharding, against 1-D ZeRO.
+
+    At each world size ``W``, the mesh is ``R = W / shard_size`` replica groups of ``S =
+    shard_size`` ranks (a node): state sharded within a group, replicated across groups. State
+    per rank is the fullest rank's main copy and AdamW's 2 states
+    (:func:`zero_functional.partition.rank_bytes`); bytes per rank are those of
+    :func:`zero_functional.partition.rank_traffic` for ``B`` bytes of gradients in ``dtype``:
+    ``2 B (S-1)/S`` within the node (reduce onto owners, parameter gather), ``2 (B/S)(R-1)/R``
+    across nodes (the all-reduce of each owned piece). 1-D ZeRO over all ``W`` ranks holds
+    ``1/W`` of the state and moves ``2 B (W-1)/W``, across nodes wherever ``W > S``.
+
+    Raises:
+        ValueError: ``shard_size`` does not divide one of the world sizes.
+
+    Example:
+        >>> print(format_hybrid([6, 3, 3], [4], 2))
+        hybrid sharding, shard size 2: state sharded within each group of 2 ranks (a node), replicated across the world/2 groups
+        per rank and step, B = 48 B of fp32 gradients (and as many parameters); state: AdamW's 2 fp32 states of the owned elements
+                               state/rank (fullest)          bytes/rank/step         1-D ZeRO over the world
+        world  replicas x S        flat  sorted-greedy  within node  across nodes  state/rank  bytes/rank/step
+            4         2 x 2        48 B           48 B         48 B          24 B        24 B             72 B
+    """
+    from zero_functional.partition import (
+        flat,
+        hybrid_shape,
+        rank_bytes,
+        rank_loads,
+        rank_traffic,
+        sorted_greedy,
+    )
+    from zero_functional.train import format_bytes
+
+    param_bytes = DTYPE_BYTES[dtype]
+    main_bytes = DTYPE_BYTES[main_params] if main_params else 0
+    has_main = main_bytes > param_bytes
+    total = sum(numels)
+    nbytes = param_bytes * total
+
+    def state(load: int) -> int:
+        b = rank_bytes(load, total, param_bytes=param_bytes, main_bytes=main_bytes)
+        return b.main + b.state
+
+    what = f"{main_params} main copy and " if has_main else ""
+    lines = [
+        f"hybrid sharding, shard size {shard_size}: state sharded within each group of "
+        f"{shard_size} ranks (a node), replicated across the world/{shard_size} groups",
+        f"per rank and step, B = {format_bytes(nbytes)} of {dtype} gradients (and as many "
+        f"parameters); state: {what}AdamW's 2 {main_params if has_main else dtype} states of "
+        "the owned elements",
+        f"{'':>19}  {'state/rank (fullest)':^25}  {'bytes/rank/step':^25}  "
+        f"{'1-D ZeRO over the world':^27}".rstrip(),
+        f"{'world':>5}  {'replicas x S':>12}  {'flat':>10}  {'sorted-greedy':>13}  "
+        f"{'within node':>11}  {'across nodes':>12}  {'state/rank':>10}  {'bytes/rank/step':>15}",
+    ]
+    for w in world_sizes:
+        replicas, shards = hybrid_shape(w, shard_size)
+        traffic = rank_traffic(nbytes, shards, replicas)
+        greedy = max(rank_loads(numels, sorted_greedy(numels, shards)))
+        one_d = rank_traffic(nbytes, w)
+        lines.append(
+            f"{w:>5}  {f'{replicas} x {shards}':>12}  "
+            f"{format_bytes(state(max(flat(numels, shards).loads))):>10}  "
+            f"{format_bytes(state(greedy)):>13}  {format_bytes(traffic.within):>11}  "
+            f"{format_bytes(traffic.across):>12}  "
+            f"{format_bytes(state(max(flat(numels, w).loads))):>10}  "
+            f"{format_bytes(one_d.within):>15}"
+        )
+    return "\n".join(lines)
+
+
+def check_ranks(ranks: Sequence[int], world_sizes: Sequence[int]) -> None:
+    """Raise a ValueError naming the valid range unless every rank is in every world.
+
+    Example:
+        >>> check_ranks([0, 1023], [1024, 4096])
+        >>> check_ranks([0, 1023], [64, 1024])
+        Traceback (most recent call last):
+        ...
+        ValueError: rank 1023 is not a rank of world size 64: pass ranks from 0 to 63
+    """
+    for w in world_sizes:
+        for r in ranks:
+            if not 0 <= r < w:
+                raise ValueError(
+                    f"rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}"
+                )
