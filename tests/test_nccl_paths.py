@@ -109,7 +109,8 @@ def _coalesced_worker(rank: int, world_size: int) -> list[int]:
                 setattr(dist, name, fn)
         blocks.append(len(issued))
 
-    comm.is_nccl = lambda group: True  # type: ignore[assignment]
+    for module in (comm, comm.groups, comm.pending, comm.buckets):  # wherever it is looked up
+        module.is_nccl = lambda group: True  # type: ignore[attr-defined]
     dist.distributed_c10d._coalescing_manager = fake_manager  # type: ignore[assignment]
     model = _net()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
