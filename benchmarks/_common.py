@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from zero_functional.launch import run_ranks
 from zero_functional.plans import bytes_sent
 
-__all__ = ["ByteCounter", "median_ms", "mlp", "run_ranks"]
+__all__ = ["ByteCounter", "TinyGPT", "gpt_batch", "median_ms", "mlp", "run_ranks"]
 
 WIDTH = 1000
 
@@ -35,6 +36,70 @@ def mlp(numel: int, *, relu: bool = True) -> nn.Module:
         if relu:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+class _Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention and a 4x MLP (nanoGPT's)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.fc_proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class TinyGPT(nn.Module):
+    """The transformer-shaped benchmark model (issue 24): nanoGPT's layout, scaled down.
+
+    6 blocks of width 192 (6 heads), vocabulary 512, context 64, an untied output layer without
+    bias: 77 parameter tensors, 2,878,464 parameters, half the tensors biases and LayerNorm
+    vectors, as in GPT-2. ``forward(tokens)`` returns the logits; :meth:`loss` the mean
+    cross-entropy against the next tokens. Seeded.
+
+    Example:
+        >>> m = TinyGPT()
+        >>> len(list(m.parameters())), sum(p.numel() for p in m.parameters())
+        (77, 2878464)
+    """
+
+    def __init__(
+        self, blocks: int = 6, width: int = 192, vocab: int = 512, context: int = 64
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.context, self.vocab = context, vocab
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*(_Block(width, heads=6) for _ in range(blocks)))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.head(self.ln_f(self.blocks(self.wte(tokens) + self.wpe(pos))))
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def gpt_batch(rank: int, batch: int = 8, context: int = 64, vocab: int = 512) -> Tensor:
+    """``batch`` sequences of ``context + 1`` random tokens, seeded by ``rank`` (inputs are
+    ``[:, :-1]``, targets ``[:, 1:]``)."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(vocab, (batch, context + 1), generator=g)
 
 
 def median_ms(times_s: list[float]) -> float:

@@ -1,8 +1,10 @@
-"""Whole DDP iterations (forward, backward, step) of the 8M-parameter MLP, every way, same processes.
+"""Whole DDP iterations (forward, backward, step) of the 8M MLP and a small GPT, every way, same processes.
 
 Variants, round-robin inside the same gloo ranks so that they share the machine's state:
 
 * ``ddp + fused adam``: plain DDP, every rank holds all state (the unsharded baseline);
+* ``ours default``: our optimizer at its defaults (sorted-greedy, DDP's all-reduce, step after
+  backward);
 * ``torch zero best``: DDP + torch's ZeroRedundancyOptimizer at its best (bucket views, fused
   Adam); torch's overlap mode refuses gloo (pytorch#62300), so it cannot be measured here;
 * ``ours <partition>``: step after backward with ``reduce_scatter_hook`` (DDP's bytes);
@@ -11,6 +13,11 @@ Variants, round-robin inside the same gloo ranks so that they share the machine'
 * ``ours overlap <partition>``: ``hook_with_zero_step_interleaved`` (the step inside backward);
 * ``... + gather in forward``: ``overlap_param_gather=True`` (the parameter all-gather finishes
   during the next forward, module by module).
+
+The transformer-shaped model (``--models transformer``: ``_common.TinyGPT``, nanoGPT's layout
+with 6 blocks of width 192, vocabulary 512, context 64, batch 8 per rank; 77 tensors, 2.9M
+parameters) trains with AdamW: plain DDP + fused AdamW, torch's best, ours at the defaults, ours
+flat with ``reduce_scatter_hook`` and ours in overlap mode (flat, interleaved hook).
 
 RMSprop and Adagrad get DDP with that class, torch's best ZeRO for it (bucket views) and ours
 (flat, after backward and in overlap mode). Prints the median iteration time of the slowest rank,
@@ -25,9 +32,14 @@ buckets reduced onto their owners and broadcast back in even shares (what ZeRO a
 sends on gloo: one reduce and one broadcast per owner); fused Adam over every parameter (DDP)
 and over one share (ZeRO). On two cores the collectives need the same CPU as the compute, so an
 iteration costs about the sum of its pieces, and the last lines print the ratio those sums
-predict for ZeRO over DDP.
+predict for ZeRO over DDP. The ``floor`` row of the table is compute + the all-reduce at DDP's
+bytes + one share's fused update: what no iteration that syncs its gradients and parameters on
+this machine avoids (on gloo, DDP's all-reduce moves the same bytes as a reduce-scatter and an
+all-gather; a ZeRO that sends them as a reduce and a broadcast per owner pays the
+``reduce + broadcast per owner`` piece instead, printed beside it).
 
-    python benchmarks/bench_iteration.py [--world-sizes 2 4] [--rounds 10] [--json out.json]
+    python benchmarks/bench_iteration.py [--world-sizes 2 4] [--rounds 10] [--models mlp transformer]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,17 +52,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import ByteCounter, median_ms, mlp, run_ranks
+from _common import ByteCounter, TinyGPT, gpt_batch, median_ms, mlp, run_ranks
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 ADAM_VARIANTS = [
     "ddp + fused adam",
     "torch zero best",
+    "ours default",
     "ours sorted_greedy",
     "ours flat",
     "ours flat, ddp all-reduce",
@@ -58,6 +72,13 @@ ADAM_VARIANTS = [
     "ours overlap flat",
     "ours flat + gather in forward",
     "ours overlap flat + gather in forward",
+]
+GPT_VARIANTS = [
+    "ddp + fused adamw",
+    "torch zero best",
+    "ours default",
+    "ours flat",
+    "ours overlap flat",
 ]
 OTHER_VARIANTS = [
     "ddp + {o}",
@@ -67,13 +88,16 @@ OTHER_VARIANTS = [
 ]
 CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-4}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-4}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-4}),
     "adagrad": (torch.optim.Adagrad, {"lr": 1e-4}),
 }
 
 
-def variants(optimizers: list[str]) -> list[tuple[str, str]]:
+def variants(model: str, optimizers: list[str]) -> list[tuple[str, str]]:
     """(optimizer, variant) pairs; each optimizer's plain DDP and torch's best come first."""
+    if model == "transformer":
+        return [("adamw", name) for name in GPT_VARIANTS]
     out = [("adam", name) for name in ADAM_VARIANTS] if "adam" in optimizers else []
     for o in optimizers:
         if o != "adam":
@@ -82,25 +106,47 @@ def variants(optimizers: list[str]) -> list[tuple[str, str]]:
 
 
 def baseline(optimizer: str) -> str:
-    return "ddp + fused adam" if optimizer == "adam" else f"ddp + {optimizer}"
+    return f"ddp + fused {optimizer}" if optimizer.startswith("adam") else f"ddp + {optimizer}"
 
 
 def torch_best(optimizer: str) -> str:
-    return "torch zero best" if optimizer == "adam" else f"torch zero best ({optimizer})"
+    return "torch zero best" if optimizer.startswith("adam") else f"torch zero best ({optimizer})"
 
 
-def _build(optimizer: str, name: str, numel: int, counting: bool) -> tuple[DDP, Any]:
+def _model(model: str, numel: int) -> nn.Module:
+    return TinyGPT() if model == "transformer" else mlp(numel)
+
+
+def _inputs(model: str, rank: int) -> Tensor:
+    if model == "transformer":
+        return gpt_batch(rank)
+    return torch.randn(32, 1000, generator=torch.Generator().manual_seed(rank))
+
+
+def _loss(module: nn.Module, x: Tensor) -> Tensor:
+    """The loss of one batch: the GPT's next-token cross-entropy, the MLP's mean square."""
+    if x.dtype == torch.int64:
+        return TinyGPT.loss(module(x[:, :-1]), x[:, 1:])
+    out: Tensor = module(x)
+    return out.square().mean()
+
+
+def _build(optimizer: str, name: str, model: str, numel: int, counting: bool) -> tuple[DDP, Any]:
     cls, kw = CLASSES[optimizer]
-    # torch's best: bucket views, and the fused kernel where torch has one (Adam)
-    best = {"fused": True} if optimizer == "adam" else {}
+    # torch's best: bucket views, and the fused kernel where torch has one (Adam, AdamW)
+    best = {"fused": True} if optimizer.startswith("adam") else {}
     # DDP's default buckets: 25 MB after a small first one (an explicit bucket_cap_mb drops it)
-    ddp = DDP(mlp(numel))
+    ddp = DDP(_model(model, numel))
     if name in (baseline(optimizer), torch_best(optimizer)):
         if counting:  # DDP's built-in all-reduce runs in C++: the Python hook is the same, counted
             ddp.register_comm_hook(None, allreduce_hook)
         if name == baseline(optimizer):
             return ddp, cls(ddp.parameters(), **kw, **best)
         return ddp, TorchZero(ddp.parameters(), cls, parameters_as_bucket_view=True, **kw, **best)
+    if name == "ours default":
+        if counting:
+            ddp.register_comm_hook(None, allreduce_hook)
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), cls, **kw)
     partition = "flat" if "flat" in name else "sorted_greedy"
     overlap = "overlap" in name
     zero = ZeroRedundancyOptimizer(
@@ -126,28 +172,31 @@ def _build(optimizer: str, name: str, numel: int, counting: bool) -> tuple[DDP, 
 FLOOR_COMPUTE = "forward + backward, no DDP"
 FLOOR_ALLREDUCE = "all-reduce, DDP's buckets"
 FLOOR_REDUCE_BCAST = "reduce + broadcast per owner"
-FLOOR_ADAM = "fused Adam, every parameter"
-FLOOR_ADAM_SHARE = "fused Adam, one share"
+FLOOR_ADAM = "fused update, every parameter"
+FLOOR_ADAM_SHARE = "fused update, one share"
 FLOORS = [FLOOR_COMPUTE, FLOOR_ALLREDUCE, FLOOR_REDUCE_BCAST, FLOOR_ADAM, FLOOR_ADAM_SHARE]
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
-def _floors(numel: int, world_size: int, x: torch.Tensor) -> dict[str, Any]:
+def _floors(
+    optimizer: str, model_name: str, numel: int, world_size: int, x: torch.Tensor
+) -> dict[str, Any]:
     """The pieces of an iteration, each on its own (see the module docstring)."""
-    model = mlp(numel)
+    cls = CLASSES[optimizer][0]
+    model = _model(model_name, numel)
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     flat = torch.randn(total) * 1e-3
     per_bucket = BUCKET_BYTES // flat.element_size()
     buckets = list(flat.split(per_bucket))
-    adam = torch.optim.Adam(params, lr=1e-4, fused=True)
+    adam = cls(params, lr=1e-4, fused=True)
     share = [torch.zeros(total // world_size, requires_grad=True)]
     share[0].grad = torch.randn_like(share[0]) * 1e-3
-    adam_share = torch.optim.Adam(share, lr=1e-4, fused=True)
+    adam_share = cls(share, lr=1e-4, fused=True)
 
     def compute() -> None:
         model.zero_grad()
-        model(x).square().mean().backward()
+        _loss(model, x).backward()
 
     def all_reduce() -> None:
         for w in [dist.all_reduce(b, async_op=True) for b in buckets]:
@@ -174,19 +223,20 @@ def _floors(numel: int, world_size: int, x: torch.Tensor) -> dict[str, Any]:
 
 def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
     opt.zero_grad()
-    ddp(x).square().mean().backward()
+    _loss(ddp, x).backward()
     if "overlap" not in name:
         opt.step()
 
 
 def _worker(
-    rank: int, world_size: int, numel: int, rounds: int, optimizers: list[str]
+    rank: int, world_size: int, model: str, numel: int, rounds: int, optimizers: list[str]
 ) -> dict[str, Any]:
     torch.set_num_threads(max(1, 2 // world_size))
-    x = torch.randn(32, 1000, generator=torch.Generator().manual_seed(rank))
-    pairs = variants(optimizers)
-    built = {name: _build(o, name, numel, counting=False) for o, name in pairs}
-    floors = _floors(numel, world_size, x)
+    x = _inputs(model, rank)
+    pairs = variants(model, optimizers)
+    built = {name: _build(o, name, model, numel, counting=False) for o, name in pairs}
+    first = pairs[0][0]
+    floors = _floors(first, model, numel, world_size, x) if first.startswith("adam") else {}
     times: dict[str, list[float]] = {name: [] for name in [*(n for _, n in pairs), *floors]}
     for r in range(rounds + 2):
         calls: list[tuple[str, Any]] = [
@@ -212,7 +262,7 @@ def _worker(
     sent: dict[str, float] = {}
     counter = ByteCounter()
     for o, name in pairs:
-        ddp, opt = _build(o, name, numel, counting=True)
+        ddp, opt = _build(o, name, model, numel, counting=True)
         for _ in range(2):  # past DDP's first-iteration buckets and overlap's adoption
             _iteration(name, ddp, opt, x)
         counter.reset()
@@ -223,76 +273,113 @@ def _worker(
     return {"ms": {k: median_ms(v) for k, v in times.items()}, "sent": sent, "diff": diff}
 
 
+def _report(
+    model: str, ws: int, results: list[dict[str, Any]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Print one world size's table; its rows for ``--json``."""
+    pairs = variants(model, args.optimizers)
+    n_params = sum(p.numel() for p in _model(model, args.numel).parameters())
+    label = f"{n_params / 1e6:.0f}M MLP" if model == "mlp" else f"{n_params / 1e6:.1f}M transformer"
+    rows = []
+    print(f"\n== {label}, world size {ws}, median of {args.rounds} rounds")
+    print(
+        f"{'variant':<38}{'iter ms':>9}{'x ddp':>8}{'x torch best':>14}"
+        f"{'MB sent/rank':>14}{'x ddp bytes':>13}{'max|dp| vs ddp':>16}"
+    )
+    for o, name in pairs:
+        ms = max(r["ms"][name] for r in results)  # the slowest rank
+        base = max(r["ms"][baseline(o)] for r in results)
+        best = max(r["ms"][torch_best(o)] for r in results)
+        mb = max(r["sent"][name] for r in results)
+        ddp_mb = max(r["sent"][baseline(o)] for r in results)
+        diff = max(r["diff"][name] for r in results)
+        print(
+            f"{name:<38}{ms:>9.1f}{ms / base:>7.2f}x{ms / best:>13.2f}x"
+            f"{mb / 1e6:>14.1f}{mb / ddp_mb:>12.2f}x{diff:>16.1e}"
+        )
+        rows.append(
+            {
+                "benchmark": f"iteration ({label})",
+                "world_size": ws,
+                "variant": name,
+                "ms": ms,
+                "vs_torch_best": ms / best,
+                "mb_sent": mb / 1e6,
+            }
+        )
+    first = pairs[0][0]
+    if not first.startswith("adam"):
+        return rows
+    piece = {f: max(r["ms"][f] for r in results) for f in FLOORS}
+    ddp_ms = max(r["ms"][baseline(first)] for r in results)
+    best = max(r["ms"][torch_best(first)] for r in results)
+    floor = piece[FLOOR_COMPUTE] + piece[FLOOR_ALLREDUCE] + piece[FLOOR_ADAM_SHARE]
+    print(
+        f"{'floor: compute+all-reduce+one share':<38}{floor:>9.1f}{floor / ddp_ms:>7.2f}x"
+        f"{floor / best:>13.2f}x"
+    )
+    rows.append(
+        {
+            "benchmark": f"iteration ({label})",
+            "world_size": ws,
+            "variant": "floor: compute + all-reduce + one share",
+            "ms": floor,
+            "vs_torch_best": floor / best,
+        }
+    )
+    print(f"{'floor, piece by piece (' + first + ')':<38}{'ms':>9}{'x ddp':>8}{'x torch best':>14}")
+    for f in FLOORS:
+        print(f"  {f:<36}{piece[f]:>9.1f}{piece[f] / ddp_ms:>7.2f}x{piece[f] / best:>13.2f}x")
+    ddp_sum = piece[FLOOR_COMPUTE] + piece[FLOOR_ALLREDUCE] + piece[FLOOR_ADAM]
+    zero_sum = piece[FLOOR_COMPUTE] + piece[FLOOR_REDUCE_BCAST] + piece[FLOOR_ADAM_SHARE]
+    print(
+        f"  {'sum, DDP (compute+all-reduce+all)':<36}{ddp_sum:>9.1f}"
+        f"{ddp_sum / ddp_ms:>7.2f}x\n"
+        f"  {'sum, ZeRO (compute+red/bcast+share)':<36}{zero_sum:>9.1f}"
+        f"{zero_sum / ddp_ms:>7.2f}x\n"
+        f"  predicted ZeRO at DDP's bytes / DDP on this machine: {zero_sum / ddp_sum:.2f}x"
+    )
+    for f in FLOORS:
+        rows.append(
+            {
+                "benchmark": f"iteration ({label})",
+                "world_size": ws,
+                "variant": f"floor: {f}",
+                "ms": piece[f],
+                "vs_torch_best": piece[f] / best,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--numel", type=int, default=8_000_000)
+    ap.add_argument("--numel", type=int, default=8_000_000, help="the MLP's size")
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        choices=["mlp", "transformer"],
+        default=["mlp", "transformer"],
+        help="the 8-Linear MLP (--numel) and the 2.9M transformer (AdamW only)",
+    )
     ap.add_argument(
         "--optimizers",
         nargs="+",
-        choices=sorted(CLASSES),
+        choices=["adam", "rmsprop", "adagrad"],
         default=["adam", "rmsprop", "adagrad"],
-        help="Adam gets every variant; the others plain DDP, torch's best and ours",
+        help="the MLP's: Adam gets every variant; the others plain DDP, torch's best and ours",
     )
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     args = ap.parse_args()
-    n_params = sum(p.numel() for p in mlp(args.numel).parameters())
     rows = []
-    for ws in args.world_sizes:
-        results = run_ranks(_worker, ws, args.numel, args.rounds, args.optimizers, timeout_s=1800)
-        print(f"\n== world size {ws}, {n_params:,} parameters, median of {args.rounds} rounds")
-        print(
-            f"{'variant':<38}{'iter ms':>9}{'x ddp':>8}{'x torch best':>14}"
-            f"{'MB sent/rank':>14}{'x ddp bytes':>13}{'max|dp| vs ddp':>16}"
-        )
-        for o, name in variants(args.optimizers):
-            ms = max(r["ms"][name] for r in results)  # the slowest rank
-            base = max(r["ms"][baseline(o)] for r in results)
-            best = max(r["ms"][torch_best(o)] for r in results)
-            mb = max(r["sent"][name] for r in results)
-            ddp_mb = max(r["sent"][baseline(o)] for r in results)
-            diff = max(r["diff"][name] for r in results)
-            print(
-                f"{name:<38}{ms:>9.1f}{ms / base:>7.2f}x{ms / best:>13.2f}x"
-                f"{mb / 1e6:>14.1f}{mb / ddp_mb:>12.2f}x{diff:>16.1e}"
+    for model in args.models:
+        for ws in args.world_sizes:
+            results = run_ranks(
+                _worker, ws, model, args.numel, args.rounds, args.optimizers, timeout_s=1800
             )
-            rows.append(
-                {
-                    "benchmark": f"iteration ({n_params / 1e6:.0f}M MLP)",
-                    "world_size": ws,
-                    "variant": name,
-                    "ms": ms,
-                    "vs_torch_best": ms / best,
-                    "mb_sent": mb / 1e6,
-                }
-            )
-        if "adam" in args.optimizers:
-            piece = {f: max(r["ms"][f] for r in results) for f in FLOORS}
-            ddp_ms = max(r["ms"][baseline("adam")] for r in results)
-            print(f"{'floor, piece by piece (Adam)':<38}{'ms':>9}{'x ddp':>8}")
-            for f in FLOORS:
-                print(f"  {f:<36}{piece[f]:>9.1f}{piece[f] / ddp_ms:>7.2f}x")
-            ddp_sum = piece[FLOOR_COMPUTE] + piece[FLOOR_ALLREDUCE] + piece[FLOOR_ADAM]
-            zero_sum = piece[FLOOR_COMPUTE] + piece[FLOOR_REDUCE_BCAST] + piece[FLOOR_ADAM_SHARE]
-            print(
-                f"  {'sum, DDP (compute+all-reduce+Adam)':<36}{ddp_sum:>9.1f}"
-                f"{ddp_sum / ddp_ms:>7.2f}x\n"
-                f"  {'sum, ZeRO (compute+red/bcast+share)':<36}{zero_sum:>9.1f}"
-                f"{zero_sum / ddp_ms:>7.2f}x\n"
-                f"  predicted ZeRO at DDP's bytes / DDP on this machine: {zero_sum / ddp_sum:.2f}x"
-            )
-            for f in FLOORS:
-                rows.append(
-                    {
-                        "benchmark": f"iteration ({n_params / 1e6:.0f}M MLP)",
-                        "world_size": ws,
-                        "variant": f"floor: {f}",
-                        "ms": piece[f],
-                        "vs_torch_best": piece[f]
-                        / max(r["ms"]["torch zero best"] for r in results),
-                    }
-                )
+            rows += _report(model, ws, results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -368,8 +368,10 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
         "checkpoint save",
         "collectives (2M fp32)",
         "iteration (2M MLP)",
+        "iteration (2.9M transformer)",
         "main params (2M bf16 AdamW)",
         "step (2M Adam)",
+        "step (2.9M transformer AdamW)",
     }, table
     for line in table:  # each benchmark's own torch baseline is 1.00x by construction
         if "torch zero best" in line or " torch best " in line or "torch's ZeRO:" in line:
