@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# a benchmark script end to end (about a minute on 2 cores): `make bench` runs it
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 ROOT = Path(__file__).resolve().parents[1]
 
