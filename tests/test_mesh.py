@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -19,6 +20,7 @@ from zero_functional.hooks import (
     reduce_scatter_hook,
 )
 from zero_functional.launch import run_ranks
+from zero_functional.partition import rank_traffic
 from zero_functional.plans import ownership_for
 
 from tests.helpers import consolidated, local_batch, make_model, max_diff
@@ -255,3 +257,83 @@ def test_mesh_arguments_are_checked() -> None:
     assert "2-D" in one_d
     assert "device_mesh" in hook
     assert sizes == "2 2"
+
+
+# ---------------------------------------------------------------- bytes and Join
+
+
+def _traffic_worker(rank: int, world: int, shape: tuple[int, int]) -> dict[str, float]:
+    """Bytes per rank of one step (reduce_scatter_hook, flat), counted from the collectives
+    that ran: within the shard group what a reduce sends from a non-owner and a broadcast
+    brings to a non-owner; across, a ring all-reduce's ``2 b (R-1)/R`` of each owned run."""
+    replicas, shards = shape
+    mesh = _mesh(replicas, shards)
+    model = make_model()
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.AdamW, lr=1e-2, partition="flat", device_mesh=mesh
+    )
+    ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+    counted = {"within": 0.0, "across": 0.0}
+    originals = {name: getattr(dist, name) for name in ("reduce", "broadcast", "all_reduce")}
+
+    def counting(name: str) -> Any:
+        def inner(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            nbytes = tensor.numel() * tensor.element_size()
+            group = kwargs.get("group")
+            if name == "all_reduce" and group is zero.replicate_group:
+                counted["across"] += 2 * nbytes * (replicas - 1) / replicas
+            elif name in ("reduce", "broadcast") and group is zero.shard_group:
+                if args[0] != dist.get_rank():  # the root: dst of a reduce, src of a broadcast
+                    counted["within"] += nbytes
+            return originals[name](tensor, *args, **kwargs)
+
+        return inner
+
+    for step in range(2):
+        if step == 1:  # the first backward is ours too (no deferral after backward)
+            for name in originals:
+                setattr(dist, name, counting(name))
+        x, y = local_batch(rank, world, step)
+        ((ddp(x) - y) ** 2).mean().backward()
+        zero.step()
+        ddp.zero_grad(set_to_none=True)
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {**counted, "bytes": float(total)}
+
+
+def _join_worker(rank: int, world: int) -> bool:
+    """Uneven inputs under Join on a 2 x 2 mesh, after backward: every rank ends with the same
+    parameters (no hang, no drift between replicas)."""
+    from torch.distributed.algorithms.join import Join
+
+    model = make_model()
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.AdamW, lr=1e-2, device_mesh=_mesh(2, 2)
+    )
+    with Join([ddp, zero]):
+        for step in range(3 + rank):
+            x, y = local_batch(rank, world, step)
+            ((ddp(x) - y) ** 2).mean().backward()
+            zero.step()
+            ddp.zero_grad(set_to_none=True)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
+    return all(torch.equal(every[0], f) for f in every)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 2)])
+def test_bytes_per_rank_within_and_across_match_the_plan(shape: tuple[int, int]) -> None:
+    replicas, shards = shape
+    for r in run_ranks(_traffic_worker, replicas * shards, shape, timeout_s=120):
+        want = rank_traffic(int(r["bytes"]), shards, replicas)
+        assert r["within"] == want.within, (shape, r, want)
+        assert abs(r["across"] - want.across) < 1e-9, (shape, r, want)
+
+
+def test_join_with_uneven_inputs_on_a_mesh() -> None:
+    assert all(run_ranks(_join_worker, 4, timeout_s=120))

@@ -311,8 +311,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def join_process_group(self) -> comm.ProcessGroup:
-        """The process group this optimizer shards over."""
-        return self.process_group
+        """The process group this optimizer shards over; under a device mesh, the world (DDP's
+        group, which torch's ``Join`` requires every joinable to share)."""
+        return self.process_group if self._replicate_group is None else comm.default_group(None)
 
     @property
     def optim(self) -> Optimizer | LocalView:
