@@ -244,7 +244,13 @@ def _refusals(rank: int, world: int) -> list[str]:
             out.append("accepted")
         except (TypeError, ValueError) as e:
             out.append(str(e))
-    zero = ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, device_mesh=mesh)
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=mesh)
+    try:
+        checkpoint.stateful(model, zero)
+        out.append("accepted")
+    except ValueError as e:
+        out.append(str(e))
     out.append(
         f"{dist.get_world_size(zero.shard_group)} {dist.get_world_size(zero.replicate_group)}"
     )
@@ -252,7 +258,8 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 
 def test_mesh_arguments_are_checked() -> None:
-    both, one_d, hook, sizes = run_ranks(_refusals, 4, timeout_s=120)[0]
+    both, one_d, hook, stateful, sizes = run_ranks(_refusals, 4, timeout_s=120)[0]
+    assert "checkpoint.save/load" in stateful
     assert "not both" in both
     assert "2-D" in one_d
     assert "device_mesh" in hook

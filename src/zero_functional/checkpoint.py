@@ -490,6 +490,12 @@ class ZeroStateful:
                 f"{type(optimizer).__name__}: for a plain torch.optim optimizer use "
                 "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)"
             )
+        if optimizer.replicate_group is not None:  # every replica would offer the same shards
+            raise ValueError(
+                "stateful() does not take an optimizer sharded over a device_mesh yet: its "
+                "replicas would each write the same shards; use zero_functional.checkpoint."
+                "save/load, which the first replica writes and every rank reads"
+            )
         self.model = model
         self.optimizer = optimizer
         self._names = _names(model, optimizer)  # checks that the parameters are the model's
@@ -604,6 +610,7 @@ def stateful(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> ZeroStatef
 
     Raises:
         TypeError: ``optimizer`` is not a ZeroRedundancyOptimizer.
+        ValueError: It is sharded over a ``device_mesh`` (use :func:`save`/:func:`load`).
         CheckpointError: Its parameters are not the model's.
 
     Example:
