@@ -18,7 +18,7 @@ from zero_functional.ownership import (
     whole_ownership,
 )
 from zero_functional.partition import Segment, sorted_greedy_groups
-from zero_functional.plans import even_chunk
+from zero_functional.plans import even_chunk, owned_spans
 from zero_functional.state_dict import join_states, slice_state
 
 numels_st = st.lists(st.integers(0, 200), max_size=25)
@@ -258,3 +258,19 @@ def test_extended_keeps_old_pieces_and_places_new_ones_as_the_new_split(
     assert all(t.param < len(old_numels) for t in grown.transfers(new) if t.src != t.dst)
     with pytest.raises(ValueError, match="cannot extend"):
         old.extended(flat_ownership(old_numels + more, n + 1))
+
+
+@given(numels_st, world_st, st.data())
+def test_owned_spans_are_exactly_the_elements_each_rank_owns(
+    numels: list[int], n: int, data: st.DataObject
+) -> None:
+    o = flat_ownership(numels, n)
+    order = data.draw(st.permutations(range(len(numels))))
+    runs = [(r.start, r.stop, r.rank) for r in o.runs(order)]
+    owned = [
+        sorted(e for a, b in owned_spans(runs, rank) for e in range(a, b)) for rank in range(n)
+    ]
+    # every element of the buffer in exactly one rank's spans, each rank's as many as it owns
+    assert sorted(e for spans in owned for e in spans) == list(range(sum(numels)))
+    for rank in range(n):
+        assert len(owned[rank]) == sum(s.stop - s.start for s in o.owned(rank))

@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import checkpoint
+from zero_functional.amp import unscaled
 from zero_functional.hooks import (
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
@@ -605,3 +606,25 @@ def _join_worker(rank: int, world_size: int) -> bool:
 
 def test_join_with_uneven_inputs_keeps_main_copies_and_ranks_together() -> None:
     assert all(run_ranks(_join_worker, 2, timeout_s=120))
+
+
+def test_unscaling_in_the_main_dtype_is_gradscalers_own_arithmetic() -> None:
+    # GradScaler.unscale_ multiplies fp32 gradients by its inverse scale; ours does the same
+    # after the upcast, so an fp16 gradient unscales to what torch gives its fp32 twin
+    torch.manual_seed(0)
+    grads = torch.randn(1000) * 3e4
+    p = torch.nn.Parameter(torch.zeros(1000))
+    p.grad = grads.clone()
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=3.0 * 2.0**7)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    ours = unscaled({0: grads.clone()}, {0: FP32}, torch.tensor(scaler.get_scale()))
+    assert torch.equal(ours[0], p.grad)
+    half = grads.to(torch.float16)
+    p.grad = half.float()
+    opt2 = torch.optim.SGD([p], lr=0.1)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=3.0 * 2.0**7)
+    scaler2.scale(torch.ones(()))
+    scaler2.unscale_(opt2)
+    assert torch.equal(unscaled({0: half}, {0: FP32}, torch.tensor(scaler2.get_scale()))[0], p.grad)

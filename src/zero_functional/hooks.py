@@ -42,7 +42,13 @@ from zero_functional.amp import common_verdict
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.overlap import OverlapState, all_reduce_widened, bucket_indices, widened
 from zero_functional.ownership import Run
-from zero_functional.plans import COLLECTIVES, Collectives, buffer_runs, choose_collectives
+from zero_functional.plans import (
+    COLLECTIVES,
+    Collectives,
+    buffer_runs,
+    choose_collectives,
+    owned_spans,
+)
 
 __all__ = [
     "Collectives",
@@ -388,14 +394,9 @@ def reduce_scatter_hook(
             pending = comm.start_reduce(wide, runs, zero.process_group, chunk=chunk)
             if replicate is not None:  # then each owner's runs across its replicas
                 pending.wait()
-                mine = [(a, b) for a, b, r in runs if r == zero.rank]
+                mine = owned_spans(runs, zero.rank)
                 pending = comm.start_all_reduce_spans(wide, mine, replicate)
-            if wide is not flat:  # rounded back once, before DDP reads the bucket
-
-                def round_back() -> None:
-                    flat.copy_(wide)
-
-                pending.finish.append(round_back)
+            pending.copy_after(flat, wide)  # rounded back once, before DDP reads the bucket
             if grad_scaler is None or not grad_scaler.is_enabled():
                 return pending.future(flat)
             if bucket.index() == 0:

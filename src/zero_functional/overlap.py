@@ -23,7 +23,7 @@ from torch.futures import Future
 from zero_functional import comm
 from zero_functional.amp import ScalerFacade, overlap_verdict
 from zero_functional.ownership import Ownership, Run, bucket_ownership
-from zero_functional.plans import Collectives, buffer_runs
+from zero_functional.plans import Collectives, buffer_runs, owned_spans
 
 if TYPE_CHECKING:
     from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -79,7 +79,7 @@ class _Reduce:
         pending = comm.start_reduce(flat, runs, zero.process_group, chunk=chunk)
         fut: Future[Tensor] = Future(devices=[out.device] if out.device.type == "cuda" else None)
         replicate = zero.replicate_group
-        mine = [(a, b) for a, b, r in runs if r == zero.rank]
+        mine = owned_spans(runs, zero.rank)
         return cls(pending, fut, flat, out, (replicate, mine) if replicate is not None else None)
 
     def wait(self) -> None:
@@ -408,11 +408,4 @@ def all_reduce_widened(
         >>> dist.destroy_process_group()
     """
     wide = widened(flat, dtype).div_(comm.group_size(group))
-    pending = comm.start_all_reduce(wide, group)
-    if wide is not flat:
-
-        def round_back() -> None:
-            flat.copy_(wide)
-
-        pending.finish.append(round_back)
-    return pending.future(flat)
+    return comm.start_all_reduce(wide, group).copy_after(flat, wide).future(flat)

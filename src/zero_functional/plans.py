@@ -47,6 +47,7 @@ from zero_functional.partition import Segment
 
 __all__ = [
     "COLLECTIVES",
+    "owned_spans",
     "Collectives",
     "FLAT_ALIGN_BYTES",
     "ReshardPlan",
@@ -341,3 +342,14 @@ def ownership_for(
         k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(keys, params)
     }
     return flat_ownership([p.numel() for p in params], world_size, keys=keys, align=align)
+
+
+def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` of the runs ``rank`` owns, in buffer order: what a shard's owner
+    sums across its replicas under a device mesh.
+
+    Example:
+        >>> owned_spans([(0, 4, 0), (4, 6, 1), (6, 9, 0)], rank=0)
+        [(0, 4), (6, 9)]
+    """
+    return [(a, b) for a, b, owner in runs if owner == rank]

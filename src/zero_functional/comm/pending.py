@@ -99,6 +99,24 @@ class Pending:
         self.held = []
         del finish
 
+    def copy_after(self, dst: Tensor, src: Tensor) -> Pending:
+        """Copy ``src`` into ``dst`` once the collectives are done (nothing if they are one
+        tensor): a bucket reduced in a wider dtype, rounded back once before DDP reads it.
+
+        Example:
+            >>> out, wide = torch.zeros(2, dtype=torch.bfloat16), torch.full((2,), 1.5)
+            >>> Pending([]).copy_after(out, wide).wait()
+            >>> out
+            tensor([1.5000, 1.5000], dtype=torch.bfloat16)
+        """
+        if dst is not src:
+
+            def copy() -> None:
+                dst.copy_(src)
+
+            self.finish.append(copy)
+        return self
+
     def _run_finish(self) -> None:
         with torch.no_grad():
             for fn in self.finish:
