@@ -125,7 +125,7 @@ def test_flat_segments_update_like_the_full_update(
     ]
     full, full_state = _run_steps(opt, params, grads)
     # foreach kernels: bitwise; the fused CPU kernel rounds its vector body and scalar tail
-    # differently (pinned in tests/test_functional.py), so fused segments are only close
+    # differently (pinned in tests/test_functional.py), so fused pieces are only close
     exact = opt.name == "sgd" or opt.hyperparams["fused"] is False
     tol = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": 1e-7}
     total = sum(sizes)

@@ -17,7 +17,7 @@ from zero_functional.ownership import (
     sorted_greedy_ownership,
     whole_ownership,
 )
-from zero_functional.partition import Segment, sorted_greedy_groups
+from zero_functional.partition import Piece, sorted_greedy_groups
 from zero_functional.plans import even_chunk, owned_spans
 from zero_functional.state_dict import join_states, slice_state
 
@@ -77,7 +77,7 @@ def test_whole_ownership_puts_each_parameter_whole_on_its_owner(
     _every_element_once(o)
     assert o.is_whole
     for k, (m, r) in enumerate(items):
-        assert o.holders(k) == ((r, Segment(k, 0, m)),)
+        assert o.holders(k) == ((r, Piece(k, 0, m)),)
 
 
 @given(st.lists(st.lists(st.integers(0, 100), max_size=6), min_size=1, max_size=4), world_st)
@@ -160,10 +160,10 @@ def test_owned_slices_are_each_ranks_pieces_inside_its_runs(
         slices = o.owned_slices(order, rank)
         assert [k for k, _, _ in slices] == [k for k in order if o.piece(rank, k) is not None]
         for k, a, b in slices:
-            seg = o.piece(rank, k)
-            assert seg is not None and b - a == seg.stop - seg.start
+            piece = o.piece(rank, k)
+            assert piece is not None and b - a == piece.stop - piece.start
             # the slice of the buffer is the piece of the parameter
-            assert torch.equal(buffer[a:b], by_param[k][seg.start : seg.stop])
+            assert torch.equal(buffer[a:b], by_param[k][piece.start : piece.stop])
             if b > a:
                 assert any(r.rank == rank and r.start <= a and b <= r.stop for r in runs)
 
@@ -229,17 +229,17 @@ def test_piece_views_alias_the_tensors_and_slice_join_round_trips(shape: list[in
 
 def test_ownership_validates_itself() -> None:
     with pytest.raises(ValueError, match="exactly one owner"):
-        Ownership((4,), 2, ((Segment(0, 0, 2),), ()))
+        Ownership((4,), 2, ((Piece(0, 0, 2),), ()))
     with pytest.raises(ValueError, match="tile it exactly once"):
-        Ownership((4,), 2, ((Segment(0, 0, 3),), (Segment(0, 2, 4),)))
+        Ownership((4,), 2, ((Piece(0, 0, 3),), (Piece(0, 2, 4),)))
     with pytest.raises(ValueError, match="at most one piece"):
-        Ownership((4,), 1, ((Segment(0, 0, 2), Segment(0, 2, 4)),))
+        Ownership((4,), 1, ((Piece(0, 0, 2), Piece(0, 2, 4)),))
     with pytest.raises(ValueError, match="piece lists"):
-        Ownership((4,), 2, ((Segment(0, 0, 4),),))
+        Ownership((4,), 2, ((Piece(0, 0, 4),),))
     with pytest.raises(ValueError, match="split across ranks"):
         flat_ownership([4], 2).owner(0)
     with pytest.raises(ValueError, match="outside"):
-        piece_view(torch.zeros(3), Segment(0, 0, 4))
+        piece_view(torch.zeros(3), Piece(0, 0, 4))
 
 
 @given(numels_st, numels_st, world_st)

@@ -86,7 +86,7 @@ def test_flat_split_is_exact_covering_and_aligned(numels: list[int], n: int, ali
     per_rank = -(-total // n)
     cap = -(-per_rank // align) * align
     # Segments, rank after rank, walk the concatenation exactly once, in order.
-    pieces = [(s.param, s.start, s.stop) for segs in p.segments for s in segs]
+    pieces = [(s.param, s.start, s.stop) for rank_pieces in p.pieces for s in rank_pieces]
     expected_elements = [(i, e) for i, m in enumerate(numels) for e in range(m)]
     assert [(i, e) for i, a, b in pieces for e in range(a, b)] == expected_elements
     assert sum(p.loads) == total

@@ -13,3 +13,22 @@ def test_every_public_name_resolves_to_the_object_its_module_defines() -> None:
         module = importlib.import_module(zero_functional._HOME[name])
         assert value is getattr(module, name), name
     assert sorted(zero_functional._HOME) == sorted(zero_functional.__all__)
+
+
+def test_one_checkpoint_error_caught_as_either_base_it_had() -> None:
+    from zero_functional import checkpoint, storage, train, train_checkpoint
+
+    error = storage.CheckpointError
+    assert checkpoint.CheckpointError is error
+    assert train.CheckpointError is error and train_checkpoint.CheckpointError is error
+    assert issubclass(error, RuntimeError) and issubclass(error, ValueError)
+    assert issubclass(storage.CheckpointCorruptError, error)
+
+
+def test_a_piece_has_one_name_and_the_old_one_still_resolves() -> None:
+    from zero_functional import partition
+
+    assert partition.Segment is partition.Piece
+    part = partition.flat([3, 5], 2)
+    assert part.segments is part.pieces
+    assert part.pieces[1][0] == partition.Piece(param=1, start=1, stop=5)

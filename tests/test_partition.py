@@ -9,7 +9,7 @@ import pytest
 from zero_functional.partition import (
     BalanceReport,
     FlatPartition,
-    Segment,
+    Piece,
     balance_report,
     flat,
     hybrid_shape,
@@ -120,9 +120,9 @@ def test_errors_name_the_fix(call: object, message: str) -> None:
 def test_flat_example_straddles() -> None:
     p = flat([6, 3], 2)
     assert p.bounds == ((0, 5), (5, 9))
-    assert p.segments == (
-        (Segment(0, 0, 5),),
-        (Segment(0, 5, 6), Segment(1, 0, 3)),
+    assert p.pieces == (
+        (Piece(0, 0, 5),),
+        (Piece(0, 5, 6), Piece(1, 0, 3)),
     )
     assert p.loads == (5, 4)
 
@@ -130,30 +130,30 @@ def test_flat_example_straddles() -> None:
 def test_flat_align_rounds_ranges_up_and_last_ranks_may_be_empty() -> None:
     p = flat([10], 4, align=4)  # ceil(10 / 4) = 3 -> 4
     assert p.bounds == ((0, 4), (4, 8), (8, 10), (10, 10))
-    assert p.segments[3] == ()
+    assert p.pieces[3] == ()
     p = flat([1, 1], 4, align=8)
     assert p.bounds == ((0, 2), (2, 2), (2, 2), (2, 2))
 
 
 def test_flat_skips_zero_size_params_and_handles_empty() -> None:
     p = flat([0, 3, 0, 1], 2)
-    assert p.segments == ((Segment(1, 0, 2),), (Segment(1, 2, 3), Segment(3, 0, 1)))
+    assert p.pieces == ((Piece(1, 0, 2),), (Piece(1, 2, 3), Piece(3, 0, 1)))
     assert flat([], 3).bounds == ((0, 0), (0, 0), (0, 0))
 
 
 def test_flat_partition_validates_itself() -> None:
     good = flat([6, 3], 2)
     with pytest.raises(ValueError, match="contiguous"):
-        FlatPartition(good.numels, 2, 1, ((0, 5), (6, 9)), good.segments)
+        FlatPartition(good.numels, 2, 1, ((0, 5), (6, 9)), good.pieces)
     with pytest.raises(ValueError, match="tile the rank's range"):
-        FlatPartition(good.numels, 2, 1, good.bounds, (good.segments[0], good.segments[1][::-1]))
+        FlatPartition(good.numels, 2, 1, good.bounds, (good.pieces[0], good.pieces[1][::-1]))
     with pytest.raises(ValueError, match="cover"):
-        FlatPartition((6, 4), 2, 1, good.bounds, good.segments)
+        FlatPartition((6, 4), 2, 1, good.bounds, good.pieces)
     with pytest.raises(ValueError, match="align=2"):
-        FlatPartition(good.numels, 2, 2, good.bounds, good.segments)
+        FlatPartition(good.numels, 2, 2, good.bounds, good.pieces)
     with pytest.raises(ValueError, match="0 <= start <= stop"):
-        Segment(0, 4, 3)
-    assert Segment(0, 3, 3).numel == 0  # the piece a zero-size parameter is owned as
+        Piece(0, 4, 3)
+    assert Piece(0, 3, 3).numel == 0  # the piece a zero-size parameter is owned as
 
 
 def test_balance_report_sorted_greedy_and_flat() -> None:

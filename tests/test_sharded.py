@@ -102,9 +102,9 @@ def test_simulated_flat_ranks_together_equal_the_unsharded_update_bitwise() -> N
         for rank in range(world_size):
             state = shard_init(opt, params, ownership, rank)
             mine, _ = shard_update(opt, params, grads, state, ownership, rank)
-            for seg in ownership.owned(rank):
-                result[seg.param].view(-1)[seg.start : seg.stop] = mine[seg.param].view(-1)[
-                    seg.start : seg.stop
+            for piece in ownership.owned(rank):
+                result[piece.param].view(-1)[piece.start : piece.stop] = mine[piece.param].view(-1)[
+                    piece.start : piece.stop
                 ]
         for a, b in zip(result, full):
             assert torch.equal(a, b), world_size

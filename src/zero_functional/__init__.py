@@ -63,7 +63,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "zero_functional.partition": (
         "BalanceReport",
         "FlatPartition",
-        "Segment",
+        "Piece",
         "balance_report",
         "flat",
         "owners",

@@ -58,7 +58,7 @@ from zero_functional import comm
 from zero_functional.main_params import MAIN_KEY, main_dtype_for
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.ownership import flat_range_boxes
-from zero_functional.partition import Segment
+from zero_functional.partition import Piece
 from zero_functional.state_dict import is_elementwise
 from zero_functional.steppers import hyperparameters, probe_state
 from zero_functional.storage import (
@@ -115,14 +115,14 @@ def _group(
     return process_group
 
 
-def _shards(optimizer: Optimizer) -> tuple[dict[int, Segment], dict[int, Any]]:
+def _shards(optimizer: Optimizer) -> tuple[dict[int, Piece], dict[int, Any]]:
     """The pieces this rank writes and reads, and their state: a ZeroRedundancyOptimizer's own;
     a plain optimizer's (the same on every rank) all whole, written by rank 0, read by all."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         owned = {s.param: s for s in optimizer.ownership.owned(optimizer.rank)}
         return owned, {k: state for k, (_, state) in optimizer.shard_state().items()}
-    whole = {k: Segment(k, 0, p.numel()) for k, p in enumerate(params)}
+    whole = {k: Piece(k, 0, p.numel()) for k, p in enumerate(params)}
     state = {k: optimizer.state[p] for k, p in enumerate(params) if optimizer.state.get(p)}
     return whole, state
 
@@ -175,12 +175,12 @@ def save(
         for k, state in states.items():
             if not sharded and rank != 0:
                 break
-            seg, p = owned[k], params[k]
+            piece, p = owned[k], params[k]
             for key, value in state.items():
                 name = f"state.{names[k]}.{key}"
-                if is_elementwise(value, seg.stop - seg.start):
+                if is_elementwise(value, piece.stop - piece.start):
                     flat = value.detach().reshape(-1)
-                    pieces[name] = (tuple(p.shape), flat.dtype, [(seg.start, seg.stop, flat)])
+                    pieces[name] = (tuple(p.shape), flat.dtype, [(piece.start, piece.stop, flat)])
                 elif isinstance(value, Tensor) and value.dim() == 0:
                     pieces[name] = ((), value.dtype, [(0, 1, value.detach().reshape(1))])
                 else:  # a whole parameter's other values (a per-tensor optimizer's lists, ...)
@@ -295,7 +295,7 @@ def load(
                 assert meta is not None
                 wanted[source] = (tuple(t.shape), meta[1], [(0, t.numel())])
     pieces_of: dict[int, dict[str, tuple[str, bool]]] = {}
-    owned: dict[int, Segment] = {}
+    owned: dict[int, Piece] = {}
     if optimizer is not None:
         names = _names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -304,7 +304,7 @@ def load(
         main_dtype = (
             optimizer.main_params_dtype if isinstance(optimizer, ZeroRedundancyOptimizer) else None
         )
-        for k, seg in owned.items():
+        for k, piece in owned.items():
             prefix = f"state.{names[k]}."
             keeps_main = main_dtype_for(params[k].dtype, main_dtype) is not None
             for key, meta in saved.items():
@@ -317,7 +317,7 @@ def load(
                 elif meta[0] == ():
                     wanted[key] = ((), meta[1], [(0, 1)])
                 else:
-                    wanted[key] = (tuple(params[k].shape), meta[1], [(seg.start, seg.stop)])
+                    wanted[key] = (tuple(params[k].shape), meta[1], [(piece.start, piece.stop)])
                 pieces_of.setdefault(k, {})[key[len(prefix) :]] = (key, meta is not None)
     tensors, values = load_pieces(path, wanted, objects, group)
     if values["format"] != FORMAT:
@@ -327,8 +327,8 @@ def load(
     if optimizer is not None:
         state: dict[int, dict[str, Any]] = {}
         for k, keys in pieces_of.items():
-            p, seg = params[k], owned[k]
-            whole = seg.start == 0 and seg.stop == p.numel()
+            p, piece = params[k], owned[k]
+            whole = piece.start == 0 and piece.stop == p.numel()
             entry: dict[str, Any] = {}
             for state_key, (key, is_tensor) in keys.items():
                 if not is_tensor:
@@ -345,7 +345,7 @@ def load(
                 and model_key in tensors
                 and tensors[model_key][0].dtype.itemsize > p.dtype.itemsize
             ):  # saved from a wider model (a plain fp32 run): its values are the main copy
-                main = tensors[model_key][0][seg.start : seg.stop]
+                main = tensors[model_key][0][piece.start : piece.stop]
                 entry[MAIN_KEY] = main.view(p.shape) if whole else main
             state[k] = entry
         saved_groups = values["param_groups"]
@@ -434,7 +434,7 @@ def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
 def _sharded(
     local: Tensor,
     shape: torch.Size,
-    holders: Sequence[tuple[int, Segment]],
+    holders: Sequence[tuple[int, Piece]],
     zero: ZeroRedundancyOptimizer,
 ) -> ShardedTensor:
     """``local`` (this rank's flat piece of a tensor of ``shape``) as a ShardedTensor whose
@@ -443,13 +443,13 @@ def _sharded(
     device = str(local.device)
     metas: list[ShardMetadata] = []
     shards: list[Shard] = []
-    for rank, seg in holders:
+    for rank, piece in holders:
         placement = f"rank:{comm.global_rank(group, rank)}/{device}"
-        for (offsets, sizes), first in flat_range_boxes(shape, seg.start, seg.stop):
+        for (offsets, sizes), first in flat_range_boxes(shape, piece.start, piece.stop):
             meta = ShardMetadata(list(offsets), list(sizes), placement)
             metas.append(meta)
             if rank == zero.rank:
-                a = first - seg.start
+                a = first - piece.start
                 shards.append(Shard(local[a : a + math.prod(sizes)].view(sizes), meta))
     properties = TensorProperties(dtype=local.dtype, pin_memory=local.is_pinned())
     metadata = ShardedTensorMetadata(metas, shape, properties)
@@ -524,9 +524,9 @@ class ZeroStateful:
         probes: dict[int, dict[str, Any] | None] = {}
         self._flat = {}
         out: dict[str, dict[str, Any]] = {}
-        for seg in zero.ownership.owned(zero.rank):
-            k, p = seg.param, params[seg.param]
-            numel = seg.stop - seg.start
+        for piece in zero.ownership.owned(zero.rank):
+            k, p = piece.param, params[piece.param]
+            numel = piece.stop - piece.start
             if k in held:
                 values, fresh = held[k][1], False
             elif p.requires_grad:  # a template: the keys one step of the class makes
@@ -579,8 +579,8 @@ class ZeroStateful:
         state: dict[int, dict[str, Any]] = {}
         for name, entry in saved["state"].items():
             k = index[name]
-            seg, p = owned[k], params[k]
-            whole = seg.start == 0 and seg.stop == p.numel()
+            piece, p = owned[k], params[k]
+            whole = piece.start == 0 and piece.stop == p.numel()
             values: dict[str, Any] = {}
             for key, v in entry.items():
                 if isinstance(v, ShardedTensor):

@@ -22,7 +22,7 @@ from zero_functional.amp import unscaled
 from zero_functional.checks import check_unfrozen
 from zero_functional.main_params import MAIN_KEY, main_dtype_for, step_through_main_
 from zero_functional.ownership import Ownership, Transfer, piece_view
-from zero_functional.partition import Segment
+from zero_functional.partition import Piece
 from zero_functional.plans import ReshardPlan
 from zero_functional.state_dict import (
     Range,
@@ -73,7 +73,7 @@ class LocalShard:
         >>> state = defaultdict(dict)  # as ``Optimizer.state``
         >>> shard = LocalShard(flat_ownership([4], 2), 1, groups, state, stepper, "SGD")
         >>> shard.pieces
-        {0: Segment(param=0, start=2, stop=4)}
+        {0: Piece(param=0, start=2, stop=4)}
         >>> shard.update({0: torch.ones(2)})
         >>> w.tolist()
         [1.0, 1.0, 0.5, 0.5]
@@ -96,7 +96,7 @@ class LocalShard:
         self.stepper = stepper
         self.name = name
         self.main_params_dtype = main_params_dtype
-        self.pieces: dict[int, Segment] = {s.param: s for s in ownership.owned(rank)}
+        self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(rank)}
         self.trainable = [p.requires_grad for p in self.params()]
         self._built_trainable = list(self.trainable)
 
@@ -108,26 +108,26 @@ class LocalShard:
         """Each parameter's group, by global index."""
         return [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
 
-    def piece(self, k: Hashable, what: str) -> Segment:
+    def piece(self, k: Hashable, what: str) -> Piece:
         """The piece of parameter ``k`` this rank owns.
 
         Raises:
             ValueError: This rank owns none; the message names ``what`` was given for it.
         """
-        seg = self.pieces.get(k) if isinstance(k, int) else None
-        if seg is None:
+        piece = self.pieces.get(k) if isinstance(k, int) else None
+        if piece is None:
             raise ValueError(
                 f"{what} for parameter {k!r}, of which rank {self.rank} owns no piece: pass "
                 f"the {what} of the pieces ownership.owned(rank) lists"
             )
-        return seg
+        return piece
 
     def grads(self) -> dict[int, Tensor]:
         """Global index -> the gradient of this rank's piece, where the parameter has one."""
         params = self.params()
         return {
-            k: piece_view(grad, seg)
-            for k, seg in self.pieces.items()
+            k: piece_view(grad, piece)
+            for k, piece in self.pieces.items()
             if (grad := params[k].grad) is not None
         }
 
@@ -152,11 +152,11 @@ class LocalShard:
         params, group_of = self.params(), self.group_of()
         by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
         for k, grad in grads.items():
-            seg = self.piece(k, "gradients")
+            piece = self.piece(k, "gradients")
             if grad.is_sparse:
                 raise RuntimeError(f"{self.name} does not support sparse gradients")
             p = params[k]
-            view = piece_view(p, seg)
+            view = piece_view(p, piece)
             ps, gs, ss, ds = by_group.setdefault(group_of[k], ([], [], [], []))
             ps.append(view)
             gs.append(grad.view_as(view))
@@ -210,13 +210,13 @@ class LocalShard:
 
     # ------------------------------------------------------------------ state in and out
 
-    def shard_state(self) -> dict[int, tuple[Segment, dict[str, Any]]]:
+    def shard_state(self) -> dict[int, tuple[Piece, dict[str, Any]]]:
         """Global index -> (this rank's piece, its state: the optimizer's own tensors), for
         each parameter this rank owns a piece of and has state for."""
         params = self.params()
         return {
-            k: (seg, self.state[params[k]])
-            for k, seg in sorted(self.pieces.items())
+            k: (piece, self.state[params[k]])
+            for k, piece in sorted(self.pieces.items())
             if self.state.get(params[k])
         }
 
@@ -256,12 +256,12 @@ class LocalShard:
         no copy are absent."""
         params = self.params()
         out: dict[Tensor, Tensor] = {}
-        for k, seg in sorted(self.pieces.items()):
+        for k, piece in sorted(self.pieces.items()):
             p = params[k]
             dtype = main_dtype_for(p.dtype, self.main_params_dtype)
             if dtype is not None:
                 main = self.state.get(p, {}).get(MAIN_KEY)
-                out[p] = main.detach() if main is not None else piece_view(p, seg).to(dtype)
+                out[p] = main.detach() if main is not None else piece_view(p, piece).to(dtype)
         return out
 
     def check(
@@ -336,9 +336,9 @@ class LocalShard:
             self.state.pop(params[k], None)
         for k, moves in plan.receives.items():
             parts = [((t.start, t.stop), arrived[t]) for t in moves if t in arrived]
-            seg, p = new.piece(self.rank, k), params[k]
-            if not parts or seg is None:
+            piece, p = new.piece(self.rank, k), params[k]
+            if not parts or piece is None:
                 continue
-            whole = seg.start == 0 and seg.stop == p.numel()
+            whole = piece.start == 0 and piece.stop == p.numel()
             joined = join_states(parts, tuple(p.shape) if whole else None)
             self.state[p] = self._placed(p, self.param_groups[group_of[k]], joined, copy=False)

@@ -32,7 +32,7 @@ from zero_functional.join import StepJoinHook
 from zero_functional.local_shard import LocalShard
 from zero_functional.ownership import Ownership, PartitionName, Transfer
 from zero_functional.param_sync import ParamSync
-from zero_functional.partition import Segment
+from zero_functional.partition import Piece
 from zero_functional.plans import choose_param_gather, ownership_for, plan_moves
 from zero_functional.state_dict import (
     PARTIAL_KEY,
@@ -354,7 +354,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         piece's elements (in the parameter's shape when whole): read them, do not write them."""
         return self._shard.main_params()
 
-    def shard_state(self) -> dict[int, tuple[Segment, dict[str, Any]]]:
+    def shard_state(self) -> dict[int, tuple[Piece, dict[str, Any]]]:
         """This rank's state, what a sharded checkpoint writes: global index -> (the piece,
         its state dict: the optimizer's own tensors)."""
         return self._shard.shard_state()

@@ -1,7 +1,7 @@
 """Who owns what: one frozen value that every mode of the optimizer asks (pure).
 
 An :class:`Ownership` says, for each rank, which pieces of which parameters it owns: a piece is a
-:class:`~zero_functional.partition.Segment` ``(param, start, stop)`` of the flattened (row-major)
+:class:`~zero_functional.partition.Piece` ``(param, start, stop)`` of the flattened (row-major)
 parameter. Whole-tensor ownership (torch's sorted-greedy, DDP buckets assigned whole) is the
 case where every piece is a whole parameter; the flat split lets a parameter straddle ranks.
 Each rank owns at most one piece of each parameter, so a rank's optimizer state is one dict per
@@ -17,7 +17,7 @@ elements change hands from one ownership to another).
 Example:
     >>> o = flat_ownership([6, 3], world_size=2)
     >>> o.owned(0), o.owned(1)
-    ((Segment(param=0, start=0, stop=5),), (Segment(param=0, start=5, stop=6), Segment(param=1, start=0, stop=3)))
+    ((Piece(param=0, start=0, stop=5),), (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3)))
     >>> o.runs([1, 0])  # a buffer holding parameter 1, then parameter 0
     (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
 """
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from zero_functional._validate import check_numels, check_rank, check_world_size, prefix_sums
 from zero_functional.buckets import ddp_bucket_assignments
-from zero_functional.partition import Segment, flat, owners, sorted_greedy, sorted_greedy_groups
+from zero_functional.partition import Piece, flat, owners, sorted_greedy, sorted_greedy_groups
 
 __all__ = [
     "PARTITIONS",
@@ -105,8 +105,8 @@ class Ownership:
 
     numels: tuple[int, ...]
     world_size: int
-    pieces: tuple[tuple[Segment, ...], ...]
-    _holders: tuple[tuple[tuple[int, Segment], ...], ...] = field(
+    pieces: tuple[tuple[Piece, ...], ...]
+    _holders: tuple[tuple[tuple[int, Piece], ...], ...] = field(
         init=False, repr=False, compare=False
     )
 
@@ -119,32 +119,32 @@ class Ownership:
                 f"got {len(self.pieces)}: build it with flat_ownership() or its siblings"
             )
         n = len(self.numels)
-        holders: list[list[tuple[int, Segment]]] = [[] for _ in range(n)]
-        for rank, segs in enumerate(self.pieces):
+        holders: list[list[tuple[int, Piece]]] = [[] for _ in range(n)]
+        for rank, rank_pieces in enumerate(self.pieces):
             last = -1
-            for seg in segs:
-                if not 0 <= seg.param < n or seg.stop > self.numels[seg.param]:
+            for piece in rank_pieces:
+                if not 0 <= piece.param < n or piece.stop > self.numels[piece.param]:
                     raise ValueError(
-                        f"rank {rank} owns {seg}, outside the {n} parameters of sizes {self.numels}"
+                        f"rank {rank} owns {piece}, outside the {n} parameters of sizes {self.numels}"
                     )
-                if seg.param <= last:
+                if piece.param <= last:
                     raise ValueError(
-                        f"rank {rank} lists parameter {seg.param} after {last}: a rank owns at "
+                        f"rank {rank} lists parameter {piece.param} after {last}: a rank owns at "
                         "most one piece of each parameter, in ascending parameter order"
                     )
-                last = seg.param
-                holders[seg.param].append((rank, seg))
+                last = piece.param
+                holders[piece.param].append((rank, piece))
         for k, held in enumerate(holders):
             held.sort(key=lambda rs: rs[1].start)
             edge = 0
-            for _, seg in held:
-                if seg.start != edge or (seg.start == seg.stop and self.numels[k]):
+            for _, piece in held:
+                if piece.start != edge or (piece.start == piece.stop and self.numels[k]):
                     raise ValueError(
                         f"parameter {k} ({self.numels[k]} elements) is owned as "
                         f"{[(r, s.start, s.stop) for r, s in held]} (rank, start, stop): its "
                         "pieces must tile it exactly once, without empty pieces"
                     )
-                edge = seg.stop
+                edge = piece.stop
             if edge != self.numels[k] or not held or (self.numels[k] == 0 and len(held) != 1):
                 raise ValueError(
                     f"parameter {k} ({self.numels[k]} elements) is owned as "
@@ -155,38 +155,38 @@ class Ownership:
 
     # ---------------------------------------------------------------- queries
 
-    def owned(self, rank: int) -> tuple[Segment, ...]:
+    def owned(self, rank: int) -> tuple[Piece, ...]:
         """The pieces ``rank`` owns, in ascending parameter order.
 
         Example:
             >>> sorted_greedy_ownership([[5, 1, 7]], 2).owned(1)
-            (Segment(param=0, start=0, stop=5), Segment(param=1, start=0, stop=1))
+            (Piece(param=0, start=0, stop=5), Piece(param=1, start=0, stop=1))
         """
         check_rank(rank, self.world_size)
         return self.pieces[rank]
 
-    def holders(self, param: int) -> tuple[tuple[int, Segment], ...]:
+    def holders(self, param: int) -> tuple[tuple[int, Piece], ...]:
         """``(rank, piece)`` for each piece of parameter ``param``, in element order.
 
         Example:
             >>> flat_ownership([6, 3], 2).holders(0)
-            ((0, Segment(param=0, start=0, stop=5)), (1, Segment(param=0, start=5, stop=6)))
+            ((0, Piece(param=0, start=0, stop=5)), (1, Piece(param=0, start=5, stop=6)))
         """
         if not 0 <= param < len(self.numels):
             raise ValueError(f"parameter {param} is not one of the {len(self.numels)} parameters")
         return self._holders[param]
 
-    def piece(self, rank: int, param: int) -> Segment | None:
+    def piece(self, rank: int, param: int) -> Piece | None:
         """The piece of ``param`` that ``rank`` owns, or ``None``.
 
         Example:
             >>> flat_ownership([6, 3], 2).piece(1, 0)
-            Segment(param=0, start=5, stop=6)
+            Piece(param=0, start=5, stop=6)
         """
         check_rank(rank, self.world_size)
-        for r, seg in self.holders(param):
+        for r, piece in self.holders(param):
             if r == rank:
-                return seg
+                return piece
         return None
 
     def owner(self, param: int) -> int:
@@ -225,7 +225,7 @@ class Ownership:
             >>> flat_ownership([6, 3], 2).loads
             (5, 4)
         """
-        return tuple(sum(s.stop - s.start for s in segs) for segs in self.pieces)
+        return tuple(sum(s.stop - s.start for s in rank_pieces) for rank_pieces in self.pieces)
 
     def owned_slices(self, order: Sequence[int], rank: int) -> tuple[tuple[int, int, int], ...]:
         """Where ``rank``'s pieces sit in a buffer holding the parameters ``order`` end to end.
@@ -242,9 +242,9 @@ class Ownership:
         check_rank(rank, self.world_size)
         starts = prefix_sums([self.numels[k] for k in order])
         return tuple(
-            (k, base + seg.start, base + seg.stop)
+            (k, base + piece.start, base + piece.stop)
             for k, base in zip(order, starts)
-            for r, seg in self.holders(k)
+            for r, piece in self.holders(k)
             if r == rank
         )
 
@@ -261,7 +261,7 @@ class Ownership:
         Example:
             >>> old = flat_ownership([4], 2)
             >>> old.extended(flat_ownership([4, 4], 2)).owned(1)
-            (Segment(param=0, start=2, stop=4), Segment(param=1, start=0, stop=4))
+            (Piece(param=0, start=2, stop=4), Piece(param=1, start=0, stop=4))
         """
         n = len(self.numels)
         if new.world_size != self.world_size or new.numels[:n] != self.numels:
@@ -298,10 +298,10 @@ class Ownership:
         out: list[Run] = []
         base = 0
         for k in order:
-            for rank, seg in self.holders(k):
-                if seg.stop == seg.start:
+            for rank, piece in self.holders(k):
+                if piece.stop == piece.start:
                     continue
-                a, b = base + seg.start, base + seg.stop
+                a, b = base + piece.start, base + piece.stop
                 if out and out[-1].rank == rank and out[-1].stop == a:
                     out[-1] = Run(out[-1].start, b, rank)
                 else:
@@ -347,13 +347,13 @@ class Ownership:
 
 
 def _from_holders(
-    numels: Sequence[int], world_size: int, per_param: Sequence[Sequence[tuple[int, Segment]]]
+    numels: Sequence[int], world_size: int, per_param: Sequence[Sequence[tuple[int, Piece]]]
 ) -> Ownership:
     """The ownership where parameter ``k``'s pieces are ``per_param[k]``, as (rank, piece)."""
-    per_rank: list[list[Segment]] = [[] for _ in range(world_size)]
+    per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
     for held in per_param:
-        for rank, seg in held:
-            per_rank[rank].append(seg)
+        for rank, piece in held:
+            per_rank[rank].append(piece)
     return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
 
 
@@ -362,12 +362,12 @@ def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int
 
     Example:
         >>> whole_ownership([4, 2, 3], [1, 0, 1], 2).owned(1)
-        (Segment(param=0, start=0, stop=4), Segment(param=2, start=0, stop=3))
+        (Piece(param=0, start=0, stop=4), Piece(param=2, start=0, stop=3))
     """
     return _from_holders(
         numels,
         world_size,
-        [[(r, Segment(k, 0, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))],
+        [[(r, Piece(k, 0, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))],
     )
 
 
@@ -384,7 +384,7 @@ def sorted_greedy_ownership(group_numels: Sequence[Sequence[int]], world_size: i
 
     Example:
         >>> sorted_greedy_ownership([[4, 2], [3]], 2).owned(1)
-        (Segment(param=1, start=0, stop=2), Segment(param=2, start=0, stop=3))
+        (Piece(param=1, start=0, stop=2), Piece(param=2, start=0, stop=3))
     """
     parts = sorted_greedy_groups(group_numels, world_size)
     numels = [n for g in group_numels for n in g]
@@ -420,7 +420,7 @@ def flat_ownership(
     Example:
         >>> o = flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"])
         >>> o.owned(0)
-        (Segment(param=0, start=0, stop=3), Segment(param=1, start=0, stop=2))
+        (Piece(param=0, start=0, stop=3), Piece(param=1, start=0, stop=2))
     """
     check_world_size(world_size)
     check_numels(numels)
@@ -433,14 +433,14 @@ def flat_ownership(
     groups: dict[Hashable, list[int]] = {}
     for k, key in enumerate(keys):
         groups.setdefault(key, []).append(k)
-    per_param: list[list[tuple[int, Segment]]] = [[] for _ in numels]
+    per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     for key, members in groups.items():
         step = align[key] if isinstance(align, Mapping) else align
         part = flat([numels[k] for k in members], world_size, align=step)
-        for rank, segs in enumerate(part.segments):
-            for s in segs:
+        for rank, rank_pieces in enumerate(part.pieces):
+            for s in rank_pieces:
                 k = members[s.param]
-                per_param[k].append((rank, Segment(k, s.start, s.stop)))
+                per_param[k].append((rank, Piece(k, s.start, s.stop)))
         starts = prefix_sums([numels[k] for k in members])
         for j, k in enumerate(members):
             if numels[k] == 0:
@@ -448,7 +448,7 @@ def flat_ownership(
                     (r for r, (lo, hi) in enumerate(part.bounds) if lo <= starts[j] < hi),
                     world_size - 1,
                 )
-                per_param[k].append((rank, Segment(k, 0, 0)))
+                per_param[k].append((rank, Piece(k, 0, 0)))
     return _from_holders(numels, world_size, per_param)
 
 
@@ -483,9 +483,9 @@ def bucket_ownership(
 
     Example:
         >>> bucket_ownership([[1, 0]], [4, 4], 2).owned(0)  # one bucket: rank 0 owns it all
-        (Segment(param=0, start=0, stop=4), Segment(param=1, start=0, stop=4))
+        (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=4))
         >>> bucket_ownership([[1, 0]], [4, 4], 2, partition="flat").owned(0)
-        (Segment(param=1, start=0, stop=4),)
+        (Piece(param=1, start=0, stop=4),)
     """
     check_partition(partition)
     check_world_size(world_size)
@@ -501,14 +501,14 @@ def bucket_ownership(
             seen[k] = True
     rest = [k for k in range(len(numels)) if not seen[k]]
     groups = [list(b) for b in buckets] + ([rest] if rest else [])
-    per_param: list[list[tuple[int, Segment]]] = [[] for _ in numels]
+    per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     if partition == "flat":
         for members in groups:
             sub = flat_ownership([numels[k] for k in members], world_size)
-            for rank, segs in enumerate(sub.pieces):
-                for s in segs:
+            for rank, rank_pieces in enumerate(sub.pieces):
+                for s in rank_pieces:
                     per_param[members[s.param]].append(
-                        (rank, Segment(members[s.param], s.start, s.stop))
+                        (rank, Piece(members[s.param], s.start, s.stop))
                     )
     else:
         sizes = [[numels[k] for k in b] for b in buckets]
@@ -521,10 +521,10 @@ def bucket_ownership(
         for assignments in assigned:
             for a in assignments:
                 for k in buckets[a.bucket][a.offset : a.offset + a.length]:
-                    per_param[k].append((a.rank, Segment(k, 0, numels[k])))
+                    per_param[k].append((a.rank, Piece(k, 0, numels[k])))
         for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
             for i in indices:
-                per_param[rest[i]].append((rank, Segment(rest[i], 0, numels[rest[i]])))
+                per_param[rest[i]].append((rank, Piece(rest[i], 0, numels[rest[i]])))
     return _from_holders(numels, world_size, per_param)
 
 
@@ -553,7 +553,7 @@ def check_splittable(tensors: Sequence[Tensor]) -> None:
             )
 
 
-def piece_view(tensor: Tensor, piece: Segment) -> Tensor:
+def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
     """The elements of ``piece`` in ``tensor``, aliasing it: the tensor itself when whole.
 
     A partial piece is a 1-D view of the row-major flattening, so writing to it writes the
@@ -565,9 +565,9 @@ def piece_view(tensor: Tensor, piece: Segment) -> Tensor:
 
     Example:
         >>> t = torch.arange(6.0).view(2, 3)
-        >>> piece_view(t, Segment(0, 2, 5)).tolist()
+        >>> piece_view(t, Piece(0, 2, 5)).tolist()
         [2.0, 3.0, 4.0]
-        >>> piece_view(t, Segment(0, 0, 6)) is t
+        >>> piece_view(t, Piece(0, 0, 6)) is t
         True
     """
     n = tensor.numel()
@@ -663,7 +663,7 @@ def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[T
                 f"tensor {k} has {t.numel()} elements but the ownership was built for "
                 f"{ownership.numels[k]}: pass the tensors it was built from, in order"
             )
-        for rank, seg in ownership.holders(k):
-            views.append(piece_view(t, seg))
+        for rank, piece in ownership.holders(k):
+            views.append(piece_view(t, piece))
             ranks.append(rank)
     return views, ranks

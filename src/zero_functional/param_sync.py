@@ -37,7 +37,7 @@ from zero_functional import comm
 from zero_functional.buckets import bucket_layout, views
 from zero_functional.comm import Pending
 from zero_functional.ownership import Ownership, Run, piece_view
-from zero_functional.partition import Segment
+from zero_functional.partition import Piece
 from zero_functional.plans import bucket_view_groups, buffer_runs, choose_collectives, send_list
 
 __all__ = ["ParamSync", "waited_by"]
@@ -103,7 +103,7 @@ class ParamSync:
         self._call = call
         self._params: list[Tensor] = list(params)
         self._buffers: list[_Buffer] = []
-        self._sends: list[tuple[int, int, Segment]] = []
+        self._sends: list[tuple[int, int, Piece]] = []
         self._ownership: Ownership | None = None
         self._in_flight: list[Pending] = []
         self._pending_for: dict[Tensor, list[Pending]] = {}
@@ -224,7 +224,9 @@ class ParamSync:
         params = self._params
         if chunk is None:
             assert self._ownership is not None
-            sends = [(k, rank, seg) for k in indices for rank, seg in self._ownership.holders(k)]
+            sends = [
+                (k, rank, piece) for k in indices for rank, piece in self._ownership.holders(k)
+            ]
             return self._start_units(sends, group, None)
         # even shards: pack the bucket's parameters, all-gather, unpack (NCCL's fast path)
         ps = [params[k] for k in indices]
@@ -236,7 +238,7 @@ class ParamSync:
 
     def _start_units(
         self,
-        sends: Sequence[tuple[int, int, Segment]],
+        sends: Sequence[tuple[int, int, Piece]],
         group: comm.ProcessGroup,
         before: Callable[[list[int]], None] | None,
     ) -> list[Unit]:
@@ -245,7 +247,7 @@ class ParamSync:
         params = self._params
         index = [k for k, _, _ in sends]
         started = comm.start_sync_units(
-            [piece_view(params[k], seg) for k, _, seg in sends],
+            [piece_view(params[k], piece) for k, _, piece in sends],
             [rank for _, rank, _ in sends],
             group,
             before=(lambda covered: before([index[i] for i in covered])) if before else None,

@@ -30,7 +30,7 @@ __all__ = [
     "FlatPartition",
     "RankBytes",
     "RankTraffic",
-    "Segment",
+    "Piece",
     "balance_report",
     "flat",
     "hybrid_shape",
@@ -182,7 +182,7 @@ def rank_loads(numels: Sequence[int], partition: Sequence[Sequence[int]]) -> tup
 
 
 @dataclass(frozen=True, slots=True)
-class Segment:
+class Piece:
     """Elements ``[start, stop)`` of the flattened (row-major) parameter ``param``.
 
     Empty only for a zero-size parameter, which is owned as the empty piece ``[0, 0)``.
@@ -195,14 +195,18 @@ class Segment:
     def __post_init__(self) -> None:
         if self.param < 0 or not 0 <= self.start <= self.stop:
             raise ValueError(
-                f"Segment(param={self.param}, start={self.start}, stop={self.stop}) needs "
+                f"Piece(param={self.param}, start={self.start}, stop={self.stop}) needs "
                 "param >= 0 and 0 <= start <= stop"
             )
 
     @property
     def numel(self) -> int:
-        """Number of elements in the segment."""
+        """Number of elements in the piece."""
         return self.stop - self.start
+
+
+Segment = Piece
+"""compat: :class:`Piece`'s name before a piece had one name (checkpoints may pickle it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,21 +217,26 @@ class FlatPartition:
     world_size: int
     align: int
     bounds: tuple[tuple[int, int], ...]
-    segments: tuple[tuple[Segment, ...], ...]
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    @property
+    def segments(self) -> tuple[tuple[Piece, ...], ...]:
+        """compat: :attr:`pieces`' name before a piece had one name."""
+        return self.pieces
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
         check_align(self.align)
         check_numels(self.numels)
-        if len(self.bounds) != self.world_size or len(self.segments) != self.world_size:
+        if len(self.bounds) != self.world_size or len(self.pieces) != self.world_size:
             raise ValueError(
                 f"a FlatPartition over {self.world_size} ranks needs {self.world_size} bounds and "
-                f"segment lists, got {len(self.bounds)} and {len(self.segments)}: build it with flat()"
+                f"piece lists, got {len(self.bounds)} and {len(self.pieces)}: build it with flat()"
             )
         starts = prefix_sums(self.numels)
         total = starts[-1]
         edge = 0
-        for rank, ((start, stop), segs) in enumerate(zip(self.bounds, self.segments)):
+        for rank, ((start, stop), rank_pieces) in enumerate(zip(self.bounds, self.pieces)):
             if start != edge or stop < start:
                 raise ValueError(
                     f"rank {rank} has range [{start}, {stop}) after {edge}: ranges must be "
@@ -238,18 +247,20 @@ class FlatPartition:
                     f"rank {rank} has range [{start}, {stop}), not on multiples of align={self.align}"
                 )
             pos = start
-            for seg in segs:
-                if seg.param >= len(self.numels) or seg.stop > self.numels[seg.param]:
-                    raise ValueError(f"rank {rank} has {seg}, outside the parameters {self.numels}")
-                if starts[seg.param] + seg.start != pos:
+            for piece in rank_pieces:
+                if piece.param >= len(self.numels) or piece.stop > self.numels[piece.param]:
                     raise ValueError(
-                        f"rank {rank} has {seg} at element {starts[seg.param] + seg.start}, "
-                        f"expected element {pos}: segments must tile the rank's range in order"
+                        f"rank {rank} has {piece}, outside the parameters {self.numels}"
                     )
-                pos += seg.stop - seg.start
+                if starts[piece.param] + piece.start != pos:
+                    raise ValueError(
+                        f"rank {rank} has {piece} at element {starts[piece.param] + piece.start}, "
+                        f"expected element {pos}: pieces must tile the rank's range in order"
+                    )
+                pos += piece.stop - piece.start
             if pos != stop:
                 raise ValueError(
-                    f"segments of rank {rank} cover [{start}, {pos}), not [{start}, {stop})"
+                    f"pieces of rank {rank} cover [{start}, {pos}), not [{start}, {stop})"
                 )
             edge = stop
         if edge != total:
@@ -267,7 +278,7 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
     Each rank gets at most ``ceil(total / world_size)`` elements rounded up to a multiple of
     ``align`` (the last ranks may get less, or nothing); range bounds are multiples of ``align``
     except the end of the data. A parameter may straddle ranks; zero-size parameters appear in
-    no segment.
+    no piece.
 
     Args:
         numels: Number of elements of each parameter, in concatenation order.
@@ -284,8 +295,8 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
         >>> p = flat([6, 3], world_size=2)
         >>> p.bounds
         ((0, 5), (5, 9))
-        >>> p.segments[1]
-        (Segment(param=0, start=5, stop=6), Segment(param=1, start=0, stop=3))
+        >>> p.pieces[1]
+        (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3))
     """
     check_world_size(world_size)
     check_numels(numels)
@@ -295,20 +306,20 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
     # Integer ceilings: total / world_size in floating point loses exactness past 2**53.
     chunk = round_up(ceil_div(total, world_size), align)
     bounds = tuple((min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(world_size))
-    segments: list[tuple[Segment, ...]] = []
+    pieces: list[tuple[Piece, ...]] = []
     p = 0
     for lo, hi in bounds:
-        segs = []
+        rank_pieces = []
         while p < len(numels) and starts[p + 1] <= lo:
             p += 1
         q = p
         while q < len(numels) and starts[q] < hi:
             a, b = max(lo, starts[q]), min(hi, starts[q + 1])
             if b > a:
-                segs.append(Segment(q, a - starts[q], b - starts[q]))
+                rank_pieces.append(Piece(q, a - starts[q], b - starts[q]))
             q += 1
-        segments.append(tuple(segs))
-    return FlatPartition(tuple(numels), world_size, align, bounds, tuple(segments))
+        pieces.append(tuple(rank_pieces))
+    return FlatPartition(tuple(numels), world_size, align, bounds, tuple(pieces))
 
 
 @dataclass(frozen=True, slots=True)

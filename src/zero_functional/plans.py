@@ -43,7 +43,7 @@ from zero_functional.ownership import (
     flat_ownership,
     sorted_greedy_ownership,
 )
-from zero_functional.partition import Segment
+from zero_functional.partition import Piece
 
 __all__ = [
     "COLLECTIVES",
@@ -223,7 +223,7 @@ def bytes_sent(op: str, nbytes: int, world_size: int) -> float:
     )
 
 
-def send_list(ownership: Ownership, trainable: Sequence[bool]) -> list[tuple[int, int, Segment]]:
+def send_list(ownership: Ownership, trainable: Sequence[bool]) -> list[tuple[int, int, Piece]]:
     """The parameter all-gather without bucket views: each piece of each trainable parameter,
     as ``(global index, owner, piece)``, in index order (the same on every rank).
 
@@ -233,10 +233,10 @@ def send_list(ownership: Ownership, trainable: Sequence[bool]) -> list[tuple[int
         [(0, 0, (0, 3))]
     """
     return [
-        (k, rank, seg)
+        (k, rank, piece)
         for k, live in enumerate(trainable)
         if live
-        for rank, seg in ownership.holders(k)
+        for rank, piece in ownership.holders(k)
     ]
 
 

@@ -1,7 +1,7 @@
 """The functional ZeRO step for custom training loops (``torch.func`` and friends).
 
 No stateful shell: given an :class:`~zero_functional.ownership.Ownership` (which rank owns which
-pieces of which parameters: whole tensors, or flat segments that straddle ranks), this rank and
+pieces of which parameters: whole tensors, or flat pieces that straddle ranks), this rank and
 a functional optimizer, :func:`shard_init` builds state for the owned pieces only and
 :func:`shard_update` updates them purely. Around it, two collectives give the step DDP's bytes:
 :func:`zero_functional.comm.reduce_to_owners` averages each gradient piece onto its owner, and
@@ -15,7 +15,7 @@ Example:
     >>> params = {"w": torch.ones(4, 2), "b": torch.zeros(2)}
     >>> ownership = flat_ownership([p.numel() for p in params.values()], world_size=2)
     >>> ownership.owned(0)  # rank 0 owns the first 5 of the 10 elements: most of "w"
-    (Segment(param=0, start=0, stop=5),)
+    (Piece(param=0, start=0, stop=5),)
     >>> opt = adam(lr=0.1)
     >>> state = shard_init(opt, params, ownership, rank=0)
     >>> grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from zero_functional.functional import FunctionalOptimizer, State
 from zero_functional.ownership import Ownership, piece_view, whole_ownership
-from zero_functional.partition import Segment, owners
+from zero_functional.partition import Piece, owners
 
 __all__ = ["ShardState", "shard_init", "shard_update"]
 
@@ -45,7 +45,7 @@ OwnershipLike = Ownership | Sequence[Sequence[int]]
 class ShardState(NamedTuple):
     """Optimizer state of this rank's pieces: ``pieces`` as ``ownership.owned(rank)`` lists."""
 
-    pieces: tuple[Segment, ...]
+    pieces: tuple[Piece, ...]
     inner: State
 
 

@@ -613,10 +613,10 @@ def check_shard_state(
 
     Example:
         >>> import torch
-        >>> from zero_functional.partition import Segment
+        >>> from zero_functional.partition import Piece
         >>> p = torch.zeros(4)
         >>> check_shard_state({0: {"momentum_buffer": torch.zeros(2)}}, [{}], [{}],
-        ...                   {0: (Segment(0, 0, 2), p)}, [{"momentum_buffer": "elementwise"}])
+        ...                   {0: (Piece(0, 0, 2), p)}, [{"momentum_buffer": "elementwise"}])
     """
     if len(saved_groups) != len(groups):
         raise ValueError(
@@ -626,12 +626,12 @@ def check_shard_state(
     for i, (saved, group) in enumerate(zip(saved_groups, groups)):
         check_hyperparameters(i, saved, group)
     for k, value in state.items():
-        seg, param = pieces[k]
-        whole = seg.start == 0 and seg.stop == param.numel()
+        piece, param = pieces[k]
+        whole = piece.start == 0 and piece.stop == param.numel()
         check_param_state(
-            f"parameter {k} (this rank's piece [{seg.start}, {seg.stop}))",
+            f"parameter {k} (this rank's piece [{piece.start}, {piece.stop}))",
             value,
-            tuple(param.shape) if whole else (seg.stop - seg.start,),
+            tuple(param.shape) if whole else (piece.stop - piece.start,),
             is_complex=param.is_complex(),
             schema=schemas[k],
         )

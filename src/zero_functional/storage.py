@@ -101,8 +101,15 @@ chunk at a time) and loading (at most two chunks beyond the output)."""
 _CRC_ATTR = "zf_crc32"  # pickled with each _StorageInfo in .metadata; stock readers ignore it
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; raised on every rank, naming each rank's cause."""
+class CheckpointError(RuntimeError, ValueError):
+    """A checkpoint could not be saved, loaded or resumed from; the message names the file (or
+    each rank's cause, raised on every rank).
+
+    The library's one checkpoint error: :mod:`~zero_functional.checkpoint`, this module and the
+    train job's :mod:`~zero_functional.train_checkpoint` raise it. A ``RuntimeError`` as the
+    sharded layer's was, and a ``ValueError`` as the train job's was, so that code catching
+    either keeps working.
+    """
 
 
 class CheckpointCorruptError(CheckpointError):

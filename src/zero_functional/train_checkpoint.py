@@ -19,14 +19,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zero_functional.storage import CheckpointError
+
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 CHECKPOINT_FORMAT = "zero_functional.train/1"
 """The ``format`` key of the checkpoints this job writes; others are refused on resume."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the message says which file and why."""
 
 
 def save_checkpoint(path: str | os.PathLike[str], payload: Mapping[str, object]) -> None:
