@@ -3,11 +3,36 @@ and the comparisons (one copy each, so the tests cannot drift apart)."""
 
 from __future__ import annotations
 
-from typing import Any
+import multiprocessing
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from zero_functional import launch
+
+R = TypeVar("R")
+
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "zero_functional.optimizer")
+"""What the forkserver imports once, so that no rank imports it again."""
+
+
+def run_ranks(
+    fn: Callable[..., R],
+    world_size: int,
+    *args: object,
+    start_method: launch.StartMethod = "forkserver",
+    **kwargs: Any,
+) -> list[R]:
+    """:func:`zero_functional.launch.run_ranks`, ranks forked from one server that has
+    :data:`PRELOAD` imported: a launch takes about 0.2 s instead of 1.5-2 s for two spawned
+    ranks that each import torch. A forked rank ends with ``os._exit``, not the interpreter's
+    exit: the tests of how ranks exit (test_launch, test_teardown) spawn theirs."""
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(list(PRELOAD))  # used when the server starts
+    return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from zero_functional.agreement import agree, agreed_inputs
 from zero_functional.checks import check_new_group
-from zero_functional.launch import run_ranks
+
+from tests.helpers import run_ranks
 
 
 def _agree_worker(rank: int, world_size: int) -> list[str]:

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_functional import checkpoint
-from zero_functional.launch import LaunchError, run_ranks
+from zero_functional.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.storage import CheckpointCorruptError, CheckpointError
+
+from tests.helpers import run_ranks
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),

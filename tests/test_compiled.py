@@ -32,6 +32,8 @@ from zero_functional.functional.compiled import (
     compiled_sgd_update_,
 )
 
+from tests.helpers import run_ranks
+
 STEPS = 4
 # a transposed view, an empty tensor and a length with a vector tail (1000 = 62 * 16 + 8)
 SHAPES = [(3, 5), (1000,), (0,), (7,), "transposed"]
@@ -430,7 +432,6 @@ def _shell_worker(rank: int, world_size: int) -> float:
 
 
 def test_the_shell_runs_the_compiled_update_when_asked() -> None:
-    from zero_functional.launch import run_ranks
 
     for diff in run_ranks(_shell_worker, 2, timeout_s=240):
         assert diff < 1e-6

@@ -30,10 +30,9 @@ from zero_functional.hooks import (
     hook_with_zero_step_interleaved,
     reduce_scatter_hook,
 )
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
-from tests.helpers import max_diff
+from tests.helpers import max_diff, run_ranks
 
 HOOKS = {"hook": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 

@@ -20,10 +20,9 @@ from zero_functional.hooks import (
     overlap_state,
     reduce_scatter_hook,
 )
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import max_diff
+from tests.helpers import max_diff, run_ranks
 
 ATOL = 1e-6
 

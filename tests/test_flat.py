@@ -16,10 +16,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional.hooks import reduce_scatter_hook
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import averaged_backward, consolidated, make_model, max_diff
+from tests.helpers import averaged_backward, consolidated, make_model, max_diff, run_ranks
 from tests.helpers import local_batch as batch
 
 ATOL = 1e-6

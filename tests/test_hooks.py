@@ -19,8 +19,10 @@ from zero_functional.hooks import (
     hook_with_zero_step_interleaved,
     overlap_state,
 )
-from zero_functional.launch import LaunchError, run_ranks
+from zero_functional.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from tests.helpers import run_ranks
 
 ATOL = 1e-6
 

@@ -23,9 +23,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zero_functional import checkpoint
-from zero_functional.launch import LaunchError, run_ranks
+from zero_functional.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
+from tests.helpers import run_ranks
 from tests.test_checkpoint import Net, consolidated, groups, train
 
 PARTITIONS = ("sorted_greedy", "flat")

@@ -20,11 +20,17 @@ from zero_functional.hooks import (
     hook_with_zero_step_interleaved,
     reduce_scatter_hook,
 )
-from zero_functional.launch import run_ranks
 from zero_functional.main_params import MAIN_KEY
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import averaged_backward, consolidated, global_batch, local_batch, make_model
+from tests.helpers import (
+    averaged_backward,
+    consolidated,
+    global_batch,
+    local_batch,
+    make_model,
+    run_ranks,
+)
 
 BF16 = torch.bfloat16
 STEPS = 30

@@ -22,8 +22,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional.hooks import reduce_scatter_hook
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from tests.helpers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = torch.bfloat16

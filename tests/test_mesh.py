@@ -19,11 +19,10 @@ from zero_functional.hooks import (
     hook_with_zero_step_interleaved,
     reduce_scatter_hook,
 )
-from zero_functional.launch import run_ranks
 from zero_functional.partition import rank_traffic
 from zero_functional.plans import ownership_for
 
-from tests.helpers import consolidated, local_batch, make_model, max_diff
+from tests.helpers import consolidated, local_batch, make_model, max_diff, run_ranks
 
 STEPS = 20
 MODES = [  # (the step, partition)

@@ -22,8 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import comm, hooks
 from zero_functional import optimizer as optimizer_module
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from tests.helpers import run_ranks
 
 
 def _net() -> nn.Module:

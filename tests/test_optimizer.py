@@ -15,10 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
-from tests.helpers import averaged_backward, local_batch, make_model, max_diff
+from tests.helpers import averaged_backward, local_batch, make_model, max_diff, run_ranks
 
 ATOL = 1e-6
 

@@ -12,8 +12,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from tests.helpers import run_ranks
 
 
 class Tied(nn.Module):

@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from zero_functional.launch import LaunchError, run_ranks
+from zero_functional.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from tests.helpers import run_ranks
 
 
 def make_model(seed: int = 0) -> nn.Module:

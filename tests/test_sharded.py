@@ -11,10 +11,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import comm
 from zero_functional.functional import adam
-from zero_functional.launch import run_ranks
 from zero_functional.ownership import flat_ownership, piece_views
 from zero_functional.partition import owners, sorted_greedy
 from zero_functional.sharded import shard_init, shard_update
+
+from tests.helpers import run_ranks
 
 
 def _net() -> nn.Module:

@@ -19,8 +19,9 @@ import torch
 
 from zero_functional import cli, train
 from zero_functional.cli import main
-from zero_functional.launch import run_ranks
 from zero_functional.train import CHECKPOINT_FORMAT, build_model
+
+from tests.helpers import run_ranks
 
 
 def _ours_importable() -> bool:
