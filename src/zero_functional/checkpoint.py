@@ -188,13 +188,13 @@ def save(
         if model is not None:
             for k, p in enumerate(params):
                 in_optimizer.add(p)
-                piece = owned.get(k)
-                if piece is not None and (sharded or rank == 0):
-                    flat = p.detach().reshape(-1)[piece.start : piece.stop]
+                mine = owned.get(k)
+                if mine is not None and (sharded or rank == 0):
+                    flat = p.detach().reshape(-1)[mine.start : mine.stop]
                     pieces[f"model.{names[k]}"] = (
                         tuple(p.shape),
                         p.dtype,
-                        [(piece.start, piece.stop, flat)],
+                        [(mine.start, mine.stop, flat)],
                     )
         objects["param_groups"] = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": names[a : a + n]}
