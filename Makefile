@@ -32,8 +32,9 @@ doctest: $(STAMP)
 rules: $(STAMP)
 	$(BIN)/python .ci/rules.py
 
+# two workers, work-stealing: the ranks of one test leave the cores idle while they wait
 unit: $(STAMP)
-	$(BIN)/pytest -q -m "not bench" --durations=12 tests property_tests
+	$(BIN)/pytest -q -n 2 --dist worksteal -m "not bench" --durations=12 tests property_tests
 
 test: lint typecheck rules doctest unit
 
