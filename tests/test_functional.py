@@ -616,3 +616,32 @@ def test_bf16_adam_equals_torchs_fused_kernel_not_its_default() -> None:
             refs[f"{label} opt"].step()  # type: ignore[attr-defined]
     assert all(torch.equal(a, b.detach()) for a, b in zip(ours, refs["fused"]))
     assert not all(torch.equal(a, b.detach()) for a, b in zip(ours, refs["default"]))
+
+
+@pytest.mark.parametrize(
+    "cls, options",
+    [(torch.optim.SGD, o) for o in SGD_OPTIONS]
+    + [(torch.optim.Adam, {**o, "fused": f}) for o in ADAM_OPTIONS for f in (False, None)]
+    + [(torch.optim.AdamW, {"amsgrad": True})],
+    ids=str,
+)
+def test_the_specs_apply_is_its_update_without_the_list_checks(
+    cls: type, options: dict[str, object]
+) -> None:
+    # what the shell runs (apply_ from a record) is bitwise the public update
+    spec = functional_spec(cls)
+    assert spec is not None
+    hyper = group_hyperparams(spec, {"lr": 0.05, **options})
+    params, grads = _make(torch.float32)
+    ours, theirs = [p.clone() for p in params], [p.clone() for p in params]
+    mine, reference = spec.init(ours, **hyper), spec.init(theirs, **hyper)
+    for g in grads:
+        spec.apply_(ours, g, mine, spec.record(hyper))
+        spec.update_(theirs, g, reference, **hyper)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    for a, b in zip(spec.state_to_dicts(mine), spec.state_to_dicts(reference)):
+        assert a.keys() == b.keys()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the hyperparameters are still checked: a scheduler may have written a Tensor
+    with pytest.raises(TypeError, match="lr is a Tensor"):
+        spec.apply_(ours, grads[0], mine, spec.record({**hyper, "lr": torch.tensor(0.1)}))

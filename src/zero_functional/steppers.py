@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Container, Mapping, MutableMapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -27,7 +27,6 @@ from torch.optim import Optimizer
 
 from zero_functional.functional import (
     FunctionalSpec,
-    choose_update,
     group_hyperparams,
     update_kind,
 )
@@ -70,16 +69,15 @@ class Stepper:
 class FunctionalStepper(Stepper):
     """The functional core's in-place update, state as torch's dicts.
 
-    ``compile`` picks the kernel (:func:`~zero_functional.functional.compiled.choose_update`):
-    ``None`` compiles only where it measures faster (nowhere on CPU: torch's fused Adam wins),
+    ``compile`` picks the kernel (the ``compile`` flag of the spec's ``apply_``): ``None``
+    compiles only where it measures faster (nowhere on CPU: torch's fused Adam wins),
     ``True`` always where it applies (falling back to eager, with one warning, where compiling
     fails), ``False`` never.
     """
 
     def __init__(self, spec: FunctionalSpec, compile: bool | None = None) -> None:
         self.spec = spec
-        name = cast(Literal["sgd", "adam", "adamw"], spec.name)
-        self.update_ = spec.update_ if compile is False else choose_update(name, compile=compile)
+        self.compile = compile
 
     def step_pieces(
         self,
@@ -99,8 +97,8 @@ class FunctionalStepper(Stepper):
             for i, d in zip(fresh, born):
                 states[i].update(d)
         state = spec.state_from_dicts(states, params, **hyper)
-        with torch.no_grad():
-            self.update_(params, grads, state, **hyper)
+        # the lists are built by the shell: the update without its per-tensor checks
+        spec.apply_(params, grads, state, spec.record(hyper), compile=self.compile)
         for s, d in zip(states, spec.state_to_dicts(state)):
             s.update(d)
 

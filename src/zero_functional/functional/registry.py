@@ -20,7 +20,9 @@ from torch import Tensor
 from zero_functional.functional.adam import (
     ADAM_DEFAULTS,
     ADAMW_DEFAULTS,
+    AdamHyper,
     AdamState,
+    adam_apply_,
     adam_init,
     adam_update_,
     compiled_adam_update_,
@@ -28,8 +30,10 @@ from zero_functional.functional.adam import (
 from zero_functional.functional.factories import State
 from zero_functional.functional.sgd import (
     SGD_DEFAULTS,
+    SGDHyper,
     SGDState,
     compiled_sgd_update_,
+    sgd_apply_,
     sgd_init,
     sgd_update_,
 )
@@ -73,12 +77,26 @@ class FunctionalSpec:
             when a group lacks one).
         init: ``init(params, **group_hyperparams) -> state``.
         update_: ``update_(params, grads, state, **group_hyperparams)`` in place.
+        apply_: ``apply_(params, grads, state, hyper, compile=...)`` in place, ``hyper`` from
+            :meth:`record`: ``update_`` without its per-tensor checks of the lists, for a
+            caller that built them (the shell).
     """
 
     name: str
     defaults: Mapping[str, object]
     init: Callable[..., State]
     update_: Callable[..., None]
+    apply_: Callable[..., None]
+
+    def record(self, hyper: Mapping[str, object]) -> SGDHyper | AdamHyper:
+        """The hyperparameter record of :func:`group_hyperparams`' keywords, for :attr:`apply_`.
+
+        Example:
+            >>> import torch
+            >>> functional_spec(torch.optim.SGD).record({"lr": 0.5, "momentum": 0.9}).momentum
+            0.9
+        """
+        return (SGDHyper if self.name == "sgd" else AdamHyper)(**hyper)  # type: ignore[arg-type]
 
     @property
     def hyperparam_keys(self) -> tuple[str, ...]:
@@ -187,11 +205,17 @@ def _adam_init(params: Sequence[Tensor], **hyper: object) -> State:
 
 
 _SPECS: dict[type, FunctionalSpec] = {
-    torch.optim.SGD: FunctionalSpec("sgd", SGD_DEFAULTS._asdict(), _sgd_init, sgd_update_),
-    torch.optim.Adam: FunctionalSpec("adam", ADAM_DEFAULTS._asdict(), _adam_init, adam_update_),
+    torch.optim.SGD: FunctionalSpec(
+        "sgd", SGD_DEFAULTS._asdict(), _sgd_init, sgd_update_, sgd_apply_
+    ),
+    torch.optim.Adam: FunctionalSpec(
+        "adam", ADAM_DEFAULTS._asdict(), _adam_init, adam_update_, adam_apply_
+    ),
     # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
     # the update reads decoupled_weight_decay from the group like Adam's does.
-    torch.optim.AdamW: FunctionalSpec("adamw", ADAMW_DEFAULTS._asdict(), _adam_init, adam_update_),
+    torch.optim.AdamW: FunctionalSpec(
+        "adamw", ADAMW_DEFAULTS._asdict(), _adam_init, adam_update_, adam_apply_
+    ),
 }
 SUPPORTED: tuple[type, ...] = tuple(_SPECS)
 

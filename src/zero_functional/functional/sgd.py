@@ -47,6 +47,7 @@ __all__ = [
     "SGDHyper",
     "SGDState",
     "compiled_sgd_update_",
+    "sgd_apply_",
     "sgd_init",
     "sgd_update",
     "sgd_update_",
@@ -221,7 +222,30 @@ def sgd_update_(
     """
     h = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields))  # spelled once: above
     check_lists("sgd_update_", params, grads, {"momentum_buffer": state.momentum_buffer})
-    check_real_number("sgd_update_", "lr", lr)
+    sgd_apply_(params, grads, state, h, compile=compile)
+
+
+@torch.no_grad()
+def sgd_apply_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: SGDState,
+    h: SGDHyper,
+    *,
+    compile: bool | None = False,
+) -> None:
+    """:func:`sgd_update_` from a record, the lists trusted: what the shell calls (it builds
+    them itself; see :func:`~zero_functional.functional.adam_apply_`). ``lr`` is still checked.
+
+    Example:
+        >>> import torch
+        >>> p = [torch.tensor([1.0])]
+        >>> sgd_apply_(p, [torch.tensor([2.0])], sgd_init(p), SGDHyper(lr=0.5))
+        >>> p[0]
+        tensor([0.])
+    """
+    check_real_number("sgd_update_", "lr", h.lr)
+    momentum = h.momentum
     all_bufs = state.momentum_buffer
     for idx in group_indices(params).values():
         graph = compile is not False and compiled.chosen("sgd", compile, [params[i] for i in idx])
