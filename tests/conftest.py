@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-STARTS_PROCESSES = ("run_ranks(", "subprocess", "mp.spawn(", "NotebookClient(")
+STARTS_PROCESSES = ("run_ranks(", "run_script(", "subprocess", "mp.spawn(", "NotebookClient(")
 LONGEST_FIRST = ("test_teardown.py", "test_notebooks.py", "test_mesh.py", "test_train.py")
 """The modules that hold the longest tests (measured with ``--durations``), in that order."""
 

@@ -4,7 +4,11 @@ and the comparisons (one copy each, so the tests cannot drift apart)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -14,6 +18,8 @@ from torch import nn
 from zero_functional import launch
 
 R = TypeVar("R")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "zero_functional.optimizer")
 """What the forkserver imports once, so that no rank imports it again."""
@@ -85,3 +91,20 @@ def consolidated(opt: Any, rank: int) -> dict[str, Any] | None:
     sd = [opt.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(sd, src=0)
     return sd[0]
+
+
+def run_script(script: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the repository's ``script`` (e.g. ``benchmarks/gpu_check.py``) with ``args`` in a fresh
+    interpreter, from the repository root, ``src`` first on its path; its output as text."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
+    )
+    return subprocess.run(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )

@@ -7,32 +7,18 @@ with a stated reason, and the summary is written. About 30-50 s on 2 cores.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_script
+
 # a benchmark script end to end (about a minute on 2 cores): `make bench` runs it
 pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_gpu_check_passes_or_skips_every_part_on_cpu(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
-    )
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--cpu", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script("benchmarks/gpu_check.py", "--cpu", "--quick", "--out", str(tmp_path))
     out = proc.stdout
     failed = [line for line in out.splitlines() if line.startswith("FAIL")]
     assert proc.returncode == 0 and not failed, (failed, out[-4000:], proc.stderr[-2000:])

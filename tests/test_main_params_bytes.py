@@ -7,12 +7,8 @@ to bf16 before they are sent), and ``reduce_dtype=torch.float32`` doubles only t
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,9 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_functional.hooks import reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
 BF16 = torch.bfloat16
 # each collective our comm layer may call (looked up on torch.distributed when called), and which
 # positional argument is the buffer it covers: the whole output of a gather, the whole input of a
@@ -99,18 +94,7 @@ def _number(pattern: str, out: str) -> float:
 
 @pytest.mark.bench  # the benchmark end to end (about 10 s on 2 cores): make bench runs it
 def test_bench_main_params_quick_shows_the_issues_numbers() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
-    )
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_main_params.py", "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script("benchmarks/bench_main_params.py", "--quick")
     out = proc.stdout
     assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
     assert out.startswith("$ PYTHONPATH=")  # the exact command first
