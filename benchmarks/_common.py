@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from zero_functional.launch import run_ranks
 from zero_functional.plans import bytes_sent
 
-__all__ = ["ByteCounter", "TinyGPT", "gpt_batch", "median_ms", "mlp", "run_ranks"]
+__all__ = ["ByteCounter", "TinyGPT", "gpt_batch", "median_ms", "mlp", "run_ranks", "torch_step"]
 
 WIDTH = 1000
 
@@ -100,6 +100,17 @@ def gpt_batch(rank: int, batch: int = 8, context: int = 64, vocab: int = 512) ->
     ``[:, :-1]``, targets ``[:, 1:]``)."""
     g = torch.Generator().manual_seed(rank)
     return torch.randint(vocab, (batch, context + 1), generator=g)
+
+
+def torch_step(
+    cls: type[torch.optim.Optimizer], params: list[Tensor], grads: list[Tensor], **kw: Any
+) -> Callable[[], object]:
+    """``cls(**kw)``'s ``step`` over fresh leaf copies of ``params`` whose ``.grad`` is ``grads``:
+    a torch optimizer's kernel, timed alone beside ours on the same tensors."""
+    ps = [nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = g
+    return cls(ps, **kw).step
 
 
 def median_ms(times_s: list[float]) -> float:

@@ -23,25 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from _common import torch_step
 from zero_functional.functional import adam_init, adam_update_, sgd_init, sgd_update_
 
 N_TENSORS = 8
 Step = Callable[[], None]
-
-
-def _torch_step(
-    cls: type[torch.optim.Optimizer],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    **kw: object,
-) -> Step:
-    ps = [nn.Parameter(p.clone()) for p in params]
-    for p, g in zip(ps, grads):
-        p.grad = g
-    opt = cls(ps, lr=1e-3, **kw)
-    return lambda: opt.step()
 
 
 def _our_step(
@@ -60,17 +47,17 @@ def _variants(params: list[torch.Tensor], grads: list[torch.Tensor]) -> dict[str
     adam, sgd = torch.optim.Adam, torch.optim.SGD
     return {
         "Adam": {
-            "torch default (for-loop)": _torch_step(adam, params, grads),
-            "torch foreach": _torch_step(adam, params, grads, foreach=True),
-            "torch fused": _torch_step(adam, params, grads, fused=True),
+            "torch default (for-loop)": torch_step(adam, params, grads, lr=1e-3),
+            "torch foreach": torch_step(adam, params, grads, lr=1e-3, foreach=True),
+            "torch fused": torch_step(adam, params, grads, lr=1e-3, fused=True),
             "ours foreach": _our_step(adam_update_, adam_init, params, grads, fused=False),
             "ours fused (default)": _our_step(adam_update_, adam_init, params, grads),
             "ours compiled": _our_step(adam_update_, adam_init, params, grads, compile=True),
         },
         "SGD momentum": {
-            "torch default (for-loop)": _torch_step(sgd, params, grads, momentum=0.9),
-            "torch foreach": _torch_step(sgd, params, grads, momentum=0.9, foreach=True),
-            "torch fused": _torch_step(sgd, params, grads, momentum=0.9, fused=True),
+            "torch default (for-loop)": torch_step(sgd, params, grads, lr=1e-3, momentum=0.9),
+            "torch foreach": torch_step(sgd, params, grads, lr=1e-3, momentum=0.9, foreach=True),
+            "torch fused": torch_step(sgd, params, grads, lr=1e-3, momentum=0.9, fused=True),
             "ours foreach (default)": _our_step(sgd_update_, sgd_init, params, grads, momentum=0.9),
             "ours compiled": _our_step(
                 sgd_update_, sgd_init, params, grads, momentum=0.9, compile=True

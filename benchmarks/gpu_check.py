@@ -81,6 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:  # the documented command sets PYTHONPATH=src; be kind
     sys.path.insert(0, str(ROOT / "src"))
 
+from _common import torch_step  # noqa: E402
 from zero_functional import checkpoint, comm  # noqa: E402
 from zero_functional.functional import (  # noqa: E402
     adam_init,
@@ -809,19 +810,6 @@ def _tensors(env: Env, dtype: torch.dtype, scale: float, seed: int) -> list[torc
 Step = Callable[[], object]
 
 
-def _torch_opt(
-    cls: type[torch.optim.Optimizer],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    **kw: Any,
-) -> Step:
-    ps = [nn.Parameter(p.clone()) for p in params]
-    for p, g in zip(ps, grads):
-        p.grad = g
-    opt = cls(ps, **kw)
-    return opt.step
-
-
 def _ours_kernel(
     update: Callable[..., None],
     init: Callable[[list[torch.Tensor]], Any],
@@ -841,10 +829,10 @@ def _kernel_variants(
     if name == "SGD momentum":
         kw: dict[str, Any] = {"lr": 1e-3, "momentum": 0.9}
         out: dict[str, Callable[[], Step]] = {
-            "torch SGD foreach": lambda: _torch_opt(
+            "torch SGD foreach": lambda: torch_step(
                 torch.optim.SGD, params, grads, foreach=True, **kw
             ),
-            "torch SGD fused": lambda: _torch_opt(torch.optim.SGD, params, grads, fused=True, **kw),
+            "torch SGD fused": lambda: torch_step(torch.optim.SGD, params, grads, fused=True, **kw),
             "ours sgd_update_ (foreach, default)": lambda: _ours_kernel(
                 sgd_update_, sgd_init, params, grads, **kw
             ),
@@ -859,8 +847,8 @@ def _kernel_variants(
     kw = {"lr": 1e-3, "weight_decay": 0.01} if name == "AdamW" else {"lr": 1e-3}
     low = name.lower()
     out = {
-        f"torch {name} foreach": lambda: _torch_opt(cls, params, grads, foreach=True, **kw),
-        f"torch {name} fused": lambda: _torch_opt(cls, params, grads, fused=True, **kw),
+        f"torch {name} foreach": lambda: torch_step(cls, params, grads, foreach=True, **kw),
+        f"torch {name} fused": lambda: torch_step(cls, params, grads, fused=True, **kw),
         f"ours {low}_update_ fused=False (foreach)": lambda: _ours_kernel(
             update, adam_init, params, grads, fused=False, **kw
         ),
@@ -1028,7 +1016,7 @@ def _whole_step_builders(
 
     if compiled:
         return {
-            "torch AdamW fused (no ZeRO)": lambda: _torch_opt(
+            "torch AdamW fused (no ZeRO)": lambda: torch_step(
                 adamw, params, grads, fused=True, **kw
             ),
             "torch ZeRO, bucket view + fused": lambda: zero(
@@ -1038,10 +1026,10 @@ def _whole_step_builders(
             "ours default, compile=True": lambda: zero(ZeroRedundancyOptimizer, compile=True),
         }
     return {
-        "torch AdamW foreach (no ZeRO)": lambda: _torch_opt(
+        "torch AdamW foreach (no ZeRO)": lambda: torch_step(
             adamw, params, grads, foreach=True, **kw
         ),
-        "torch AdamW fused (no ZeRO)": lambda: _torch_opt(adamw, params, grads, fused=True, **kw),
+        "torch AdamW fused (no ZeRO)": lambda: torch_step(adamw, params, grads, fused=True, **kw),
         "torch ZeRO default": lambda: zero(TorchZero),
         "torch ZeRO, bucket view + fused": lambda: zero(
             TorchZero, parameters_as_bucket_view=True, fused=True
