@@ -298,18 +298,9 @@ def adam_update_(
         (tensor([ 0.8000, -0.8000]), tensor(2.))
     """
     h = AdamHyper._make(map(locals().__getitem__, AdamHyper._fields))  # spelled once: above
-    _check_moments(params, state, h)
-    n_lists = 4 if amsgrad else 3
+    n_lists = 4 if amsgrad and state.max_exp_avg_sq else 3  # none at all: adam_apply_ says why
     check_lists("adam_update_", params, grads, dict(zip(state._fields[:n_lists], state)))
     adam_apply_(params, grads, state, h, compile=compile)
-
-
-def _check_moments(params: Sequence[Tensor], state: AdamState, h: AdamHyper) -> None:
-    if h.amsgrad and params and not state.max_exp_avg_sq:
-        raise ValueError(
-            "adam_update_: amsgrad=True but state.max_exp_avg_sq is empty; create the state "
-            "with adam_init(params, amsgrad=True)"
-        )
 
 
 @torch.no_grad()
@@ -324,9 +315,9 @@ def adam_apply_(
     """:func:`adam_update_` from a record, the lists trusted: what the shell calls.
 
     The shell builds ``params``, ``grads`` and ``state`` itself, one entry per piece, so the
-    per-tensor checks of :func:`adam_update_` (its share of a step's Python time: 0.19 of
-    0.25 ms over torch's fused AdamW for 77 tensors on one CPU rank) are skipped; the
-    hyperparameters are still checked (a scheduler may have written a Tensor).
+    per-tensor checks of :func:`adam_update_` (most of the Python time the shell added to a
+    step; measured in the README's "GPUs and NCCL") are skipped; the hyperparameters are still
+    checked (a scheduler may have written a Tensor).
 
     Example:
         >>> import torch
@@ -335,27 +326,30 @@ def adam_apply_(
         >>> p[0]
         tensor([0.9000])
     """
-    _check_moments(params, state, h)
+    if h.amsgrad and params and not state.max_exp_avg_sq:
+        raise ValueError(
+            "adam_update_: amsgrad=True but state.max_exp_avg_sq is empty; create the state "
+            "with adam_init(params, amsgrad=True)"
+        )
     beta1, beta2 = h.betas
     for name, value in (("lr", h.lr), ("betas[0]", beta1), ("betas[1]", beta2)):
         check_real_number("adam_update_", name, value)
-    fused, amsgrad = h.fused, h.amsgrad
     for (device, dtype), idx in group_indices(params).items():
         ps, gs = [params[i] for i in idx], [grads[i] for i in idx]
         s = AdamState(
             step=[state.step[i] for i in idx],
             exp_avg=[state.exp_avg[i] for i in idx],
             exp_avg_sq=[state.exp_avg_sq[i] for i in idx],
-            max_exp_avg_sq=[state.max_exp_avg_sq[i] for i in idx] if amsgrad else [],
+            max_exp_avg_sq=[state.max_exp_avg_sq[i] for i in idx] if h.amsgrad else [],
         )
         # an explicit fused=True wins; a graph that cannot compile falls back to eager
-        if fused is not True and compiled.chosen("adam", compile, ps):
+        if h.fused is not True and compiled.chosen("adam", compile, ps):
             if compiled.adam_group(ps, gs, s, h):
                 continue
         use_fused = (
-            fused is not False and device.type in FUSED_DEVICE_TYPES and dtype in FUSED_DTYPES
+            h.fused is not False and device.type in FUSED_DEVICE_TYPES and dtype in FUSED_DTYPES
         )
-        if fused and not use_fused:
+        if h.fused and not use_fused:
             raise RuntimeError(
                 f"adam_update_(fused=True): params[{idx[0]}] is {dtype} on {device.type}, but "
                 f"torch's fused Adam kernels take device types {list(FUSED_DEVICE_TYPES)} "

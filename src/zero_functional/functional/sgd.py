@@ -245,14 +245,13 @@ def sgd_apply_(
         tensor([0.])
     """
     check_real_number("sgd_update_", "lr", h.lr)
-    momentum = h.momentum
     all_bufs = state.momentum_buffer
     for idx in group_indices(params).values():
         graph = compile is not False and compiled.chosen("sgd", compile, [params[i] for i in idx])
         # torch makes buffers at a param's first step: those with and those without one yet
         # are two graphs (a group normally has all or none)
         parts = [idx]
-        if compile is not False and momentum != 0:
+        if compile is not False and h.momentum != 0:
             parts = [[i for i in idx if all_bufs[i] is not None]]
             parts.append([i for i in idx if all_bufs[i] is None])
         for part in filter(None, parts):
