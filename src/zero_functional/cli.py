@@ -391,8 +391,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if code:
         return code
     print()
-    args.model, args.world_sizes = "gpt2-small", list(DEMO_WORLD_SIZES)
-    code = _cmd_plan(args)
+    # the plan's own namespace, parsed as the command line would: every flag ``plan`` has
+    # gets its default here, so a flag added to ``plan`` cannot break the demo
+    plan_argv = ["plan", "gpt2-small", "--world-sizes", *map(str, DEMO_WORLD_SIZES)]
+    code = _cmd_plan(build_parser().parse_args(plan_argv))
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return code
 

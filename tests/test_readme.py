@@ -1,0 +1,190 @@
+"""The README's commands, run to the end as a user would type them.
+
+Every line of every ```bash block in README.md is one of the commands below; a new one that no
+test knows how to run fails :func:`test_every_readme_command_is_run_by_a_test`, so the front
+door cannot break again with CI green (issue 29: ``make demo`` crashed at its last line).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+README = ROOT / "README.md"
+MAKEFILE = ROOT / "Makefile"
+TIMEOUT_S = 300
+
+
+def readme_commands() -> list[str]:
+    """Each command of the README's ```bash blocks: continuation lines joined, comments dropped."""
+    commands: list[str] = []
+    in_block, pending = False, ""
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            in_block = line.strip() == "```bash"
+            continue
+        if not in_block:
+            continue
+        code = line.split(" #", 1)[0].rstrip() if not line.lstrip().startswith("#") else ""
+        if code.endswith("\\"):
+            pending += code[:-1] + " "
+            continue
+        code = " ".join((pending + code).split())
+        pending = ""
+        if code:
+            commands.append(code)
+    return commands
+
+
+def cli_commands(name: str) -> list[list[str]]:
+    """The README's ``zero-functional NAME ...`` lines, as argument lists after the program."""
+    out = []
+    for command in readme_commands():
+        argv = shlex.split(command)
+        if argv[0] == "zero-functional" and argv[1] == name:
+            out.append(argv[1:])
+    return out
+
+
+def torchrun_commands() -> list[list[str]]:
+    return [shlex.split(c) for c in readme_commands() if c.startswith("torchrun ")]
+
+
+KNOWN = (
+    "make demo",  # test_make_demo_runs_to_the_end
+    "make test",  # the run this test is part of (.ci/run calls it)
+    "zero-functional ",  # the test per command below
+    "torchrun ",  # test_the_two_node_torchrun_example_runs_on_one_machine
+    "PYTHONPATH=src python3 benchmarks/gpu_check.py",  # tests/test_gpu_check.py, make bench
+)
+
+
+def env_with_src() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``zero-functional ARGV`` as ``python -m zero_functional ARGV`` (the script's entry point)."""
+    return subprocess.run(
+        [sys.executable, "-m", "zero_functional", *argv],
+        cwd=ROOT,
+        env=env_with_src(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def test_every_readme_command_is_run_by_a_test() -> None:
+    commands = readme_commands()
+    assert commands, "no ```bash block found in README.md"
+    unknown = [c for c in commands if not c.startswith(KNOWN)]
+    assert not unknown, f"README commands no test runs: {unknown}"
+    assert cli_commands("demo") and cli_commands("train") and cli_commands("plan")
+
+
+def test_every_plan_flag_has_a_readme_example() -> None:
+    from zero_functional.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    plan = sub.choices["plan"]  # type: ignore[attr-defined]
+    flags = {o for a in plan._actions for o in a.option_strings if o.startswith("--")}
+    flags -= {"--help"}
+    shown = {a for argv in cli_commands("plan") for a in argv if a.startswith("--")}
+    assert flags <= shown, f"plan flags with no README example: {sorted(flags - shown)}"
+    assert any(":" in argv[1] for argv in cli_commands("plan")), "no module:function example"
+
+
+def test_make_demo_runs_to_the_end() -> None:
+    """The Makefile's demo recipe, with this interpreter for the venv's: exit 0, the table, the
+    parity line and the plan, then the closing line."""
+    recipe = re.search(r"^demo:.*\n\t(.+)$", MAKEFILE.read_text(), re.MULTILINE)
+    assert recipe is not None, "no demo target in the Makefile"
+    argv = shlex.split(recipe.group(1).replace("$(BIN)/python", sys.executable))
+    assert argv[1:] == ["-m", "zero_functional", "demo"], argv
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=env_with_src(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "rank  optimizer state" in out
+    assert "parity with plain DDP + torch.optim.Adam (seed 0): bitwise equal" in out
+    assert "gpt2-small: 148 tensors, 124,439,808 parameters" in out
+    for world in (2, 8, 64):
+        assert re.search(rf"^\s+{world}\s+flat\s", out, re.MULTILINE), world
+    assert out.rstrip().splitlines()[-1].startswith("demo finished in ")
+
+
+@pytest.mark.parametrize("argv", cli_commands("train"), ids=" ".join)
+def test_readme_train_example_runs_to_the_end(argv: list[str]) -> None:
+    proc = run_cli(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank  optimizer state" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", cli_commands("plan"), ids=" ".join)
+def test_readme_plan_example_runs_to_the_end(argv: list[str]) -> None:
+    proc = run_cli(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = argv[1]
+    assert proc.stdout.startswith(f"{model}: "), proc.stdout[:200]
+    if "--dtype" in argv:
+        assert "main copy" in proc.stdout
+    if "--shard-size" in argv:
+        assert "within" in proc.stdout and "across" in proc.stdout
+    if "--simulate" in argv:
+        assert re.search(r"^\s+1024\s+1023\s", proc.stdout, re.MULTILINE)
+
+
+@pytest.mark.bench  # about two minutes: make bench runs it
+@pytest.mark.parametrize("argv", cli_commands("bench"), ids=" ".join)
+def test_readme_bench_example_runs_to_the_end(argv: list[str]) -> None:
+    proc = run_cli(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== summary" in proc.stdout
+
+
+def test_the_two_node_torchrun_example_runs_on_one_machine() -> None:
+    """The README's two torchrun nodes, both on this machine: the master address becomes the
+    loopback and the port a free one; nothing else of the commands changes."""
+    nodes = torchrun_commands()
+    assert len(nodes) == 2, nodes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = []
+    for argv in nodes:
+        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+        argv[argv.index("--master-addr") + 1] = "127.0.0.1"
+        argv[argv.index("--master-port") + 1] = port
+        procs.append(
+            subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=env_with_src(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=TIMEOUT_S))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+    assert "rank  optimizer state" in outs[0][0]
