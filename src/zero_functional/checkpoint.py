@@ -243,11 +243,10 @@ def _request(
     model: nn.Module | None, optimizer: Optimizer | None, tensors: dict[str, Tensor], strict: bool
 ) -> Request:
     """What this rank reads: the model's tensors, and the pieces its optimizer owns."""
-    shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    shapes = None if model is None else {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
     if optimizer is None:
-        return Request(shapes if model is not None else None, None, [], strict)
+        return Request(shapes, None, [], strict)
     names, params = _names(model, optimizer), _params(optimizer)
-    owned, _ = _shards(optimizer)
     main = optimizer.main_params_dtype if isinstance(optimizer, ZeroRedundancyOptimizer) else None
     reads = [
         Owned(
@@ -255,13 +254,11 @@ def _request(
             tuple(params[k].shape),
             params[k].dtype,
             piece,
-            main_dtype_for(params[k].dtype, main) is not None,
+            keeps_main=main_dtype_for(params[k].dtype, main) is not None,
         )
-        for k, piece in owned.items()
+        for k, piece in _shards(optimizer)[0].items()
     ]
-    return Request(
-        shapes if model is not None else None, reads, _group_names(optimizer, names), strict
-    )
+    return Request(shapes, reads, _group_names(optimizer, names), strict)
 
 
 def _state_dict(optimizer: Optimizer, contents: checkpoint_format.Contents) -> dict[str, Any]:

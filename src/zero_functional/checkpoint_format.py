@@ -280,8 +280,9 @@ class Owned:
 @dataclass(frozen=True)
 class Request:
     """What a rank reads: the model tensors to fill (name to shape and dtype; ``None`` for no
-    model), its :class:`Owned` parameters and its groups' parameter names (``None`` for no
-    optimizer), and whether model tensors the checkpoint lacks or has in excess are refused."""
+    model), its :class:`Owned` parameters (``None`` for no optimizer), the optimizer's groups'
+    parameter names, and whether model tensors the checkpoint lacks or has in excess are
+    refused."""
 
     model: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None
     owned: Sequence[Owned] | None
@@ -303,7 +304,8 @@ class Contents:
 
 Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
 """A checkpoint's keys: ``(shape, dtype)`` for a tensor, ``None`` for an object."""
-Reader = Callable[[str | os.PathLike[str], Saved, Request, "ProcessGroup | None"], Contents]
+Reader = Callable[[str | os.PathLike[str], Saved, Request, ProcessGroup | None], Contents]
+"""A format version's reader: the path, its keys, what to read, the ranks that read."""
 
 
 def read(
@@ -428,8 +430,9 @@ def read_v1(
     shapes = request.model or {}
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
     for name, source in sources.items():
-        dtype = saved[source][1]  # type: ignore[index]
-        wanted[source] = (shapes[name][0], dtype, [(0, torch.Size(shapes[name][0]).numel())])
+        meta, shape = saved[source], shapes[name][0]
+        assert meta is not None  # a tensor: _model_sources picks tensor keys
+        wanted[source] = (shape, meta[1], [(0, torch.Size(shape).numel())])
     objects = ["extra"] if request.owned is None else ["extra", "param_groups"]
     keys = {o.piece.param: _state_keys(saved, o) for o in request.owned or ()}
     for owned in request.owned or ():
