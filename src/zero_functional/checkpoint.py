@@ -1,19 +1,17 @@
 """Sharded checkpoints: each rank writes what it owns, any world size reads what it will own.
 
-:func:`save` and :func:`load` are collective. A checkpoint is a directory in
-``torch.distributed.checkpoint``'s format (written through :mod:`zero_functional.storage`:
-checksummed, atomic), in *model space*, so it depends on neither the world size nor the
-partition:
+:func:`save` and :func:`load` are collective. A checkpoint is a directory in *model space*
+(the model's tensors, and the optimizer state in each parameter's own shape, keyed by name), so
+it depends on neither the world size nor the partition; what is stored under which key, and
+the reader of each format version, are :mod:`zero_functional.checkpoint_format`'s. Here is who
+writes and reads what:
 
-* ``model.<name>``: the model's ``state_dict()`` entries. Each rank writes the pieces of the
-  parameters its optimizer owns (the writing is spread like the state); rank 0 writes the rest
-  (buffers, parameters outside the optimizer). Every rank reads all of it (every rank needs
-  the whole model).
-* ``state.<parameter name>.<key>``: the optimizer state, in each parameter's own shape. A rank
-  writes the boxes its pieces cover (never padding) and reads only the boxes its pieces under
-  the new ownership need; a per-parameter scalar (Adam's ``step``) is written once.
-* ``param_groups``: the groups' hyperparameters, each with the names of its parameters;
-  ``extra``: whatever the caller passed (an epoch, a data-loader position); ``format``.
+* the model's parameters: each rank writes the pieces of those its optimizer owns (the writing
+  is spread like the state); rank 0 writes the rest (buffers, parameters outside the
+  optimizer). Every rank reads all of it (every rank needs the whole model);
+* the optimizer state: a rank writes the boxes its pieces cover (never padding) and reads only
+  the boxes its pieces under the new ownership need; a per-parameter scalar (Adam's ``step``)
+  is written once; a plain ``torch.optim`` optimizer's is written by rank 0 and read by all.
 
 No byte of optimizer state goes through the process group. A checkpoint that does not fit
 (another model, a missing key, another shape) or whose bytes are not what was written (a
@@ -39,7 +37,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,20 +52,24 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
-from zero_functional import comm
-from zero_functional.main_params import MAIN_KEY, main_dtype_for
+from zero_functional import checkpoint_format, comm
+from zero_functional.checkpoint_format import (
+    FORMAT,
+    Held,
+    Owned,
+    Request,
+    Snapshot,
+    check_groups,
+    model_state_dict,
+    optimizer_state_dict,
+)
+from zero_functional.main_params import main_dtype_for
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.ownership import flat_range_boxes
 from zero_functional.partition import Piece
 from zero_functional.state_dict import is_elementwise
 from zero_functional.steppers import hyperparameters, probe_state
-from zero_functional.storage import (
-    DEFAULT_MAX_BOX_NUMEL,
-    CheckpointError,
-    load_pieces,
-    read_keys,
-    save_pieces,
-)
+from zero_functional.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
 
 __all__ = [
     "FORMAT",
@@ -80,9 +82,6 @@ __all__ = [
     "stateful",
 ]
 
-FORMAT = "zero_functional.checkpoint/1"
-"""The ``format`` object of the checkpoints :func:`save` writes."""
-
 
 def _module(model: nn.Module) -> nn.Module:
     """The wrapped module of a ``DistributedDataParallel``, else the model itself."""
@@ -90,9 +89,14 @@ def _module(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+def _params(optimizer: Optimizer) -> list[Tensor]:
+    """The optimizer's parameters in ``torch.optim``'s order (the groups', concatenated)."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def _names(model: nn.Module | None, optimizer: Optimizer) -> list[str]:
     """Each of the optimizer's parameters' name in the model (its index without a model)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = _params(optimizer)
     if model is None:
         return [str(i) for i in range(len(params))]
     name_of: dict[Tensor, str] = {}
@@ -107,6 +111,11 @@ def _names(model: nn.Module | None, optimizer: Optimizer) -> list[str]:
     return [name_of[p] for p in params]
 
 
+def _group_names(optimizer: Optimizer, names: list[str]) -> list[list[str]]:
+    """Each group's parameters' names."""
+    return [names[a : a + n] for a, n in _spans(optimizer)]
+
+
 def _group(
     optimizer: Optimizer | None, process_group: dist.ProcessGroup | None
 ) -> dist.ProcessGroup | None:
@@ -118,13 +127,68 @@ def _group(
 def _shards(optimizer: Optimizer) -> tuple[dict[int, Piece], dict[int, Any]]:
     """The pieces this rank writes and reads, and their state: a ZeroRedundancyOptimizer's own;
     a plain optimizer's (the same on every rank) all whole, written by rank 0, read by all."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = _params(optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         owned = {s.param: s for s in optimizer.ownership.owned(optimizer.rank)}
         return owned, {k: state for k, (_, state) in optimizer.shard_state().items()}
     whole = {k: Piece(k, 0, p.numel()) for k, p in enumerate(params)}
     state = {k: optimizer.state[p] for k, p in enumerate(params) if optimizer.state.get(p)}
     return whole, state
+
+
+def _spans(optimizer: Optimizer) -> list[tuple[int, int]]:
+    """Each group's first global index and length."""
+    out, start = [], 0
+    for g in optimizer.param_groups:
+        out.append((start, len(g["params"])))
+        start += len(g["params"])
+    return out
+
+
+def _snapshot(
+    model: nn.Module | None, optimizer: Optimizer | None, extra: Any, rank: int
+) -> Snapshot:
+    """What this rank writes: the pieces it owns (every piece on rank 0 for a plain
+    optimizer), with the model's values over them; rank 0 adds the model's other tensors."""
+    held: list[Held] = []
+    groups = None
+    in_optimizer: set[Tensor] = set()
+    if optimizer is not None:
+        names, params = _names(model, optimizer), _params(optimizer)
+        owned, states = _shards(optimizer)
+        if isinstance(optimizer, ZeroRedundancyOptimizer) or rank == 0:
+            for k, piece in owned.items():
+                p = params[k]
+                values = None if model is None else p.detach().reshape(-1)[piece.start : piece.stop]
+                held.append(Held(names[k], tuple(p.shape), piece, states.get(k, {}), values))
+        in_optimizer = set(params)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": group_names}
+            for g, group_names in zip(optimizer.param_groups, _group_names(optimizer, names))
+        ]
+    others: dict[str, Tensor] = {}
+    if model is not None and rank == 0:  # replicated on every rank: one writer
+        for name, t in _module(model).state_dict(keep_vars=True).items():
+            if isinstance(t, Tensor) and t not in in_optimizer:
+                others[name] = t
+    return Snapshot(held, others, groups, extra)
+
+
+def _first_replica_writes(write: Callable[[], None], replicate: dist.ProcessGroup) -> None:
+    """Hybrid sharding: the first replica writes each element once; the others wait for its
+    verdict, so that every rank returns (or raises) when the checkpoint is committed."""
+    failure: CheckpointError | None = None
+    if comm.group_rank(replicate) == 0:
+        try:
+            write()
+        except CheckpointError as e:
+            failure = e
+    with comm.call("checkpoint.save()", replicate):
+        verdict = comm.broadcast_object(None if failure is None else str(failure), replicate)
+    if failure is not None:
+        raise failure
+    if verdict is not None:
+        raise CheckpointError(str(verdict))
 
 
 def save(
@@ -160,80 +224,50 @@ def save(
     """
     if model is None and optimizer is None:
         raise ValueError("save needs a model, an optimizer or both")
+    zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    if zero is not None:
+        zero.finish_param_sync()
     group = _group(optimizer, process_group)
-    rank = comm.rank_or_zero(group)
-    pieces: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]] = {}
-    objects: dict[str, Any] = {"format": FORMAT, "extra": extra}
-    in_optimizer: set[Tensor] = set()
-    if optimizer is not None:
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer.finish_param_sync()
-        sharded = isinstance(optimizer, ZeroRedundancyOptimizer)
-        names = _names(model, optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        owned, states = _shards(optimizer)
-        for k, state in states.items():
-            if not sharded and rank != 0:
-                break
-            piece, p = owned[k], params[k]
-            for key, value in state.items():
-                name = f"state.{names[k]}.{key}"
-                if is_elementwise(value, piece.stop - piece.start):
-                    flat = value.detach().reshape(-1)
-                    pieces[name] = (tuple(p.shape), flat.dtype, [(piece.start, piece.stop, flat)])
-                elif isinstance(value, Tensor) and value.dim() == 0:
-                    pieces[name] = ((), value.dtype, [(0, 1, value.detach().reshape(1))])
-                else:  # a whole parameter's other values (a per-tensor optimizer's lists, ...)
-                    objects[name] = value
-        if model is not None:
-            for k, p in enumerate(params):
-                in_optimizer.add(p)
-                mine = owned.get(k)
-                if mine is not None and (sharded or rank == 0):
-                    flat = p.detach().reshape(-1)[mine.start : mine.stop]
-                    pieces[f"model.{names[k]}"] = (
-                        tuple(p.shape),
-                        p.dtype,
-                        [(mine.start, mine.stop, flat)],
-                    )
-        objects["param_groups"] = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": names[a : a + n]}
-            for g, (a, n) in zip(optimizer.param_groups, _spans(optimizer))
-        ]
-    if model is not None and rank == 0:  # replicated on every rank: one writer
-        for name, t in _module(model).state_dict(keep_vars=True).items():
-            if isinstance(t, Tensor) and t not in in_optimizer:
-                flat = t.detach().reshape(-1)
-                pieces[f"model.{name}"] = (tuple(t.shape), t.dtype, [(0, t.numel(), flat)])
-    replicate = (
-        optimizer.replicate_group if isinstance(optimizer, ZeroRedundancyOptimizer) else None
-    )
-    if replicate is None:
-        save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
-        return
-    # hybrid sharding: the first replica writes each element once; the others wait for its
-    # verdict, so that every rank returns (or raises) when the checkpoint is committed
-    failure: CheckpointError | None = None
-    if comm.group_rank(replicate) == 0:
-        try:
-            save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
-        except CheckpointError as e:
-            failure = e
-    with comm.call("checkpoint.save()", replicate):
-        verdict = comm.broadcast_object(None if failure is None else str(failure), replicate)
-    if failure is not None:
-        raise failure
-    if verdict is not None:
-        raise CheckpointError(str(verdict))
+    snapshot = _snapshot(model, optimizer, extra, comm.rank_or_zero(group))
+
+    def write() -> None:
+        checkpoint_format.write(path, snapshot, group, max_box_numel=max_chunk_numel)
+
+    if zero is None or zero.replicate_group is None:
+        write()
+    else:
+        _first_replica_writes(write, zero.replicate_group)
 
 
-def _spans(optimizer: Optimizer) -> list[tuple[int, int]]:
-    """Each group's first global index and length."""
-    out, start = [], 0
-    for g in optimizer.param_groups:
-        out.append((start, len(g["params"])))
-        start += len(g["params"])
-    return out
+def _request(
+    model: nn.Module | None, optimizer: Optimizer | None, tensors: dict[str, Tensor], strict: bool
+) -> Request:
+    """What this rank reads: the model's tensors, and the pieces its optimizer owns."""
+    shapes = None if model is None else {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+    if optimizer is None:
+        return Request(shapes, None, [], strict)
+    names, params = _names(model, optimizer), _params(optimizer)
+    main = optimizer.main_params_dtype if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    reads = [
+        Owned(
+            names[k],
+            tuple(params[k].shape),
+            params[k].dtype,
+            piece,
+            keeps_main=main_dtype_for(params[k].dtype, main) is not None,
+        )
+        for k, piece in _shards(optimizer)[0].items()
+    ]
+    return Request(shapes, reads, _group_names(optimizer, names), strict)
+
+
+def _state_dict(optimizer: Optimizer, contents: checkpoint_format.Contents) -> dict[str, Any]:
+    """What was read, as a plain optimizer's ``state_dict``."""
+    groups = [
+        {**g, "params": list(range(a, a + n))}
+        for g, (a, n) in zip(contents.param_groups, _spans(optimizer))
+    ]
+    return {"state": contents.state, "param_groups": groups}
 
 
 def load(
@@ -267,165 +301,21 @@ def load(
     Example:
         >>> # extra = zero_functional.checkpoint.load("ckpt", model=ddp, optimizer=zero)
     """
-    group = _group(optimizer, process_group)
-    saved = read_keys(path)
-    if "format" not in saved or saved["format"] is not None:
-        raise CheckpointError(f"{os.fspath(path)} is not a checkpoint written by {__name__}.save")
-    wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
-    objects = ["format", "extra"]
-    module_state: dict[str, Tensor] = {}
+    tensors: dict[str, Tensor] = {}
     if model is not None:
-        module_state = {
-            k: v
-            for k, v in _module(model).state_dict(keep_vars=True).items()
-            if isinstance(v, Tensor)
-        }
-        names_saved = {k[len("model.") :] for k in saved if k.startswith("model.")}
-        missing = sorted(set(module_state) - names_saved)
-        unexpected = sorted(names_saved - set(module_state))
-        if strict and (missing or unexpected):
-            raise CheckpointError(
-                f"the checkpoint does not fit the model: it lacks {missing} and has {unexpected} "
-                "in excess (pass strict=False to load the tensors both have)"
-            )
-        for name, t in module_state.items():
-            if name in names_saved:
-                source = _model_source(saved, name, t.dtype)
-                meta = saved[source]
-                assert meta is not None
-                wanted[source] = (tuple(t.shape), meta[1], [(0, t.numel())])
-    pieces_of: dict[int, dict[str, tuple[str, bool]]] = {}
-    owned: dict[int, Piece] = {}
-    if optimizer is not None:
-        names = _names(model, optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        owned, _ = _shards(optimizer)
-        objects.append("param_groups")
-        main_dtype = (
-            optimizer.main_params_dtype if isinstance(optimizer, ZeroRedundancyOptimizer) else None
-        )
-        for k, piece in owned.items():
-            prefix = f"state.{names[k]}."
-            keeps_main = main_dtype_for(params[k].dtype, main_dtype) is not None
-            for key, meta in saved.items():
-                if not key.startswith(prefix) or "." in key[len(prefix) :]:
-                    continue
-                if key[len(prefix) :] == MAIN_KEY and not keeps_main:
-                    continue  # a main copy this optimizer does not keep (the model may read it)
-                if meta is None:
-                    objects.append(key)
-                elif meta[0] == ():
-                    wanted[key] = ((), meta[1], [(0, 1)])
-                else:
-                    wanted[key] = (tuple(params[k].shape), meta[1], [(piece.start, piece.stop)])
-                pieces_of.setdefault(k, {})[key[len(prefix) :]] = (key, meta is not None)
-    tensors, values = load_pieces(path, wanted, objects, group)
-    if values["format"] != FORMAT:
-        raise CheckpointError(
-            f"{os.fspath(path)} has format {values['format']!r}; this version reads {FORMAT!r}"
-        )
-    if optimizer is not None:
-        state: dict[int, dict[str, Any]] = {}
-        for k, keys in pieces_of.items():
-            p, piece = params[k], owned[k]
-            whole = piece.start == 0 and piece.stop == p.numel()
-            entry: dict[str, Any] = {}
-            for state_key, (key, is_tensor) in keys.items():
-                if not is_tensor:
-                    entry[state_key] = values[key]
-                elif wanted[key][0] == ():
-                    entry[state_key] = tensors[key][0].reshape(())
-                else:
-                    entry[state_key] = tensors[key][0].view(p.shape) if whole else tensors[key][0]
-            model_key = f"model.{names[k]}"
-            if (
-                entry
-                and MAIN_KEY not in entry
-                and main_dtype_for(p.dtype, main_dtype) is not None
-                and model_key in tensors
-                and tensors[model_key][0].dtype.itemsize > p.dtype.itemsize
-            ):  # saved from a wider model (a plain fp32 run): its values are the main copy
-                main = tensors[model_key][0][piece.start : piece.stop]
-                entry[MAIN_KEY] = main.view(p.shape) if whole else main
-            state[k] = entry
-        saved_groups = values["param_groups"]
-        expected = [names[a : a + n] for a, n in _spans(optimizer)]
-        if (
-            not isinstance(saved_groups, list)
-            or [g.get("params") for g in saved_groups] != expected
-        ):
-            raise CheckpointError(
-                "the checkpoint's parameter groups list other parameters than the optimizer's: "
-                "it belongs to another model (or the groups were built in another order)"
-            )
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer.finish_param_sync()
-            optimizer.load_shard_state(state, saved_groups, copy=False)  # fresh tensors
-        else:
-            optimizer.load_state_dict(
-                {
-                    "state": state,
-                    "param_groups": [
-                        {**g, "params": list(range(a, a + n))}
-                        for g, (a, n) in zip(saved_groups, _spans(optimizer))
-                    ],
-                }
-            )
-    if model is not None:
-        with torch.no_grad():
-            for name, t in module_state.items():
-                if name in names_saved:  # in the saved dtype: cast as load_state_dict does
-                    t.copy_(tensors[_model_source(saved, name, t.dtype)][0].view(t.shape))
-    return values["extra"]
-
-
-def _model_source(
-    saved: Mapping[str, tuple[tuple[int, ...], torch.dtype] | None], name: str, dtype: torch.dtype
-) -> str:
-    """The key a model tensor ``name`` of ``dtype`` is read from: its ``model.`` entry, or the
-    main copy saved with the optimizer state where that holds finer values the tensor can keep
-    (a bf16 model trained with ``main_params_dtype`` loading into an fp32 model)."""
-    key, main = f"model.{name}", f"state.{name}.{MAIN_KEY}"
-    model_meta, main_meta = saved.get(key), saved.get(main)
-    if model_meta is None or main_meta is None:
-        return key
-    narrow = model_meta[1].itemsize
-    return main if main_meta[1].itemsize > narrow and dtype.itemsize > narrow else key
-
-
-def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Tensor]:
-    """The model's ``state_dict`` from a ``dcp_to_torch_save`` file of a checkpoint.
-
-    Example:
-        >>> model_state_dict({"model.w": 1, "state.w.step": 2, "extra": None})
-        {'w': 1}
-    """
-    return {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
-
-
-def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint.
-
-    Parameters are numbered as ``torch.optim`` numbers them: by position in the groups'
-    ``params`` lists, concatenated.
-
-    Example:
-        >>> flat = {"state.w.step": 3, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
-        >>> optimizer_state_dict(flat)
-        {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
-    """
-    groups = flat["param_groups"]
-    order = [name for g in groups for name in g["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in flat.items():
-        if key.startswith("state."):
-            name, state_key = key[len("state.") :].rsplit(".", 1)  # state keys have no dot
-            state.setdefault(index[name], {})[state_key] = value
-    return {
-        "state": state,
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
-    }
+        state = _module(model).state_dict(keep_vars=True)
+        tensors = {k: v for k, v in state.items() if isinstance(v, Tensor)}
+    request = _request(model, optimizer, tensors, strict)
+    contents = checkpoint_format.read(path, request, _group(optimizer, process_group))
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.finish_param_sync()
+        optimizer.load_shard_state(contents.state, contents.param_groups, copy=False)
+    elif optimizer is not None:
+        optimizer.load_state_dict(_state_dict(optimizer, contents))
+    with torch.no_grad():
+        for name, value in contents.model.items():  # in the saved dtype: cast as torch does
+            tensors[name].copy_(value)
+    return contents.extra
 
 
 # ------------------------------------------------------------------------------ DCP Stateful
@@ -510,15 +400,15 @@ class ZeroStateful:
             "optimizer": {
                 "state": self._optimizer_state(),
                 "param_groups": [
-                    {**hyperparameters(g), "params": self._names[a : a + n]}
-                    for g, (a, n) in zip(zero.param_groups, _spans(zero))
+                    {**hyperparameters(g), "params": names}
+                    for g, names in zip(zero.param_groups, _group_names(zero, self._names))
                 ],
             },
         }
 
     def _optimizer_state(self) -> dict[str, dict[str, Any]]:
         zero = self.optimizer
-        params = [p for g in zero.param_groups for p in g["params"]]
+        params = _params(zero)
         group_of = [i for i, (_, n) in enumerate(_spans(zero)) for _ in range(n)]
         held = zero.shard_state()
         probes: dict[int, dict[str, Any] | None] = {}
@@ -566,15 +456,9 @@ class ZeroStateful:
         zero = self.optimizer
         _module(self.model).load_state_dict(state_dict["model"])
         saved = state_dict["optimizer"]
-        groups = saved["param_groups"]
-        expected = [self._names[a : a + n] for a, n in _spans(zero)]
-        if [g.get("params") for g in groups] != expected:
-            raise CheckpointError(
-                "the checkpoint's parameter groups list other parameters than the optimizer's: "
-                "it belongs to another model (or the groups were built in another order)"
-            )
+        groups = check_groups(saved["param_groups"], _group_names(zero, self._names))
         index = {name: k for k, name in enumerate(self._names)}
-        params = [p for g in zero.param_groups for p in g["params"]]
+        params = _params(zero)
         owned = {s.param: s for s in zero.ownership.owned(zero.rank)}
         state: dict[int, dict[str, Any]] = {}
         for name, entry in saved["state"].items():

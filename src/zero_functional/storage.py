@@ -105,8 +105,9 @@ class CheckpointError(RuntimeError, ValueError):
     """A checkpoint could not be saved, loaded or resumed from; the message names the file (or
     each rank's cause, raised on every rank).
 
-    The library's one checkpoint error: :mod:`~zero_functional.checkpoint`, this module and the
-    train job's :mod:`~zero_functional.train_checkpoint` raise it. A ``RuntimeError`` as the
+    The library's one checkpoint error: :mod:`~zero_functional.checkpoint`,
+    :mod:`~zero_functional.checkpoint_format` (the train job's checks too) and this module raise
+    it. A ``RuntimeError`` as the
     sharded layer's was, and a ``ValueError`` as the train job's was, so that code catching
     either keeps working.
     """

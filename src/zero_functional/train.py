@@ -12,14 +12,16 @@ The global batch is split across ranks and each rank's loss is scaled by
 ``world_size / global_batch``, so DDP's gradient average is the global batch mean exactly and a
 run resumed at another world size continues the same optimisation.
 
-Its checkpoints (writing, checking, resuming) are in :mod:`zero_functional.train_checkpoint`,
-whose names this module re-exports.
+Its checkpoints are :mod:`zero_functional.checkpoint` directories (or, with ``--impl torch``,
+one ``torch.save`` file); their format and the checks a resume makes are
+:mod:`zero_functional.checkpoint_format`'s.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import signal
 import sys
 import threading
@@ -34,16 +36,11 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from zero_functional import comm
+from zero_functional import checkpoint_format, comm
 from zero_functional.launch import LaunchError, Terminated, process_group, run_ranks
 from zero_functional.ownership import check_partition
 from zero_functional.partition import hybrid_shape
-from zero_functional.train_checkpoint import (
-    CHECKPOINT_FORMAT,
-    CheckpointError,
-    load_checkpoint,
-    save_checkpoint,
-)
+from zero_functional.storage import CheckpointError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -61,6 +58,12 @@ __all__ = [
     "run_torchrun",
     "save_checkpoint",
 ]
+
+CHECKPOINT_FORMAT = checkpoint_format.TRAIN_FORMAT
+"""The ``format`` key of the checkpoints this job writes; others are refused on resume."""
+
+save_checkpoint = checkpoint_format.write_train_file
+"""Write a single-file checkpoint's payload atomically (a crash mid-write keeps the old file)."""
 
 Impl = Literal["zero_functional", "torch"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a GradScaler
@@ -245,6 +248,27 @@ def build_model(hidden: int) -> nn.Sequential:
         nn.ReLU(),
         nn.Linear(hidden, 10),
     )
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check a checkpoint written by this job: a sharded directory, or an older file.
+
+    For a directory (``zero_functional.checkpoint``), every stored item's checksum is verified
+    and its model and optimizer state are checked against the MLP its own ``args`` describe;
+    the result holds ``epoch``, ``args`` and ``sharded`` (the path). For a single file (what
+    earlier versions wrote, and ``--impl torch`` writes), the zip archive's CRCs are verified and
+    the result also holds ``model`` and ``optimizer``.
+
+    Raises:
+        CheckpointError: Missing, corrupt, not this job's format, or not this job's model.
+
+    Example:
+        >>> load_checkpoint("no-such-checkpoint")
+        Traceback (most recent call last):
+        ...
+        zero_functional.storage.CheckpointError: checkpoint no-such-checkpoint does not exist
+    """
+    return checkpoint_format.read_train(path, build_model)
 
 
 def load_digits_split() -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -433,17 +457,15 @@ def _write_checkpoint(
     if cfg.impl == "zero_functional":
         from zero_functional import checkpoint
 
-        extra = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "args": args}
+        extra = checkpoint_format.train_extra(epoch, args)
         checkpoint.save(cfg.checkpoint, model=model, optimizer=opt, extra=extra)
         return
     opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
     if rank == 0:
         payload = {
-            "format": CHECKPOINT_FORMAT,
+            **checkpoint_format.train_extra(epoch, args),
             "model": model.state_dict(),
             "optimizer": opt.state_dict(),
-            "epoch": epoch,
-            "args": args,
         }
         save_checkpoint(cfg.checkpoint, payload)
 
