@@ -2,7 +2,7 @@
 other test does.
 
 A test is ``slow`` when the source of what it can reach contains one of
-:data:`STARTS_PROCESSES`: its own function (decorators, nested functions and its class
+:data:`STARTS_PROCESSES` (or, in the tests' own code, :data:`COMPILES`): its own function (decorators, nested functions and its class
 included), the fixtures it requests, and, transitively, every function or class its source
 names that is defined in ``tests/`` or ``property_tests/``, and every plain function (not a
 method: which one runs is not known from the text) that is defined in ``src/`` or
@@ -13,7 +13,8 @@ benchmark run end to end) is set by hand and runs in ``make bench`` only.
 
 What the text cannot show (a method that starts processes, a name built at run time) the run
 does: a test that is not ``slow`` and starts a process anyway fails, naming what it started
-(:func:`pytest_runtest_call`), so a rule that misses one is seen at its first run.
+(:func:`pytest_runtest_call`, for ``tests/``; ``property_tests/`` start none), so a rule that
+misses one is seen at its first run.
 
 ``make test`` runs the tests on two pytest-xdist workers; the modules with the longest tests go
 first (:data:`LONGEST_FIRST`), so that neither worker is left with a long test at the end.
