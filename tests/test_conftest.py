@@ -2,45 +2,55 @@
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import subprocess
 import sys
 
 import pytest
 
-from tests import test_cli, test_compiled, test_mesh, test_optimizer, test_sharded, test_teardown
 from tests.conftest import process_starts, starts_processes
 
 
+def roots(*names: str) -> list[object]:
+    """``module.name`` of the tests package, each: a test and the fixtures it requests. Named
+    as text, so that this module's own tests do not reach what they look at."""
+    out: list[object] = []
+    for name in names:
+        module, attr = name.split(".")
+        out.append(getattr(importlib.import_module(f"tests.{module}"), attr))
+    return out
+
+
 @pytest.mark.parametrize(
-    "roots",
+    "names",
     [
-        [test_optimizer.test_constructor_rejects_bad_params_before_any_collective],
-        [test_sharded.test_simulated_flat_ranks_together_equal_the_unsharded_update_bitwise],
-        [test_compiled.test_policy_compiles_only_where_the_table_says],
+        ["test_optimizer.test_constructor_rejects_bad_params_before_any_collective"],
+        ["test_sharded.test_simulated_flat_ranks_together_equal_the_unsharded_update_bitwise"],
+        ["test_compiled.test_policy_compiles_only_where_the_table_says"],
     ],
     ids=["optimizer", "sharded", "compiled"],
 )
-def test_a_pure_test_beside_multi_process_ones_is_not_slow(roots: list[object]) -> None:
-    assert not starts_processes(roots)
+def test_a_pure_test_beside_multi_process_ones_is_not_slow(names: list[str]) -> None:
+    assert not starts_processes(roots(*names))
 
 
 @pytest.mark.parametrize(
-    "roots",
+    "names",
     [
         # run_ranks in its own text
-        [test_mesh.test_mesh_arguments_are_checked],
+        ["test_mesh.test_mesh_arguments_are_checked"],
         # main(["train", ...]) in src reaches launch.run_ranks
-        [test_cli.test_train_a_bf16_model_matches_its_reference_bitwise_at_2_ranks],
-        # mp.spawn in another test module (tests/exit_stress.py)
-        [test_teardown.test_two_ranks_started_and_stopped_30_times_never_abort],
+        ["test_cli.test_train_a_bf16_model_matches_its_reference_bitwise_at_2_ranks"],
+        # torch.multiprocessing.start_processes in another test module (tests/exit_stress.py)
+        ["test_teardown.test_two_ranks_started_and_stopped_30_times_never_abort"],
         # a fixture that compiles (inductor runs the C++ compiler)
-        [test_compiled.test_adam_step_counts_are_bitwise_equal, test_compiled.adam_runs],
+        ["test_compiled.test_adam_step_counts_are_bitwise_equal", "test_compiled.adam_runs"],
     ],
     ids=["own text", "through src", "another test module", "fixture compiles"],
 )
-def test_a_test_that_starts_processes_is_slow(roots: list[object]) -> None:
-    assert starts_processes(roots)
+def test_a_test_that_starts_processes_is_slow(names: list[str]) -> None:
+    assert starts_processes(roots(*names))
 
 
 def test_the_hook_marks_this_pure_test_fast(request: pytest.FixtureRequest) -> None:
