@@ -36,9 +36,12 @@ rules: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "not bench" --durations=12 tests property_tests
 
-test: lint typecheck rules doctest unit
+# the static checks two at a time (each keeps one core busy), then the tests on both cores
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck rules doctest
+	$(MAKE) --no-print-directory unit
 
-# the pure tests and the property tests, no process started (about a minute)
+# every test that starts no process (pure tests, property tests); tests/conftest.py marks the rest slow
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow and not bench" tests property_tests
 

@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,11 +70,24 @@ def averaged_backward(model: nn.Module, rank: int, world_size: int, step: int) -
     x, y = local_batch(rank, world_size, step, next(model.parameters()).dtype)
     loss = ((model(x) - y) ** 2).mean()
     loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
+    average_grads(model, world_size)
     return loss.detach()
+
+
+def average_(tensors: Iterable[torch.Tensor], world_size: int) -> None:
+    """Average each tensor over the ranks in place, as DDP averages a gradient over equal
+    slices: ``all_reduce`` (a sum) and then ``/= world_size``, in that order, tensor by tensor,
+    so that a parity test against DDP or torch stays bitwise. Collective (default group)."""
+    for t in tensors:
+        dist.all_reduce(t)
+        t /= world_size
+
+
+def average_grads(params: nn.Module | Iterable[torch.Tensor], world_size: int) -> None:
+    """:func:`average_` on the gradients of ``params`` (a module's parameters, or the tensors
+    given); a parameter without a gradient is skipped. Collective (default group)."""
+    ps = params.parameters() if isinstance(params, nn.Module) else params
+    average_([p.grad for p in ps if p.grad is not None], world_size)
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:

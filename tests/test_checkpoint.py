@@ -20,7 +20,7 @@ from zero_functional.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.storage import CheckpointCorruptError, CheckpointError
 
-from tests.helpers import run_ranks
+from tests.helpers import average_grads, run_ranks
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
@@ -58,9 +58,7 @@ def train(model: Net, opt: Any, rank: int, world_size: int, steps: range) -> Non
         x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
+        average_grads(model, world_size)
         opt.step()
 
 

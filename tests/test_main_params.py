@@ -24,6 +24,7 @@ from zero_functional.main_params import MAIN_KEY
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import (
+    average_grads,
     averaged_backward,
     consolidated,
     global_batch,
@@ -195,8 +196,7 @@ def _state_worker(rank: int, world_size: int) -> dict[str, Any]:
     for step in range(3):
         x, y = local_batch(rank, world_size, step, BF16)
         ((model(x) - y).float() ** 2).mean().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)  # type: ignore[arg-type]
+        average_grads(model, world_size)
         zero.step()
         model.zero_grad()
     out: dict[str, Any] = {}

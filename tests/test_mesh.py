@@ -22,7 +22,14 @@ from zero_functional.hooks import (
 from zero_functional.partition import rank_traffic
 from zero_functional.plans import ownership_for
 
-from tests.helpers import consolidated, local_batch, make_model, max_diff, run_ranks
+from tests.helpers import (
+    average_grads,
+    consolidated,
+    local_batch,
+    make_model,
+    max_diff,
+    run_ranks,
+)
 
 STEPS = 20
 MODES = [  # (the step, partition)
@@ -131,9 +138,7 @@ def _checkpointed(
     for step in range(2):
         x, y = local_batch(rank, world, step)
         ((model(x) - y) ** 2).mean().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)  # type: ignore[arg-type]
-            p.grad /= world  # type: ignore[operator]
+        average_grads(model, world)
         zero.step()
         model.zero_grad(set_to_none=True)
     checkpoint.save(save, model=model, optimizer=zero)

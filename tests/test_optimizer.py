@@ -17,7 +17,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
-from tests.helpers import averaged_backward, local_batch, make_model, max_diff, run_ranks
+from tests.helpers import (
+    average_grads,
+    averaged_backward,
+    local_batch,
+    make_model,
+    max_diff,
+    run_ranks,
+)
 
 ATOL = 1e-6
 
@@ -199,9 +206,7 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
         h = m[3](m[2](m[1](m[0](x))))
         loss = ((m[4](h.double()) - y.double()) ** 2).mean()
         loss.backward()
-        for p in m.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
+        average_grads(m, world_size)
 
     for bucket in (False, True):
         om, pm = copy.deepcopy(ours_m), copy.deepcopy(plain_m)

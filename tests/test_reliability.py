@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -21,7 +20,7 @@ from torch import nn
 from zero_functional.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import run_ranks
+from tests.helpers import average_grads, run_ranks
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -35,10 +34,8 @@ def train(model: nn.Module, opt: Any, rank: int, world_size: int, steps: int) ->
         x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
-        for p in model.parameters():
-            if p.grad is not None and world_size > 1:
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
+        if world_size > 1:
+            average_grads(model, world_size)
         opt.step()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call, grad
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -15,7 +14,7 @@ from zero_functional.ownership import flat_ownership, piece_views
 from zero_functional.partition import owners, sorted_greedy
 from zero_functional.sharded import shard_init, shard_update
 
-from tests.helpers import run_ranks
+from tests.helpers import average_, run_ranks
 
 
 def _net() -> nn.Module:
@@ -54,9 +53,7 @@ def _loop_worker(rank: int, world_size: int) -> dict[str, float]:
             if flat:
                 comm.reduce_to_owners(*piece_views(list(grads.values()), ownership))
             else:
-                for g in grads.values():
-                    dist.all_reduce(g)
-                    g /= world_size
+                average_(grads.values(), world_size)
             old = dict(params)
             before = {k: v.clone() for k, v in params.items()}
             params, state = shard_update(opt, params, grads, state, ownership, rank)
