@@ -26,8 +26,7 @@ Example:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -46,7 +45,6 @@ __all__ = [
     "SGD_DEFAULTS",
     "SGDHyper",
     "SGDState",
-    "compiled_sgd_update_",
     "sgd_apply_",
     "sgd_init",
     "sgd_update",
@@ -115,6 +113,20 @@ class SGDState(NamedTuple):
     """
 
     momentum_buffer: list[Tensor | None]
+
+    @classmethod
+    def from_dicts(
+        cls, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], h: SGDHyper
+    ) -> SGDState:
+        """The state of torch-format per-param dicts (``{}`` before a buffer exists); the
+        buffers are used as-is.
+
+        Example:
+            >>> import torch
+            >>> SGDState.from_dicts([{}, {"momentum_buffer": torch.ones(1)}], [], SGD_DEFAULTS)
+            SGDState(momentum_buffer=[None, tensor([1.])])
+        """
+        return cls(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
 
 
 def sgd_init(params: Sequence[Tensor], *, momentum: float = SGD_DEFAULTS.momentum) -> SGDState:
@@ -264,7 +276,3 @@ def sgd_apply_(
 
 
 sgd_update = pure_from_inplace(sgd_update_)
-
-# compat: the compiled twin's name, from before the kernel was a flag
-compiled_sgd_update_ = functools.partial(sgd_update_, compile=True)
-compiled_sgd_update_.__doc__ = ":func:`sgd_update_` with ``compile=True``."
