@@ -129,22 +129,21 @@ class SGDState(NamedTuple):
         return cls(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
 
 
-def sgd_init(params: Sequence[Tensor], *, momentum: float = SGD_DEFAULTS.momentum) -> SGDState:
+def sgd_init(params: Sequence[Tensor]) -> SGDState:
     """Create the SGD state for ``params``: no buffers yet, as torch.optim.SGD starts.
 
     Args:
-        params: the parameters the state belongs to.
-        momentum: accepted for symmetry with the update; buffers are created lazily either way.
+        params: the parameters the state belongs to (buffers are created lazily, at a param's
+            first step with ``momentum != 0``).
 
     Returns:
         An ``SGDState`` with ``len(params)`` ``None`` buffers.
 
     Example:
         >>> import torch
-        >>> sgd_init([torch.zeros(2), torch.zeros(3)], momentum=0.9)
+        >>> sgd_init([torch.zeros(2), torch.zeros(3)])
         SGDState(momentum_buffer=[None, None])
     """
-    del momentum
     return SGDState(momentum_buffer=[None] * len(params))
 
 
@@ -222,7 +221,7 @@ def sgd_update_(
     Example:
         >>> import torch
         >>> p = [torch.tensor([1.0, 2.0])]
-        >>> state = sgd_init(p, momentum=0.9)
+        >>> state = sgd_init(p)
         >>> sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.1, momentum=0.9)
         >>> p[0]
         tensor([0.9000, 1.9000])
