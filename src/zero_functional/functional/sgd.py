@@ -123,7 +123,8 @@ class SGDState(NamedTuple):
 
         Example:
             >>> import torch
-            >>> SGDState.from_dicts([{}, {"momentum_buffer": torch.ones(1)}], [], SGD_DEFAULTS)
+            >>> dicts, params = [{}, {"momentum_buffer": torch.ones(1)}], [torch.zeros(1)] * 2
+            >>> SGDState.from_dicts(dicts, params, SGD_DEFAULTS)
             SGDState(momentum_buffer=[None, tensor([1.])])
         """
         return cls(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
