@@ -7,6 +7,7 @@ changes them, to show that new values reuse the compiled graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,14 +26,12 @@ from zero_functional.functional import (
     sgd_init,
     sgd_update_,
 )
-from zero_functional.functional.compiled import (
-    choose_update,
-    compile_policy,
-    compiled_adam_update_,
-    compiled_sgd_update_,
-)
+from zero_functional.functional.compiled import compile_policy
 
 from tests.helpers import run_ranks
+
+compiled_adam_update_ = functools.partial(adam_update_, compile=True)
+compiled_sgd_update_ = functools.partial(sgd_update_, compile=True)
 
 STEPS = 4
 # a transposed view, an empty tensor and a length with a vector tail (1000 = 62 * 16 + 8)
@@ -390,23 +389,15 @@ def test_policy_compiles_only_where_the_table_says(
 ) -> None:
     assert not compile_policy("adamw", "cpu", torch.float32, 1 << 30)
     params = [torch.ones(3)]
-    choose_update("sgd")(params, [torch.ones(3)], sgd_init(params), lr=0.5)
+    sgd_update_(params, [torch.ones(3)], sgd_init(params), lr=0.5, compile=None)
     assert torch.equal(params[0], torch.full((3,), 0.5)) and compiles == []
     monkeypatch.setitem(compiled.COMPILE_FASTER_FROM, ("sgd", "cpu", torch.float32), 4)
     assert compile_policy("sgd", "cpu", torch.float32, 4)
     assert not compile_policy("sgd", "cpu", torch.float32, 3)
-    choose_update("sgd")(params, [torch.ones(3)], sgd_init(params), lr=0.5)  # 3 < 4
+    sgd_update_(params, [torch.ones(3)], sgd_init(params), lr=0.5, compile=None)  # 3 < 4
     assert compiles == []
-    choose_update("sgd")([torch.ones(4)], [torch.ones(4)], sgd_init([torch.ones(4)]))
+    sgd_update_([torch.ones(4)], [torch.ones(4)], sgd_init([torch.ones(4)]), compile=None)
     assert compiles == ["_sgd_graph"]
-
-
-def test_choose_update_maps_names_to_the_registry_signatures() -> None:
-    assert choose_update("adam", compile=False) is adam_update_
-    assert choose_update("adamw", compile=True) is compiled_adam_update_
-    assert choose_update("sgd", compile=True) is compiled_sgd_update_
-    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
-        choose_update("rmsprop")
 
 
 def _shell_worker(rank: int, world_size: int) -> float:

@@ -419,10 +419,7 @@ OLD_LAYOUT = {
         "COMPILED_DEVICE_TYPES",
         "COMPILED_DTYPES",
         "COMPILE_FASTER_FROM",
-        "choose_update",
         "compile_policy",
-        "compiled_adam_update_",
-        "compiled_sgd_update_",
     ],
     "factories": ["FunctionalOptimizer", "State", "adam", "adamw", "sgd"],
     "registry": [

@@ -12,7 +12,6 @@ from zero_functional.functional.adam import (
     adam_update_,
     adamw_update,
     adamw_update_,
-    compiled_adam_update_,
 )
 from zero_functional.functional.compiled import COMPILE_FASTER_FROM, compile_policy
 from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
@@ -22,7 +21,6 @@ from zero_functional.functional.registry import (
     SUPPORTED,
     FunctionalSpec,
     UpdateKind,
-    choose_update,
     functional_spec,
     group_hyperparams,
     register_optimizer,
@@ -32,7 +30,6 @@ from zero_functional.functional.registry import (
 from zero_functional.functional.sgd import (
     SGDHyper,
     SGDState,
-    compiled_sgd_update_,
     sgd_apply_,
     sgd_init,
     sgd_update,
@@ -60,10 +57,7 @@ __all__ = [
     "adamw",
     "adamw_update",
     "adamw_update_",
-    "choose_update",
     "compile_policy",
-    "compiled_adam_update_",
-    "compiled_sgd_update_",
     "functional_spec",
     "group_hyperparams",
     "group_indices",

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # annotations only: adam.py and sgd.py import this module
+    from zero_functional.functional.adam import AdamState
+    from zero_functional.functional.sgd import SGDState
 
 __all__: list[str] = []
 
@@ -77,6 +81,24 @@ def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dt
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
     return groups
+
+
+def to_dicts(state: SGDState | AdamState) -> list[dict[str, Tensor]]:
+    """Per-param state in torch.optim's format: one dict per param, keyed by the state's field
+    names; tensors are shared, not copied. Empty lists (Adam's ``max_exp_avg_sq`` without
+    amsgrad) and ``None`` entries (SGD's buffer before its first step) are not torch's keys.
+
+    Example:
+        >>> import torch
+        >>> from zero_functional.functional import SGDState
+        >>> to_dicts(SGDState([None, torch.ones(1)]))
+        [{}, {'momentum_buffer': tensor([1.])}]
+    """
+    lists: tuple[Sequence[Tensor | None], ...] = state
+    return [
+        {k: t for k, ts in zip(state._fields, lists) if ts and (t := ts[i]) is not None}
+        for i in range(len(lists[0]))
+    ]
 
 
 def bias_corrections(

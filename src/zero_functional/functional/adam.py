@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -49,6 +49,7 @@ from zero_functional.functional._common import (
     group_indices,
     pure_from_inplace,
     reject_tensor,
+    to_dicts,
 )
 
 __all__ = [
@@ -63,7 +64,6 @@ __all__ = [
     "adam_update_",
     "adamw_update",
     "adamw_update_",
-    "compiled_adam_update_",
 ]
 
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
@@ -154,6 +154,50 @@ class AdamState(NamedTuple):
     exp_avg: list[Tensor]
     exp_avg_sq: list[Tensor]
     max_exp_avg_sq: list[Tensor]
+
+    @classmethod
+    def from_dicts(
+        cls, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], h: AdamHyper
+    ) -> AdamState:
+        """The state of torch-format per-param dicts; an empty dict gives fresh state.
+
+        Tensors are used as-is (no copy). The one exception is ``step``: torch keeps it on the
+        CPU (float32, or float64 under a float64 default dtype) unless fused or capturable, so
+        a step that is not a float32 tensor on its param's device is converted (a Python
+        number is accepted too). ``max_exp_avg_sq`` is read where ``h.amsgrad``.
+
+        Raises:
+            ValueError: amsgrad is on and a stepped param lacks ``max_exp_avg_sq``.
+
+        Example:
+            >>> import torch
+            >>> s = AdamState.from_dicts([{}], [torch.zeros(2)], ADAM_DEFAULTS)
+            >>> s.step[0], s.exp_avg[0]
+            (tensor(0.), tensor([0., 0.]))
+        """
+        # Allocate fresh state only where a dict is empty: this runs on every step of the shell.
+        empty = [i for i, d in enumerate(dicts) if not d]
+        born = dict(zip(empty, to_dicts(adam_init([params[i] for i in empty], amsgrad=h.amsgrad))))
+        out = cls(step=[], exp_avg=[], exp_avg_sq=[], max_exp_avg_sq=[])
+        for i, (d, p) in enumerate(zip(dicts, params)):
+            d = d or born[i]
+            step = d["step"]
+            if not isinstance(step, Tensor):
+                step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+            elif step.device != p.device or step.dtype != torch.float32:
+                step = step.to(device=p.device, dtype=torch.float32)
+            out.step.append(step)
+            out.exp_avg.append(d["exp_avg"])
+            out.exp_avg_sq.append(d["exp_avg_sq"])
+            if h.amsgrad:
+                if "max_exp_avg_sq" not in d:
+                    raise ValueError(
+                        f"state_from_dicts: amsgrad=True but the state of param {i} has no "
+                        "'max_exp_avg_sq' (it was stepped with amsgrad=False); torch.optim "
+                        "would fail here too: keep amsgrad as it was when the state was made"
+                    )
+                out.max_exp_avg_sq.append(d["max_exp_avg_sq"])
+        return out
 
 
 def adam_init(params: Sequence[Tensor], *, amsgrad: bool = ADAM_DEFAULTS.amsgrad) -> AdamState:
@@ -365,7 +409,3 @@ adamw_update_ = functools.partial(adam_update_, **ADAMW_KEYWORDS)
 adamw_update_.__doc__ = ":func:`adam_update_` with torch.optim.AdamW's decoupled weight decay."
 adamw_update = functools.partial(adam_update, **ADAMW_KEYWORDS)
 adamw_update.__doc__ = ":func:`adam_update` with torch.optim.AdamW's decoupled weight decay."
-
-# compat: the compiled twin's name, from before the kernel was a flag
-compiled_adam_update_ = functools.partial(adam_update_, compile=True)
-compiled_adam_update_.__doc__ = ":func:`adam_update_` with ``compile=True``."

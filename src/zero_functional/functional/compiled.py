@@ -44,9 +44,6 @@ Numerics against the eager foreach kernel (``fused=False``), on CPU:
 If compilation fails (no C++ compiler, a dynamo or inductor error, too many recompilations),
 the group runs the eager kernel instead, one ``logging`` warning names the configuration and
 the error, and that configuration is not compiled again in this process.
-
-``compiled_adam_update_``, ``compiled_sgd_update_`` and ``choose_update``, once defined here, are
-still importable from here (:func:`__getattr__`).
 """
 
 from __future__ import annotations
@@ -106,7 +103,7 @@ def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) 
       compiled update stays opt-in until a measurement adds an entry.
 
     Args:
-        name: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+        name: the update, ``"sgd"`` or ``"adam"`` (AdamW's groups run Adam's).
         device_type: ``"cpu"``, ``"cuda"``, ...
         dtype: the group's dtype.
         numel: elements in the group.
@@ -119,7 +116,7 @@ def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) 
         >>> compile_policy("adam", "cpu", torch.float32, 8 << 20)
         False
     """
-    least = COMPILE_FASTER_FROM.get(("adam" if name == "adamw" else name, device_type, dtype))
+    least = COMPILE_FASTER_FROM.get((name, device_type, dtype))
     return least is not None and numel >= least
 
 
@@ -341,15 +338,3 @@ def sgd_group(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: 
     if first_step:
         bufs[:] = born
     return True
-
-
-_MOVED = {"compiled_adam_update_", "compiled_sgd_update_", "choose_update"}
-
-
-def __getattr__(name: str) -> object:
-    """compat: the names that moved to the package, where the kernel became a flag."""
-    if name in _MOVED:
-        from zero_functional import functional
-
-        return getattr(functional, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,31 +7,16 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Union
+from typing import cast
 
+import torch
 from torch import Tensor
 
-from zero_functional.functional.adam import (
-    ADAM_DEFAULTS,
-    ADAMW_KEYWORDS,
-    AdamHyper,
-    AdamState,
-    adam_init,
-    adam_update,
-    adam_update_,
-)
-from zero_functional.functional.sgd import (
-    SGD_DEFAULTS,
-    SGDHyper,
-    SGDState,
-    sgd_init,
-    sgd_update,
-    sgd_update_,
-)
+from zero_functional.functional.adam import ADAM_DEFAULTS, ADAMW_KEYWORDS, AdamHyper
+from zero_functional.functional.registry import FunctionalSpec, State, functional_spec
+from zero_functional.functional.sgd import SGD_DEFAULTS, SGDHyper
 
 __all__ = ["FunctionalOptimizer", "State", "adam", "adamw", "sgd"]
-
-State = Union[SGDState, AdamState]  # noqa: UP007 - a runtime alias, kept 3.10-friendly
 
 
 @dataclass(frozen=True)
@@ -39,7 +24,7 @@ class FunctionalOptimizer:
     """An optimizer as pure functions with its hyperparameters bound.
 
     Attributes:
-        name: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+        name: ``"sgd"``, ``"adam"`` or ``"adamw"`` (its spec's name).
         hyperparams: the validated record's fields (read-only mapping), torch.optim's names.
         init: ``init(params) -> state``.
         update: pure ``update(params, grads, state) -> (new_params, new_state)``.
@@ -51,10 +36,6 @@ class FunctionalOptimizer:
     init: Callable[[Sequence[Tensor]], State]
     update: Callable[[Sequence[Tensor], Sequence[Tensor], State], tuple[list[Tensor], State]]
     update_: Callable[[Sequence[Tensor], Sequence[Tensor], State], None]
-
-    def __post_init__(self) -> None:
-        if self.name not in ("sgd", "adam", "adamw"):
-            raise ValueError(f"unknown optimizer name {self.name!r}; expected sgd, adam or adamw")
 
 
 def _reject_unknown(
@@ -70,30 +51,28 @@ def _reject_unknown(
         )
 
 
-def _bind(
-    name: str,
-    hyper: SGDHyper | AdamHyper,
-    init: Callable[[Sequence[Tensor]], State],
-    update: Callable[..., tuple[list[Tensor], State]],
-    update_: Callable[..., None],
-) -> FunctionalOptimizer:
-    """The optimizer whose update and update_ take ``hyper``'s fields as keywords."""
+def _spec(optimizer_class: type) -> FunctionalSpec:
+    return cast(FunctionalSpec, functional_spec(optimizer_class))  # registered: SGD, Adam(W)
+
+
+def _bind(spec: FunctionalSpec, hyper: SGDHyper | AdamHyper) -> FunctionalOptimizer:
+    """The optimizer whose functions are ``spec``'s with ``hyper``'s fields bound as keywords."""
     kw = hyper._asdict()
-    state_type = SGDState if isinstance(hyper, SGDHyper) else AdamState
 
     def checked(fn: str, state: State) -> State:
-        if not isinstance(state, state_type):
+        if not isinstance(state, spec.state_type):
             raise TypeError(
-                f"{name}.{fn}: expected an {state_type.__name__}, got {type(state).__name__}"
+                f"{spec.name}.{fn}: expected an {spec.state_type.__name__}, "
+                f"got {type(state).__name__}"
             )
         return state
 
     return FunctionalOptimizer(
-        name,
+        spec.name,
         MappingProxyType(kw),
-        init,
-        lambda params, grads, state: update(params, grads, checked("update", state), **kw),
-        lambda params, grads, state: update_(params, grads, checked("update_", state), **kw),
+        functools.partial(spec.init, **kw),
+        lambda params, grads, state: spec.update(params, grads, checked("update", state), **kw),
+        lambda params, grads, state: spec.update_(params, grads, checked("update_", state), **kw),
     )
 
 
@@ -148,8 +127,7 @@ def sgd(
             "fused=True is not implemented by zero_functional's sgd; pass fused=None "
             "(foreach kernels) or use torch.optim.SGD(fused=True)"
         )
-    init = functools.partial(sgd_init, momentum=momentum)
-    return _bind("sgd", hyper, init, sgd_update, sgd_update_)
+    return _bind(_spec(torch.optim.SGD), hyper)
 
 
 def adam(
@@ -199,19 +177,18 @@ def adam(
         >>> opt.name, opt.hyperparams["weight_decay"], opt.hyperparams["decoupled_weight_decay"]
         ('adamw', 0.01, True)
     """
-    name = "adamw" if decoupled_weight_decay else "adam"
-    _reject_unknown(adam, name, unknown)
+    spec = _spec(torch.optim.AdamW if decoupled_weight_decay else torch.optim.Adam)
+    _reject_unknown(adam, spec.name, unknown)
     hyper = AdamHyper._make(map(locals().__getitem__, AdamHyper._fields)).validated()
     for option, value in (("capturable", capturable), ("differentiable", differentiable)):
         if value:
             raise ValueError(
-                f"{option}=True is not supported by zero_functional's {name}; "
+                f"{option}=True is not supported by zero_functional's {spec.name}; "
                 "use the torch.optim optimizer"
             )
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    init = functools.partial(adam_init, amsgrad=amsgrad)
-    return _bind(name, hyper, init, adam_update, adam_update_)
+    return _bind(spec, hyper)
 
 
 adamw = functools.partial(adam, **ADAMW_KEYWORDS)

@@ -8,33 +8,31 @@ the spec's ``init``/``update_`` with them; state crosses to and from torch's for
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Union
 
 import torch
 from torch import Tensor
 
+from zero_functional.functional._common import to_dicts
 from zero_functional.functional.adam import (
     ADAM_DEFAULTS,
     ADAMW_DEFAULTS,
     AdamHyper,
     AdamState,
     adam_apply_,
-    adam_init,
+    adam_update,
     adam_update_,
-    compiled_adam_update_,
 )
-from zero_functional.functional.factories import State
 from zero_functional.functional.sgd import (
     SGD_DEFAULTS,
     SGDHyper,
     SGDState,
-    compiled_sgd_update_,
     sgd_apply_,
-    sgd_init,
+    sgd_update,
     sgd_update_,
 )
 
@@ -43,14 +41,16 @@ __all__ = [
     "OPTIMIZER_KINDS",
     "SUPPORTED",
     "FunctionalSpec",
+    "State",
     "UpdateKind",
-    "choose_update",
     "functional_spec",
     "group_hyperparams",
     "register_optimizer",
     "supports_group",
     "update_kind",
 ]
+
+State = Union[SGDState, AdamState]  # noqa: UP007 - a runtime alias, kept 3.10-friendly
 
 # Keys a param group may carry that do not change the update: torch's bookkeeping, LR/momentum
 # schedulers' bookkeeping (they write the keys the update reads, which are read fresh each step).
@@ -65,43 +65,64 @@ IGNORED_GROUP_KEYS: tuple[str, ...] = (
     "max_momentum",
     "base_lr",
 )
+# torch.optim options the core implements only switched off (SGD's fused among them)
+_OFF_ONLY = ("differentiable", "capturable", "fused")
 
 
 @dataclass(frozen=True)
 class FunctionalSpec:
-    """How one torch.optim class maps onto the functional core.
+    """How one torch.optim class maps onto the functional core: everything the shell asks of
+    an optimizer, so that no caller branches on its name.
 
     Attributes:
         name: ``"sgd"``, ``"adam"`` or ``"adamw"``.
-        defaults: the param-group keys the update reads, with torch's default for each (used
-            when a group lacks one).
-        init: ``init(params, **group_hyperparams) -> state``.
+        defaults: the hyperparameter record (:class:`SGDHyper`, :class:`AdamHyper`) holding
+            torch's default for each param-group key the update reads (used when a group
+            lacks one).
+        state_type: the state (:class:`SGDState`, :class:`AdamState`); its ``from_dicts``
+            reads torch's per-param dicts.
+        update: pure ``update(params, grads, state, **group_hyperparams)``.
         update_: ``update_(params, grads, state, **group_hyperparams)`` in place.
         apply_: ``apply_(params, grads, state, hyper, compile=...)`` in place, ``hyper`` from
             :meth:`record`: ``update_`` without its per-tensor checks of the lists, for a
             caller that built them (the shell).
+        fixed: the keys the class fixes whatever a group says (AdamW's decoupled decay); a
+            group with another value is not supported.
     """
 
     name: str
-    defaults: Mapping[str, object]
-    init: Callable[..., State]
+    defaults: SGDHyper | AdamHyper
+    state_type: type[SGDState] | type[AdamState]
+    update: Callable[..., tuple[list[Tensor], State]]
     update_: Callable[..., None]
     apply_: Callable[..., None]
+    fixed: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def hyperparam_keys(self) -> tuple[str, ...]:
+        """The param-group keys the update reads, in torch's order."""
+        return self.defaults._fields
 
     def record(self, hyper: Mapping[str, object]) -> SGDHyper | AdamHyper:
-        """The hyperparameter record of :func:`group_hyperparams`' keywords, for :attr:`apply_`.
+        """The hyperparameter record of :func:`group_hyperparams`' keywords, for :attr:`apply_`
+        (the spec's defaults for keys ``hyper`` lacks).
 
         Example:
             >>> import torch
             >>> functional_spec(torch.optim.SGD).record({"lr": 0.5, "momentum": 0.9}).momentum
             0.9
         """
-        return (SGDHyper if self.name == "sgd" else AdamHyper)(**hyper)  # type: ignore[arg-type]
+        return self.defaults._replace(**hyper)  # type: ignore[arg-type]
 
-    @property
-    def hyperparam_keys(self) -> tuple[str, ...]:
-        """The param-group keys the update reads."""
-        return tuple(self.defaults)
+    def init(self, params: Sequence[Tensor], **hyper: object) -> State:
+        """Fresh state for ``params``: what torch's empty per-param dicts stand for.
+
+        Example:
+            >>> import torch
+            >>> functional_spec(torch.optim.AdamW).init([torch.zeros(1)], amsgrad=True).step
+            [tensor(0.)]
+        """
+        return self.state_from_dicts([{} for _ in params], params, **hyper)
 
     def state_to_dicts(self, state: State) -> list[dict[str, Tensor]]:
         """Per-param state in torch.optim's format; tensors are shared, not copied.
@@ -112,7 +133,7 @@ class FunctionalSpec:
         step 0 and zero moments (torch would have no entry; loading them is equivalent).
 
         Args:
-            state: an ``SGDState`` or ``AdamState`` matching this spec.
+            state: an instance of :attr:`state_type`.
 
         Returns:
             One dict per param.
@@ -123,24 +144,18 @@ class FunctionalSpec:
             >>> spec.state_to_dicts(SGDState([None, torch.ones(1)]))
             [{}, {'momentum_buffer': tensor([1.])}]
         """
-        if isinstance(state, SGDState) != (self.name == "sgd"):
+        if not isinstance(state, self.state_type):
             raise TypeError(f"spec {self.name!r} got an {type(state).__name__}")
-        # empty lists (max_exp_avg_sq without amsgrad) and None buffers are not torch's keys
-        lists: tuple[Sequence[Tensor | None], ...] = state
-        return [
-            {k: t for k, ts in zip(state._fields, lists) if ts and (t := ts[i]) is not None}
-            for i in range(len(lists[0]))
-        ]
+        return to_dicts(state)
 
     def state_from_dicts(
         self, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], **hyper: object
     ) -> State:
-        """Inverse of :meth:`state_to_dicts`: build the state from torch-format per-param dicts.
+        """Inverse of :meth:`state_to_dicts`: the :attr:`state_type`'s ``from_dicts``.
 
-        Tensors are used as-is (no copy). The one exception is Adam's ``step``: torch keeps
-        it on the CPU (float32, or float64 under a float64 default dtype) unless fused or
-        capturable, so a step that is not a float32 tensor on its param's device is converted
-        (a Python number is accepted too). An empty dict gives fresh state for that param.
+        Tensors are used as-is (no copy; Adam's ``step`` is moved to its param's device in
+        float32, where the fused kernels read it). An empty dict gives fresh state for that
+        param.
 
         Args:
             dicts: one mapping per param, as ``torch.optim.Optimizer.state[p]``.
@@ -167,54 +182,26 @@ class FunctionalSpec:
                 f"state_from_dicts: got {len(dicts)} state dicts for {len(params)} params; "
                 "pass one (possibly empty) dict per param, in the params' order"
             )
-        if self.name == "sgd":
-            return SGDState(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
-        amsgrad = bool(hyper.get("amsgrad", False))
-        # Allocate fresh state only where a dict is empty: this runs on every step of the shell.
-        empty = [i for i, d in enumerate(dicts) if not d]
-        fresh = self.state_to_dicts(adam_init([params[i] for i in empty], amsgrad=amsgrad))
-        born = dict(zip(empty, fresh))
-        out = AdamState(step=[], exp_avg=[], exp_avg_sq=[], max_exp_avg_sq=[])
-        for i, (d, p) in enumerate(zip(dicts, params)):
-            d = d or born[i]
-            step = d["step"]
-            if not isinstance(step, Tensor):
-                step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-            elif step.device != p.device or step.dtype != torch.float32:
-                step = step.to(device=p.device, dtype=torch.float32)
-            out.step.append(step)
-            out.exp_avg.append(d["exp_avg"])
-            out.exp_avg_sq.append(d["exp_avg_sq"])
-            if amsgrad:
-                if "max_exp_avg_sq" not in d:
-                    raise ValueError(
-                        f"state_from_dicts: amsgrad=True but the state of param {i} has no "
-                        "'max_exp_avg_sq' (it was stepped with amsgrad=False); torch.optim "
-                        "would fail here too: keep amsgrad as it was when the state was made"
-                    )
-                out.max_exp_avg_sq.append(d["max_exp_avg_sq"])
-        return out
-
-
-def _sgd_init(params: Sequence[Tensor], **hyper: object) -> State:
-    return sgd_init(params)
-
-
-def _adam_init(params: Sequence[Tensor], **hyper: object) -> State:
-    return adam_init(params, amsgrad=bool(hyper.get("amsgrad", False)))
+        return self.state_type.from_dicts(dicts, params, self.record(hyper))  # type: ignore[arg-type]
 
 
 _SPECS: dict[type, FunctionalSpec] = {
     torch.optim.SGD: FunctionalSpec(
-        "sgd", SGD_DEFAULTS._asdict(), _sgd_init, sgd_update_, sgd_apply_
+        "sgd", SGD_DEFAULTS, SGDState, sgd_update, sgd_update_, sgd_apply_
     ),
     torch.optim.Adam: FunctionalSpec(
-        "adam", ADAM_DEFAULTS._asdict(), _adam_init, adam_update_, adam_apply_
+        "adam", ADAM_DEFAULTS, AdamState, adam_update, adam_update_, adam_apply_
     ),
     # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
     # the update reads decoupled_weight_decay from the group like Adam's does.
     torch.optim.AdamW: FunctionalSpec(
-        "adamw", ADAMW_DEFAULTS._asdict(), _adam_init, adam_update_, adam_apply_
+        "adamw",
+        ADAMW_DEFAULTS,
+        AdamState,
+        adam_update,
+        adam_update_,
+        adam_apply_,
+        MappingProxyType({"decoupled_weight_decay": True}),
     ),
 }
 SUPPORTED: tuple[type, ...] = tuple(_SPECS)
@@ -257,7 +244,7 @@ def group_hyperparams(spec: FunctionalSpec, group: Mapping[str, object]) -> dict
         >>> group_hyperparams(spec, {"params": [], "lr": 0.1, "momentum": 0.9})["momentum"]
         0.9
     """
-    return {k: group.get(k, spec.defaults[k]) for k in spec.hyperparam_keys}
+    return {k: group.get(k, d) for k, d in zip(spec.hyperparam_keys, spec.defaults)}
 
 
 def _is_number(value: object) -> bool:
@@ -267,10 +254,12 @@ def _is_number(value: object) -> bool:
 def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
     """Whether every option in the group is implemented by the core with torch's semantics.
 
-    False for ``capturable=True``, ``differentiable=True``, tensor ``lr``/``betas``/
-    ``weight_decay``, SGD ``fused=True``, ``foreach=True`` together with ``fused=True``, and
-    keys neither read by the update nor in :data:`IGNORED_GROUP_KEYS`; the shell then falls
-    back to a real torch optimizer.
+    False for ``capturable=True``, ``differentiable=True``, ``fused=True`` where the record
+    has no ``fused`` (SGD), ``foreach=True`` together with ``fused=True``, a Tensor (or other
+    non-number) where the record's default is a number or a tuple of numbers (``lr``,
+    ``betas``, ``weight_decay``...), a key :attr:`FunctionalSpec.fixed` holds at another
+    value, and keys neither read by the update nor in :data:`IGNORED_GROUP_KEYS`; the shell
+    then falls back to a real torch optimizer.
 
     Args:
         spec: from :func:`functional_spec`.
@@ -288,75 +277,23 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
         False
     """
     for key, value in group.items():
-        if key in ("differentiable", "capturable"):
-            if value:
-                return False
-        elif key == "fused" and spec.name == "sgd":
-            if value:
-                return False
-        elif key not in spec.hyperparam_keys and key not in IGNORED_GROUP_KEYS:
+        known = key in spec.hyperparam_keys or key in IGNORED_GROUP_KEYS
+        if not known and (value or key not in _OFF_ONLY):
             return False
-    if spec.name != "sgd" and group.get("fused") and group.get("foreach"):
+    if group.get("fused") and group.get("foreach"):
         return False
     hp = group_hyperparams(spec, group)
-    # the keys whose default is a number (lr, eps, weight_decay, momentum, dampening)
-    if not all(_is_number(hp[k]) for k, v in spec.defaults.items() if _is_number(v)):
-        return False
-    if spec.name != "sgd":
-        betas = hp["betas"]
-        if not (
-            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_number, betas))
+    for key, default in zip(spec.hyperparam_keys, spec.defaults):
+        value = hp[key]
+        if _is_number(default) and not _is_number(value):
+            return False
+        if isinstance(default, tuple) and not (
+            isinstance(value, (tuple, list))
+            and len(value) == len(default)
+            and all(map(_is_number, value))
         ):
             return False
-        if spec.name == "adamw" and not hp["decoupled_weight_decay"]:
-            return False
-    return True
-
-
-# compile=None: the graphs where compile_policy says they are faster
-_UPDATES: dict[tuple[str, bool | None], Callable[..., None]] = {
-    ("sgd", False): sgd_update_,
-    ("sgd", True): compiled_sgd_update_,
-    ("sgd", None): functools.partial(sgd_update_, compile=None),
-    ("adam", False): adam_update_,
-    ("adam", True): compiled_adam_update_,
-    ("adam", None): functools.partial(adam_update_, compile=None),
-}
-
-
-def choose_update(
-    name: Literal["sgd", "adam", "adamw"], *, compile: bool | None = None
-) -> Callable[..., None]:
-    """The in-place update for a spec's ``name``, with ``compile`` bound.
-
-    The shell calls the result as ``update_(params, grads, state, **group_hyperparams)``; for
-    ``"adam"`` and ``"adamw"`` it is :func:`~zero_functional.functional.adam_update_` (AdamW's
-    groups pass ``decoupled_weight_decay=True``), as the specs' ``update_``. Nothing is compiled
-    until the returned function first runs.
-
-    Args:
-        name: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``FunctionalSpec.name``).
-        compile: the update's ``compile`` flag: ``True`` everywhere it applies, ``False``
-            never, ``None`` where :func:`~zero_functional.functional.compile_policy` says it
-            is faster.
-
-    Returns:
-        ``sgd_update_`` or ``adam_update_``, or one of them with ``compile`` bound.
-
-    Raises:
-        ValueError: an unknown ``name``.
-
-    Example:
-        >>> from zero_functional.functional import compiled_adam_update_
-        >>> choose_update("adamw", compile=True) is compiled_adam_update_
-        True
-        >>> choose_update("sgd", compile=False).__name__
-        'sgd_update_'
-    """
-    kind = "adam" if name == "adamw" else name
-    if (kind, compile) not in _UPDATES:
-        raise ValueError(f"choose_update: unknown optimizer {name!r}; expected sgd, adam or adamw")
-    return _UPDATES[(kind, compile)]
+    return all(hp[k] == v for k, v in spec.fixed.items())
 
 
 UpdateKind = Literal["elementwise", "per_tensor", "closure"]

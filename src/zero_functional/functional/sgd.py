@@ -26,8 +26,7 @@ Example:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -46,7 +45,6 @@ __all__ = [
     "SGD_DEFAULTS",
     "SGDHyper",
     "SGDState",
-    "compiled_sgd_update_",
     "sgd_apply_",
     "sgd_init",
     "sgd_update",
@@ -116,23 +114,37 @@ class SGDState(NamedTuple):
 
     momentum_buffer: list[Tensor | None]
 
+    @classmethod
+    def from_dicts(
+        cls, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], h: SGDHyper
+    ) -> SGDState:
+        """The state of torch-format per-param dicts (``{}`` before a buffer exists); the
+        buffers are used as-is.
 
-def sgd_init(params: Sequence[Tensor], *, momentum: float = SGD_DEFAULTS.momentum) -> SGDState:
+        Example:
+            >>> import torch
+            >>> dicts, params = [{}, {"momentum_buffer": torch.ones(1)}], [torch.zeros(1)] * 2
+            >>> SGDState.from_dicts(dicts, params, SGD_DEFAULTS)
+            SGDState(momentum_buffer=[None, tensor([1.])])
+        """
+        return cls(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
+
+
+def sgd_init(params: Sequence[Tensor]) -> SGDState:
     """Create the SGD state for ``params``: no buffers yet, as torch.optim.SGD starts.
 
     Args:
-        params: the parameters the state belongs to.
-        momentum: accepted for symmetry with the update; buffers are created lazily either way.
+        params: the parameters the state belongs to (buffers are created lazily, at a param's
+            first step with ``momentum != 0``).
 
     Returns:
         An ``SGDState`` with ``len(params)`` ``None`` buffers.
 
     Example:
         >>> import torch
-        >>> sgd_init([torch.zeros(2), torch.zeros(3)], momentum=0.9)
+        >>> sgd_init([torch.zeros(2), torch.zeros(3)])
         SGDState(momentum_buffer=[None, None])
     """
-    del momentum
     return SGDState(momentum_buffer=[None] * len(params))
 
 
@@ -210,7 +222,7 @@ def sgd_update_(
     Example:
         >>> import torch
         >>> p = [torch.tensor([1.0, 2.0])]
-        >>> state = sgd_init(p, momentum=0.9)
+        >>> state = sgd_init(p)
         >>> sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.1, momentum=0.9)
         >>> p[0]
         tensor([0.9000, 1.9000])
@@ -264,7 +276,3 @@ def sgd_apply_(
 
 
 sgd_update = pure_from_inplace(sgd_update_)
-
-# compat: the compiled twin's name, from before the kernel was a flag
-compiled_sgd_update_ = functools.partial(sgd_update_, compile=True)
-compiled_sgd_update_.__doc__ = ":func:`sgd_update_` with ``compile=True``."
