@@ -247,7 +247,7 @@ class ParamSync:
             [piece.numel for _, _, piece in sends],
             [self._table.keys[k] for k, _, _ in sends],
             [not piece.is_whole or params[k].is_contiguous() for k, _, piece in sends],
-            backend=comm.backend(group),
+            nccl=comm.is_nccl(group),
         )
 
     def _gather(

@@ -462,7 +462,7 @@ class SyncPlan:
     as one coalesced launch (NCCL) rather than each on its own.
 
     Example:
-        >>> plan = sync_plan([0, 1], [4, 4], ["f32", "f32"], [True, True], backend="gloo",
+        >>> plan = sync_plan([0, 1], [4, 4], ["f32", "f32"], [True, True], nccl=False,
         ...                  coalesce_below=4)
         >>> [u.members for u in plan.units], len(plan.batches())
         ([(0,), (1,)], 2)
@@ -482,7 +482,7 @@ def sync_plan(
     keys: Sequence[Hashable],
     contiguous: Sequence[bool],
     *,
-    backend: str,
+    nccl: bool,
     coalesce_below: int = COALESCE_BELOW,
 ) -> SyncPlan:
     """The broadcasts that give every rank every owner's tensors, from the tensors' metadata.
@@ -497,14 +497,15 @@ def sync_plan(
         numels: Each tensor's number of elements.
         keys: Each tensor's buffer key (:class:`~zero_functional.param_table.BufferKey`).
         contiguous: Whether each tensor is contiguous (else it is packed).
-        backend: The process group's backend name.
+        nccl: Whether the group's backend is NCCL (which takes grouped broadcasts as one
+            launch).
         coalesce_below: Size under which tensors are packed rather than sent alone.
 
     Raises:
         ValueError: The sequences differ in length.
 
     Example:
-        >>> plan = sync_plan([0, 1, 1], [9, 2, 3], ["f32"] * 3, [True] * 3, backend="nccl",
+        >>> plan = sync_plan([0, 1, 1], [9, 2, 3], ["f32"] * 3, [True] * 3, nccl=True,
         ...                  coalesce_below=4)
         >>> plan.coalesced, [(u.owner, u.members, u.packed) for u in plan.units]
         (True, [(0, (0,), False), (1, (1, 2), True)])
@@ -521,4 +522,4 @@ def sync_plan(
     units += [
         SyncUnit(owner, tuple(members), True) for (owner, _), members in sorted(packed.items())
     ]
-    return SyncPlan(tuple(units), "nccl" in backend.lower() and len(units) > 1)
+    return SyncPlan(tuple(units), nccl and len(units) > 1)

@@ -12,7 +12,6 @@ from torch import Tensor
 from zero_functional.comm.groups import (
     ProcessGroup,
     Work,
-    backend,
     default_group,
     group_rank,
     group_size,
@@ -250,7 +249,7 @@ def start_sync_params(
         [t.numel() for t in params],
         [buffer_key(t) for t in params],
         [t.is_contiguous() for t in params],
-        backend=backend(group),
+        nccl=is_nccl(group),
         coalesce_below=coalesce_below,
     )
     batches = [
