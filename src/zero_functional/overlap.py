@@ -3,7 +3,10 @@
 What :func:`~zero_functional.hooks.hook_with_zero_step` and its interleaved twin keep between
 buckets and iterations (:class:`OverlapState`): a state machine per bucket
 (:class:`BucketStatus`), small records for the work in flight, and the bucket structure adopted
-so far, from which the ownership of each bucket's pieces is built.
+so far, from which the ownership of each bucket's pieces is built. Each bucket's reduction onto
+its owners is :class:`~zero_functional.grad_sync.GradSync`'s, as under
+:func:`~zero_functional.hooks.reduce_scatter_hook`; its parameter all-gather is
+:class:`~zero_functional.param_sync.ParamSync`'s.
 """
 
 from __future__ import annotations

@@ -2,10 +2,13 @@
 
 Everything the stateful classes (the optimizer, :mod:`~zero_functional.param_sync`, the hooks)
 compute from the ownership, the parameters' metadata and the rank lives here, so that they only
-apply plans: the collective strategy (:func:`choose_collectives`), each buffer's runs and even
-shard (:func:`buffer_runs`), the parameter all-gather's send list (:func:`send_list`), the
-groups that bucket views make (:func:`bucket_view_groups`), and the moves of a reshard
-(:func:`plan_moves`).
+apply plans: the collective strategy (:func:`choose_collectives`, and the one place its name
+becomes the even-shards flag: :func:`takes_even_shards`), each buffer's plan as one value
+(:class:`BufferPlan`: strategy, runs and even shard, from :func:`buffer_plan`), the parameter
+all-gather's send list (:func:`send_list`) and its broadcasts (:class:`SyncPlan`: which units,
+in what order, how packed, from :func:`sync_plan`), the groups that bucket views make
+(:func:`bucket_view_groups`), and the moves of a reshard (:func:`plan_moves`).
+:mod:`~zero_functional.comm` executes these values and calls nothing back.
 
 ZeRO-1 needs two movements per iteration: each rank must receive the reduced gradients of
 what it owns (a reduce-scatter), and every rank must receive every owner's updated parameters

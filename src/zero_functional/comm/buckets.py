@@ -1,4 +1,8 @@
-"""Bulk collectives: gradients reduced onto their owners, parameters gathered from theirs."""
+"""Bulk collectives: gradients reduced onto their owners, parameters gathered from theirs.
+
+What to send is decided in :mod:`zero_functional.plans` (runs, even shards, the units of a
+parameter all-gather); the functions here execute those plans and call nothing back.
+"""
 
 from __future__ import annotations
 
