@@ -26,6 +26,7 @@ PURE = {
     "grad_norm.py",
     "main_params.py",
     "ownership.py",
+    "param_table.py",
     "partition.py",
     "plans.py",
     "state_dict.py",

@@ -603,9 +603,9 @@ def _collectives_case(env: Env) -> Row:
     sizes = [comm.COALESCE_BELOW + 5, 10, 20, comm.COALESCE_BELOW, 7]
     owners = [i % world for i in range(len(sizes))]
     tensors = [torch.full((s,), float(i + 100 * rank), device=dev) for i, s in enumerate(sizes)]
-    units = comm.start_sync_units(tensors, owners, group)
-    for pending, _ in units:
-        pending.wait()
+    pending = comm.start_sync_params(tensors, owners, group)
+    units = len(pending.works)
+    pending.wait()
     for i, (t, o) in enumerate(zip(tensors, owners)):
         same(f"sync unit {i}", t, torch.full_like(t, float(i + 100 * o)))
     twin = comm.twin_group(group)
@@ -621,7 +621,7 @@ def _collectives_case(env: Env) -> Row:
     detail = (
         f"{n:,} float32 on {dev}: reduce_scatter_single + all_gather_single (padded), reduces "
         f"and broadcasts x{len(split)} ({'one coalesced launch' if comm.is_nccl(group) else 'one call each'}), "
-        f"{len(units)} sync unit(s), twin group, scalar collectives"
+        f"{units} sync broadcast(s), twin group, scalar collectives"
     )
     if bad:
         return {"status": "FAIL", "detail": detail + "; wrong: " + "; ".join(bad[:4])}

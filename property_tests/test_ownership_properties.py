@@ -17,8 +17,16 @@ from zero_functional.ownership import (
     sorted_greedy_ownership,
     whole_ownership,
 )
+from zero_functional.param_table import ParamTable
 from zero_functional.partition import Piece, sorted_greedy_groups
-from zero_functional.plans import even_chunk, owned_spans
+from zero_functional.plans import (
+    COLLECTIVES,
+    buffer_plan,
+    even_chunk,
+    owned_spans,
+    sync_plan,
+    takes_even_shards,
+)
 from zero_functional.state_dict import join_states, slice_state
 
 numels_st = st.lists(st.integers(0, 200), max_size=25)
@@ -274,3 +282,74 @@ def test_owned_spans_are_exactly_the_elements_each_rank_owns(
     assert sorted(e for spans in owned for e in spans) == list(range(sum(numels)))
     for rank in range(n):
         assert len(owned[rank]) == sum(s.stop - s.start for s in o.owned(rank))
+
+
+@given(numels_st, world_st, st.sampled_from(COLLECTIVES), st.booleans(), st.data())
+def test_a_buffer_plan_covers_its_buffer_and_has_a_chunk_iff_the_split_is_even(
+    numels: list[int], n: int, collectives: str, flat: bool, data: st.DataObject
+) -> None:
+    o = flat_ownership(numels, n) if flat else sorted_greedy_ownership([numels], n)
+    order = data.draw(st.permutations(range(len(numels))))
+    plan = buffer_plan(o, order, collectives)  # type: ignore[arg-type]
+    total = sum(numels)
+    # the runs tile [0, total) in order, each with its owner
+    edge = 0
+    for run in plan.runs:
+        assert run.start == edge < run.stop and 0 <= run.rank < n
+        edge = run.stop
+    assert edge == total
+    even = even_chunk(plan.runs, total, n)
+    assert plan.chunk == (even if takes_even_shards(plan.collectives) else None)
+    if flat and order == sorted(order) and total and takes_even_shards(plan.collectives):
+        assert plan.chunk is not None  # a flat group in its own order is the even split
+    for rank in range(n):
+        assert plan.spans_of(rank) == owned_spans(plan.runs, rank)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 40), st.sampled_from("ab"), st.booleans())
+    ),
+    st.booleans(),
+)
+def test_a_sync_plan_sends_every_nonempty_tensor_once_from_its_owner(
+    tensors: list[tuple[int, int, str, bool]], nccl: bool
+) -> None:
+    owners, numels, keys, dense = (list(t) for t in zip(*tensors)) if tensors else ([], [], [], [])
+    plan = sync_plan(owners, numels, keys, dense, nccl=nccl, coalesce_below=16)
+    members = sorted(i for u in plan.units for i in u.members)
+    assert members == [i for i, m in enumerate(numels) if m]
+    for u in plan.units:
+        assert all(owners[i] == u.owner for i in u.members)
+        if not u.packed:  # in place: one large contiguous tensor
+            (i,) = u.members
+            assert numels[i] >= 16 and dense[i]
+        else:
+            assert len({keys[i] for i in u.members}) == 1
+    assert [u for b in plan.batches() for u in b] == list(plan.units)
+    assert plan.coalesced == (nccl and len(plan.units) > 1)
+
+
+@given(numels_st, world_st, st.booleans())
+def test_a_piece_is_whole_iff_its_parameter_has_no_other_piece(
+    numels: list[int], n: int, flat: bool
+) -> None:
+    o = flat_ownership(numels, n) if flat else sorted_greedy_ownership([numels], n)
+    for k in range(len(numels)):
+        held = o.holders(k)
+        assert all(piece.is_whole == (len(held) == 1) for _, piece in held)
+
+
+@given(st.lists(st.lists(st.integers(0, 5), max_size=4), max_size=4))
+def test_a_param_table_indexes_every_parameter_and_its_group(sizes: list[list[int]]) -> None:
+    groups = [{"params": [torch.zeros(m) for m in g]} for g in sizes]
+    table = ParamTable.of(groups)
+    params = [p for g in groups for p in g["params"]]
+    assert table.params == tuple(params) and table.numels == tuple(p.numel() for p in params)
+    for k, p in enumerate(params):
+        assert table.index(p) == k and p in table
+        start, length = table.spans[table.group_of(k)]
+        assert start <= k < start + length
+        assert groups[table.group_of(k)]["params"][k - start] is p
+    assert table.group_numels() == sizes
+    assert torch.zeros(1) not in table

@@ -220,7 +220,7 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
                 # The smallest parameter alone in bucket 1 makes shard_buckets' smallest-first
                 # rule give bucket 0 to another rank than the real structure does.
                 rest = [k for b in s[1:] for k in b]
-                small = min(rest, key=lambda k: overlap.params[k].numel())
+                small = min(rest, key=lambda k: zero.param_table.params[k].numel())
                 overlap.adopt((s[0], (small,), tuple(k for k in rest if k != small)))
                 fake_owners = [zero.ownership.holders(k) for k in s[0]]
                 faked, faked_once = overlap.restructures, True

@@ -13,6 +13,7 @@ from zero_functional.functional import functional_spec
 from zero_functional.grad_norm import local_norm, total_norm
 from zero_functional.local_shard import LocalShard
 from zero_functional.ownership import Ownership, flat_ownership, sorted_greedy_ownership
+from zero_functional.param_table import ParamTable
 from zero_functional.plans import plan_moves
 from zero_functional.state_dict import PARTIAL_KEY, Consolidation, merge_shards, rank_state_dict
 from zero_functional.steppers import FunctionalStepper, choose_stepper, state_schemas
@@ -50,7 +51,9 @@ def _shards(
         stepper = choose_stepper(
             functional_spec(cls), False, probe, False, groups, owned, state, {}
         )
-        shards.append(LocalShard(ownership, rank, groups, state, stepper, cls.__name__))
+        shards.append(
+            LocalShard(ownership, rank, ParamTable.of(groups), groups, state, stepper, cls.__name__)
+        )
     return shards
 
 
@@ -107,7 +110,8 @@ def test_outgoing_and_incoming_move_every_element_to_its_new_owner() -> None:
         arrived = {t: part for parts in sent for t, part in parts.get(rank, {}).items()}
         shard.incoming(plan, new, arrived)
     after = [
-        LocalShard(new, r, s.param_groups, s.state, s.stepper, s.name) for r, s in enumerate(shards)
+        LocalShard(new, r, s.table, s.param_groups, s.state, s.stepper, s.name)
+        for r, s in enumerate(shards)
     ]
     merged = merge_shards([s.cpu_shard() for s in after], SHAPES)
     for k, state in before.items():
@@ -127,7 +131,9 @@ def test_check_trainable_follows_freezing_and_names_an_unfrozen_parameter() -> N
     assert not shard.check_trainable()
     params[1].requires_grad_(False)
     assert shard.check_trainable() and not shard.check_trainable()
-    frozen = LocalShard(shard.ownership, 0, shard.param_groups, shard.state, shard.stepper, "SGD")
+    frozen = LocalShard(
+        shard.ownership, 0, shard.table, shard.param_groups, shard.state, shard.stepper, "SGD"
+    )
     params[1].requires_grad_(True)
     with pytest.raises(RuntimeError, match="7"):
         frozen.check_trainable()
@@ -141,7 +147,7 @@ def test_a_real_stepper_over_whole_parameters_refuses_pieces_and_steps_with_its_
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     owned = {s.param for s in ownership.owned(0)}
     stepper = choose_stepper(None, False, probe, True, groups, owned, state, {})
-    shard = LocalShard(ownership, 0, groups, state, stepper, "LBFGS")
+    shard = LocalShard(ownership, 0, ParamTable.of(groups), groups, state, stepper, "LBFGS")
     with pytest.raises(RuntimeError, match="update_owned needs an optimizer that runs on pieces"):
         shard.pieces_stepper()
     loss, grads = shard.local_step(lambda: 1.5)
@@ -204,7 +210,7 @@ def test_functional_stepper_puts_step_in_float32_on_the_parameters_device() -> N
     groups: list[dict[str, Any]] = [{"params": params, "lr": 0.1}]
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     stepper = FunctionalStepper(functional_spec(torch.optim.Adam), compile=False)  # type: ignore[arg-type]
-    shard = LocalShard(ownership, 0, groups, state, stepper, "Adam")
+    shard = LocalShard(ownership, 0, ParamTable.of(groups), groups, state, stepper, "Adam")
     loaded = {0: {"step": torch.tensor(3), "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}}
     shard.install(loaded, [{"lr": 0.2, "params": [0]}], copy=True)
     assert state[params[0]]["step"].dtype == torch.float32
@@ -219,7 +225,16 @@ def test_low_precision_pieces_step_through_float32_main_copies_kept_in_their_sta
     groups: list[dict[str, Any]] = [{"params": params, "lr": 1e-3, "momentum": 0.0}]
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)  # type: ignore[arg-type]
-    shard = LocalShard(flat_ownership([6], 2), 1, groups, state, stepper, "SGD", torch.float32)
+    shard = LocalShard(
+        flat_ownership([6], 2),
+        1,
+        ParamTable.of(groups),
+        groups,
+        state,
+        stepper,
+        "SGD",
+        torch.float32,
+    )
     assert shard.main_params()[params[0]].dtype == torch.float32  # before any step: upcast
     grad = torch.ones(3, dtype=torch.bfloat16)
     for _ in range(3):

@@ -20,8 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero_functional import comm, hooks
-from zero_functional import optimizer as optimizer_module
+from zero_functional import comm, grad_sync, hooks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import run_ranks
@@ -38,10 +37,9 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _even_worker(rank: int, world_size: int) -> dict[str, float]:
-    # the policy as NCCL with even shards answers it, on every path that asks
+    # the policy as NCCL with even shards answers it, in the one place every path asks
     forced = "reduce_scatter+all_gather"
-    optimizer_module.choose_collectives = lambda *a, **k: forced  # type: ignore[assignment]
-    hooks.choose_collectives = lambda *a, **k: forced  # type: ignore[assignment]
+    grad_sync.choose_collectives = lambda *a, **k: forced  # type: ignore[assignment]
     out: dict[str, float] = {}
     for mode in ("step bucket view", "step reduce hook", "overlap"):
         model, ref_model = _net(), _net()

@@ -39,16 +39,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
 from zero_functional.amp import common_verdict
+from zero_functional.grad_sync import GradSync, all_reduce_widened, collectives_for
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.overlap import OverlapState, all_reduce_widened, bucket_indices, widened
+from zero_functional.overlap import OverlapState
 from zero_functional.ownership import Run
-from zero_functional.plans import (
-    COLLECTIVES,
-    Collectives,
-    buffer_runs,
-    choose_collectives,
-    owned_spans,
-)
+from zero_functional.plans import COLLECTIVES, Collectives, choose_collectives
 
 __all__ = [
     "Collectives",
@@ -97,8 +92,7 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
             "hook to reduce gradients in float32"
         )
     ddp_params = {p for p in ddp.parameters() if p.requires_grad}
-    mine = {p for g in zero.param_groups for p in g["params"]}
-    missing = ddp_params - mine
+    missing = {p for p in ddp_params if p not in zero.param_table}
     if missing:
         raise ValueError(
             f"{len(missing)} trainable parameters of the DDP module are not in the "
@@ -154,11 +148,8 @@ def _make_hook(
     ddp_ref = weakref.ref(ddp)
     default = hook is default_hooks.allreduce_hook
     if collectives is None:
-        collectives = choose_collectives(
-            comm.backend(zero.process_group),
-            zero.world_size,
-            hook_is_allreduce=default,
-            even=zero.partition == "flat",
+        collectives = collectives_for(
+            zero.process_group, hook_is_allreduce=default, even=zero.partition == "flat"
         )
     elif collectives not in COLLECTIVES:
         raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
@@ -183,11 +174,9 @@ def _make_hook(
         zero,
         shard_buckets,
         interleaved,
-        collectives,
+        GradSync(zero, collectives, _ddp_group(ddp, zero), reduce_dtype),
         grad_scaler,
         find_unused=bool(getattr(ddp, "find_unused_parameters", False)),
-        reduce_dtype=reduce_dtype,
-        world_group=_ddp_group(ddp, zero),
     )
     _STATES[zero] = overlap
 
@@ -200,7 +189,8 @@ def _make_hook(
                 fut = overlap.reduce(bucket)
             elif reduce_dtype is not None and zero.world_size > 1:
                 # the buckets not known yet: all-reduce, widened
-                fut = all_reduce_widened(bucket.buffer(), reduce_dtype, overlap.world_group)
+                group = overlap.grad_sync.world_group
+                fut = all_reduce_widened(bucket.buffer(), reduce_dtype, group)
             else:
                 fut = hook(state, bucket)
             overlap.on_bucket(bucket, fut)
@@ -361,51 +351,30 @@ def reduce_scatter_hook(
             "with overlap_with_ddp=True use hook_with_zero_step(allreduce_hook, ddp, zero)"
         )
     _check_ddp(ddp, zero)
-    params = [p for g in zero.param_groups for p in g["params"]]
-    index = {p: i for i, p in enumerate(params)}
-    world, total = zero.world_size, comm.group_size(_ddp_group(ddp, zero))
-    replicate = zero.replicate_group
-    even = choose_collectives(comm.backend(zero.process_group), world, even=True) == (
-        "reduce_scatter+all_gather"
+    grad_sync = GradSync(
+        zero, collectives_for(zero.process_group, even=True), _ddp_group(ddp, zero), reduce_dtype
     )
-    cache: dict[tuple[int, ...], tuple[tuple[Run, ...], int | None]] = {}
-    seen: list[object] = [zero.ownership]
-
-    def runs_of(indices: tuple[int, ...]) -> tuple[tuple[Run, ...], int | None]:
-        ownership = zero.ownership
-        if ownership is not seen[0]:
-            cache.clear()
-            seen[0] = ownership
-        if indices not in cache:
-            cache[indices] = buffer_runs(ownership, indices, even=even)
-        return cache[indices]
+    scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []
 
     def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         flat = bucket.buffer()
-        if total == 1:
+        if grad_sync.ranks == 1:
             done: Future[Tensor] = Future()
             done.set_result(flat)
             return done
-        indices = bucket_indices(index, bucket)
-        runs, chunk = runs_of(indices)
-        wide = widened(flat, reduce_dtype).div_(total)
+        indices = grad_sync.indices(bucket.parameters())
         name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
-            pending = comm.start_reduce(wide, runs, zero.process_group, chunk=chunk)
-            if replicate is not None:  # then each owner's runs across its replicas
-                pending.wait()
-                mine = owned_spans(runs, zero.rank)
-                pending = comm.start_all_reduce_spans(wide, mine, replicate)
-            pending.copy_after(flat, wide)  # rounded back once, before DDP reads the bucket
+            reduce = grad_sync.start(flat, indices)
+            pending = reduce.rounded_back()  # rounded back once, before DDP reads the bucket
             if grad_scaler is None or not grad_scaler.is_enabled():
                 return pending.future(flat)
             if bucket.index() == 0:
                 scaled.clear()
-            scaled.append((flat, runs, pending))
+            scaled.append((flat, reduce.plan.runs, pending))
             if bucket.is_last():
                 common_verdict(scaled, zero.rank, zero.process_group)
                 scaled.clear()
         return pending.future(flat)
 
-    scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []
     return _with_annotations(reduce_scatter_fn)

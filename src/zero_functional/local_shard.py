@@ -22,6 +22,7 @@ from zero_functional.amp import unscaled
 from zero_functional.checks import check_unfrozen
 from zero_functional.main_params import MAIN_KEY, main_dtype_for, step_through_main_
 from zero_functional.ownership import Ownership, Transfer, piece_view
+from zero_functional.param_table import ParamTable
 from zero_functional.partition import Piece
 from zero_functional.plans import ReshardPlan
 from zero_functional.state_dict import (
@@ -54,7 +55,9 @@ class LocalShard:
     Args:
         ownership: Which rank owns which pieces of which parameters.
         rank: This rank.
-        param_groups: The optimizer's groups (read at each call, so edits apply).
+        table: The optimizer's parameters (:class:`~zero_functional.param_table.ParamTable`).
+        param_groups: The optimizer's groups, for their hyperparameters (read at each call, so
+            edits apply).
         state: The optimizer's state (parameter -> state dict, a ``defaultdict(dict)``),
             shared, changed in place.
         stepper: What updates the pieces (:func:`~zero_functional.steppers.choose_stepper`).
@@ -71,7 +74,8 @@ class LocalShard:
         >>> groups = torch.optim.SGD([w], lr=0.5).param_groups
         >>> stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)
         >>> state = defaultdict(dict)  # as ``Optimizer.state``
-        >>> shard = LocalShard(flat_ownership([4], 2), 1, groups, state, stepper, "SGD")
+        >>> table = ParamTable.of(groups)
+        >>> shard = LocalShard(flat_ownership([4], 2), 1, table, groups, state, stepper, "SGD")
         >>> shard.pieces
         {0: Piece(param=0, start=2, stop=4)}
         >>> shard.update({0: torch.ones(2)})
@@ -83,6 +87,7 @@ class LocalShard:
         self,
         ownership: Ownership,
         rank: int,
+        table: ParamTable,
         param_groups: list[dict[str, Any]],
         state: MutableMapping[Tensor, Any],
         stepper: Stepper | RealStepper,
@@ -91,22 +96,30 @@ class LocalShard:
     ) -> None:
         self.ownership = ownership
         self.rank = rank
+        self.table = table
         self.param_groups = param_groups
         self.state = state
         self.stepper = stepper
         self.name = name
         self.main_params_dtype = main_params_dtype
         self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(rank)}
-        self.trainable = [p.requires_grad for p in self.params()]
+        self.trainable = [p.requires_grad for p in table.params]
         self._built_trainable = list(self.trainable)
 
-    def params(self) -> list[Tensor]:
-        """Every parameter, in global index order."""
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def group_of(self) -> list[int]:
-        """Each parameter's group, by global index."""
-        return [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
+    def extended(self, ownership: Ownership, table: ParamTable) -> LocalShard:
+        """This shard, its state and its stepper, over more parameters: ``table`` and an
+        ownership :meth:`~zero_functional.ownership.Ownership.extended` to them (what
+        ``add_param_group`` reshards from)."""
+        return LocalShard(
+            ownership,
+            self.rank,
+            table,
+            self.param_groups,
+            self.state,
+            self.stepper,
+            self.name,
+            self.main_params_dtype,
+        )
 
     def piece(self, k: Hashable, what: str) -> Piece:
         """The piece of parameter ``k`` this rank owns.
@@ -124,7 +137,7 @@ class LocalShard:
 
     def grads(self) -> dict[int, Tensor]:
         """Global index -> the gradient of this rank's piece, where the parameter has one."""
-        params = self.params()
+        params = self.table.params
         return {
             k: piece_view(grad, piece)
             for k, piece in self.pieces.items()
@@ -149,7 +162,7 @@ class LocalShard:
             RuntimeError: A sparse gradient, or a stepper that runs on whole parameters.
         """
         stepper = self.pieces_stepper()
-        params, group_of = self.params(), self.group_of()
+        params, group_of = self.table.params, self.table.group_of
         by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
         for k, grad in grads.items():
             piece = self.piece(k, "gradients")
@@ -157,7 +170,7 @@ class LocalShard:
                 raise RuntimeError(f"{self.name} does not support sparse gradients")
             p = params[k]
             view = piece_view(p, piece)
-            ps, gs, ss, ds = by_group.setdefault(group_of[k], ([], [], [], []))
+            ps, gs, ss, ds = by_group.setdefault(group_of(k), ([], [], [], []))
             ps.append(view)
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
@@ -187,7 +200,7 @@ class LocalShard:
                 loss = closure()
         grads = self.grads()
         if grad_scale is not None:
-            params = self.params()
+            params = self.table.params
             dtypes = {k: main_dtype_for(params[k].dtype, self.main_params_dtype) for k in grads}
             grads = unscaled(grads, dtypes, grad_scale)
         return loss, grads
@@ -195,10 +208,11 @@ class LocalShard:
     def check_trainable(self) -> bool:
         """Whether any ``requires_grad`` changed since this shard was built (freezing is
         followed; unfreezing a parameter built frozen raises, naming it)."""
-        trainable = [p.requires_grad for p in self.params()]
+        params = self.table.params
+        trainable = [p.requires_grad for p in params]
         if trainable == self.trainable:
             return False
-        check_unfrozen(self._built_trainable, trainable, [p.shape for p in self.params()])
+        check_unfrozen(self._built_trainable, trainable, [p.shape for p in params])
         self.trainable = trainable
         return True
 
@@ -213,7 +227,7 @@ class LocalShard:
     def shard_state(self) -> dict[int, tuple[Piece, dict[str, Any]]]:
         """Global index -> (this rank's piece, its state: the optimizer's own tensors), for
         each parameter this rank owns a piece of and has state for."""
-        params = self.params()
+        params = self.table.params
         return {
             k: (piece, self.state[params[k]])
             for k, piece in sorted(self.pieces.items())
@@ -228,7 +242,7 @@ class LocalShard:
     def cut(self, state: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, object]]:
         """The states of this rank's pieces, from whole parameters' states (global index); one
         warning where a parameter that needs a main copy has state without one."""
-        params = self.params()
+        params = self.table.params
         pieces = {
             k: slice_state(v, (0, params[k].numel()), (self.pieces[k].start, self.pieces[k].stop))
             for k, v in state.items()
@@ -239,7 +253,7 @@ class LocalShard:
 
     def warn_without_main(self, pieces: Mapping[int, Mapping[str, Any]]) -> None:
         """One warning where a piece that needs a main copy has loaded state without one."""
-        params = self.params()
+        params = self.table.params
         if any(
             v and MAIN_KEY not in v and main_dtype_for(params[k].dtype, self.main_params_dtype)
             for k, v in pieces.items()
@@ -254,7 +268,7 @@ class LocalShard:
         """This rank's main copies, keyed by parameter: views of the optimizer's own (a piece
         not stepped yet: its parameter's values upcast, a new tensor); parameters that need
         no copy are absent."""
-        params = self.params()
+        params = self.table.params
         out: dict[Tensor, Tensor] = {}
         for k, piece in sorted(self.pieces.items()):
             p = params[k]
@@ -273,13 +287,13 @@ class LocalShard:
         """Raise unless ``state`` (global index -> a piece's state) fits this rank's pieces and
         ``saved_groups`` the groups (:func:`~zero_functional.state_dict.check_shard_state`);
         ``schemas`` per group."""
-        params, group_of = self.params(), self.group_of()
+        params, group_of = self.table.params, self.table.group_of
         check_shard_state(
             state,
             saved_groups,
             self.param_groups,
             {k: (self.piece(k, "state"), params[k]) for k in state},
-            [schemas[group_of[k]] for k in range(len(params))],
+            [schemas[group_of(k)] for k in range(len(params))],
         )
 
     def _placed(
@@ -304,9 +318,9 @@ class LocalShard:
     ) -> None:
         """Replace this rank's state by ``pieces`` (checked already) and the groups'
         hyperparameters by ``saved_groups``'."""
-        params, group_of = self.params(), self.group_of()
+        params, group_of = self.table.params, self.table.group_of
         new = {
-            params[k]: self._placed(params[k], self.param_groups[group_of[k]], value, copy)
+            params[k]: self._placed(params[k], self.param_groups[group_of(k)], value, copy)
             for k, value in pieces.items()
         }
         for g, s in zip(self.param_groups, saved_groups):
@@ -317,7 +331,7 @@ class LocalShard:
     def outgoing(self, plan: ReshardPlan, old: Ownership) -> PieceStates:
         """Per destination rank, the state of each stretch ``plan`` sends, this rank's state
         being held as ``old`` says (this rank's own entry: what it keeps)."""
-        params = self.params()
+        params = self.table.params
         parts: PieceStates = {}
         for t in plan.sends:
             held, state = old.piece(self.rank, t.param), self.state.get(params[t.param])
@@ -331,7 +345,7 @@ class LocalShard:
     ) -> None:
         """Replace the state of every piece ``plan`` says this rank held by the states of its
         pieces under ``new``, joined from the stretches that ``arrived`` (or were kept)."""
-        params, group_of = self.params(), self.group_of()
+        params, group_of = self.table.params, self.table.group_of
         for k in plan.held:
             self.state.pop(params[k], None)
         for k, moves in plan.receives.items():
@@ -339,6 +353,5 @@ class LocalShard:
             piece, p = new.piece(self.rank, k), params[k]
             if not parts or piece is None:
                 continue
-            whole = piece.start == 0 and piece.stop == p.numel()
-            joined = join_states(parts, tuple(p.shape) if whole else None)
-            self.state[p] = self._placed(p, self.param_groups[group_of[k]], joined, copy=False)
+            joined = join_states(parts, tuple(p.shape) if piece.is_whole else None)
+            self.state[p] = self._placed(p, self.param_groups[group_of(k)], joined, copy=False)

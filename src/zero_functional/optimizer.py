@@ -32,8 +32,9 @@ from zero_functional.join import StepJoinHook
 from zero_functional.local_shard import LocalShard
 from zero_functional.ownership import Ownership, PartitionName, Transfer
 from zero_functional.param_sync import ParamSync
+from zero_functional.param_table import ParamTable
 from zero_functional.partition import Piece
-from zero_functional.plans import choose_param_gather, ownership_for, plan_moves
+from zero_functional.plans import choose_param_gather, ownership_of, plan_moves
 from zero_functional.state_dict import (
     PARTIAL_KEY,
     Consolidation,
@@ -118,10 +119,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.overlap_param_gather = choose_param_gather(overlap_with_ddp, overlap_param_gather)
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
+        self._table = ParamTable.of(self.param_groups)
         # not the bound self._call, which would make a cycle through this optimizer (#20)
         call = functools.partial(comm.call, group=self.process_group, timeout=self.timeout)
         self._param_sync = ParamSync(
-            self._params(), self.process_group, call, self.overlap_param_gather
+            self._table, self.process_group, call, self.overlap_param_gather
         )
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
         spec = functional_spec(optimizer_class)
@@ -129,7 +131,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         warn_ignored_bucket_view(overlap_with_ddp, parameters_as_bucket_view)
         self._spec = spec
         self._stepper_for = functools.partial(choose_stepper, spec, compile, probe)
-        self._set_ownership(ownership_for(partition, self.param_groups, self.world_size))
+        self._set_ownership(ownership_of(partition, self._table, self.world_size))
         self._initialized = True
 
     @property
@@ -162,8 +164,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Which rank owns which pieces of which parameters (global indices, state-dict order)."""
         return self._shard.ownership
 
-    def _params(self) -> list[Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+    @property
+    def param_table(self) -> ParamTable:
+        """The parameters, in global index order, with their indices, groups and buffer keys
+        (rebuilt when a group is added)."""
+        return self._table
 
     def _set_ownership(self, ownership: Ownership) -> None:
         """Adopt ``ownership``: this rank's shard, its stepper, the bucket views (no state moves)."""
@@ -173,16 +178,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         groups, state = self.param_groups, self.state
         stepper = self._stepper_for(whole, groups, owned, state, self._user_defaults)
         name = self.optimizer_class.__name__
-        self._shard = LocalShard(ownership, self.rank, groups, state, stepper, name, main)
+        table = self._table
+        self._shard = LocalShard(ownership, self.rank, table, groups, state, stepper, name, main)
         self._build_buffers()
 
     def reshard(self, ownership: Ownership) -> None:
         """Move this optimizer's state to ``ownership`` (of the same parameters and world size,
         else ValueError); collective. Overlap mode calls it when DDP's buckets change."""
-        self._reshard(self.ownership, ownership)
-
-    def _reshard(self, old: Ownership, ownership: Ownership) -> None:
-        """:meth:`reshard` from ``old``, this rank's state being held as ``old`` says."""
+        old = self.ownership
         plan = plan_moves(old, ownership, self.rank)  # validates before anything changes
         parts = self._shard.outgoing(plan, old)
         arrived = parts.pop(self.rank, {})
@@ -214,9 +217,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         check = lambda: check_new_group(param_group, backend, self.partition)  # noqa: E731
         agree("add_param_group()", check, items, self.process_group, timeout=self.timeout)
         super().add_param_group(param_group)
-        self._param_sync.set_params(self._params())
-        new = ownership_for(self.partition, self.param_groups, self.world_size)
-        self._reshard(self.ownership.extended(new), new)
+        self._table = ParamTable.of(self.param_groups)
+        self._param_sync.set_params(self._table)
+        new = ownership_of(self.partition, self._table, self.world_size)
+        # from the old pieces, grown to the new parameters: only what changes owner moves
+        self._shard = self._shard.extended(self.ownership.extended(new), self._table)
+        self.reshard(new)
 
     def _call(self, name: str) -> AbstractContextManager[None]:
         """The context that names this optimizer's collectives when they fail (comm.call)."""
@@ -282,7 +288,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over all parameters, from the norms of the pieces
         each rank owns (torch's bit for bit on one rank); collective. Returns the total."""
-        grads = [p.grad for p in self._params() if p.grad is not None]
+        grads = [p.grad for p in self._table.params if p.grad is not None]
         pieces = list(self._shard.grads().values())
         local = local_norm(grads, pieces, norm_type, self._default_device)
         with self._call("clip_grad_norm_()"):

@@ -3,7 +3,10 @@
 What :func:`~zero_functional.hooks.hook_with_zero_step` and its interleaved twin keep between
 buckets and iterations (:class:`OverlapState`): a state machine per bucket
 (:class:`BucketStatus`), small records for the work in flight, and the bucket structure adopted
-so far, from which the ownership of each bucket's pieces is built.
+so far, from which the ownership of each bucket's pieces is built. Each bucket's reduction onto
+its owners is :class:`~zero_functional.grad_sync.GradSync`'s, as under
+:func:`~zero_functional.hooks.reduce_scatter_hook`; its parameter all-gather is
+:class:`~zero_functional.param_sync.ParamSync`'s.
 """
 
 from __future__ import annotations
@@ -22,19 +25,15 @@ from torch.futures import Future
 
 from zero_functional import comm
 from zero_functional.amp import ScalerFacade, overlap_verdict
-from zero_functional.ownership import Ownership, Run, bucket_ownership
-from zero_functional.plans import Collectives, buffer_runs, owned_spans
+from zero_functional.grad_sync import GradReduce, GradSync
+from zero_functional.ownership import bucket_ownership
+from zero_functional.param_table import ParamTable
+from zero_functional.plans import Collectives
 
 if TYPE_CHECKING:
     from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-__all__ = [
-    "BucketStatus",
-    "OverlapState",
-    "all_reduce_widened",
-    "bucket_indices",
-    "widened",
-]
+__all__ = ["BucketStatus", "OverlapState"]
 
 
 class BucketStatus(enum.Enum):
@@ -53,59 +52,13 @@ class BucketStatus(enum.Enum):
 
 
 @dataclass(slots=True)
-class _Reduce:
-    """A reduce onto the owners in flight, and the future handed to DDP (set once updated)."""
-
-    pending: comm.Pending
-    future: Future[Tensor]
-    flat: Tensor  # what is reduced: the bucket's buffer, or its copy in the reduce dtype
-    out: Tensor  # the bucket's buffer, DDP's result
-    replicas: tuple[comm.ProcessGroup, list[tuple[int, int]]] | None  # then across replicas
-
-    @classmethod
-    def start(
-        cls,
-        out: Tensor,
-        runs: tuple[Run, ...],
-        chunk: int | None,
-        zero: ZeroRedundancyOptimizer,
-        ranks: int,
-        dtype: torch.dtype | None = None,
-    ) -> _Reduce:
-        """Start averaging each run of the buffer ``out`` (over ``ranks``, DDP's world) onto
-        its owner in ``zero``'s shard group (in ``dtype``); with a replicate group, each owner's
-        runs are then summed across the replicas (:meth:`wait`)."""
-        flat = widened(out, dtype).div_(ranks)  # as DDP's: divide, then sum
-        pending = comm.start_reduce(flat, runs, zero.process_group, chunk=chunk)
-        fut: Future[Tensor] = Future(devices=[out.device] if out.device.type == "cuda" else None)
-        replicate = zero.replicate_group
-        mine = owned_spans(runs, zero.rank)
-        return cls(pending, fut, flat, out, (replicate, mine) if replicate is not None else None)
-
-    def wait(self) -> None:
-        """Wait for the reduce onto the owners, then sum the owned runs across the replicas
-        (issued here, on the hook's thread, in bucket order on every replica)."""
-        self.pending.wait()
-        if self.replicas is not None:
-            group, spans = self.replicas
-            self.replicas = None
-            comm.start_all_reduce_spans(self.flat, spans, group).wait()
-
-    def result(self) -> Tensor:
-        """The bucket's buffer holding the reduced values (rounded back from the reduce dtype)."""
-        if self.out is not self.flat:
-            self.out.copy_(self.flat)
-        return self.out
-
-
-@dataclass(slots=True)
 class _Bucket:
     """One bucket of the backward in progress: its parameters and its reduction."""
 
     indices: tuple[int, ...]
     status: BucketStatus = BucketStatus.ARRIVED
     future: Future[Any] | None = None  # what DDP waits on: ours, or the user's hook's
-    reduce: _Reduce | None = None  # set when reduced onto its owners
+    reduce: GradReduce | None = None  # set when reduced onto its owners (by GradSync)
     flat: Tensor | None = None  # its reduced gradients, once REDUCED
 
     def ready(self) -> bool:
@@ -113,7 +66,7 @@ class _Bucket:
         if self.flat is not None:
             return True
         if self.reduce is not None:
-            return self.reduce.pending.done()
+            return self.reduce.done()
         assert self.future is not None
         return self.future.done()
 
@@ -121,8 +74,7 @@ class _Bucket:
         """Its reduced gradients, waiting for the reduction if need be."""
         if self.flat is None:
             if self.reduce is not None:
-                self.reduce.wait()
-                self.flat = self.reduce.flat
+                self.flat = self.reduce.finish()
             else:
                 assert self.future is not None
                 value = self.future.wait()
@@ -175,30 +127,10 @@ def _known(
     )
 
 
-def _bucket_runs(
-    ownership: Ownership, structure: tuple[tuple[int, ...], ...], collectives: Collectives
-) -> dict[int, tuple[tuple[Run, ...], int | None]]:
-    """Per bucket of ``structure``, its buffer's runs under ``ownership`` and their chunk."""
-    even = collectives == "reduce_scatter+all_gather"
-    # an uneven bucket takes reduces and broadcasts under either strategy
-    return {b: buffer_runs(ownership, indices, even=even) for b, indices in enumerate(structure)}
-
-
-def bucket_indices(index: dict[Tensor, int], bucket: GradBucket) -> tuple[int, ...]:
-    """The global indices of ``bucket``'s parameters, or an error naming the fix."""
-    try:
-        return tuple(index[p] for p in bucket.parameters())
-    except KeyError as e:
-        raise RuntimeError(
-            "a DDP gradient bucket holds a parameter this ZeroRedundancyOptimizer does not "
-            "manage: build it from ddp.parameters() (or model.parameters())"
-        ) from e
-
-
-def _used_anywhere(params: Sequence[Tensor], group: comm.ProcessGroup) -> set[int]:
+def _used_anywhere(table: ParamTable, group: comm.ProcessGroup) -> set[int]:
     """The parameters some rank used in this backward: those with a gradient now (DDP fills
     the buckets of unused ones with zeros but leaves their ``.grad`` as it was)."""
-    local = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
+    local = torch.tensor([p.grad is not None for p in table.params], dtype=torch.bool)
     flags = comm.any_rank(local, group)
     return {k for k, used in enumerate(flags.tolist()) if used}
 
@@ -219,44 +151,41 @@ def _gather_group(
 
 
 class OverlapState:
-    """What overlap mode keeps between buckets and iterations (one per optimizer): the
-    ``collectives`` used (:func:`choose_collectives`), the bucket ``structure`` adopted (per
-    bucket, its parameters' global indices; ``None`` before the first backward), and counts of
-    ``restructures``, ``reduced_buckets`` (onto their owners, not by the user's hook) and
-    backwards ``skipped`` by a ``GradScaler`` (a non-finite gradient)."""
+    """What overlap mode keeps between buckets and iterations (one per optimizer): the gradient
+    reduction's owner (``grad_sync``: the strategy, the bucket plans), the bucket ``structure``
+    adopted (per bucket, its parameters' global indices; ``None`` before the first backward),
+    and counts of ``restructures``, ``reduced_buckets`` (onto their owners, not by the user's
+    hook) and backwards ``skipped`` by a ``GradScaler`` (a non-finite gradient)."""
 
     def __init__(
         self,
         zero: ZeroRedundancyOptimizer,
         shard_buckets: bool,
         interleaved: bool,
-        collectives: Collectives,
+        grad_sync: GradSync,
         grad_scaler: GradScaler | None = None,
         find_unused: bool = False,
-        reduce_dtype: torch.dtype | None = None,
-        world_group: comm.ProcessGroup | None = None,
     ) -> None:
         # weakly: _STATES is keyed by `zero`; holding it would keep the groups alive (issue 20)
         self._zero = weakref.ref(zero)
         # DDP's find_unused_parameters: which parameters some rank used, at the last bucket
         self.find_unused, self.used = find_unused, cast("set[int] | None", None)
-        self.reduce_dtype = reduce_dtype
-        # DDP's group, over which gradients are averaged (a mesh's shard x replicate groups)
-        self.world_group = world_group if world_group is not None else zero.process_group
+        self.grad_sync = grad_sync
         self.shard_buckets = shard_buckets
         self.interleaved = interleaved
-        self.collectives: Collectives = collectives
         self.scaler = grad_scaler
         self.gather_group, self.nonblocking = _gather_group(zero, interleaved)
         self.skipped = 0  # backwards whose update the scaler skipped (non-finite gradients)
         self._facade = ScalerFacade()
-        self.params = [p for g in zero.param_groups for p in g["params"]]
-        self.index = {p: i for i, p in enumerate(self.params)}
         self.structure: tuple[tuple[int, ...], ...] | None = None
         self.restructures = 0
         self.reduced_buckets = 0
-        self._runs: dict[int, tuple[tuple[Run, ...], int | None]] = {}
         self._backward = _Backward()
+
+    @property
+    def collectives(self) -> Collectives:
+        """The strategy the buckets are reduced and gathered with (the grad sync's)."""
+        return self.grad_sync.collectives
 
     @property
     def zero(self) -> ZeroRedundancyOptimizer:
@@ -278,7 +207,7 @@ class OverlapState:
         if i == 0 or not bw.buckets:  # a new backward
             self.zero.check_trainable()  # unfreezing is an error before anything moves
             bw = self._backward = _Backward()
-        indices = bucket_indices(self.index, bucket)
+        indices = self.grad_sync.indices(bucket.parameters())
         bw.buckets.append(_Bucket(indices))
         if not bw.deferred and not _known(self.structure, i, indices, bucket.is_last()):
             bw.deferred = True
@@ -289,10 +218,11 @@ class OverlapState:
             # or, when a scaler must first see every gradient, give every rank their reduced
             # values (the owners broadcast their runs) so the new owners can step them.
             if self._scaling():
-                for j, b in enumerate(bw.buckets[:i]):
+                for b in bw.buckets[:i]:
                     flat = b.wait()
                     if self.collectives != "allreduce+broadcast":
-                        comm.start_broadcast(flat, self._runs[j][0], self.zero.process_group).wait()
+                        runs = self.grad_sync.plan(b.indices).runs
+                        comm.start_broadcast(flat, runs, self.zero.process_group).wait()
             else:
                 self._update_until(i)
         return not bw.deferred and self.collectives != "allreduce+broadcast"
@@ -300,11 +230,11 @@ class OverlapState:
     def reduce(self, bucket: GradBucket) -> Future[Tensor]:
         """Average ``bucket`` onto the owners of its pieces; the future DDP waits on."""
         b = self._backward.buckets[bucket.index()]
-        runs, chunk = self._runs[bucket.index()]
-        ranks = comm.group_size(self.world_group)
-        b.reduce = _Reduce.start(bucket.buffer(), runs, chunk, self.zero, ranks, self.reduce_dtype)
+        b.reduce = self.grad_sync.start(bucket.buffer(), b.indices)
         self.reduced_buckets += 1
-        return b.reduce.future
+        out = bucket.buffer()
+        # set once the bucket is updated (_update), with the reduced values
+        return Future(devices=[out.device] if out.device.type == "cuda" else None)
 
     def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
         """Record the bucket's future; update finished buckets (the last bucket: all of them)."""
@@ -318,7 +248,7 @@ class OverlapState:
             if bw.deferred:
                 self.adopt(tuple(b.indices for b in bw.buckets))
             if self.find_unused:
-                self.used = _used_anywhere(self.params, self.world_group)
+                self.used = _used_anywhere(self.zero.param_table, self.grad_sync.world_group)
             if self._scaling():
                 self._scaled_step()
             self._update_until(len(bw.buckets))
@@ -340,8 +270,7 @@ class OverlapState:
             partition=zero.partition,
             shard_buckets=self.shard_buckets,
         )
-        zero.reshard(ownership)
-        self._runs = _bucket_runs(ownership, structure, self.collectives)
+        zero.reshard(ownership)  # the grad sync's plans follow the new ownership
         self.structure = structure
 
     def _update_until(self, n: int, *, only_ready: bool = False, update: bool = True) -> None:
@@ -361,13 +290,12 @@ class OverlapState:
             if zero.world_size > 1:
                 # in place: these parameters' grads are final, so backward no longer reads
                 # them; the owners' values are on every rank once the backward has finished
-                runs, chunk = self._runs[j]
-                bw.gathers += zero.param_sync.start_gather(
-                    b.indices, self.gather_group, runs, chunk
-                )
+                plan = self.grad_sync.plan(b.indices)
+                bw.gathers += zero.param_sync.start_gather(b.indices, self.gather_group, plan)
         if b.reduce is not None:
             # on each rank only the pieces it owns hold the averaged gradient
-            b.reduce.future.set_result(b.reduce.result())
+            assert b.future is not None
+            b.future.set_result(b.reduce.result())
 
     def _scaled_step(self) -> None:
         """With a GradScaler: unscale every owned gradient, one verdict on every rank
@@ -378,34 +306,3 @@ class OverlapState:
         if overlap_verdict(self.scaler, self._facade, owned, zero.join_device, zero.process_group):
             self.skipped += 1
             self._update_until(len(buckets), update=False)
-
-
-def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """``t`` itself, or a copy in ``dtype`` where that is another dtype (a reduce dtype).
-
-    Example:
-        >>> t = torch.ones(2, dtype=torch.bfloat16)
-        >>> widened(t, None) is t, widened(t, torch.float32).dtype
-        (True, torch.float32)
-    """
-    return t if dtype is None or dtype == t.dtype else t.to(dtype)
-
-
-def all_reduce_widened(
-    flat: Tensor, dtype: torch.dtype | None, group: comm.ProcessGroup
-) -> Future[Tensor]:
-    """DDP's average of a bucket's buffer ``flat`` over ``group``, summed in ``dtype`` and
-    rounded back once: what replaces DDP's hook, with a reduce dtype, while the bucket
-    structure is not known yet.
-
-    Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        >>> all_reduce_widened(torch.ones(2, dtype=torch.bfloat16), torch.float32,
-        ...                    dist.group.WORLD).wait()
-        tensor([1., 1.], dtype=torch.bfloat16)
-        >>> dist.destroy_process_group()
-    """
-    wide = widened(flat, dtype).div_(comm.group_size(group))
-    return comm.start_all_reduce(wide, group).copy_after(flat, wide).future(flat)

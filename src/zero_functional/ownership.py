@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -120,6 +120,7 @@ class Ownership:
             )
         n = len(self.numels)
         holders: list[list[tuple[int, Piece]]] = [[] for _ in range(n)]
+        sized: list[tuple[Piece, ...]] = []  # every piece knowing its parameter's size
         for rank, rank_pieces in enumerate(self.pieces):
             last = -1
             for piece in rank_pieces:
@@ -127,13 +128,21 @@ class Ownership:
                     raise ValueError(
                         f"rank {rank} owns {piece}, outside the {n} parameters of sizes {self.numels}"
                     )
+                if piece.param_numel not in (None, self.numels[piece.param]):
+                    raise ValueError(
+                        f"rank {rank} owns {piece} of a parameter of {piece.param_numel} "
+                        f"elements, but parameter {piece.param} has {self.numels[piece.param]}"
+                    )
                 if piece.param <= last:
                     raise ValueError(
                         f"rank {rank} lists parameter {piece.param} after {last}: a rank owns at "
                         "most one piece of each parameter, in ascending parameter order"
                     )
                 last = piece.param
+            sized.append(tuple(replace(s, param_numel=self.numels[s.param]) for s in rank_pieces))
+            for piece in sized[-1]:
                 holders[piece.param].append((rank, piece))
+        object.__setattr__(self, "pieces", tuple(sized))
         for k, held in enumerate(holders):
             held.sort(key=lambda rs: rs[1].start)
             edge = 0
@@ -573,7 +582,7 @@ def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
     n = tensor.numel()
     if piece.stop > n:
         raise ValueError(f"{piece} is outside a tensor of {n} elements")
-    if piece.start == 0 and piece.stop == n:
+    if replace(piece, param_numel=n).is_whole:
         return tensor
     check_splittable([tensor])
     with torch.no_grad():

@@ -36,9 +36,18 @@ from torch.utils.hooks import RemovableHandle
 from zero_functional import comm
 from zero_functional.buckets import bucket_layout, views
 from zero_functional.comm import Pending
-from zero_functional.ownership import Ownership, Run, piece_view
+from zero_functional.grad_sync import collectives_for
+from zero_functional.ownership import Ownership, piece_view
+from zero_functional.param_table import ParamTable
 from zero_functional.partition import Piece
-from zero_functional.plans import bucket_view_groups, buffer_runs, choose_collectives, send_list
+from zero_functional.plans import (
+    BufferPlan,
+    SyncPlan,
+    bucket_view_groups,
+    buffer_plan,
+    send_list,
+    sync_plan,
+)
 
 __all__ = ["ParamSync", "waited_by"]
 
@@ -46,13 +55,16 @@ Unit = tuple[Pending, Sequence[Tensor]]
 Update = Callable[[Mapping[int, Tensor]], None]
 
 
+Send = tuple[int, int, Piece]  # (global index, owner, piece)
+
+
 @dataclass
 class _Buffer:
-    """A bucket view: ``params`` alias ``tensor``; ``runs`` say who broadcasts which part."""
+    """A bucket view: ``params`` alias ``tensor``; its ``plan`` says who broadcasts which part
+    (and the even shard, when ``all_gather_single`` can take it)."""
 
     tensor: Tensor
-    runs: tuple[Run, ...]
-    chunk: int | None  # the even shard size when reduce_scatter/all_gather can take it
+    plan: BufferPlan
     params: list[Tensor]
 
 
@@ -83,7 +95,7 @@ class ParamSync:
     """One optimizer's parameter storage, all-gathers, and the hooks that wait for them.
 
     Args:
-        params: The optimizer's parameters, in global index order.
+        table: The optimizer's parameters (:class:`~zero_functional.param_table.ParamTable`).
         group: The process group the all-gathers run on.
         call: Names the collectives being waited for when they fail (``comm.call``).
         deferred: Whether all-gathers may be left in flight (``overlap_param_gather``); only
@@ -92,7 +104,7 @@ class ParamSync:
 
     def __init__(
         self,
-        params: Sequence[Tensor],
+        table: ParamTable,
         group: comm.ProcessGroup,
         call: Callable[[str], AbstractContextManager[None]],
         deferred: bool,
@@ -101,23 +113,23 @@ class ParamSync:
         self.group = group
         self.world_size = comm.group_size(group)
         self._call = call
-        self._params: list[Tensor] = list(params)
+        self._table = ParamTable((), ())  # set_params() below: every parameter is new
         self._buffers: list[_Buffer] = []
-        self._sends: list[tuple[int, int, Piece]] = []
+        self._sends: list[Send] = []
+        self._plan = SyncPlan((), coalesced=False)
         self._ownership: Ownership | None = None
         self._in_flight: list[Pending] = []
         self._pending_for: dict[Tensor, list[Pending]] = {}
         self._handles: list[RemovableHandle] = []
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._names: dict[Tensor, str] = {}
-        self._index: dict[Tensor, int] = {}
-        self.set_params(params)
+        self.set_params(table)
 
-    def set_params(self, params: Sequence[Tensor]) -> None:
-        """Track ``params`` (after ``add_param_group``): gradient hooks on the new ones."""
-        new = [p for p in params if p not in self._index]
-        self._params = list(params)
-        self._index = {p: i for i, p in enumerate(params)}
+    def set_params(self, table: ParamTable) -> None:
+        """Track the parameters of ``table`` (after ``add_param_group``): gradient hooks on the
+        new ones."""
+        new = [p for p in table.params if p not in self._table]
+        self._table = table
         if not self.deferred:
             return
         ref = weakref.ref(self)
@@ -146,10 +158,11 @@ class ParamSync:
         with ``bucket_view``, the bucket views (parameters become views of one buffer per
         :func:`~zero_functional.plans.bucket_view_groups` group)."""
         self.finish()  # the old views may still be being written
-        params = self._params
+        params = self._table.params
         self._ownership = ownership
         trainable = [p.requires_grad for p in params]
         self._sends = send_list(ownership, trainable)
+        self._plan = self._sync_plan(self._sends, self.group)
         self._buffers = []
         if not bucket_view:
             return
@@ -157,15 +170,12 @@ class ParamSync:
             for p in params:
                 if not p.requires_grad and p.data._base is not None:
                     p.data = p.data.detach().clone()  # leave a bucket without losing the value
-        even = choose_collectives(comm.backend(self.group), self.world_size, even=True) == (
-            "reduce_scatter+all_gather"
-        )
-        keys = [(str(p.device), str(p.dtype)) for p in params]
-        for members in bucket_view_groups(ownership, keys, trainable):
+        collectives = collectives_for(self.group, even=True)
+        for members in bucket_view_groups(ownership, self._table.keys, trainable):
             ps = [params[k] for k in members]
-            runs, chunk = buffer_runs(ownership, members, even=even)
+            plan = buffer_plan(ownership, members, collectives)
             total = sum(p.numel() for p in ps)
-            size = chunk * self.world_size if chunk is not None else total
+            size = plan.chunk * self.world_size if plan.chunk is not None else total
             layout = bucket_layout([p.numel() for p in ps])
             # one parameter at a time: each old tensor is freed as soon as its slot is filled,
             # so building the views costs one buffer (its pages touched as they are filled),
@@ -175,7 +185,7 @@ class ParamSync:
             for p, view in zip(ps, views(buffer, layout, [p.shape for p in ps])):
                 view.copy_(p.detach())
                 p.data = view
-            self._buffers.append(_Buffer(buffer, runs, chunk, ps))
+            self._buffers.append(_Buffer(buffer, plan, ps))
 
     @property
     def bucket_views(self) -> list[Tensor]:
@@ -185,8 +195,8 @@ class ParamSync:
     def sync(self, grads: Mapping[int, Tensor] | None, update: Update) -> None:
         """``update`` this rank's pieces with ``grads`` (if given) and give every rank every
         owner's updated pieces: waited for now, or deferred. Without bucket views the update
-        is pipelined: each owned unit is updated just before its broadcast is issued, while
-        earlier units are on the wire."""
+        is pipelined: each owned unit of the plan is updated just before its broadcast is
+        issued, while earlier units are on the wire."""
         if self.world_size == 1 or self._buffers:
             if grads is not None:
                 update(grads)
@@ -194,65 +204,76 @@ class ParamSync:
                 return
         if self._buffers:
             units: list[Unit] = [
-                (comm.start_broadcast(b.tensor, b.runs, self.group, chunk=b.chunk), b.params)
+                (
+                    comm.start_broadcast(b.tensor, b.plan.runs, self.group, chunk=b.plan.chunk),
+                    b.params,
+                )
                 for b in self._buffers
             ]
         else:
-            todo = dict(grads) if grads is not None else None
-
-            def before(ks: list[int]) -> None:
-                assert todo is not None
-                mine = {k: todo.pop(k) for k in ks if k in todo}
-                if mine:
-                    update(mine)
-
-            units = self._start_units(self._sends, self.group, before if todo else None)
+            todo = dict(grads) if grads is not None else {}
+            units = self._gather(self._sends, self._plan, self.group, todo, update)
             if todo:  # owned pieces of frozen parameters (not synced)
                 update(todo)
         self.defer(units)
 
     def start_gather(
-        self,
-        indices: Sequence[int],
-        group: comm.ProcessGroup,
-        runs: tuple[Run, ...],
-        chunk: int | None,
+        self, indices: Sequence[int], group: comm.ProcessGroup, plan: BufferPlan
     ) -> list[Unit]:
         """Start the all-gather of the parameters ``indices`` (one DDP bucket's, end to end,
-        whose ``runs`` and even ``chunk`` :func:`~zero_functional.plans.buffer_runs` gives):
-        the units in flight and the parameters each writes."""
-        params = self._params
-        if chunk is None:
+        whose ``plan`` :func:`~zero_functional.plans.buffer_plan` gives): the units in flight
+        and the parameters each writes."""
+        params = self._table.params
+        if plan.chunk is None:
             assert self._ownership is not None
             sends = [
                 (k, rank, piece) for k in indices for rank, piece in self._ownership.holders(k)
             ]
-            return self._start_units(sends, group, None)
+            return self._gather(sends, self._sync_plan(sends, group), group, {}, None)
         # even shards: pack the bucket's parameters, all-gather, unpack (NCCL's fast path)
         ps = [params[k] for k in indices]
         with torch.no_grad():
             staging = torch.cat([p.detach().reshape(-1) for p in ps])
-        pending = comm.start_broadcast(staging, runs, group, chunk=chunk)
+        pending = comm.start_broadcast(staging, plan.runs, group, chunk=plan.chunk)
         pending.finish.append(lambda: comm.unflatten_into(staging, ps))
         return [(pending, ps)]
 
-    def _start_units(
-        self,
-        sends: Sequence[tuple[int, int, Piece]],
-        group: comm.ProcessGroup,
-        before: Callable[[list[int]], None] | None,
-    ) -> list[Unit]:
-        """Broadcast each piece from its owner, small ones packed (:func:`comm.start_sync_units`);
-        ``before`` gets the global indices of each unit this rank owns just before it goes."""
-        params = self._params
-        index = [k for k, _, _ in sends]
-        started = comm.start_sync_units(
-            [piece_view(params[k], piece) for k, _, piece in sends],
+    def _sync_plan(self, sends: Sequence[Send], group: comm.ProcessGroup) -> SyncPlan:
+        """The broadcasts of ``sends`` (:func:`~zero_functional.plans.sync_plan`): a piece
+        of part of a parameter is a contiguous view; a whole one is the parameter."""
+        params = self._table.params
+        return sync_plan(
             [rank for _, rank, _ in sends],
-            group,
-            before=(lambda covered: before([index[i] for i in covered])) if before else None,
+            [piece.numel for _, _, piece in sends],
+            [self._table.keys[k] for k, _, _ in sends],
+            [not piece.is_whole or params[k].is_contiguous() for k, _, piece in sends],
+            nccl=comm.is_nccl(group),
         )
-        return [(pending, [params[index[i]] for i in covered]) for pending, covered in started]
+
+    def _gather(
+        self,
+        sends: Sequence[Send],
+        plan: SyncPlan,
+        group: comm.ProcessGroup,
+        todo: dict[int, Tensor],
+        update: Update | None,
+    ) -> list[Unit]:
+        """Broadcast each piece of ``sends`` from its owner, unit by unit of ``plan``; before a
+        unit this rank owns goes out, ``update`` its pieces' gradients (taken from ``todo``)."""
+        params, me = self._table.params, comm.group_rank(group)
+        pieces = [piece_view(params[k], piece) for k, _, piece in sends]
+        out: list[Unit] = []
+        for batch in plan.batches():
+            for unit in batch:
+                if unit.owner == me and todo and update is not None:
+                    ks = [sends[i][0] for i in unit.members]
+                    mine = {k: todo.pop(k) for k in ks if k in todo}
+                    if mine:
+                        update(mine)
+            calls = [([pieces[i] for i in u.members], u.owner, u.packed) for u in batch]
+            covered = [params[sends[i][0]] for u in batch for i in u.members]
+            out.append((comm.start_gather_units(calls, group), covered))
+        return out
 
     @property
     def in_flight(self) -> bool:
@@ -291,7 +312,7 @@ class ParamSync:
     def name(self, p: Tensor) -> str:
         """How errors name ``p``: its name in the model where a forward showed it, and its
         index and shape."""
-        k = self._index.get(p)
+        k = self._table.index(p) if p in self._table else None
         where = f"parameter {k} of the optimizer" if k is not None else "a parameter"
         qualified = self._names.get(p)
         shape = tuple(p.shape)
@@ -314,9 +335,9 @@ class ParamSync:
         """First sight of ``module``: names for its parameters (the outermost module is called
         first, so names are the model's), and a state-dict pre-hook where it holds ours."""
         self._seen.add(module)
-        mine = [p for p in waited_by(module) if p in self._index]
-        if not self._names and any(p in self._index for p in module.parameters()):
-            self._names = {p: n for n, p in module.named_parameters() if p in self._index}
+        mine = [p for p in waited_by(module) if p in self._table]
+        if not self._names and any(p in self._table for p in module.parameters()):
+            self._names = {p: n for n, p in module.named_parameters() if p in self._table}
         if mine:
             ref = weakref.ref(self)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zero_functional._validate import (
     ceil_div,
@@ -186,11 +186,18 @@ class Piece:
     """Elements ``[start, stop)`` of the flattened (row-major) parameter ``param``.
 
     Empty only for a zero-size parameter, which is owned as the empty piece ``[0, 0)``.
+    ``param_numel`` is the whole parameter's size (what :attr:`is_whole` compares with): every
+    piece an :class:`~zero_functional.ownership.Ownership` holds knows it.
+
+    Example:
+        >>> Piece(0, 0, 6, param_numel=6).is_whole, Piece(0, 2, 6, param_numel=6).is_whole
+        (True, False)
     """
 
     param: int
     start: int
     stop: int
+    param_numel: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.param < 0 or not 0 <= self.start <= self.stop:
@@ -198,11 +205,33 @@ class Piece:
                 f"Piece(param={self.param}, start={self.start}, stop={self.stop}) needs "
                 "param >= 0 and 0 <= start <= stop"
             )
+        if self.param_numel is not None and self.stop > self.param_numel:
+            raise ValueError(
+                f"Piece(param={self.param}, start={self.start}, stop={self.stop}) ends past "
+                f"its parameter's {self.param_numel} elements"
+            )
+
+    def __setstate__(self, state: Sequence[object]) -> None:
+        # compat: a Piece pickled before it knew its parameter's size has three fields
+        names = ("param", "start", "stop", "param_numel")
+        for name, value in zip(names, [*state, None][: len(names)]):
+            object.__setattr__(self, name, value)
 
     @property
     def numel(self) -> int:
         """Number of elements in the piece."""
         return self.stop - self.start
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether the piece is all of its parameter (a ValueError where its size is unknown:
+        a piece built by hand without ``param_numel``)."""
+        if self.param_numel is None:
+            raise ValueError(
+                f"{self} was built without its parameter's size: pass param_numel=, or take "
+                "the piece from an Ownership"
+            )
+        return self.start == 0 and self.stop == self.param_numel
 
 
 Segment = Piece
@@ -316,7 +345,7 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
         while q < len(numels) and starts[q] < hi:
             a, b = max(lo, starts[q]), min(hi, starts[q + 1])
             if b > a:
-                rank_pieces.append(Piece(q, a - starts[q], b - starts[q]))
+                rank_pieces.append(Piece(q, a - starts[q], b - starts[q], numels[q]))
             q += 1
         pieces.append(tuple(rank_pieces))
     return FlatPartition(tuple(numels), world_size, align, bounds, tuple(pieces))

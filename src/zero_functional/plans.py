@@ -2,10 +2,13 @@
 
 Everything the stateful classes (the optimizer, :mod:`~zero_functional.param_sync`, the hooks)
 compute from the ownership, the parameters' metadata and the rank lives here, so that they only
-apply plans: the collective strategy (:func:`choose_collectives`), each buffer's runs and even
-shard (:func:`buffer_runs`), the parameter all-gather's send list (:func:`send_list`), the
-groups that bucket views make (:func:`bucket_view_groups`), and the moves of a reshard
-(:func:`plan_moves`).
+apply plans: the collective strategy (:func:`choose_collectives`, and the one place its name
+becomes the even-shards flag: :func:`takes_even_shards`), each buffer's plan as one value
+(:class:`BufferPlan`: strategy, runs and even shard, from :func:`buffer_plan`), the parameter
+all-gather's send list (:func:`send_list`) and its broadcasts (:class:`SyncPlan`: which units,
+in what order, how packed, from :func:`sync_plan`), the groups that bucket views make
+(:func:`bucket_view_groups`), and the moves of a reshard (:func:`plan_moves`).
+:mod:`~zero_functional.comm` executes these values and calls nothing back.
 
 ZeRO-1 needs two movements per iteration: each rank must receive the reduced gradients of
 what it owns (a reduce-scatter), and every rank must receive every owner's updated parameters
@@ -43,23 +46,32 @@ from zero_functional.ownership import (
     flat_ownership,
     sorted_greedy_ownership,
 )
+from zero_functional.param_table import BufferKey, ParamTable
 from zero_functional.partition import Piece
 
 __all__ = [
+    "COALESCE_BELOW",
     "COLLECTIVES",
-    "owned_spans",
+    "BufferPlan",
     "Collectives",
     "FLAT_ALIGN_BYTES",
     "ReshardPlan",
+    "SyncPlan",
+    "SyncUnit",
     "bucket_view_groups",
+    "buffer_plan",
     "buffer_runs",
     "bytes_sent",
     "choose_collectives",
     "choose_param_gather",
     "even_chunk",
+    "owned_spans",
     "ownership_for",
+    "ownership_of",
     "plan_moves",
     "send_list",
+    "sync_plan",
+    "takes_even_shards",
 ]
 
 Collectives = Literal["allreduce+broadcast", "reduce+broadcast", "reduce_scatter+all_gather"]
@@ -111,6 +123,18 @@ def choose_collectives(
     if even and "nccl" in backend.lower():
         return "reduce_scatter+all_gather"
     return "reduce+broadcast"
+
+
+def takes_even_shards(collectives: Collectives) -> bool:
+    """Whether the strategy ``collectives`` sends even shards through ``reduce_scatter_single``
+    and ``all_gather_single`` (where a buffer's runs are the even split): the one place the
+    strategy's name becomes that flag.
+
+    Example:
+        >>> takes_even_shards("reduce_scatter+all_gather"), takes_even_shards("reduce+broadcast")
+        (True, False)
+    """
+    return collectives == "reduce_scatter+all_gather"
 
 
 def choose_param_gather(overlap_with_ddp: bool, requested: bool | None = None) -> bool:
@@ -194,6 +218,61 @@ def buffer_runs(
     return runs, even_chunk(runs, total, ownership.world_size)
 
 
+@dataclass(frozen=True, slots=True)
+class BufferPlan:
+    """How one buffer of parameters laid end to end travels: the collective strategy as a value.
+
+    Computed once per buffer and ownership (:func:`buffer_plan`); the gradient reduction
+    (:mod:`~zero_functional.grad_sync`) and the parameter all-gather
+    (:mod:`~zero_functional.param_sync`) execute it through :mod:`~zero_functional.comm`.
+
+    Attributes:
+        collectives: The strategy (:func:`choose_collectives`).
+        runs: Who owns which stretch of the buffer, in buffer order, covering it.
+        chunk: The even shard size, set iff the strategy takes even shards and the runs are
+            the even split: then one ``reduce_scatter_single`` / ``all_gather_single``; else
+            one reduce / broadcast per run.
+    """
+
+    collectives: Collectives
+    runs: tuple[Run, ...]
+    chunk: int | None
+
+    def __post_init__(self) -> None:
+        if self.chunk is not None and not takes_even_shards(self.collectives):
+            raise ValueError(
+                f"a chunk ({self.chunk}) is for even shards; {self.collectives!r} takes none: "
+                "build the plan with buffer_plan()"
+            )
+
+    def spans_of(self, rank: int) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` of the runs ``rank`` owns (:func:`owned_spans`).
+
+        Example:
+            >>> from zero_functional.ownership import flat_ownership
+            >>> buffer_plan(flat_ownership([4, 3], 2), [0, 1], "reduce+broadcast").spans_of(1)
+            [(4, 7)]
+        """
+        return owned_spans(self.runs, rank)
+
+
+def buffer_plan(ownership: Ownership, order: Sequence[int], collectives: Collectives) -> BufferPlan:
+    """The plan of a buffer holding the parameters ``order`` end to end, under ``collectives``
+    (its runs and even shard: :func:`buffer_runs`); an uneven buffer takes reduces and
+    broadcasts under either strategy.
+
+    Example:
+        >>> from zero_functional.ownership import flat_ownership
+        >>> o = flat_ownership([4, 3], 2)
+        >>> buffer_plan(o, [0, 1], "reduce_scatter+all_gather").chunk
+        4
+        >>> buffer_plan(o, [1, 0], "reduce_scatter+all_gather").chunk is None  # not even
+        True
+    """
+    runs, chunk = buffer_runs(ownership, order, even=takes_even_shards(collectives))
+    return BufferPlan(collectives, runs, chunk)
+
+
 def bytes_sent(op: str, nbytes: int, world_size: int) -> float:
     """Bytes one rank sends for one collective over ``nbytes``, under ring algorithms.
 
@@ -241,10 +320,10 @@ def send_list(ownership: Ownership, trainable: Sequence[bool]) -> list[tuple[int
 
 
 def bucket_view_groups(
-    ownership: Ownership, keys: Sequence[Hashable], trainable: Sequence[bool]
+    ownership: Ownership, keys: Sequence[BufferKey], trainable: Sequence[bool]
 ) -> list[list[int]]:
     """The parameters each bucket view holds (global indices, in order), given each
-    parameter's (device, dtype) ``keys``.
+    parameter's :class:`~zero_functional.param_table.BufferKey`.
 
     Whole-tensor ownerships take torch's buckets: per owner and key, trainable parameters only.
     Split ownerships (``"flat"``) take every parameter of a key, in index order, since a
@@ -253,18 +332,19 @@ def bucket_view_groups(
 
     Example:
         >>> from zero_functional.ownership import flat_ownership, sorted_greedy_ownership
-        >>> bucket_view_groups(sorted_greedy_ownership([[4, 3, 2]], 2), ["f32"] * 3, [True] * 3)
+        >>> f32 = BufferKey("cpu", "torch.float32")
+        >>> bucket_view_groups(sorted_greedy_ownership([[4, 3, 2]], 2), [f32] * 3, [True] * 3)
         [[0], [1, 2]]
-        >>> bucket_view_groups(flat_ownership([5, 3], 2), ["f32", "f32"], [True, False])
+        >>> bucket_view_groups(flat_ownership([5, 3], 2), [f32, f32], [True, False])
         [[0, 1]]
     """
-    by_key: dict[tuple[str, ...], list[int]] = {}
+    by_key: dict[tuple[int, BufferKey], list[int]] = {}
     for k, key in enumerate(keys):
         if ownership.is_whole:
             if trainable[k]:
-                by_key.setdefault((str(ownership.owner(k)), str(key)), []).append(k)
+                by_key.setdefault((ownership.owner(k), key), []).append(k)
         else:
-            by_key.setdefault((str(key),), []).append(k)
+            by_key.setdefault((0, key), []).append(k)
     return [members for _, members in sorted(by_key.items())]
 
 
@@ -320,28 +400,36 @@ every shard starts where vectorised kernels and NCCL like it."""
 def ownership_for(
     partition: PartitionName, param_groups: Sequence[Mapping[str, Any]], world_size: int
 ) -> Ownership:
-    """The ownership ``partition`` gives parameter groups (only their tensors' metadata is read).
-
-    ``"sorted_greedy"`` is torch's whole-tensor assignment; ``"flat"`` splits each (device,
-    dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`.
+    """The ownership ``partition`` gives parameter groups (only their tensors' metadata is
+    read): :func:`ownership_of` their :class:`~zero_functional.param_table.ParamTable`.
 
     Example:
         >>> import torch
         >>> groups = [{"params": [torch.zeros(6), torch.zeros(2)]}]
         >>> ownership_for("sorted_greedy", groups, 2).is_whole
         True
-        >>> [(s.param, s.start, s.stop) for s in ownership_for("flat", groups, 2).owned(0)]
+    """
+    return ownership_of(partition, ParamTable.of(param_groups), world_size)
+
+
+def ownership_of(partition: PartitionName, table: ParamTable, world_size: int) -> Ownership:
+    """The ownership ``partition`` gives the parameters of ``table``.
+
+    ``"sorted_greedy"`` is torch's whole-tensor assignment; ``"flat"`` splits each (device,
+    dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`.
+
+    Example:
+        >>> import torch
+        >>> table = ParamTable.of([{"params": [torch.zeros(6), torch.zeros(2)]}])
+        >>> [(s.param, s.start, s.stop) for s in ownership_of("flat", table, 2).owned(0)]
         [(0, 0, 4)]
     """
     if partition == "sorted_greedy":
-        numels = [[p.numel() for p in g["params"]] for g in param_groups]
-        return sorted_greedy_ownership(numels, world_size)
-    params = [p for g in param_groups for p in g["params"]]
-    keys = [(str(p.device), p.dtype) for p in params]
+        return sorted_greedy_ownership(table.group_numels(), world_size)
     align: dict[Hashable, int] = {
-        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(keys, params)
+        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
     }
-    return flat_ownership([p.numel() for p in params], world_size, keys=keys, align=align)
+    return flat_ownership(list(table.numels), world_size, keys=table.keys, align=align)
 
 
 def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[int, int]]:
@@ -353,3 +441,88 @@ def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[i
         [(0, 4), (6, 9)]
     """
     return [(a, b) for a, b, owner in runs if owner == rank]
+
+
+COALESCE_BELOW = 1 << 16
+"""Tensors with fewer elements than this travel in one staging buffer per owner and dtype;
+larger contiguous ones are broadcast in place (no copies; gloo runs them concurrently)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncUnit:
+    """One broadcast of a parameter all-gather: the tensors ``members`` (positions in the
+    list of tensors sent) from rank ``owner``, in place (one tensor) or ``packed`` in one
+    staging buffer."""
+
+    owner: int
+    members: tuple[int, ...]
+    packed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPlan:
+    """A parameter all-gather as broadcasts: the units in issue order, and whether they go out
+    as one coalesced launch (NCCL) rather than each on its own.
+
+    Example:
+        >>> plan = sync_plan([0, 1], [4, 4], ["f32", "f32"], [True, True], nccl=False,
+        ...                  coalesce_below=4)
+        >>> [u.members for u in plan.units], len(plan.batches())
+        ([(0,), (1,)], 2)
+    """
+
+    units: tuple[SyncUnit, ...]
+    coalesced: bool
+
+    def batches(self) -> tuple[tuple[SyncUnit, ...], ...]:
+        """The units as issued: all in one batch when coalesced, else each in its own."""
+        return (self.units,) if self.coalesced else tuple((u,) for u in self.units)
+
+
+def sync_plan(
+    owners: Sequence[int],
+    numels: Sequence[int],
+    keys: Sequence[Hashable],
+    contiguous: Sequence[bool],
+    *,
+    nccl: bool,
+    coalesce_below: int = COALESCE_BELOW,
+) -> SyncPlan:
+    """The broadcasts that give every rank every owner's tensors, from the tensors' metadata.
+
+    Large contiguous tensors travel in place, in list order; smaller ones in one staging buffer
+    per (owner, key), after the large ones, sorted by (owner, key); empty ones not at all. On
+    NCCL more than one unit goes out as one coalesced launch. Every input is the same on every
+    rank, so every rank issues the same broadcasts in the same order.
+
+    Args:
+        owners: Each tensor's group rank.
+        numels: Each tensor's number of elements.
+        keys: Each tensor's buffer key (:class:`~zero_functional.param_table.BufferKey`).
+        contiguous: Whether each tensor is contiguous (else it is packed).
+        nccl: Whether the group's backend is NCCL (which takes grouped broadcasts as one
+            launch).
+        coalesce_below: Size under which tensors are packed rather than sent alone.
+
+    Raises:
+        ValueError: The sequences differ in length.
+
+    Example:
+        >>> plan = sync_plan([0, 1, 1], [9, 2, 3], ["f32"] * 3, [True] * 3, nccl=True,
+        ...                  coalesce_below=4)
+        >>> plan.coalesced, [(u.owner, u.members, u.packed) for u in plan.units]
+        (True, [(0, (0,), False), (1, (1, 2), True)])
+    """
+    if not len(owners) == len(numels) == len(keys) == len(contiguous):
+        raise ValueError(f"got {len(numels)} tensors but {len(owners)} owners; pass one per tensor")
+    units: list[SyncUnit] = []
+    packed: dict[tuple[int, str], list[int]] = {}
+    for i, (owner, numel, key, dense) in enumerate(zip(owners, numels, keys, contiguous)):
+        if numel >= coalesce_below and dense:
+            units.append(SyncUnit(owner, (i,), packed=False))
+        elif numel:
+            packed.setdefault((owner, str(key)), []).append(i)
+    units += [
+        SyncUnit(owner, tuple(members), True) for (owner, _), members in sorted(packed.items())
+    ]
+    return SyncPlan(tuple(units), nccl and len(units) > 1)

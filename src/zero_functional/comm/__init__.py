@@ -28,14 +28,13 @@ from __future__ import annotations
 import torch.distributed.nn.functional  # noqa: F401
 
 from zero_functional.comm.buckets import (
-    COALESCE_BELOW,
     reduce_to_owners,
     start_all_reduce,
     start_all_reduce_spans,
     start_broadcast,
+    start_gather_units,
     start_reduce,
     start_sync_params,
-    start_sync_units,
     sync_params,
     unflatten_into,
 )
@@ -70,6 +69,7 @@ from zero_functional.comm.small import (
     send_object,
     to_bytes,
 )
+from zero_functional.plans import COALESCE_BELOW
 
 __all__ = [
     "COALESCE_BELOW",
@@ -106,9 +106,9 @@ __all__ = [
     "start_all_reduce",
     "start_all_reduce_spans",
     "start_broadcast",
+    "start_gather_units",
     "start_reduce",
     "start_sync_params",
-    "start_sync_units",
     "sync_params",
     "to_bytes",
     "twin_group",

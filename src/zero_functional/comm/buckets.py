@@ -1,4 +1,8 @@
-"""Bulk collectives: gradients reduced onto their owners, parameters gathered from theirs."""
+"""Bulk collectives: gradients reduced onto their owners, parameters gathered from theirs.
+
+What to send is decided in :mod:`zero_functional.plans` (runs, even shards, the units of a
+parameter all-gather); the functions here execute those plans and call nothing back.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from zero_functional.comm.groups import (
     is_nccl,
 )
 from zero_functional.comm.pending import Pending, hold, issue, start_one
+from zero_functional.param_table import buffer_key
+from zero_functional.plans import COALESCE_BELOW, sync_plan
 
 
 def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
@@ -182,9 +188,39 @@ def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
     torch._foreach_copy_(list(tensors), [p.view_as(t) for p, t in zip(pieces, tensors)])
 
 
-COALESCE_BELOW = 1 << 16
-"""Tensors with fewer elements than this travel in one staging buffer per owner and dtype;
-larger contiguous ones are broadcast in place (no copies; gloo runs them concurrently)."""
+def start_gather_units(
+    units: Sequence[tuple[Sequence[Tensor], int, bool]], group: ProcessGroup
+) -> Pending:
+    """Start one broadcast per unit ``(tensors, owner, packed)``, in list order (one coalesced
+    launch on NCCL): a unit's one tensor in place, or its tensors ``packed`` through one staging
+    buffer (copied out on arrival). The units come from a plan
+    (:func:`~zero_functional.plans.sync_plan`); the tensors are final after ``wait()``.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> ps = [torch.zeros(2), torch.ones(3)]
+        >>> start_gather_units([(ps, 0, True)], dist.group.WORLD).wait()
+        >>> ps[1]
+        tensor([1., 1., 1.])
+        >>> dist.destroy_process_group()
+    """
+    me = group_rank(group)
+    calls: list[tuple[Tensor, int]] = []
+    finish: list[Callable[[], None]] = []
+    for tensors, owner, packed in units:
+        if not packed:
+            (tensor,) = tensors
+            calls.append((tensor.detach(), owner))  # in place
+        elif owner == me:
+            calls.append((torch.cat([t.detach().reshape(-1) for t in tensors]), owner))
+        else:
+            numel = sum(t.numel() for t in tensors)
+            buffer = torch.empty(numel, device=tensors[0].device, dtype=tensors[0].dtype)
+            calls.append((buffer, owner))
+            finish.append(functools.partial(unflatten_into, buffer, tensors))
+    return issue("broadcast", calls, group, finish)
 
 
 def start_sync_params(
@@ -197,8 +233,9 @@ def start_sync_params(
     """Start the broadcasts of :func:`sync_params`; the tensors are final after ``wait()``.
 
     Large contiguous tensors travel in place; smaller ones in one staging buffer per
-    (owner rank, device, dtype), issued after the large ones in a deterministic order. The
-    tensors may be pieces of parameters (:func:`~zero_functional.ownership.piece_view`).
+    (owner rank, device, dtype), issued after the large ones in a deterministic order
+    (:func:`~zero_functional.plans.sync_plan`). The tensors may be pieces of parameters
+    (:func:`~zero_functional.ownership.piece_view`).
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -211,89 +248,23 @@ def start_sync_params(
         tensor([1., 1., 1.])
         >>> dist.destroy_process_group()
     """
-    units = [
-        unit for unit, _ in start_sync_units(params, owners, group, coalesce_below=coalesce_below)
+    plan = sync_plan(
+        owners,
+        [t.numel() for t in params],
+        [buffer_key(t) for t in params],
+        [t.is_contiguous() for t in params],
+        nccl=is_nccl(group),
+        coalesce_below=coalesce_below,
+    )
+    batches = [
+        start_gather_units([([params[i] for i in u.members], u.owner, u.packed) for u in b], group)
+        for b in plan.batches()
     ]
     return Pending(
-        [w for unit in units for w in unit.works],
-        [f for unit in units for f in unit.finish],
-        [h for unit in units for h in unit.held],
+        [w for p in batches for w in p.works],
+        [f for p in batches for f in p.finish],
+        [h for p in batches for h in p.held],
     )
-
-
-def start_sync_units(
-    params: Sequence[Tensor],
-    owners: Sequence[int],
-    group: ProcessGroup,
-    *,
-    coalesce_below: int = COALESCE_BELOW,
-    before: Callable[[list[int]], None] | None = None,
-) -> list[tuple[Pending, list[int]]]:
-    """:func:`start_sync_params` as separate units: each pending broadcast with the indices of
-    the tensors that are final once it is waited for (a large tensor, or one packed group).
-
-    What lets a reader wait for just the tensors it needs (a module's forward, for the
-    parameter all-gather that overlaps the next forward). On NCCL, where the broadcasts go out
-    as one coalesced launch, there is one unit covering every tensor.
-
-    Args:
-        params: The tensors, the same list on every rank.
-        owners: Each tensor's group rank.
-        group: The process group.
-        coalesce_below: Size under which tensors are packed rather than sent alone.
-        before: Called with the indices of each unit this rank owns just before that unit is
-            issued (its tensors are read then): what lets the owner compute a unit's values
-            while the units issued before it are on the wire (the step's update, pipelined).
-
-    Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        >>> units = start_sync_units([torch.zeros(2), torch.ones(3)], [0, 0], dist.group.WORLD)
-        >>> [covered for _, covered in units]
-        [[0, 1]]
-        >>> dist.destroy_process_group()
-    """
-    if len(params) != len(owners):
-        raise ValueError(f"got {len(params)} tensors but {len(owners)} owners; pass one per tensor")
-    me = group_rank(group)
-    plan: list[tuple[int, list[int]]] = []  # (owner, indices) in issue order
-    packed: dict[tuple[int, str, str], list[int]] = {}
-    for i, (t, owner) in enumerate(zip(params, owners)):
-        if t.numel() >= coalesce_below and t.is_contiguous():
-            plan.append((owner, [i]))
-        elif t.numel():
-            packed.setdefault((owner, str(t.device), str(t.dtype)), []).append(i)
-    plan += [(key[0], indices) for key, indices in sorted(packed.items(), key=lambda kv: kv[0])]
-
-    def unit(owner: int, indices: list[int]) -> tuple[Tensor, Callable[[], None] | None]:
-        tensors = [params[i] for i in indices]
-        if len(indices) == 1 and tensors[0].numel() >= coalesce_below:
-            if tensors[0].is_contiguous():
-                return tensors[0].detach(), None  # in place
-        if owner == me:
-            return torch.cat([t.detach().reshape(-1) for t in tensors]), None
-        numel = sum(t.numel() for t in tensors)
-        buffer = torch.empty(numel, device=tensors[0].device, dtype=tensors[0].dtype)
-        return buffer, functools.partial(unflatten_into, buffer, tensors)
-
-    if is_nccl(group) and len(plan) > 1:  # one coalesced launch: one unit
-        if before is not None:
-            for owner, indices in plan:
-                if owner == me:
-                    before(indices)
-        built = [(unit(owner, indices), owner) for owner, indices in plan]
-        done = [f for (_, f), _ in built if f is not None]
-        calls = [(buffer, owner) for (buffer, _), owner in built]
-        return [(issue("broadcast", calls, group, done), sorted(i for _, c in plan for i in c))]
-    out: list[tuple[Pending, list[int]]] = []
-    for owner, indices in plan:
-        if before is not None and owner == me:
-            before(indices)
-        buffer, finish = unit(owner, indices)
-        pending = issue("broadcast", [(buffer, owner)], group, [finish] if finish else None)
-        out.append((pending, indices))
-    return out
 
 
 def sync_params(

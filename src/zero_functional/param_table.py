@@ -1,0 +1,152 @@
+"""The optimizer's parameters as one frozen table: order, index, group, spans, buffer keys (pure).
+
+Every collaborator of the shell asks the same questions of the parameter groups: every
+parameter in global index order (state-dict order), the index of a parameter, the group of an
+index, each group's span of indices, and the (device, dtype) key that decides which buffer a
+parameter travels in. :class:`ParamTable` answers them from one value, built once per ownership
+by the optimizer (torch keeps ``_param_to_index``, Megatron-LM a ``BufferKey``) and handed to
+the local shard, the parameter sync, the hooks and the checkpoint code.
+
+Example:
+    >>> import torch
+    >>> a, b, c = torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(4)
+    >>> table = ParamTable.of([{"params": [a, b]}, {"params": [c]}])
+    >>> table.index(c), table.group_of(2), table.spans
+    (2, 1, ((0, 2), (2, 1)))
+    >>> table.keys[1]
+    BufferKey(device='cpu', dtype='torch.float64')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+__all__ = ["BufferKey", "ParamTable", "buffer_key"]
+
+
+class BufferKey(NamedTuple):
+    """The (device, dtype) a parameter's buffer is kept by: parameters of one key can share a
+    flat buffer (bucket views, the flat partition, packed all-gathers); ordered, the same on
+    every rank."""
+
+    device: str
+    dtype: str
+
+
+def buffer_key(t: Tensor) -> BufferKey:
+    """The buffer key of tensor ``t``.
+
+    Example:
+        >>> import torch
+        >>> buffer_key(torch.zeros(2, dtype=torch.bfloat16))
+        BufferKey(device='cpu', dtype='torch.bfloat16')
+    """
+    return BufferKey(str(t.device), str(t.dtype))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ParamTable:
+    """The parameters of an optimizer's groups, in global index order, and what is derived.
+
+    Attributes:
+        params: Every parameter, group after group (global index order).
+        spans: Each group's ``(first global index, number of parameters)``.
+    """
+
+    params: tuple[Tensor, ...]
+    spans: tuple[tuple[int, int], ...]
+    _index: dict[Tensor, int] = field(init=False, repr=False)
+    _group_of: tuple[int, ...] = field(init=False, repr=False)
+    _keys: tuple[BufferKey, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if sum(n for _, n in self.spans) != len(self.params) or any(
+            start != sum(n for _, n in self.spans[:g]) for g, (start, _) in enumerate(self.spans)
+        ):
+            raise ValueError(
+                f"group spans {self.spans} do not tile {len(self.params)} parameters: build "
+                "the table with ParamTable.of(param_groups)"
+            )
+        index: dict[Tensor, int] = {}
+        for k, p in enumerate(self.params):
+            if p in index:
+                raise ValueError(
+                    f"parameter {k} is parameter {index[p]} again: a parameter may appear once "
+                    "in an optimizer's groups"
+                )
+            index[p] = k
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(
+            self, "_group_of", tuple(g for g, (_, n) in enumerate(self.spans) for _ in range(n))
+        )
+        object.__setattr__(self, "_keys", tuple(buffer_key(p) for p in self.params))
+
+    @classmethod
+    def of(cls, param_groups: Sequence[Mapping[str, Any]]) -> ParamTable:
+        """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's).
+
+        Example:
+            >>> import torch
+            >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": []}]).spans
+            ((0, 1), (1, 0))
+        """
+        params: list[Tensor] = []
+        spans: list[tuple[int, int]] = []
+        for g in param_groups:
+            spans.append((len(params), len(g["params"])))
+            params.extend(g["params"])
+        return cls(tuple(params), tuple(spans))
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __contains__(self, p: object) -> bool:
+        return isinstance(p, Tensor) and p in self._index
+
+    def index(self, p: Tensor) -> int:
+        """The global index of parameter ``p``.
+
+        Raises:
+            KeyError: ``p`` is not one of these parameters.
+
+        Example:
+            >>> import torch
+            >>> a, b = torch.zeros(1), torch.zeros(1)
+            >>> ParamTable.of([{"params": [a, b]}]).index(b)
+            1
+        """
+        return self._index[p]
+
+    def group_of(self, k: int) -> int:
+        """The group of the parameter of global index ``k``.
+
+        Example:
+            >>> import torch
+            >>> ParamTable.of([{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)]}]).group_of(1)
+            1
+        """
+        return self._group_of[k]
+
+    @property
+    def keys(self) -> tuple[BufferKey, ...]:
+        """Each parameter's :class:`BufferKey`, by global index."""
+        return self._keys
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        """Each parameter's number of elements, by global index."""
+        return tuple(p.numel() for p in self.params)
+
+    def group_numels(self) -> list[list[int]]:
+        """Per group, its parameters' numbers of elements (what ``sorted_greedy`` takes).
+
+        Example:
+            >>> import torch
+            >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": [torch.zeros(3)]}]).group_numels()
+            [[2], [3]]
+        """
+        return [[p.numel() for p in self.params[a : a + n]] for a, n in self.spans]
