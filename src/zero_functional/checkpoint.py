@@ -66,6 +66,7 @@ from zero_functional.checkpoint_format import (
 from zero_functional.main_params import main_dtype_for
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.ownership import flat_range_boxes
+from zero_functional.param_table import ParamTable
 from zero_functional.partition import Piece
 from zero_functional.state_dict import is_elementwise
 from zero_functional.steppers import hyperparameters, probe_state
@@ -90,8 +91,11 @@ def _module(model: nn.Module) -> nn.Module:
 
 
 def _params(optimizer: Optimizer) -> list[Tensor]:
-    """The optimizer's parameters in ``torch.optim``'s order (the groups', concatenated)."""
-    return [p for g in optimizer.param_groups for p in g["params"]]
+    """The optimizer's parameters in ``torch.optim``'s order (the groups', concatenated): ours
+    keep their table; a plain ``torch.optim`` optimizer's is built from its groups."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return list(optimizer.param_table.params)
+    return list(ParamTable.of(optimizer.param_groups).params)
 
 
 def _names(model: nn.Module | None, optimizer: Optimizer) -> list[str]:

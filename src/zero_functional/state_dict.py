@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from zero_functional._validate import prefix_sums
+from zero_functional.param_table import ParamTable
 
 __all__ = [
     "Consolidation",
@@ -350,7 +351,7 @@ def validated_state(
     }
     for i, (s, g) in enumerate(zip(saved_groups, param_groups)):
         check_hyperparameters(i, s, g)
-    params = [p for g in param_groups for p in g["params"]]
+    params = ParamTable.of(param_groups).params
     saved_state = state_dict["state"]
     if not isinstance(saved_state, Mapping):
         raise TypeError(
@@ -546,7 +547,7 @@ def rank_state_dict(
         raise RuntimeError(not_consolidated_message(rank))
     if not shards:
         return {"state": {}, "param_groups": groups, PARTIAL_KEY: True}
-    shapes = [tuple(p.shape) for g in param_groups for p in g["params"]]
+    shapes = [tuple(p.shape) for p in ParamTable.of(param_groups).params]
     return {"state": merge_shards(shards, shapes), "param_groups": groups}
 
 
