@@ -2,7 +2,7 @@
 
 The byte counter wraps ``torch.distributed``'s collectives in the calling process and converts
 each call's buffer into the bytes one rank sends under ring algorithms
-(:func:`zero_functional.plans.bytes_sent`), so the bytes columns are counted from what
+(:func:`zero_functional.core.plans.bytes_sent`), so the bytes columns are counted from what
 actually ran, not computed from a formula.
 """
 
@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zero_functional.launch import run_ranks
-from zero_functional.plans import bytes_sent
+from zero_functional.app.launch import run_ranks
+from zero_functional.core.plans import bytes_sent
 
 __all__ = ["ByteCounter", "TinyGPT", "gpt_batch", "median_ms", "mlp", "run_ranks", "torch_step"]
 

@@ -21,9 +21,9 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from _common import mlp, run_ranks
-from zero_functional.models import model_shapes, numels
+from zero_functional.app.models import model_shapes, numels
+from zero_functional.core.ownership import flat_ownership, sorted_greedy_ownership
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ownership import flat_ownership, sorted_greedy_ownership
 
 MODELS = ("gpt2-small", "bert-base", "llama-1b")
 PLAN_WORLD_SIZES = (2, 3, 4, 8, 16, 64)

@@ -37,8 +37,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from _common import mlp, run_ranks
 from zero_functional import checkpoint
+from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.storage import DEFAULT_MAX_BOX_NUMEL
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 VARIANTS = ("torch: consolidate + torch.save", "ours: consolidate + torch.save", "ours: sharded")

@@ -7,7 +7,7 @@ can move them, round-robin inside the same gloo ranks so that they share the mac
   its updated share (what torch's class sends: 1.5x DDP's bytes); the baseline (1.00x);
 * ``DDP: all-reduce``: the gradients alone;
 * ``ours on gloo: reduce + broadcast per owner``: each share summed onto its owner, then broadcast
-  from it (DDP's bytes, what :func:`zero_functional.plans.choose_collectives` picks on gloo);
+  from it (DDP's bytes, what :func:`zero_functional.core.plans.choose_collectives` picks on gloo);
 * ``reduce_scatter + all_gather (even shares)``: what the policy picks on NCCL, run on this
   backend to show why it is not picked here;
 * each piece alone: reduce per owner, broadcast per owner, ``all_gather`` into a list,

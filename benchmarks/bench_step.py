@@ -39,8 +39,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from _common import TinyGPT, mlp, run_ranks
+from zero_functional.core.ownership import piece_view
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ownership import piece_view
 
 DDP_FUSED = "ddp + fused"
 FLOOR_UPDATE = "floor: fused update, one share"

@@ -5,7 +5,7 @@ the repository root (no network needed; stdlib, torch and ``src/`` only):
 
     PYTHONPATH=src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT
 
-Each part runs in spawned ranks (``zero_functional.launch.run_ranks``: process-group timeout
+Each part runs in spawned ranks (``zero_functional.app.launch.run_ranks``: process-group timeout
 <= 60 s, and the ranks are killed at the part's limit), so a part that hangs or crashes is
 reported and the next part runs; inside a part each check is caught on its own:
 
@@ -83,6 +83,8 @@ if str(ROOT / "src") not in sys.path:  # the documented command sets PYTHONPATH=
 
 from _common import torch_step  # noqa: E402
 from zero_functional import checkpoint, comm  # noqa: E402
+from zero_functional.app.launch import LaunchError, run_ranks  # noqa: E402
+from zero_functional.app.models import gpt2_shapes, total_numel  # noqa: E402
 from zero_functional.functional import (  # noqa: E402
     adam_init,
     adam_update_,
@@ -96,8 +98,6 @@ from zero_functional.hooks import (  # noqa: E402
     overlap_state,
     reduce_scatter_hook,
 )
-from zero_functional.launch import LaunchError, run_ranks  # noqa: E402
-from zero_functional.models import gpt2_shapes, total_numel  # noqa: E402
 from zero_functional.optimizer import ZeroRedundancyOptimizer  # noqa: E402
 
 Env = dict[str, Any]  # what every rank gets: sizes, paths, flags (picklable)

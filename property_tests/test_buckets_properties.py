@@ -1,4 +1,4 @@
-"""Properties of zero_functional.buckets: layouts round-trip, DDP bucket assignment as torch."""
+"""Properties of zero_functional.core.layout: layouts round-trip, DDP bucket assignment as torch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero_functional.buckets import bucket_layout, ddp_bucket_assignments, flatten, views
+from zero_functional.core.layout import bucket_layout, ddp_bucket_assignments, flatten, views
 
 from tests.torch_reference import torch_bucket_assignments
 

@@ -1,4 +1,4 @@
-"""Properties of zero_functional.ownership, state_dict and collectives: the pure ownership core."""
+"""Properties of zero_functional.core.ownership, state_dict and collectives: the pure ownership core."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero_functional._validate import ceil_div, round_up
-from zero_functional.ownership import (
+from zero_functional.core._validate import ceil_div, round_up
+from zero_functional.core.ownership import (
     Ownership,
     bucket_ownership,
     flat_ownership,
@@ -17,9 +17,10 @@ from zero_functional.ownership import (
     sorted_greedy_ownership,
     whole_ownership,
 )
-from zero_functional.param_table import ParamTable
-from zero_functional.partition import Piece, sorted_greedy_groups
-from zero_functional.plans import (
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece, sorted_greedy_groups
+from zero_functional.core.piece_state import join_states, slice_state
+from zero_functional.core.plans import (
     COLLECTIVES,
     buffer_plan,
     even_chunk,
@@ -27,7 +28,6 @@ from zero_functional.plans import (
     sync_plan,
     takes_even_shards,
 )
-from zero_functional.state_dict import join_states, slice_state
 
 numels_st = st.lists(st.integers(0, 200), max_size=25)
 world_st = st.integers(1, 9)

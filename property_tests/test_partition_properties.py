@@ -1,11 +1,11 @@
-"""Properties of zero_functional.partition: ownership, balance bounds, torch parity, flat splits."""
+"""Properties of zero_functional.core.partition: ownership, balance bounds, torch parity, flat splits."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero_functional.partition import (
+from zero_functional.core.partition import (
     balance_report,
     flat,
     owners,

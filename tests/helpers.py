@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_functional import launch
+from zero_functional.app import launch
 
 R = TypeVar("R")
 
@@ -32,7 +32,7 @@ def run_ranks(
     start_method: launch.StartMethod = "forkserver",
     **kwargs: Any,
 ) -> list[R]:
-    """:func:`zero_functional.launch.run_ranks`, ranks forked from one server that has
+    """:func:`zero_functional.app.launch.run_ranks`, ranks forked from one server that has
     :data:`PRELOAD` imported: a launch takes about 0.2 s instead of 1.5-2 s for two spawned
     ranks that each import torch. A forked rank ends with ``os._exit``, not the interpreter's
     exit: the tests of how ranks exit (test_launch, test_teardown) spawn theirs."""

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_functional.agreement import agree, agreed_inputs
-from zero_functional.checks import check_new_group
+from zero_functional.core.checks import check_new_group
+from zero_functional.shell.agreement import agree, agreed_inputs
 
 from tests.helpers import run_ranks
 

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from zero_functional import atomic_dir
-from zero_functional.atomic_dir import MARKER, commit, make_temporary, refusal, remove_leftovers
+from zero_functional.checkpoint import atomic_dir
+from zero_functional.checkpoint.atomic_dir import (
+    MARKER,
+    commit,
+    make_temporary,
+    refusal,
+    remove_leftovers,
+)
 
 
 def listing(root: Path) -> dict[str, str]:
@@ -60,7 +66,7 @@ def test_nothing_an_empty_directory_and_a_checkpoint_are_replaced(tmp_path: Path
         **{name: "/" for name in ("absent", "ckpt", "empty")},
         **{f"{name}/.metadata": "new" for name in ("absent", "ckpt", "empty")},
         **{
-            f"{name}/{MARKER}": f"zero_functional.atomic_dir: a save to {tmp_path / name}\n"
+            f"{name}/{MARKER}": f"zero_functional.checkpoint.atomic_dir: a save to {tmp_path / name}\n"
             for name in ("absent", "ckpt", "empty")
         },
     }
@@ -85,7 +91,7 @@ def test_leftovers_of_killed_saves_are_removed_and_nothing_else_is(
     os.rename(other, tmp_path / "ckpt.tmp-aaaaaaaaaaaa")
     (tmp_path / "ckpt.backup").mkdir()
     (tmp_path / "ckpt.backup" / MARKER).write_text(
-        f"zero_functional.atomic_dir: a save to {ckpt}\n"
+        f"zero_functional.checkpoint.atomic_dir: a save to {ckpt}\n"
     )
     kept = {k: v for k, v in listing(tmp_path).items() if not k.startswith("ckpt/")}
     for path in [*killed, str(old)]:

@@ -1,11 +1,11 @@
-"""Examples for zero_functional.buckets, and parity with torch's DDP bucket assignment."""
+"""Examples for zero_functional.core.layout, and parity with torch's DDP bucket assignment."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zero_functional.buckets import (
+from zero_functional.core.layout import (
     BucketAssignment,
     BucketLayout,
     bucket_layout,

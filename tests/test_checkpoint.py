@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_functional import checkpoint
-from zero_functional.launch import LaunchError
+from zero_functional.app.launch import LaunchError
+from zero_functional.checkpoint.storage import CheckpointCorruptError, CheckpointError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.storage import CheckpointCorruptError, CheckpointError
 
 from tests.helpers import average_grads, run_ranks
 
@@ -239,7 +239,7 @@ def test_bad_checkpoints_fail_on_every_rank_and_change_nothing(tmp_path: Path) -
 def _killed_writer(rank: int, world_size: int, root: str) -> None:
     import signal
 
-    from zero_functional import storage
+    from zero_functional.checkpoint import storage
 
     model = Net()
     opt = ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, partition="flat", lr=0.01)

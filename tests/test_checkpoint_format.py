@@ -3,7 +3,7 @@ layout (literal keys, not the current writer), in one process: old checkpoints k
 
 The layouts: ``zero_functional.checkpoint/1`` (a storage directory of ``model.<name>``,
 ``state.<name>.<key>``, ``param_groups``, ``extra``, ``format``), and the train job's
-``zero_functional.train/1`` as a directory (checkpoint/1 with the job's ``extra``) or as one
+``zero_functional.app.train/1`` as a directory (checkpoint/1 with the job's ``extra``) or as one
 ``torch.save`` file (what ``--impl torch`` and earlier versions write).
 """
 
@@ -16,8 +16,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from zero_functional import checkpoint, checkpoint_format, storage, train
-from zero_functional.storage import CheckpointError
+from zero_functional import checkpoint
+from zero_functional.app import train
+from zero_functional.checkpoint import format as checkpoint_format
+from zero_functional.checkpoint import storage
+from zero_functional.checkpoint.storage import CheckpointError
 
 HIDDEN = 8
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -121,7 +124,7 @@ def test_a_format_no_reader_reads_is_refused_naming_it_and_changes_nothing(
 
 def test_a_train_v1_directory_written_by_hand_resumes(tmp_path: Path) -> None:
     model = train.build_model(HIDDEN)
-    extra = {"format": "zero_functional.train/1", "epoch": 2, "args": {"hidden": HIDDEN}}
+    extra = {"format": "zero_functional.app.train/1", "epoch": 2, "args": {"hidden": HIDDEN}}
     state = write_v1_by_hand(tmp_path / "ck", model, 0.01, extra)
     ckpt = train.load_checkpoint(tmp_path / "ck")
     assert ckpt == {**extra, "sharded": str(tmp_path / "ck")}
@@ -132,7 +135,7 @@ def test_a_train_v1_directory_written_by_hand_resumes(tmp_path: Path) -> None:
 
 
 def test_a_train_v1_directory_of_another_width_is_refused(tmp_path: Path) -> None:
-    extra = {"format": "zero_functional.train/1", "epoch": 2, "args": {"hidden": HIDDEN + 1}}
+    extra = {"format": "zero_functional.app.train/1", "epoch": 2, "args": {"hidden": HIDDEN + 1}}
     write_v1_by_hand(tmp_path / "ck", train.build_model(HIDDEN), 0.01, extra)
     with pytest.raises(CheckpointError, match="does not fit the demo MLP"):
         train.load_checkpoint(tmp_path / "ck")
@@ -145,7 +148,7 @@ def test_a_train_v1_single_file_written_by_hand_resumes(tmp_path: Path) -> None:
         {"state": adam_state(model), "param_groups": opt.state_dict()["param_groups"]}
     )
     payload = {
-        "format": "zero_functional.train/1",
+        "format": "zero_functional.app.train/1",
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
         "epoch": 1,
@@ -163,18 +166,20 @@ def test_a_train_v1_single_file_written_by_hand_resumes(tmp_path: Path) -> None:
 
 
 def test_a_single_file_of_another_format_is_refused(tmp_path: Path) -> None:
-    torch.save({"format": "zero_functional.train/0", "epoch": 1}, tmp_path / "ck.pt")
-    with pytest.raises(CheckpointError, match="no format 'zero_functional.train/1'"):
+    torch.save({"format": "zero_functional.app.train/0", "epoch": 1}, tmp_path / "ck.pt")
+    with pytest.raises(CheckpointError, match="no format 'zero_functional.app.train/1'"):
         train.load_checkpoint(tmp_path / "ck.pt")
 
 
 def test_the_old_import_paths_still_resolve() -> None:
-    from zero_functional import train_checkpoint
+    from zero_functional.app import train as train_checkpoint
 
     assert train_checkpoint.load_checkpoint is train.load_checkpoint
     assert train_checkpoint.save_checkpoint is checkpoint_format.write_train_file
     assert (
-        train.CHECKPOINT_FORMAT == train_checkpoint.CHECKPOINT_FORMAT == "zero_functional.train/1"
+        train.CHECKPOINT_FORMAT
+        == train_checkpoint.CHECKPOINT_FORMAT
+        == "zero_functional.app.train/1"
     )
     assert checkpoint.model_state_dict is checkpoint_format.model_state_dict
     assert checkpoint.optimizer_state_dict is checkpoint_format.optimizer_state_dict

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import zero_functional
-from zero_functional import cli, train
-from zero_functional.cli import main
+from zero_functional.app import cli, train
+from zero_functional.app.cli import main
 
 
 def _importable(module: str) -> bool:
@@ -27,8 +27,8 @@ def _importable(module: str) -> bool:
 
 
 needs_partition = pytest.mark.skipif(
-    not _importable("zero_functional.partition"),
-    reason="zero_functional.partition (another session's module) has not landed yet",
+    not _importable("zero_functional.core.partition"),
+    reason="zero_functional.core.partition (another session's module) has not landed yet",
 )
 
 
@@ -522,7 +522,7 @@ def test_train_without_the_demo_extra_names_it_and_exits_2(
 
 NO_TORCH_SCRIPT = """
 import sys
-from zero_functional.cli import main
+from zero_functional.app.cli import main
 
 for argv in (
     ["--help"],
@@ -723,7 +723,7 @@ def test_plan_shard_size_that_does_not_divide_a_world_size_names_the_fix(
 def test_plan_simulate_builds_the_optimizer_as_those_ranks_would(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from zero_functional.plans import ownership_for
+    from zero_functional.core.plans import ownership_for
 
     argv = ["plan", "tests.test_cli:small_mlp", "--world-sizes", "1024", "--simulate", "0,1023"]
     code, out, err = run_cli(argv, capsys)

@@ -2,7 +2,7 @@
 process be rank r of a world of 64, 1,024 or 4,096, to check construction, ownership, memory and
 the length of messages at scale.
 
-What cannot be checked this way (see :mod:`zero_functional.testing`): anything that needs other
+What cannot be checked this way (see :mod:`zero_functional.comm.testing`): anything that needs other
 ranks' data (sums, gathers, the constructor's agreement check, consolidation: each receives this
 rank's own bytes), and overlap mode's first backward with DDP's ``allreduce_hook``.
 """
@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_functional import ZeroRedundancyOptimizer, comm
-from zero_functional.checks import agreement_verdict
 from zero_functional.comm import calls
+from zero_functional.comm.testing import fake_world
+from zero_functional.core.checks import agreement_verdict
+from zero_functional.core.plans import ownership_for
 from zero_functional.hooks import reduce_scatter_hook
-from zero_functional.plans import ownership_for
-from zero_functional.testing import fake_world
 
 WORLDS = [64, 1024, 4096]
 MESSAGE_LIMIT = 2048

@@ -1,4 +1,4 @@
-"""zero_functional.grad_sync: both hooks reduce each owned piece to what an all-reduce gives."""
+"""zero_functional.shell.grad_sync: both hooks reduce each owned piece to what an all-reduce gives."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero_functional.grad_sync import GradSync, collectives_for
+from zero_functional.core.ownership import piece_view
 from zero_functional.hooks import hook_with_zero_step, overlap_state, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ownership import piece_view
+from zero_functional.shell.grad_sync import GradSync, collectives_for
 
 from tests.helpers import averaged_backward, local_batch, make_model, run_ranks
 

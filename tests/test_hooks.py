@@ -13,13 +13,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from zero_functional.app.launch import LaunchError
 from zero_functional.hooks import (
     choose_collectives,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
     overlap_state,
 )
-from zero_functional.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import run_ranks

@@ -16,7 +16,10 @@ def test_every_public_name_resolves_to_the_object_its_module_defines() -> None:
 
 
 def test_one_checkpoint_error_caught_as_either_base_it_had() -> None:
-    from zero_functional import checkpoint, storage, train, train_checkpoint
+    from zero_functional import checkpoint
+    from zero_functional.app import train
+    from zero_functional.app import train as train_checkpoint
+    from zero_functional.checkpoint import storage
 
     error = storage.CheckpointError
     assert checkpoint.CheckpointError is error
@@ -26,7 +29,7 @@ def test_one_checkpoint_error_caught_as_either_base_it_had() -> None:
 
 
 def test_a_piece_has_one_name_and_the_old_one_still_resolves() -> None:
-    from zero_functional import partition
+    from zero_functional.core import partition
 
     assert partition.Segment is partition.Piece
     part = partition.flat([3, 5], 2)

@@ -1,6 +1,6 @@
 """The frameworks, each run for real: Lightning, Fabric, Accelerate, the Transformers Trainer, DCP.
 
-Each multi-process test starts its ranks once with :func:`zero_functional.launch.run_ranks`
+Each multi-process test starts its ranks once with :func:`zero_functional.app.launch.run_ranks`
 (forked: the frameworks are imported once, here) and runs every case inside. The frameworks
 that launch processes of their own (Lightning's and Fabric's ``ddp``, Accelerate, the
 Transformers Trainer) find a torchrun-like environment in each rank and use the process group
@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zero_functional import checkpoint
-from zero_functional.launch import LaunchError
+from zero_functional.app.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import run_ranks

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from zero_functional.launch import LaunchError, run_ranks
+from zero_functional.app.launch import LaunchError, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ KILL_SCRIPT = """
 import sys
 import time
 from pathlib import Path
-from zero_functional.launch import LaunchError, run_ranks
+from zero_functional.app.launch import LaunchError, run_ranks
 from tests.test_launch import _killed_mid_collective
 
 try:
@@ -168,7 +168,7 @@ THREADS_SCRIPT = """
 import os
 import torch
 from torch import nn
-from zero_functional.launch import free_port, process_group
+from zero_functional.app.launch import free_port, process_group
 
 def train():
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
@@ -241,7 +241,7 @@ def _rank_0_dies_in_a_call(rank: int, world_size: int) -> int:
 
 KILL_0_SCRIPT = """
 import sys
-from zero_functional.launch import LaunchError, run_ranks
+from zero_functional.app.launch import LaunchError, run_ranks
 from tests.test_launch import _rank_0_dies_in_a_call
 
 try:

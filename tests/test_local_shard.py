@@ -9,14 +9,19 @@ import pytest
 import torch
 from torch import Tensor
 
+from zero_functional.core.grad_norm import local_norm, total_norm
+from zero_functional.core.ownership import Ownership, flat_ownership, sorted_greedy_ownership
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.piece_state import (
+    PARTIAL_KEY,
+    Consolidation,
+    merge_shards,
+    rank_state_dict,
+)
+from zero_functional.core.plans import plan_moves
 from zero_functional.functional import functional_spec
-from zero_functional.grad_norm import local_norm, total_norm
-from zero_functional.local_shard import LocalShard
-from zero_functional.ownership import Ownership, flat_ownership, sorted_greedy_ownership
-from zero_functional.param_table import ParamTable
-from zero_functional.plans import plan_moves
-from zero_functional.state_dict import PARTIAL_KEY, Consolidation, merge_shards, rank_state_dict
-from zero_functional.steppers import FunctionalStepper, choose_stepper, state_schemas
+from zero_functional.shell.local_shard import LocalShard
+from zero_functional.shell.steppers import FunctionalStepper, choose_stepper, state_schemas
 
 WORLD = 3
 SHAPES = [(5, 3), (7,), (2, 2), (1,)]

@@ -14,14 +14,14 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import checkpoint
-from zero_functional.amp import unscaled
+from zero_functional.core.main_params import MAIN_KEY
 from zero_functional.hooks import (
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
     reduce_scatter_hook,
 )
-from zero_functional.main_params import MAIN_KEY
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.shell.amp import unscaled
 
 from tests.helpers import (
     average_grads,

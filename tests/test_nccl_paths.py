@@ -20,8 +20,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero_functional import comm, grad_sync, hooks
+from zero_functional import comm, hooks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.shell import grad_sync
 
 from tests.helpers import run_ranks
 

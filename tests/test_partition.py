@@ -1,4 +1,4 @@
-"""Examples for zero_functional.partition, and parity with torch's own partitioning code."""
+"""Examples for zero_functional.core.partition, and parity with torch's own partitioning code."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from zero_functional.partition import (
+from zero_functional.core.partition import (
     BalanceReport,
     FlatPartition,
     Piece,

@@ -94,7 +94,7 @@ def test_every_readme_command_is_run_by_a_test() -> None:
 
 
 def test_every_plan_flag_has_a_readme_example() -> None:
-    from zero_functional.cli import build_parser
+    from zero_functional.app.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")

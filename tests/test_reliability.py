@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from zero_functional.launch import LaunchError
+from zero_functional.app.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import average_grads, run_ranks

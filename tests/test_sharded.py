@@ -9,10 +9,10 @@ from torch.func import functional_call, grad
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import comm
+from zero_functional.core.ownership import flat_ownership, piece_views
+from zero_functional.core.partition import owners, sorted_greedy
+from zero_functional.core.sharded import shard_init, shard_update
 from zero_functional.functional import adam
-from zero_functional.ownership import flat_ownership, piece_views
-from zero_functional.partition import owners, sorted_greedy
-from zero_functional.sharded import shard_init, shard_update
 
 from tests.helpers import average_, run_ranks
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from zero_functional.app.launch import run_ranks
 from zero_functional.hooks import hook_with_zero_step_interleaved, overlap_state
-from zero_functional.launch import run_ranks
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.exit_stress import CASES, run_round

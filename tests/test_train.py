@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_functional import cli, train
-from zero_functional.cli import main
-from zero_functional.train import CHECKPOINT_FORMAT, build_model
+from zero_functional.app import cli, train
+from zero_functional.app.cli import main
+from zero_functional.app.train import CHECKPOINT_FORMAT, build_model
 
 from tests.helpers import run_ranks
 
@@ -39,7 +39,7 @@ def _ours_importable() -> bool:
 def test_train_checkpoint_then_resume_at_another_world_size_matches_plain_ddp(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from zero_functional import storage
+    from zero_functional.checkpoint import storage
 
     ckpt = tmp_path / "ck"
     common = ["--no-progress", "--hidden", "32", "--batch-size", "96", "--timeout", "120"]
@@ -110,7 +110,7 @@ def write_or_die(self, plan, planner):
 storage._ChecksummedWriter.write_data = write_or_die
 
 if __name__ == "__main__":
-    from zero_functional.cli import main
+    from zero_functional.app.cli import main
 
     code = main(sys.argv[1:])
     with open(os.environ["DEATH_FILE"]) as f:

@@ -18,7 +18,7 @@ Why torch's lose 2 to 3 iterations: they wait for DDP to rebuild its buckets bef
 buckets to ranks. Here the bucket structure is read off the buckets as they arrive; the first
 backward (and any backward after DDP rebuilt its buckets) defers the updates to the last bucket,
 where the whole structure is known, builds the ownership of that structure
-(:func:`~zero_functional.ownership.bucket_ownership`), asks the optimizer to
+(:func:`~zero_functional.core.ownership.bucket_ownership`), asks the optimizer to
 :meth:`~zero_functional.optimizer.ZeroRedundancyOptimizer.reshard` its state to it, and updates.
 Later backwards update bucket by bucket.
 """
@@ -38,12 +38,12 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
-from zero_functional.amp import common_verdict
-from zero_functional.grad_sync import GradSync, all_reduce_widened, collectives_for
+from zero_functional.core.ownership import Run
+from zero_functional.core.plans import COLLECTIVES, Collectives, choose_collectives
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.overlap import OverlapState
-from zero_functional.ownership import Run
-from zero_functional.plans import COLLECTIVES, Collectives, choose_collectives
+from zero_functional.shell.amp import common_verdict
+from zero_functional.shell.grad_sync import GradSync, all_reduce_widened, collectives_for
+from zero_functional.shell.overlap import OverlapState
 
 __all__ = [
     "Collectives",

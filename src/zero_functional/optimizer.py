@@ -23,25 +23,25 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.agreement import agree, agreed_inputs
-from zero_functional.amp import refuse_scaler_step, scaler_verdict
-from zero_functional.checks import check_new_group, warn_ignored_bucket_view
-from zero_functional.functional import functional_spec, supports_group
-from zero_functional.grad_norm import clip_, local_norm, total_norm
-from zero_functional.join import StepJoinHook
-from zero_functional.local_shard import LocalShard
-from zero_functional.ownership import Ownership, PartitionName, Transfer
-from zero_functional.param_sync import ParamSync
-from zero_functional.param_table import ParamTable
-from zero_functional.partition import Piece
-from zero_functional.plans import choose_param_gather, ownership_of, plan_moves
-from zero_functional.state_dict import (
+from zero_functional.core.checks import check_new_group, warn_ignored_bucket_view
+from zero_functional.core.grad_norm import clip_, local_norm, total_norm
+from zero_functional.core.ownership import Ownership, PartitionName, Transfer
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece
+from zero_functional.core.piece_state import (
     PARTIAL_KEY,
     Consolidation,
     not_consolidated_message,
     validated_state,
 )
-from zero_functional.steppers import LocalView, choose_stepper, state_schemas
+from zero_functional.core.plans import choose_param_gather, ownership_of, plan_moves
+from zero_functional.functional import functional_spec, supports_group
+from zero_functional.shell.agreement import agree, agreed_inputs
+from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
+from zero_functional.shell.join import StepJoinHook
+from zero_functional.shell.local_shard import LocalShard
+from zero_functional.shell.param_sync import ParamSync
+from zero_functional.shell.steppers import LocalView, choose_stepper, state_schemas
 
 __all__ = ["PARTIAL_KEY", "ZeroRedundancyOptimizer", "not_consolidated_message"]
 
@@ -56,7 +56,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     Args:
         params: Tensors or parameter-group dicts, as ``torch.optim`` accepts.
         optimizer_class: Any ``torch.optim.Optimizer`` subclass; SGD, Adam and AdamW run the
-            functional core, others as real instances (:mod:`zero_functional.steppers`).
+            functional core, others as real instances (:mod:`zero_functional.shell.steppers`).
         process_group: The group to shard over (default: the world).
         parameters_as_bucket_view: Parameters become views into one buffer per owner
             (``"sorted_greedy"``) or per (device, dtype) (``"flat"``); the sync copies nothing.
@@ -67,7 +67,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             elementwise optimizers only: :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
         overlap_param_gather: Opt-in: ``step()`` (overlap mode: backward) returns once the
             parameter all-gather has started, and each module's forward waits for its own
-            (:mod:`zero_functional.param_sync`). Default off: torch's contract.
+            (:mod:`zero_functional.shell.param_sync`). Default off: torch's contract.
         compile: ``torch.compile`` SGD, Adam and AdamW: ``None`` where it measures faster
             (nowhere on CPU), ``True`` wherever it applies, ``False`` never.
         main_params_dtype: ``torch.float32``: bf16/fp16 parameters step through fp32 copies of
@@ -275,7 +275,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
         """Hand over parameter all-gathers in flight (a pending collective and the parameters
-        it writes), as the hooks do (:meth:`~zero_functional.param_sync.ParamSync.defer`)."""
+        it writes), as the hooks do (:meth:`~zero_functional.shell.param_sync.ParamSync.defer`)."""
         self._param_sync.defer(units)
 
     def finish_param_sync(self) -> None:

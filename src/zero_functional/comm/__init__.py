@@ -69,7 +69,7 @@ from zero_functional.comm.small import (
     send_object,
     to_bytes,
 )
-from zero_functional.plans import COALESCE_BELOW
+from zero_functional.core.plans import COALESCE_BELOW
 
 __all__ = [
     "COALESCE_BELOW",

@@ -1,6 +1,6 @@
 """Bulk collectives: gradients reduced onto their owners, parameters gathered from theirs.
 
-What to send is decided in :mod:`zero_functional.plans` (runs, even shards, the units of a
+What to send is decided in :mod:`zero_functional.core.plans` (runs, even shards, the units of a
 parameter all-gather); the functions here execute those plans and call nothing back.
 """
 
@@ -22,8 +22,8 @@ from zero_functional.comm.groups import (
     is_nccl,
 )
 from zero_functional.comm.pending import Pending, hold, issue, start_one
-from zero_functional.param_table import buffer_key
-from zero_functional.plans import COALESCE_BELOW, sync_plan
+from zero_functional.core.param_table import buffer_key
+from zero_functional.core.plans import COALESCE_BELOW, sync_plan
 
 
 def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
@@ -55,7 +55,7 @@ def start_reduce(
     """Start the reduce-scatter of a 1-D ``buffer``: each run summed onto its rank.
 
     ``runs`` are ``(start, stop, rank)`` stretches covering the buffer
-    (:meth:`~zero_functional.ownership.Ownership.runs`). With ``chunk`` (the runs are the even split ``[r * chunk, (r + 1) * chunk)``), one
+    (:meth:`~zero_functional.core.ownership.Ownership.runs`). With ``chunk`` (the runs are the even split ``[r * chunk, (r + 1) * chunk)``), one
     ``reduce_scatter_single`` over the buffer padded to ``chunk * world_size``; otherwise one
     reduce per run (grouped on NCCL). Afterwards each rank's runs hold the sums; other elements
     are undefined.
@@ -194,7 +194,7 @@ def start_gather_units(
     """Start one broadcast per unit ``(tensors, owner, packed)``, in list order (one coalesced
     launch on NCCL): a unit's one tensor in place, or its tensors ``packed`` through one staging
     buffer (copied out on arrival). The units come from a plan
-    (:func:`~zero_functional.plans.sync_plan`); the tensors are final after ``wait()``.
+    (:func:`~zero_functional.core.plans.sync_plan`); the tensors are final after ``wait()``.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -234,8 +234,8 @@ def start_sync_params(
 
     Large contiguous tensors travel in place; smaller ones in one staging buffer per
     (owner rank, device, dtype), issued after the large ones in a deterministic order
-    (:func:`~zero_functional.plans.sync_plan`). The tensors may be pieces of parameters
-    (:func:`~zero_functional.ownership.piece_view`).
+    (:func:`~zero_functional.core.plans.sync_plan`). The tensors may be pieces of parameters
+    (:func:`~zero_functional.core.ownership.piece_view`).
 
     Example:
         >>> import tempfile, torch.distributed as dist

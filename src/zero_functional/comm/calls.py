@@ -10,8 +10,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from zero_functional._validate import by_rank
 from zero_functional.comm.groups import ProcessGroup, Work, group_rank, group_size
+from zero_functional.core._validate import by_rank
 
 
 class CollectiveError(RuntimeError):

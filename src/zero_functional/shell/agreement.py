@@ -4,7 +4,7 @@ A check that fails on one rank only would leave the others waiting in its next c
 each rank checks locally, and the ranks exchange their verdicts (or, where all passed, a
 fingerprint of their parameters): a problem on any rank, or parameters that differ between
 ranks, is then the same error on every rank
-(:func:`~zero_functional.checks.agreement_verdict`).
+(:func:`~zero_functional.core.checks.agreement_verdict`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from typing import Any, cast
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.checks import (
+from zero_functional.core.checks import (
     agreement_verdict,
     check_devices,
     check_inputs,
     fingerprint,
     param_tensors,
 )
+from zero_functional.core.main_params import check_main_params_dtype
 from zero_functional.functional import update_kind
-from zero_functional.main_params import check_main_params_dtype
 
 __all__ = ["agree", "agreed_inputs"]
 
@@ -78,7 +78,7 @@ def agreed_inputs(
 ) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
     """``ZeroRedundancyOptimizer``'s arguments, checked on every rank; collective.
 
-    :func:`~zero_functional.checks.check_inputs` and ``main_params_dtype``'s, then that every
+    :func:`~zero_functional.core.checks.check_inputs` and ``main_params_dtype``'s, then that every
     parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
     the arguments' own error comes first, else the missing group's.
 

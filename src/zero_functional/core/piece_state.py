@@ -30,8 +30,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from zero_functional._validate import prefix_sums
-from zero_functional.param_table import ParamTable
+from zero_functional.core._validate import prefix_sums
+from zero_functional.core.param_table import ParamTable
 
 __all__ = [
     "Consolidation",
@@ -614,7 +614,7 @@ def check_shard_state(
 
     Example:
         >>> import torch
-        >>> from zero_functional.partition import Piece
+        >>> from zero_functional.core.partition import Piece
         >>> p = torch.zeros(4)
         >>> check_shard_state({0: {"momentum_buffer": torch.zeros(2)}}, [{}], [{}],
         ...                   {0: (Piece(0, 0, 2), p)}, [{"momentum_buffer": "elementwise"}])

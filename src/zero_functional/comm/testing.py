@@ -28,7 +28,7 @@ from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from zero_functional._validate import check_rank, check_world_size
+from zero_functional.core._validate import check_rank, check_world_size
 
 __all__ = ["fake_world"]
 

@@ -1,7 +1,7 @@
 """Who owns what: one frozen value that every mode of the optimizer asks (pure).
 
 An :class:`Ownership` says, for each rank, which pieces of which parameters it owns: a piece is a
-:class:`~zero_functional.partition.Piece` ``(param, start, stop)`` of the flattened (row-major)
+:class:`~zero_functional.core.partition.Piece` ``(param, start, stop)`` of the flattened (row-major)
 parameter. Whole-tensor ownership (torch's sorted-greedy, DDP buckets assigned whole) is the
 case where every piece is a whole parameter; the flat split lets a parameter straddle ranks.
 Each rank owns at most one piece of each parameter, so a rank's optimizer state is one dict per
@@ -32,9 +32,9 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from zero_functional._validate import check_numels, check_rank, check_world_size, prefix_sums
-from zero_functional.buckets import ddp_bucket_assignments
-from zero_functional.partition import Piece, flat, owners, sorted_greedy, sorted_greedy_groups
+from zero_functional.core._validate import check_numels, check_rank, check_world_size, prefix_sums
+from zero_functional.core.layout import ddp_bucket_assignments
+from zero_functional.core.partition import Piece, flat, owners, sorted_greedy, sorted_greedy_groups
 
 __all__ = [
     "PARTITIONS",
@@ -411,7 +411,7 @@ def flat_ownership(
     """Even split: the parameters of each key, end to end in index order, cut into ranges.
 
     Each key's parameters (one key per (device, dtype) in the optimizer) form one flat
-    sequence split by :func:`~zero_functional.partition.flat` into ``world_size`` contiguous
+    sequence split by :func:`~zero_functional.core.partition.flat` into ``world_size`` contiguous
     ranges on multiples of ``align``: a parameter may straddle ranks, and every rank's load is
     within ``align`` elements of ``total / world_size`` per key. A zero-size parameter goes to
     the rank whose range holds its position.

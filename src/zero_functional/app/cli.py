@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from zero_functional import __version__
-from zero_functional.plan_format import (
+from zero_functional.app.plan_format import (
     DTYPE_BYTES,
     check_ranks,
     format_hybrid,
@@ -151,7 +151,7 @@ def _current_directory_on_path() -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from zero_functional.models import MODELS, model_shapes, numels
+    from zero_functional.app.models import MODELS, model_shapes, numels
 
     if args.model not in MODELS:
         _current_directory_on_path()
@@ -162,7 +162,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not shapes:
         return _fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
     if args.shard_size is not None:
-        from zero_functional.partition import hybrid_shape
+        from zero_functional.core.partition import hybrid_shape
 
         try:
             for w in args.world_sizes:
@@ -173,7 +173,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.simulate is not None:
         try:
             check_ranks(args.simulate, args.world_sizes)  # before torch is imported
-            from zero_functional.simulate import model_params
+            from zero_functional.app.simulate import model_params
 
             params = model_params(shapes, args.dtype or "fp32")
         except ValueError as e:
@@ -191,7 +191,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             )
         )
     if params is not None:
-        from zero_functional.simulate import format_simulated, simulate_ranks
+        from zero_functional.app.simulate import format_simulated, simulate_ranks
 
         has_main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
         rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
@@ -270,7 +270,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
                 "--shard-size needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
                 "takes no device mesh",
             )
-        from zero_functional.partition import hybrid_shape
+        from zero_functional.core.partition import hybrid_shape
 
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
         try:
@@ -320,7 +320,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             import zero_functional.hooks  # noqa: F401
         except ImportError as e:
             return None, _fail(command, f"--overlap needs zero_functional.hooks, which fails: {e}")
-    from zero_functional.train import CheckpointError, TrainConfig, load_checkpoint
+    from zero_functional.app.train import CheckpointError, TrainConfig, load_checkpoint
 
     hidden: int | None = args.hidden
     if args.resume is not None:
@@ -377,7 +377,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg, code = _train_config(args, args.command)
     if code:
         return code
-    from zero_functional.train import TrainConfig, launch, run_torchrun
+    from zero_functional.app.train import TrainConfig, launch, run_torchrun
 
     assert isinstance(cfg, TrainConfig)
     if _under_torchrun():
@@ -403,7 +403,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _benchmarks_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "benchmarks"
+    return Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def format_bench(rows: Sequence[dict[str, object]]) -> str:
@@ -609,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="MODEL: a built-in spec or module:function returning an nn.Module "
         "(built on the meta device).",
     )
-    from zero_functional.models import MODELS
+    from zero_functional.app.models import MODELS
 
     plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
     plan.add_argument(

@@ -14,7 +14,7 @@ run resumed at another world size continues the same optimisation.
 
 Its checkpoints are :mod:`zero_functional.checkpoint` directories (or, with ``--impl torch``,
 one ``torch.save`` file); their format and the checks a resume makes are
-:mod:`zero_functional.checkpoint_format`'s.
+:mod:`zero_functional.checkpoint.format`'s.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from zero_functional import checkpoint_format, comm
-from zero_functional.launch import LaunchError, Terminated, process_group, run_ranks
-from zero_functional.ownership import check_partition
-from zero_functional.partition import hybrid_shape
-from zero_functional.storage import CheckpointError
+from zero_functional import comm
+from zero_functional.app.launch import LaunchError, Terminated, process_group, run_ranks
+from zero_functional.checkpoint import format as checkpoint_format
+from zero_functional.checkpoint.storage import CheckpointError
+from zero_functional.core.ownership import check_partition
+from zero_functional.core.partition import hybrid_shape
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -266,7 +267,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         >>> load_checkpoint("no-such-checkpoint")
         Traceback (most recent call last):
         ...
-        zero_functional.storage.CheckpointError: checkpoint no-such-checkpoint does not exist
+        zero_functional.checkpoint.storage.CheckpointError: checkpoint no-such-checkpoint does not exist
     """
     return checkpoint_format.read_train(path, build_model)
 
@@ -473,7 +474,7 @@ def _write_checkpoint(
 def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
     """Train with ZeRO (and the plain-DDP reference); call on every rank of the default group.
 
-    The arguments are in :func:`zero_functional.launch.run_ranks`'s order, which calls it.
+    The arguments are in :func:`zero_functional.app.launch.run_ranks`'s order, which calls it.
 
     Returns:
         On rank 0 the summary table, elsewhere ``None``.
@@ -565,7 +566,7 @@ def _summary(
 
 
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
-    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`zero_functional.launch.run_ranks`), run
+    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`zero_functional.app.launch.run_ranks`), run
     the job, print the summary.
 
     A rank that fails, dies or hangs past ``timeout_s`` ends the run: the others are stopped at

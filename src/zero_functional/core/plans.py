@@ -1,6 +1,6 @@
 """What to send and reshard, per bucket and per owner, computed from an Ownership (pure).
 
-Everything the stateful classes (the optimizer, :mod:`~zero_functional.param_sync`, the hooks)
+Everything the stateful classes (the optimizer, :mod:`~zero_functional.shell.param_sync`, the hooks)
 compute from the ownership, the parameters' metadata and the rank lives here, so that they only
 apply plans: the collective strategy (:func:`choose_collectives`, and the one place its name
 becomes the even-shards flag: :func:`takes_even_shards`), each buffer's plan as one value
@@ -37,8 +37,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from zero_functional._validate import check_world_size
-from zero_functional.ownership import (
+from zero_functional.core._validate import check_world_size
+from zero_functional.core.ownership import (
     Ownership,
     PartitionName,
     Run,
@@ -46,8 +46,8 @@ from zero_functional.ownership import (
     flat_ownership,
     sorted_greedy_ownership,
 )
-from zero_functional.param_table import BufferKey, ParamTable
-from zero_functional.partition import Piece
+from zero_functional.core.param_table import BufferKey, ParamTable
+from zero_functional.core.partition import Piece
 
 __all__ = [
     "COALESCE_BELOW",
@@ -147,7 +147,7 @@ def choose_param_gather(overlap_with_ddp: bool, requested: bool | None = None) -
     that saves ``model.state_dict()``, reads a tied weight or compares ranks after backward,
     read them then. ``overlap_param_gather=True`` is the opt-in speed (measured in
     ``benchmarks/bench_iteration.py``: 0.88-1.00x instead of 1.06-1.12x torch's best after
-    backward at 2-4 ranks on gloo), safe as :mod:`zero_functional.param_sync` describes.
+    backward at 2-4 ranks on gloo), safe as :mod:`zero_functional.shell.param_sync` describes.
 
     Example:
         >>> choose_param_gather(overlap_with_ddp=True), choose_param_gather(overlap_with_ddp=False)
@@ -199,12 +199,12 @@ def buffer_runs(
 
     The one plan of every bucket this package sends (bucket views, DDP buckets in overlap
     mode and under :func:`~zero_functional.hooks.reduce_scatter_hook`): who owns which
-    stretch (:meth:`~zero_functional.ownership.Ownership.runs`), and the shard size for
+    stretch (:meth:`~zero_functional.core.ownership.Ownership.runs`), and the shard size for
     ``reduce_scatter_single`` / ``all_gather_single`` when ``even`` (the strategy takes even
     shards: ``"reduce_scatter+all_gather"``) and the runs are the even split (else ``None``).
 
     Example:
-        >>> from zero_functional.ownership import flat_ownership
+        >>> from zero_functional.core.ownership import flat_ownership
         >>> o = flat_ownership([4, 3], 2)
         >>> buffer_runs(o, [0, 1], even=True)
         ((Run(start=0, stop=4, rank=0), Run(start=4, stop=7, rank=1)), 4)
@@ -223,8 +223,8 @@ class BufferPlan:
     """How one buffer of parameters laid end to end travels: the collective strategy as a value.
 
     Computed once per buffer and ownership (:func:`buffer_plan`); the gradient reduction
-    (:mod:`~zero_functional.grad_sync`) and the parameter all-gather
-    (:mod:`~zero_functional.param_sync`) execute it through :mod:`~zero_functional.comm`.
+    (:mod:`~zero_functional.shell.grad_sync`) and the parameter all-gather
+    (:mod:`~zero_functional.shell.param_sync`) execute it through :mod:`~zero_functional.comm`.
 
     Attributes:
         collectives: The strategy (:func:`choose_collectives`).
@@ -249,7 +249,7 @@ class BufferPlan:
         """The ``(start, stop)`` of the runs ``rank`` owns (:func:`owned_spans`).
 
         Example:
-            >>> from zero_functional.ownership import flat_ownership
+            >>> from zero_functional.core.ownership import flat_ownership
             >>> buffer_plan(flat_ownership([4, 3], 2), [0, 1], "reduce+broadcast").spans_of(1)
             [(4, 7)]
         """
@@ -262,7 +262,7 @@ def buffer_plan(ownership: Ownership, order: Sequence[int], collectives: Collect
     broadcasts under either strategy.
 
     Example:
-        >>> from zero_functional.ownership import flat_ownership
+        >>> from zero_functional.core.ownership import flat_ownership
         >>> o = flat_ownership([4, 3], 2)
         >>> buffer_plan(o, [0, 1], "reduce_scatter+all_gather").chunk
         4
@@ -307,7 +307,7 @@ def send_list(ownership: Ownership, trainable: Sequence[bool]) -> list[tuple[int
     as ``(global index, owner, piece)``, in index order (the same on every rank).
 
     Example:
-        >>> from zero_functional.ownership import flat_ownership
+        >>> from zero_functional.core.ownership import flat_ownership
         >>> [(k, r, (s.start, s.stop)) for k, r, s in send_list(flat_ownership([3, 2], 2), [True, False])]
         [(0, 0, (0, 3))]
     """
@@ -323,7 +323,7 @@ def bucket_view_groups(
     ownership: Ownership, keys: Sequence[BufferKey], trainable: Sequence[bool]
 ) -> list[list[int]]:
     """The parameters each bucket view holds (global indices, in order), given each
-    parameter's :class:`~zero_functional.param_table.BufferKey`.
+    parameter's :class:`~zero_functional.core.param_table.BufferKey`.
 
     Whole-tensor ownerships take torch's buckets: per owner and key, trainable parameters only.
     Split ownerships (``"flat"``) take every parameter of a key, in index order, since a
@@ -331,7 +331,7 @@ def bucket_view_groups(
     on every rank.
 
     Example:
-        >>> from zero_functional.ownership import flat_ownership, sorted_greedy_ownership
+        >>> from zero_functional.core.ownership import flat_ownership, sorted_greedy_ownership
         >>> f32 = BufferKey("cpu", "torch.float32")
         >>> bucket_view_groups(sorted_greedy_ownership([[4, 3, 2]], 2), [f32] * 3, [True] * 3)
         [[0], [1, 2]]
@@ -374,7 +374,7 @@ def plan_moves(old: Ownership, new: Ownership, rank: int) -> ReshardPlan:
         ValueError: ``new`` is over other parameters or another world size.
 
     Example:
-        >>> from zero_functional.ownership import flat_ownership, sorted_greedy_ownership
+        >>> from zero_functional.core.ownership import flat_ownership, sorted_greedy_ownership
         >>> plan = plan_moves(sorted_greedy_ownership([[4, 4]], 2), flat_ownership([4, 4], 2), 0)
         >>> plan.pairs, sorted(plan.receives), sorted(plan.held)
         ((), [0], [0])
@@ -401,7 +401,7 @@ def ownership_for(
     partition: PartitionName, param_groups: Sequence[Mapping[str, Any]], world_size: int
 ) -> Ownership:
     """The ownership ``partition`` gives parameter groups (only their tensors' metadata is
-    read): :func:`ownership_of` their :class:`~zero_functional.param_table.ParamTable`.
+    read): :func:`ownership_of` their :class:`~zero_functional.core.param_table.ParamTable`.
 
     Example:
         >>> import torch
@@ -498,7 +498,7 @@ def sync_plan(
     Args:
         owners: Each tensor's group rank.
         numels: Each tensor's number of elements.
-        keys: Each tensor's buffer key (:class:`~zero_functional.param_table.BufferKey`).
+        keys: Each tensor's buffer key (:class:`~zero_functional.core.param_table.BufferKey`).
         contiguous: Whether each tensor is contiguous (else it is packed).
         nccl: Whether the group's backend is NCCL (which takes grouped broadcasts as one
             launch).

@@ -13,7 +13,7 @@ overlap them. Underneath:
   ``.metadata`` beside it); the reader checks length and CRC32 before deserialising, so a
   flipped or truncated byte is a :class:`CheckpointCorruptError`, never NaN state;
 * the checkpoint is written to ``<path>.tmp-<id>`` and swapped onto ``<path>`` by rank 0 once
-  every rank's data is on disk (:mod:`zero_functional.atomic_dir`): a crash mid-save leaves the
+  every rank's data is on disk (:mod:`zero_functional.checkpoint.atomic_dir`): a crash mid-save leaves the
   previous checkpoint readable, and the next save removes what it left. A ``<path>`` that is a
   file, a link or a directory of something else is refused before anything is written.
 
@@ -72,9 +72,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from zero_functional import atomic_dir, comm
-from zero_functional._validate import by_rank
-from zero_functional.ownership import Box, flat_range_boxes
+from zero_functional import comm
+from zero_functional.checkpoint import atomic_dir
+from zero_functional.core._validate import by_rank
+from zero_functional.core.ownership import Box, flat_range_boxes
 
 __all__ = [
     "CheckpointCorruptError",
@@ -106,7 +107,7 @@ class CheckpointError(RuntimeError, ValueError):
     each rank's cause, raised on every rank).
 
     The library's one checkpoint error: :mod:`~zero_functional.checkpoint`,
-    :mod:`~zero_functional.checkpoint_format` (the train job's checks too) and this module raise
+    :mod:`~zero_functional.checkpoint.format` (the train job's checks too) and this module raise
     it. A ``RuntimeError`` as the
     sharded layer's was, and a ``ValueError`` as the train job's was, so that code catching
     either keeps working.

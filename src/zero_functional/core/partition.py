@@ -16,7 +16,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from zero_functional._validate import (
+from zero_functional.core._validate import (
     ceil_div,
     check_align,
     check_numels,
@@ -187,7 +187,7 @@ class Piece:
 
     Empty only for a zero-size parameter, which is owned as the empty piece ``[0, 0)``.
     ``param_numel`` is the whole parameter's size (what :attr:`is_whole` compares with): every
-    piece an :class:`~zero_functional.ownership.Ownership` holds knows it.
+    piece an :class:`~zero_functional.core.ownership.Ownership` holds knows it.
 
     Example:
         >>> Piece(0, 0, 6, param_numel=6).is_whole, Piece(0, 2, 6, param_numel=6).is_whole

@@ -1,6 +1,6 @@
 """The functional ZeRO step for custom training loops (``torch.func`` and friends).
 
-No stateful shell: given an :class:`~zero_functional.ownership.Ownership` (which rank owns which
+No stateful shell: given an :class:`~zero_functional.core.ownership.Ownership` (which rank owns which
 pieces of which parameters: whole tensors, or flat pieces that straddle ranks), this rank and
 a functional optimizer, :func:`shard_init` builds state for the owned pieces only and
 :func:`shard_update` updates them purely. Around it, two collectives give the step DDP's bytes:
@@ -11,7 +11,7 @@ a functional optimizer, :func:`shard_init` builds state for the owned pieces onl
 Example:
     >>> import torch
     >>> from zero_functional.functional import adam
-    >>> from zero_functional.ownership import flat_ownership
+    >>> from zero_functional.core.ownership import flat_ownership
     >>> params = {"w": torch.ones(4, 2), "b": torch.zeros(2)}
     >>> ownership = flat_ownership([p.numel() for p in params.values()], world_size=2)
     >>> ownership.owned(0)  # rank 0 owns the first 5 of the 10 elements: most of "w"
@@ -32,9 +32,9 @@ from typing import NamedTuple, overload
 import torch
 from torch import Tensor
 
+from zero_functional.core.ownership import Ownership, piece_view, whole_ownership
+from zero_functional.core.partition import Piece, owners
 from zero_functional.functional import FunctionalOptimizer, State
-from zero_functional.ownership import Ownership, piece_view, whole_ownership
-from zero_functional.partition import Piece, owners
 
 __all__ = ["ShardState", "shard_init", "shard_update"]
 
@@ -55,7 +55,7 @@ def _as_list(params: Params) -> list[Tensor]:
 
 def _ownership(ownership: OwnershipLike, params: Sequence[Tensor]) -> Ownership:
     """An Ownership as it is; a whole-tensor partition (per rank, parameter indices, as
-    :func:`~zero_functional.partition.sorted_greedy` returns) as the ownership it describes."""
+    :func:`~zero_functional.core.partition.sorted_greedy` returns) as the ownership it describes."""
     if isinstance(ownership, Ownership):
         if ownership.numels != tuple(p.numel() for p in params):
             raise ValueError(
@@ -75,7 +75,7 @@ def shard_init(
     Args:
         opt: A functional optimizer (``zero_functional.functional.adam(...)`` etc.).
         params: All parameters, as a list or a ``{name: tensor}`` dict (model order).
-        ownership: Which rank owns what (:func:`~zero_functional.ownership.flat_ownership`
+        ownership: Which rank owns what (:func:`~zero_functional.core.ownership.flat_ownership`
             etc.), or a whole-tensor partition (per rank, the parameter indices it owns).
         rank: This rank.
 

@@ -34,13 +34,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from zero_functional import comm
-from zero_functional.buckets import bucket_layout, views
 from zero_functional.comm import Pending
-from zero_functional.grad_sync import collectives_for
-from zero_functional.ownership import Ownership, piece_view
-from zero_functional.param_table import ParamTable
-from zero_functional.partition import Piece
-from zero_functional.plans import (
+from zero_functional.core.layout import bucket_layout, views
+from zero_functional.core.ownership import Ownership, piece_view
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece
+from zero_functional.core.plans import (
     BufferPlan,
     SyncPlan,
     bucket_view_groups,
@@ -48,6 +47,7 @@ from zero_functional.plans import (
     send_list,
     sync_plan,
 )
+from zero_functional.shell.grad_sync import collectives_for
 
 __all__ = ["ParamSync", "waited_by"]
 
@@ -95,7 +95,7 @@ class ParamSync:
     """One optimizer's parameter storage, all-gathers, and the hooks that wait for them.
 
     Args:
-        table: The optimizer's parameters (:class:`~zero_functional.param_table.ParamTable`).
+        table: The optimizer's parameters (:class:`~zero_functional.core.param_table.ParamTable`).
         group: The process group the all-gathers run on.
         call: Names the collectives being waited for when they fail (``comm.call``).
         deferred: Whether all-gathers may be left in flight (``overlap_param_gather``); only
@@ -156,7 +156,7 @@ class ParamSync:
     def rebuild(self, ownership: Ownership, bucket_view: bool) -> None:
         """Follow ``ownership`` (and the parameters' ``requires_grad``): the send list and,
         with ``bucket_view``, the bucket views (parameters become views of one buffer per
-        :func:`~zero_functional.plans.bucket_view_groups` group)."""
+        :func:`~zero_functional.core.plans.bucket_view_groups` group)."""
         self.finish()  # the old views may still be being written
         params = self._table.params
         self._ownership = ownership
@@ -221,7 +221,7 @@ class ParamSync:
         self, indices: Sequence[int], group: comm.ProcessGroup, plan: BufferPlan
     ) -> list[Unit]:
         """Start the all-gather of the parameters ``indices`` (one DDP bucket's, end to end,
-        whose ``plan`` :func:`~zero_functional.plans.buffer_plan` gives): the units in flight
+        whose ``plan`` :func:`~zero_functional.core.plans.buffer_plan` gives): the units in flight
         and the parameters each writes."""
         params = self._table.params
         if plan.chunk is None:
@@ -239,7 +239,7 @@ class ParamSync:
         return [(pending, ps)]
 
     def _sync_plan(self, sends: Sequence[Send], group: comm.ProcessGroup) -> SyncPlan:
-        """The broadcasts of ``sends`` (:func:`~zero_functional.plans.sync_plan`): a piece
+        """The broadcasts of ``sends`` (:func:`~zero_functional.core.plans.sync_plan`): a piece
         of part of a parameter is a contiguous view; a whole one is the parameter."""
         params = self._table.params
         return sync_plan(

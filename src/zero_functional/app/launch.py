@@ -443,7 +443,7 @@ def run_ranks(
         >>> run_ranks(math.log, 2, start_method="fork")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        zero_functional.launch.LaunchError: rank 0 raised ValueError: math domain error
+        zero_functional.app.launch.LaunchError: rank 0 raised ValueError: math domain error
         --- rank 0:
         Traceback (most recent call last):
         ...

@@ -3,10 +3,10 @@
 Megatron-LM's buffers reduce gradients through one ``start_grad_sync`` / ``finish_grad_sync``
 pair, whichever of its DDP paths drives them. Here :class:`GradSync` is that owner: both
 :func:`~zero_functional.hooks.reduce_scatter_hook` (step after backward) and overlap mode
-(:class:`~zero_functional.overlap.OverlapState`) start each DDP bucket's reduction with
+(:class:`~zero_functional.shell.overlap.OverlapState`) start each DDP bucket's reduction with
 :meth:`GradSync.start` and finish it through the :class:`GradReduce` it returns. It holds the
 collective strategy (:func:`collectives_for`, the one place it is decided) and each bucket's
-:class:`~zero_functional.plans.BufferPlan`, cached per ownership.
+:class:`~zero_functional.core.plans.BufferPlan`, cached per ownership.
 
 One reduction, written once: the bucket is widened to the reduce dtype (if any), divided by
 DDP's world (as DDP divides, then sums), summed onto the owner of each run in the shard group
@@ -28,9 +28,9 @@ from torch import Tensor
 from torch.futures import Future
 
 from zero_functional import comm
-from zero_functional.ownership import Ownership
-from zero_functional.param_table import ParamTable
-from zero_functional.plans import BufferPlan, Collectives, buffer_plan, choose_collectives
+from zero_functional.core.ownership import Ownership
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.plans import BufferPlan, Collectives, buffer_plan, choose_collectives
 
 if TYPE_CHECKING:
     from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -49,7 +49,7 @@ def collectives_for(
     group: comm.ProcessGroup, *, even: bool, hook_is_allreduce: bool = True
 ) -> Collectives:
     """The collective strategy for buffers sharded over ``group``: the one place the package
-    decides it (:func:`~zero_functional.plans.choose_collectives` on the group's backend and
+    decides it (:func:`~zero_functional.core.plans.choose_collectives` on the group's backend and
     size). ``even``: the ownership may split buffers evenly.
 
     Example:

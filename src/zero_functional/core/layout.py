@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zero_functional._validate import check_align, check_numels, check_world_size, round_up
+from zero_functional.core._validate import check_align, check_numels, check_world_size, round_up
 
 __all__ = [
     "BucketAssignment",

@@ -1,6 +1,6 @@
 """``zero-functional plan --simulate``: build the optimizer as chosen ranks of a large world would.
 
-Each simulated rank runs under :func:`zero_functional.testing.fake_world` (torch's fake process
+Each simulated rank runs under :func:`zero_functional.comm.testing.fake_world` (torch's fake process
 group): the ``ZeroRedundancyOptimizer`` is built over real CPU tensors of the model's shapes, as
 that rank of that world would build it, and takes one ``step()`` with zero gradients, so its
 state exists. What it holds (pieces, elements, state bytes) is then this package's own code at
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from zero_functional.models import Shape
+from zero_functional.app.models import Shape
 
 __all__ = [
     "MAX_SIMULATE_BYTES",
@@ -113,9 +113,9 @@ def simulate(
         >>> r.shard_size, r.pieces, r.elements, r.state_bytes
         (8, 2, 520, 4168)
     """
+    from zero_functional.comm.testing import fake_world
+    from zero_functional.core.partition import hybrid_shape
     from zero_functional.optimizer import ZeroRedundancyOptimizer
-    from zero_functional.partition import hybrid_shape
-    from zero_functional.testing import fake_world
 
     started = time.perf_counter()
     with fake_world(world_size, rank):
@@ -172,7 +172,7 @@ def format_simulated(rows: Sequence[SimulatedRank]) -> str:
         world   rank  shard of  partition      pieces  owned elements  state bytes   seconds
          1024   1023         8  flat                2             520      4.1 KiB      0.01
     """
-    from zero_functional.train import format_bytes
+    from zero_functional.app.train import format_bytes
 
     lines = [
         "simulated ranks (torch's fake process group; AdamW, one step() with zero gradients)",

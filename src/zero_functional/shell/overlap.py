@@ -4,9 +4,9 @@ What :func:`~zero_functional.hooks.hook_with_zero_step` and its interleaved twin
 buckets and iterations (:class:`OverlapState`): a state machine per bucket
 (:class:`BucketStatus`), small records for the work in flight, and the bucket structure adopted
 so far, from which the ownership of each bucket's pieces is built. Each bucket's reduction onto
-its owners is :class:`~zero_functional.grad_sync.GradSync`'s, as under
+its owners is :class:`~zero_functional.shell.grad_sync.GradSync`'s, as under
 :func:`~zero_functional.hooks.reduce_scatter_hook`; its parameter all-gather is
-:class:`~zero_functional.param_sync.ParamSync`'s.
+:class:`~zero_functional.shell.param_sync.ParamSync`'s.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from torch.amp import GradScaler
 from torch.futures import Future
 
 from zero_functional import comm
-from zero_functional.amp import ScalerFacade, overlap_verdict
-from zero_functional.grad_sync import GradReduce, GradSync
-from zero_functional.ownership import bucket_ownership
-from zero_functional.param_table import ParamTable
-from zero_functional.plans import Collectives
+from zero_functional.core.ownership import bucket_ownership
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.plans import Collectives
+from zero_functional.shell.amp import ScalerFacade, overlap_verdict
+from zero_functional.shell.grad_sync import GradReduce, GradSync
 
 if TYPE_CHECKING:
     from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -299,7 +299,7 @@ class OverlapState:
 
     def _scaled_step(self) -> None:
         """With a GradScaler: unscale every owned gradient, one verdict on every rank
-        (:func:`~zero_functional.amp.overlap_verdict`), then update everything or nothing."""
+        (:func:`~zero_functional.shell.amp.overlap_verdict`), then update everything or nothing."""
         assert self.scaler is not None
         buckets, zero = self._backward.buckets, self.zero
         owned = [g for b in buckets for g in b.owned_grads(zero, self.used).values()]

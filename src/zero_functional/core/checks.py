@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from zero_functional.core.ownership import check_partition, check_splittable
 from zero_functional.functional import update_kind
-from zero_functional.ownership import check_partition, check_splittable
 
 __all__ = [
     "agreement_verdict",

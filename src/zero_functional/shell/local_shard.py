@@ -1,7 +1,7 @@
 """This rank's shard: the pieces it owns, their gradients, their state and their update.
 
 :class:`LocalShard` answers everything :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer`
-asks about its own rank under one :class:`~zero_functional.ownership.Ownership`: which piece of a
+asks about its own rank under one :class:`~zero_functional.core.ownership.Ownership`: which piece of a
 parameter it owns, the gradients of its pieces, one step over them, their state in and out
 (state dicts, sharded checkpoints, resharding) and which parameters train. It issues no
 collective (the shell runs those around it), so it works without a process group. The state
@@ -18,14 +18,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from zero_functional.amp import unscaled
-from zero_functional.checks import check_unfrozen
-from zero_functional.main_params import MAIN_KEY, main_dtype_for, step_through_main_
-from zero_functional.ownership import Ownership, Transfer, piece_view
-from zero_functional.param_table import ParamTable
-from zero_functional.partition import Piece
-from zero_functional.plans import ReshardPlan
-from zero_functional.state_dict import (
+from zero_functional.core.checks import check_unfrozen
+from zero_functional.core.main_params import MAIN_KEY, main_dtype_for, step_through_main_
+from zero_functional.core.ownership import Ownership, Transfer, piece_view
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece
+from zero_functional.core.piece_state import (
     Range,
     StateSchema,
     check_shard_state,
@@ -34,7 +32,9 @@ from zero_functional.state_dict import (
     slice_state,
     to_cpu,
 )
-from zero_functional.steppers import (
+from zero_functional.core.plans import ReshardPlan
+from zero_functional.shell.amp import unscaled
+from zero_functional.shell.steppers import (
     FunctionalStepper,
     LocalView,
     RealStepper,
@@ -55,21 +55,21 @@ class LocalShard:
     Args:
         ownership: Which rank owns which pieces of which parameters.
         rank: This rank.
-        table: The optimizer's parameters (:class:`~zero_functional.param_table.ParamTable`).
+        table: The optimizer's parameters (:class:`~zero_functional.core.param_table.ParamTable`).
         param_groups: The optimizer's groups, for their hyperparameters (read at each call, so
             edits apply).
         state: The optimizer's state (parameter -> state dict, a ``defaultdict(dict)``),
             shared, changed in place.
-        stepper: What updates the pieces (:func:`~zero_functional.steppers.choose_stepper`).
+        stepper: What updates the pieces (:func:`~zero_functional.shell.steppers.choose_stepper`).
         name: The optimizer class's name, for messages.
         main_params_dtype: Update low-precision parameters through main copies of this dtype
-            (:mod:`zero_functional.main_params`), or ``None``.
+            (:mod:`zero_functional.core.main_params`), or ``None``.
 
     Example:
         >>> import torch
         >>> from collections import defaultdict
         >>> from zero_functional.functional import functional_spec
-        >>> from zero_functional.ownership import flat_ownership
+        >>> from zero_functional.core.ownership import flat_ownership
         >>> w = torch.nn.Parameter(torch.ones(4))
         >>> groups = torch.optim.SGD([w], lr=0.5).param_groups
         >>> stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)
@@ -108,7 +108,7 @@ class LocalShard:
 
     def extended(self, ownership: Ownership, table: ParamTable) -> LocalShard:
         """This shard, its state and its stepper, over more parameters: ``table`` and an
-        ownership :meth:`~zero_functional.ownership.Ownership.extended` to them (what
+        ownership :meth:`~zero_functional.core.ownership.Ownership.extended` to them (what
         ``add_param_group`` reshards from)."""
         return LocalShard(
             ownership,
@@ -146,7 +146,7 @@ class LocalShard:
 
     def pieces_stepper(self) -> Stepper:
         """The stepper, which runs on pieces; a RuntimeError where it is a
-        :class:`~zero_functional.steppers.RealStepper` (whole parameters, ``step()`` only)."""
+        :class:`~zero_functional.shell.steppers.RealStepper` (whole parameters, ``step()`` only)."""
         if isinstance(self.stepper, RealStepper):
             raise RuntimeError(
                 "update_owned needs an optimizer that runs on pieces; this one runs "
@@ -186,7 +186,7 @@ class LocalShard:
     ) -> tuple[float | None, dict[int, Tensor] | None]:
         """This rank's part of ``step()`` before the parameter sync, and the closure's loss.
 
-        A :class:`~zero_functional.steppers.RealStepper` steps its whole parameters now
+        A :class:`~zero_functional.shell.steppers.RealStepper` steps its whole parameters now
         (``closure`` and ``kwargs`` reach the class's ``step``) and no gradients come back;
         otherwise the closure runs and the gradients of the pieces come back, for the sync to
         :meth:`update` in its order: divided by ``grad_scale`` (a GradScaler's, handed to an
@@ -236,7 +236,7 @@ class LocalShard:
 
     def cpu_shard(self) -> dict[int, tuple[Range, dict[str, object]]]:
         """:meth:`shard_state` with ranges for pieces and CPU copies for tensors: what travels
-        to a consolidating rank (:func:`~zero_functional.state_dict.merge_shards` joins them)."""
+        to a consolidating rank (:func:`~zero_functional.core.piece_state.merge_shards` joins them)."""
         return {k: ((s.start, s.stop), to_cpu(v)) for k, (s, v) in self.shard_state().items()}
 
     def cut(self, state: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, object]]:
@@ -285,7 +285,7 @@ class LocalShard:
         schemas: Sequence[StateSchema | None],
     ) -> None:
         """Raise unless ``state`` (global index -> a piece's state) fits this rank's pieces and
-        ``saved_groups`` the groups (:func:`~zero_functional.state_dict.check_shard_state`);
+        ``saved_groups`` the groups (:func:`~zero_functional.core.piece_state.check_shard_state`);
         ``schemas`` per group."""
         params, group_of = self.table.params, self.table.group_of
         check_shard_state(

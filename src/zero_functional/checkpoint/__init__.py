@@ -3,7 +3,7 @@
 :func:`save` and :func:`load` are collective. A checkpoint is a directory in *model space*
 (the model's tensors, and the optimizer state in each parameter's own shape, keyed by name), so
 it depends on neither the world size nor the partition; what is stored under which key, and
-the reader of each format version, are :mod:`zero_functional.checkpoint_format`'s. Here is who
+the reader of each format version, are :mod:`zero_functional.checkpoint.format`'s. Here is who
 writes and reads what:
 
 * the model's parameters: each rank writes the pieces of those its optimizer owns (the writing
@@ -15,7 +15,7 @@ writes and reads what:
 
 No byte of optimizer state goes through the process group. A checkpoint that does not fit
 (another model, a missing key, another shape) or whose bytes are not what was written (a
-checksum per item) is a :class:`~zero_functional.storage.CheckpointError` on every rank, with
+checksum per item) is a :class:`~zero_functional.checkpoint.storage.CheckpointError` on every rank, with
 the model and the optimizer untouched.
 
 To load one into a plain, unsharded optimizer::
@@ -52,8 +52,9 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
-from zero_functional import checkpoint_format, comm
-from zero_functional.checkpoint_format import (
+from zero_functional import comm
+from zero_functional.checkpoint import format as checkpoint_format
+from zero_functional.checkpoint.format import (
     FORMAT,
     Held,
     Owned,
@@ -63,14 +64,14 @@ from zero_functional.checkpoint_format import (
     model_state_dict,
     optimizer_state_dict,
 )
-from zero_functional.main_params import main_dtype_for
+from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
+from zero_functional.core.main_params import main_dtype_for
+from zero_functional.core.ownership import flat_range_boxes
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece
+from zero_functional.core.piece_state import is_elementwise
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ownership import flat_range_boxes
-from zero_functional.param_table import ParamTable
-from zero_functional.partition import Piece
-from zero_functional.state_dict import is_elementwise
-from zero_functional.steppers import hyperparameters, probe_state
-from zero_functional.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
+from zero_functional.shell.steppers import hyperparameters, probe_state
 
 __all__ = [
     "FORMAT",

@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.amp import GradScaler
 
 from zero_functional import comm
+from zero_functional.core.ownership import Run
 from zero_functional.functional import group_indices
-from zero_functional.ownership import Run
 
 __all__ = [
     "ScalerFacade",

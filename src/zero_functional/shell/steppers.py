@@ -25,12 +25,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from zero_functional.core.piece_state import is_elementwise
 from zero_functional.functional import (
     FunctionalSpec,
     group_hyperparams,
     update_kind,
 )
-from zero_functional.state_dict import is_elementwise
 
 __all__ = [
     "FunctionalStepper",

@@ -1,6 +1,6 @@
 """Replace a directory atomically: write a marked temporary beside it, swap it in, clean up after.
 
-What :func:`zero_functional.storage.save_pieces` does with a checkpoint, in four steps:
+What :func:`zero_functional.checkpoint.storage.save_pieces` does with a checkpoint, in four steps:
 
 1. :func:`refusal`: ``path`` must be absent, an empty directory or a checkpoint (it holds a
    ``.metadata``, or the marker below); a file, a link or a directory of something else is
@@ -39,7 +39,7 @@ _METADATA = ".metadata"  # what every checkpoint directory holds (DCP's index)
 
 
 def _marker_text(path: str) -> str:
-    return f"zero_functional.atomic_dir: a save to {os.path.abspath(path)}\n"
+    return f"zero_functional.checkpoint.atomic_dir: a save to {os.path.abspath(path)}\n"
 
 
 def refusal(path: str) -> str | None:

@@ -2,7 +2,7 @@
 per format version.
 
 **zero_functional.checkpoint/1** (:data:`FORMAT`): a directory written through
-:mod:`zero_functional.storage` (``torch.distributed.checkpoint``'s format, a checksum per item,
+:mod:`zero_functional.checkpoint.storage` (``torch.distributed.checkpoint``'s format, a checksum per item,
 replaced atomically), in *model space*, so that it depends on neither the world size nor the
 partition:
 
@@ -17,7 +17,7 @@ partition:
 :func:`read` reads what a rank's :class:`Request` needs with the reader of the version the
 checkpoint names (:data:`READERS`: :func:`read_v1`) and hands back :class:`Contents`.
 
-**zero_functional.train/1** (:data:`TRAIN_FORMAT`): the demo train job's, in two layouts, both
+**zero_functional.app.train/1** (:data:`TRAIN_FORMAT`): the demo train job's, in two layouts, both
 read by :func:`read_train`: a checkpoint/1 directory whose ``extra`` is :func:`train_extra`
 (:func:`read_train_directory`), or one ``torch.save`` file of ``format``, ``model``,
 ``optimizer``, ``epoch`` and ``args`` (what ``--impl torch`` writes, and what earlier versions
@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zero_functional import storage
+from zero_functional.checkpoint import storage
+from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
-from zero_functional.main_params import MAIN_KEY
-from zero_functional.partition import Piece
-from zero_functional.state_dict import is_elementwise
-from zero_functional.storage import CheckpointError, Pieces
+from zero_functional.core.main_params import MAIN_KEY
+from zero_functional.core.partition import Piece
+from zero_functional.core.piece_state import is_elementwise
 
 __all__ = [
     "FORMAT",
@@ -77,7 +77,7 @@ __all__ = [
 FORMAT = "zero_functional.checkpoint/1"
 """The ``format`` object of the checkpoints :func:`write` writes."""
 
-TRAIN_FORMAT = "zero_functional.train/1"
+TRAIN_FORMAT = "zero_functional.app.train/1"
 """The ``format`` key of the train job's checkpoints; others are refused on resume."""
 
 _MODEL, _STATE = "model.", "state."
@@ -206,7 +206,7 @@ class Snapshot:
 
 
 def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
-    """The tensor items (:data:`~zero_functional.storage.Pieces`) and objects of a snapshot.
+    """The tensor items (:data:`~zero_functional.checkpoint.storage.Pieces`) and objects of a snapshot.
 
     Example:
         >>> held = Held("w", (2,), Piece(0, 0, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
@@ -253,7 +253,7 @@ def write(
     """Write every rank's snapshot to the directory ``path`` in :data:`FORMAT`; collective.
 
     Raises:
-        CheckpointError: On every rank (see :func:`~zero_functional.storage.save_pieces`).
+        CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
 
     Example:
         >>> # write("ckpt", snapshot, None, max_box_numel=1 << 22)
@@ -472,7 +472,7 @@ def train_extra(epoch: int, args: Mapping[str, Any]) -> dict[str, Any]:
 
     Example:
         >>> train_extra(2, {"hidden": 8})
-        {'format': 'zero_functional.train/1', 'epoch': 2, 'args': {'hidden': 8}}
+        {'format': 'zero_functional.app.train/1', 'epoch': 2, 'args': {'hidden': 8}}
     """
     return {"format": TRAIN_FORMAT, "epoch": epoch, "args": dict(args)}
 
@@ -521,7 +521,7 @@ def read_train(
         CheckpointError: Missing, corrupt, not the job's format, or not the job's model.
 
     Example:
-        >>> # read_train("ckpt", zero_functional.train.build_model)["epoch"]
+        >>> # read_train("ckpt", zero_functional.app.train.build_model)["epoch"]
     """
     p = Path(path)
     if p.is_dir():
@@ -532,7 +532,7 @@ def read_train(
 def read_train_file(
     path: str | os.PathLike[str], build_model: Callable[[int], nn.Module]
 ) -> dict[str, Any]:
-    """The reader of a train job's single ``torch.save`` file (``zero_functional.train/1``).
+    """The reader of a train job's single ``torch.save`` file (``zero_functional.app.train/1``).
 
     The zip archive's CRCs are verified, then the model and Adam state are loaded into the
     model its own ``args`` describe. The result holds ``model``, ``optimizer``, ``epoch`` and
@@ -542,7 +542,7 @@ def read_train_file(
         CheckpointError: Missing, corrupt, not the job's format, or not the job's model.
 
     Example:
-        >>> # read_train_file("ckpt.pt", zero_functional.train.build_model)["model"]
+        >>> # read_train_file("ckpt.pt", zero_functional.app.train.build_model)["model"]
     """
     p = Path(path)
     if not p.is_file():
@@ -602,7 +602,7 @@ def read_train_directory(
         CheckpointError: Corrupt, not the job's format, or not the job's model.
 
     Example:
-        >>> # read_train_directory("ckpt", zero_functional.train.build_model)["sharded"]
+        >>> # read_train_directory("ckpt", zero_functional.app.train.build_model)["sharded"]
     """
     try:
         storage.verify(path)

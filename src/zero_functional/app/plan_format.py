@@ -1,7 +1,7 @@
 """What ``zero-functional plan`` prints: partition balance, bytes per rank, hybrid-sharding traffic.
 
 Each function formats one table from parameter sizes; the arithmetic is in
-:mod:`zero_functional.partition` (pure). :mod:`zero_functional.cli` re-exports these names.
+:mod:`zero_functional.core.partition` (pure). :mod:`zero_functional.app.cli` re-exports these names.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) ->
             2  sorted-greedy     1.000            6      1.000            6            6             48 B          48 B        1.000
             2  flat              1.000            6      1.000            6            6             48 B          48 B        1.000
     """
-    from zero_functional.partition import balance_report, flat, sorted_greedy
-    from zero_functional.train import format_bytes
+    from zero_functional.app.train import format_bytes
+    from zero_functional.core.partition import balance_report, flat, sorted_greedy
 
     total = sum(numels)
     largest = max(numels, default=0)
@@ -75,7 +75,7 @@ def format_memory(
     Parameters and gradients are in ``dtype`` on every rank; the main copy
     (``main_params_dtype``, only for parameters narrower than it) and AdamW's two moments
     (in the main dtype with a main copy, else in ``dtype``) cover the owned elements
-    (:func:`zero_functional.partition.rank_bytes`).
+    (:func:`zero_functional.core.partition.rank_bytes`).
 
     Example:
         >>> print(format_memory([6, 3, 3], [2], "bf16", "fp32"))
@@ -84,8 +84,8 @@ def format_memory(
             2  sorted-greedy        24 B        24 B        24 B        48 B       120 B
             2  flat                 24 B        24 B        24 B        48 B       120 B
     """
-    from zero_functional.partition import flat, rank_bytes, rank_loads, sorted_greedy
-    from zero_functional.train import format_bytes
+    from zero_functional.app.train import format_bytes
+    from zero_functional.core.partition import flat, rank_bytes, rank_loads, sorted_greedy
 
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0
@@ -123,8 +123,8 @@ def format_hybrid(
     At each world size ``W``, the mesh is ``R = W / shard_size`` replica groups of ``S =
     shard_size`` ranks (a node): state sharded within a group, replicated across groups. State
     per rank is the fullest rank's main copy and AdamW's 2 states
-    (:func:`zero_functional.partition.rank_bytes`); bytes per rank are those of
-    :func:`zero_functional.partition.rank_traffic` for ``B`` bytes of gradients in ``dtype``:
+    (:func:`zero_functional.core.partition.rank_bytes`); bytes per rank are those of
+    :func:`zero_functional.core.partition.rank_traffic` for ``B`` bytes of gradients in ``dtype``:
     ``2 B (S-1)/S`` within the node (reduce onto owners, parameter gather), ``2 (B/S)(R-1)/R``
     across nodes (the all-reduce of each owned piece). 1-D ZeRO over all ``W`` ranks holds
     ``1/W`` of the state and moves ``2 B (W-1)/W``, across nodes wherever ``W > S``.
@@ -140,7 +140,8 @@ def format_hybrid(
         world  replicas x S        flat  sorted-greedy  within node  across nodes  state/rank  bytes/rank/step
             4         2 x 2        48 B           48 B         48 B          24 B        24 B             72 B
     """
-    from zero_functional.partition import (
+    from zero_functional.app.train import format_bytes
+    from zero_functional.core.partition import (
         flat,
         hybrid_shape,
         rank_bytes,
@@ -148,7 +149,6 @@ def format_hybrid(
         rank_traffic,
         sorted_greedy,
     )
-    from zero_functional.train import format_bytes
 
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0

@@ -1,0 +1,93 @@
+"""The folders that show the layers (issue 29): the old module paths still import, the house
+rules hold on the tree, and they catch what they promise to catch."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import zero_functional
+
+from tests.helpers import ROOT
+
+RULES = ROOT / ".ci" / "rules.py"
+
+
+def load_rules():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("house_rules", RULES)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("old", sorted(zero_functional._MOVED))
+def test_an_old_module_path_imports_the_very_module_at_its_new_path(old: str) -> None:
+    assert importlib.import_module(old) is importlib.import_module(zero_functional._MOVED[old])
+    assert getattr(zero_functional, old.rsplit(".", 1)[1]) is importlib.import_module(old)
+
+
+def test_no_module_is_left_at_an_old_path() -> None:
+    src = ROOT / "src"
+    for old in zero_functional._MOVED:
+        assert not (src / (old.replace(".", "/") + ".py")).exists(), old
+
+
+def test_the_package_top_level_holds_only_the_faces_and_the_folders() -> None:
+    top = sorted(p.name for p in (ROOT / "src" / "zero_functional").iterdir())
+    modules = [n for n in top if n.endswith(".py")]
+    assert modules == ["__init__.py", "__main__.py", "hooks.py", "optimizer.py"], modules
+    for folder in ("app", "checkpoint", "comm", "core", "functional", "integrations", "shell"):
+        assert (ROOT / "src" / "zero_functional" / folder / "__init__.py").exists(), folder
+
+
+def test_the_house_rules_hold_on_the_tree() -> None:
+    assert load_rules().check() == []
+
+
+def write_module(root: Path, dotted: str, text: str) -> Path:
+    path = root / (dotted.replace(".", "/") + ".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_the_layer_rule_catches_an_upward_import_a_shell_import_from_app_and_a_cycle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rules = load_rules()
+    src = tmp_path / "src" / "zero_functional"
+    monkeypatch.setattr(rules, "ROOT", tmp_path)
+    monkeypatch.setattr(rules, "SRC", src)
+    files = [
+        write_module(tmp_path / "src", "zero_functional.__init__", ""),
+        write_module(
+            tmp_path / "src", "zero_functional.core.a", "from zero_functional.comm import x\n"
+        ),
+        write_module(tmp_path / "src", "zero_functional.comm.__init__", "x = 1\n"),
+        write_module(tmp_path / "src", "zero_functional.shell.s", "import torch\n"),
+        write_module(
+            tmp_path / "src", "zero_functional.app.b", "from zero_functional.shell import s\n"
+        ),
+        write_module(
+            tmp_path / "src", "zero_functional.app.c", "from zero_functional.app import d\n"
+        ),
+        write_module(
+            tmp_path / "src", "zero_functional.app.d", "from zero_functional.app import c\n"
+        ),
+        write_module(
+            tmp_path / "src",
+            "zero_functional.core.e",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zero_functional.app import b\n",
+        ),
+    ]
+    problems = rules.check_layers(files)
+    text = "\n".join(problems)
+    assert "core imports zero_functional.comm, a layer above it" in text
+    assert "app/ imports zero_functional.shell.s" in text
+    assert "import cycle: zero_functional.app.c <-> zero_functional.app.d" in text
+    assert "core/e.py" not in text  # an annotation is not an arrow
+    assert len(problems) == 3, problems
