@@ -131,6 +131,9 @@ def test_readme_train_example_runs_to_the_end(argv: list[str]) -> None:
     proc = run_cli(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank  optimizer state" in proc.stdout
+    if "--no-reference" not in argv:  # compared with plain DDP at its end: bitwise at 2 ranks
+        parity = [line for line in proc.stdout.splitlines() if line.startswith("parity with")]
+        assert parity and parity[0].endswith(": bitwise equal"), parity
 
 
 @pytest.mark.parametrize("argv", cli_commands("plan"), ids=" ".join)
