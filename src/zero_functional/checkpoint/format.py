@@ -560,11 +560,7 @@ def read_train_file(
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {p} is corrupt: {_first_line(e)}") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != TRAIN_FORMAT:
-        raise CheckpointError(
-            f"checkpoint {p} was not written by `zero-functional train --checkpoint` "
-            f"(no format {TRAIN_FORMAT!r})"
-        )
+    ckpt = _train_dict(p, ckpt)
     missing = {"model", "optimizer", "epoch", "args"} - ckpt.keys()
     if missing:
         raise CheckpointError(f"checkpoint {p} lacks {sorted(missing)}; it is truncated or edited")
@@ -576,6 +572,17 @@ def read_train_file(
     except Exception as e:
         raise CheckpointError(f"checkpoint {p} does not fit the demo MLP: {_first_line(e)}") from e
     return dict(ckpt)
+
+
+def _train_dict(path: str | os.PathLike[str], saved: object) -> dict[str, Any]:
+    """``saved`` if it is a dict of :data:`TRAIN_FORMAT`; else what the train job did not write
+    is refused."""
+    if not isinstance(saved, dict) or saved.get("format") != TRAIN_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} was not written by `zero-functional train --checkpoint` "
+            f"(no format {TRAIN_FORMAT!r})"
+        )
+    return saved
 
 
 def _check_optimizer_shapes(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
@@ -609,11 +616,7 @@ def read_train_directory(
         extra = storage.read_objects(path, ["extra"])["extra"]
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {path}: {_first_line(e)}") from e
-    if not isinstance(extra, dict) or extra.get("format") != TRAIN_FORMAT:
-        raise CheckpointError(
-            f"checkpoint {path} was not written by `zero-functional train --checkpoint` "
-            f"(no format {TRAIN_FORMAT!r})"
-        )
+    extra = _train_dict(path, extra)
     model = build_model(int(extra["args"]["hidden"]))
     keys = storage.read_keys(path)
     names = [name for name, _ in model.named_parameters()]
