@@ -17,6 +17,14 @@ import zero_functional
 from zero_functional.app import cli, train
 from zero_functional.app.cli import main
 
+from tests.helpers import forked_train_ranks
+
+
+@pytest.fixture(autouse=True)
+def _forked_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The train job's ranks forked from the tests' forkserver (tests.helpers.forked_train_ranks)."""
+    forked_train_ranks(monkeypatch)
+
 
 def _importable(module: str) -> bool:
     try:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, forked_train_ranks
 
 README = ROOT / "README.md"
 MAKEFILE = ROOT / "Makefile"
@@ -85,6 +85,20 @@ def run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+def main_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``zero-functional ARGV`` run by the script's own ``main`` in this process (what the
+    script calls; ``python -m`` itself is run by :func:`test_make_demo_runs_to_the_end`): its
+    exit code, stdout and stderr."""
+    from zero_functional.app.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_every_readme_command_is_run_by_a_test() -> None:
     commands = readme_commands()
     assert commands, "no ```bash block found in README.md"
@@ -127,27 +141,32 @@ def test_make_demo_runs_to_the_end() -> None:
 
 
 @pytest.mark.parametrize("argv", cli_commands("train"), ids=" ".join)
-def test_readme_train_example_runs_to_the_end(argv: list[str]) -> None:
-    proc = run_cli(argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rank  optimizer state" in proc.stdout
+def test_readme_train_example_runs_to_the_end(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forked_train_ranks(monkeypatch)  # the job's ranks forked, not spawned: 2 s less per rank
+    code, out, err = main_in_process(argv, capsys)
+    assert code == 0, err[-3000:]
+    assert "rank  optimizer state" in out
     if "--no-reference" not in argv:  # compared with plain DDP at its end: bitwise at 2 ranks
-        parity = [line for line in proc.stdout.splitlines() if line.startswith("parity with")]
+        parity = [line for line in out.splitlines() if line.startswith("parity with")]
         assert parity and parity[0].endswith(": bitwise equal"), parity
 
 
 @pytest.mark.parametrize("argv", cli_commands("plan"), ids=" ".join)
-def test_readme_plan_example_runs_to_the_end(argv: list[str]) -> None:
-    proc = run_cli(argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_readme_plan_example_runs_to_the_end(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = main_in_process(argv, capsys)
+    assert code == 0, err[-3000:]
     model = argv[1]
-    assert proc.stdout.startswith(f"{model}: "), proc.stdout[:200]
+    assert out.startswith(f"{model}: "), out[:200]
     if "--dtype" in argv:
-        assert "main copy" in proc.stdout
+        assert "main copy" in out
     if "--shard-size" in argv:
-        assert "within" in proc.stdout and "across" in proc.stdout
+        assert "within" in out and "across" in out
     if "--simulate" in argv:
-        assert re.search(r"^\s+1024\s+1023\s", proc.stdout, re.MULTILINE)
+        assert re.search(r"^\s+1024\s+1023\s", out, re.MULTILINE)
 
 
 @pytest.mark.bench  # about two minutes: make bench runs it

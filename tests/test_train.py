@@ -21,7 +21,13 @@ from zero_functional.app import cli, train
 from zero_functional.app.cli import main
 from zero_functional.app.train import CHECKPOINT_FORMAT, build_model
 
-from tests.helpers import run_ranks
+from tests.helpers import forked_train_ranks, run_ranks
+
+
+@pytest.fixture(autouse=True)
+def _forked_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The train job's ranks forked from the tests' forkserver (tests.helpers.forked_train_ranks)."""
+    forked_train_ranks(monkeypatch)
 
 
 def _ours_importable() -> bool:
