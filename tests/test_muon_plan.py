@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zero_functional.app.cli import main
-from zero_functional.app.models import model_shapes, muon_params
+from zero_functional.app.models import MODELS, OUTSIDE_BLOCKS, model_shapes, muon_params
 from zero_functional.core.cost import (
     cost_greedy,
     max_over_mean,
@@ -95,6 +95,10 @@ def test_gpt2_small_muon_matrices_are_the_blocks_attention_and_mlp_weights() -> 
     chosen = [s for s, m in zip(shapes, muon) if m]
     assert chosen == [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
     assert not muon[0] and not muon[1]  # wte, wpe
+
+
+def test_every_builtin_spec_says_where_its_blocks_are() -> None:
+    assert set(OUTSIDE_BLOCKS) == set(MODELS)
 
 
 @pytest.mark.parametrize("name", ["bert-base", "llama-1b", "gpt2-medium"])
