@@ -30,6 +30,7 @@ from zero_functional.app.plan_format import (
     check_ranks,
     format_hybrid,
     format_memory,
+    format_muon,
     format_plan,
 )
 
@@ -151,16 +152,22 @@ def _current_directory_on_path() -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from zero_functional.app.models import MODELS, model_shapes, numels
+    from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
 
     if args.model not in MODELS:
         _current_directory_on_path()
     try:
-        shapes = model_shapes(args.model)
+        shapes, muon = muon_params(args.model) if args.muon else (model_shapes(args.model), [])
     except ValueError as e:
         return _fail("plan", str(e))
     if not shapes:
         return _fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
+    if args.muon and not any(muon):
+        return _fail(
+            "plan",
+            f"--muon: model {args.model!r} has no hidden 2-D matrix for Muon (torch.optim.Muon "
+            "takes 2-D parameters only; embeddings and heads go to AdamW): drop --muon",
+        )
     if args.shard_size is not None:
         from zero_functional.core.partition import hybrid_shape
 
@@ -197,6 +204,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
         print()
         print(format_simulated(rows))
+    if args.muon:
+        print()
+        print(format_muon(shapes, muon, args.world_sizes))
     return 0
 
 
@@ -645,6 +655,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RANKS",
         help="also build the optimizer as these ranks (such as 0,1023) of each world size "
         "would, under torch's fake process group, step once, and print what each holds",
+    )
+    plan.add_argument(
+        "--muon",
+        action="store_true",
+        help="also print Muon (hidden 2-D matrices, owned whole, balanced by Newton-Schulz cost) "
+        "+ AdamW (the rest, split flat): state bytes and cost per rank, and their max/mean",
     )
     plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(

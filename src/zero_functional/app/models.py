@@ -19,6 +19,10 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "MODELS",
@@ -28,6 +32,7 @@ __all__ = [
     "llama_shapes",
     "model_shapes",
     "module_shapes",
+    "muon_params",
     "numels",
     "resnet_shapes",
     "total_numel",
@@ -176,6 +181,16 @@ MODELS: dict[str, Callable[[], list[Shape]]] = {
 }
 """The built-in specs by name, as ``zero-functional plan NAME`` takes them."""
 
+OUTSIDE_BLOCKS: dict[str, tuple[int, int]] = {
+    "gpt2-small": (2, 2),  # wte, wpe | ln_f
+    "gpt2-medium": (2, 2),
+    "bert-base": (5, 2),  # embeddings: word, position, token type, LayerNorm | pooler
+    "resnet50": (0, 2),  # (its convolutions are 4-D) | fc
+    "llama-1b": (1, 1),  # embed_tokens | norm (the head is tied to embed_tokens)
+}
+"""Per built-in spec, how many of its parameters come before its repeated blocks and after
+them: the embeddings, the head and the final norm, which Muon leaves to AdamW."""
+
 
 def module_shapes(target: str) -> list[Shape]:
     """The parameter shapes of the ``nn.Module`` that ``module:function`` returns.
@@ -202,6 +217,11 @@ def module_shapes(target: str) -> list[Shape]:
         ...
         ValueError: torch.nn:Linear needs arguments (missing a required argument: 'in_features'); plan calls it with none: point it at a function that builds the model without arguments
     """
+    return [tuple(p.shape) for p in _build(target).parameters()]
+
+
+def _build(target: str) -> nn.Module:
+    """The model ``module:function`` returns, built on the meta device (see :func:`module_shapes`)."""
     import torch  # here, not at the top: the command line answers --help without torch
 
     module_name, sep, func_name = target.partition(":")
@@ -247,7 +267,7 @@ def module_shapes(target: str) -> list[Shape]:
             f"{target} returned {type(model).__name__}, not a torch.nn.Module; "
             "return the model itself"
         )
-    return [tuple(p.shape) for p in model.parameters()]
+    return model
 
 
 def _why(e: ImportError, module_name: str) -> str:
@@ -281,3 +301,49 @@ def model_shapes(name: str) -> list[Shape]:
     if name in MODELS:
         return MODELS[name]()
     return module_shapes(name)
+
+
+def muon_params(name: str) -> tuple[list[Shape], list[bool]]:
+    """A model's shapes and, for each, whether Muon takes it: its hidden 2-D matrices.
+
+    The recipe (Keller Jordan's ``MuonWithAuxAdam``, modded-nanogpt, Moonlight) gives Muon
+    the hidden layers' 2-D weights and AdamW the rest: embeddings, the head, norms, biases.
+
+    * A built-in spec: the 2-D parameters of its repeated blocks (the attention and MLP
+      weight matrices; :data:`OUTSIDE_BLOCKS` counts what comes before and after them).
+      ResNet-50 has none: its convolutions are 4-D, which ``torch.optim.Muon`` refuses.
+    * ``module:function``: each 2-D parameter, except those of an ``nn.Embedding`` or
+      ``nn.EmbeddingBag`` and those with a part of their dotted name that contains ``emb``
+      (``embed_tokens``, ``pos_emb``) or ends in ``head`` (``lm_head``, ``head``).
+
+    Raises:
+        ValueError: As :func:`model_shapes`.
+
+    Example:
+        >>> shapes, muon = muon_params("gpt2-small")
+        >>> sum(muon), [s for s, m in zip(shapes, muon) if m][:4]
+        (48, [(768, 2304), (768, 768), (768, 3072), (3072, 768)])
+        >>> muon_params("torch.nn:Transformer")[1].count(True)  # 6 layers of 4, 6 of 6
+        60
+    """
+    if name in MODELS:
+        shapes = MODELS[name]()
+        before, after = OUTSIDE_BLOCKS[name]
+        inside = range(before, len(shapes) - after)
+        return shapes, [len(s) == 2 and i in inside for i, s in enumerate(shapes)]
+    import torch
+
+    model = _build(name)
+    embedding = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    tables = [p for m in model.modules() if isinstance(m, embedding) for p in m.parameters()]
+    named = list(model.named_parameters())
+
+    def hidden(param_name: str, p: torch.Tensor) -> bool:
+        parts = param_name.split(".")
+        return (
+            p.ndim == 2
+            and not any(p is t for t in tables)
+            and not any("emb" in part or part.endswith("head") for part in parts)
+        )
+
+    return [tuple(p.shape) for _, p in named], [hidden(n, p) for n, p in named]

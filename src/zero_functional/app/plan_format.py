@@ -1,4 +1,5 @@
-"""What ``zero-functional plan`` prints: partition balance, bytes per rank, hybrid-sharding traffic.
+"""What ``zero-functional plan`` prints: partition balance, bytes per rank, hybrid-sharding traffic,
+Muon + AdamW ownership.
 
 Each function formats one table from parameter sizes; the arithmetic is in
 :mod:`zero_functional.core.partition` (pure). :mod:`zero_functional.app.cli` re-exports these names.
@@ -6,9 +7,18 @@ Each function formats one table from parameter sizes; the arithmetic is in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-__all__ = ["DTYPE_BYTES", "check_ranks", "format_hybrid", "format_memory", "format_plan"]
+__all__ = [
+    "DTYPE_BYTES",
+    "MUON_RANK_ROWS",
+    "check_ranks",
+    "format_hybrid",
+    "format_memory",
+    "format_muon",
+    "format_plan",
+]
 
 
 def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) -> str:
@@ -184,6 +194,75 @@ def format_hybrid(
             f"{format_bytes(traffic.across):>12}  "
             f"{format_bytes(state(max(flat(numels, w).loads))):>10}  "
             f"{format_bytes(one_d.within):>15}"
+        )
+    return "\n".join(lines)
+
+
+MUON_RANK_ROWS = 16
+"""Most ranks :func:`format_muon` prints a row for; past it, the busiest rank's row only."""
+
+
+def format_muon(
+    shapes: Sequence[Sequence[int]], muon: Sequence[bool], world_sizes: Sequence[int]
+) -> str:
+    """Per rank, the state bytes and Newton–Schulz cost of Muon + AdamW, and their max/mean.
+
+    Muon's matrices are owned whole, balanced by their Newton–Schulz cost ``m * n * min(m,
+    n)``; AdamW's parameters are split flat (:func:`zero_functional.core.cost.muon_plan`).
+    State is fp32: Muon's ``momentum_buffer`` (4 B) and AdamW's ``exp_avg`` and
+    ``exp_avg_sq`` (8 B) per owned element. Past :data:`MUON_RANK_ROWS` ranks the table
+    shows the busiest rank's value of each column (``max``) instead of one row per rank.
+
+    Args:
+        shapes: Each parameter's shape, in ``parameters()`` order.
+        muon: For each parameter, whether Muon takes it (2-D only).
+        world_sizes: The world sizes to report.
+
+    Returns:
+        The report: two header lines and a table.
+
+    Example:
+        >>> print(format_muon([(8, 8), (8,), (4, 8), (4, 8)], [True, False, True, True], [2]))
+        Muon on 3 matrices (128 parameters), whole, balanced by Newton-Schulz cost m*n*min(m,n); AdamW on the other 1 tensors (8 parameters), split flat
+        fp32 state per owned element: Muon's momentum_buffer 4 B, AdamW's exp_avg and exp_avg_sq 8 B
+        world  rank      matrices  Muon elements  AdamW elements  state bytes  Newton-Schulz cost
+            2  0                1             64               4        288 B                 512
+            2  1                2             64               4        288 B                 256
+            2  max/mean                                                 1.000               1.333
+    """
+    from zero_functional.app.train import format_bytes
+    from zero_functional.core.cost import max_over_mean, muon_plan
+
+    sizes = [math.prod(s) for s in shapes]
+    on_muon = sum(n for n, m in zip(sizes, muon) if m)
+    lines = [
+        f"Muon on {sum(map(bool, muon)):,} matrices ({on_muon:,} parameters), whole, balanced "
+        f"by Newton-Schulz cost m*n*min(m,n); AdamW on the other {len(muon) - sum(map(bool, muon)):,} "
+        f"tensors ({sum(sizes) - on_muon:,} parameters), split flat",
+        "fp32 state per owned element: Muon's momentum_buffer 4 B, AdamW's exp_avg and "
+        "exp_avg_sq 8 B",
+        f"{'world':>5}  {'rank':<8}  {'matrices':>8}  {'Muon elements':>13}  "
+        f"{'AdamW elements':>14}  {'state bytes':>11}  {'Newton-Schulz cost':>18}",
+    ]
+    for w in world_sizes:
+        plan = muon_plan(shapes, muon, w)
+        columns = (
+            tuple(map(len, plan.matrix_owned)),
+            plan.muon_numel,
+            plan.adamw_numel,
+            plan.state_bytes,
+            plan.cost,
+        )
+        rows = zip(*columns) if w <= MUON_RANK_ROWS else [tuple(max(c) for c in columns)]
+        labels = map(str, range(w)) if w <= MUON_RANK_ROWS else ["max"]
+        for label, (count, m, a, state, cost) in zip(labels, rows):
+            lines.append(
+                f"{w:>5}  {label:<8}  {count:>8,}  {m:>13,}  {a:>14,}  "
+                f"{format_bytes(state):>11}  {cost:>18,}"
+            )
+        lines.append(
+            f"{w:>5}  {'max/mean':<8}  {'':>8}  {'':>13}  {'':>14}  "
+            f"{max_over_mean(plan.state_bytes):>11.3f}  {max_over_mean(plan.cost):>18.3f}"
         )
     return "\n".join(lines)
 
