@@ -38,6 +38,7 @@ from zero_functional.core.plans import choose_param_gather, ownership_of, plan_m
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
+from zero_functional.shell.classes import add_group, whole_params
 from zero_functional.shell.join import StepJoinHook
 from zero_functional.shell.local_shard import LocalShard
 from zero_functional.shell.param_sync import ParamSync
@@ -106,7 +107,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.timeout = timeout
         self.partition: PartitionName = partition
         args = (params, optimizer_class, process_group, partition, overlap_with_ddp, defaults)
-        self.process_group, items, probe = agreed_inputs(*args, timeout, main_params_dtype)
+        replicated = self._replicate_group is not None
+        self.process_group, items, probe = agreed_inputs(
+            *args, timeout, main_params_dtype, replicated=replicated
+        )
         self._main_params_dtype = main_params_dtype
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
@@ -131,7 +135,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         warn_ignored_bucket_view(overlap_with_ddp, parameters_as_bucket_view)
         self._spec = spec
         self._stepper_for = functools.partial(choose_stepper, spec, compile, probe)
-        self._set_ownership(ownership_of(partition, self._table, self.world_size))
+        self._set_ownership(self._ownership_now())
         self._initialized = True
 
     @property
@@ -182,6 +186,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._shard = LocalShard(ownership, self.rank, table, groups, state, stepper, name, main)
         self._build_buffers()
 
+    def _ownership_now(self) -> Ownership:
+        whole = whole_params(self.param_groups, self.optimizer_class)  # per-tensor classes'
+        return ownership_of(self.partition, self._table, self.world_size, whole)
+
     def reshard(self, ownership: Ownership) -> None:
         """Move this optimizer's state to ``ownership`` (of the same parameters and world size,
         else ValueError); collective. Overlap mode calls it when DDP's buckets change."""
@@ -206,7 +214,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Add a parameter group and recompute the ownership (under ``"flat"``, :meth:`reshard`
         moves what changes owner); collective: an error on every rank if their groups differ."""
         if not getattr(self, "_initialized", False):
-            super().add_param_group(param_group)
+            add_group(super().add_param_group, self.param_groups, param_group, self.optimizer_class)
             return
         if self._overlap_with_ddp:
             raise RuntimeError(
@@ -214,12 +222,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "group; build it with all parameters instead of calling add_param_group"
             )
         backend, items = comm.backend(self.process_group), [*self.param_groups, param_group]
-        check = lambda: check_new_group(param_group, backend, self.partition)  # noqa: E731
+        modes = (self.optimizer_class, len(self.param_groups), self._main_params_dtype)
+        replicated = self._replicate_group is not None
+        check = lambda: check_new_group(param_group, backend, self.partition, *modes, replicated)  # noqa: E731
         agree("add_param_group()", check, items, self.process_group, timeout=self.timeout)
-        super().add_param_group(param_group)
+        add_group(super().add_param_group, self.param_groups, param_group, self.optimizer_class)
         self._table = ParamTable.of(self.param_groups)
         self._param_sync.set_params(self._table)
-        new = ownership_of(self.partition, self._table, self.world_size)
+        new = self._ownership_now()
         # from the old pieces, grown to the new parameters: only what changes owner moves
         self._shard = self._shard.extended(self.ownership.extended(new), self._table)
         self.reshard(new)

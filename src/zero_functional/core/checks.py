@@ -17,11 +17,18 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_functional.core.ownership import check_partition, check_splittable
-from zero_functional.functional import update_kind
+from zero_functional.functional import IGNORED_GROUP_KEYS, update_kind
+from zero_functional.functional.registry import (
+    GROUP_CLASS_KEY,
+    optimizer_by_name,
+    optimizer_name,
+)
 
 __all__ = [
     "agreement_verdict",
     "check_devices",
+    "check_group_classes",
+    "check_mixed_modes",
     "check_hyperparameter_types",
     "check_inputs",
     "check_new_group",
@@ -29,7 +36,11 @@ __all__ = [
     "check_params",
     "check_update_kind",
     "fingerprint",
+    "group_class",
+    "is_mixed",
+    "own_class_group",
     "param_tensors",
+    "split_items",
 ]
 
 
@@ -367,16 +378,30 @@ def check_inputs(
             f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
         )
     name = check_partition(partition)
-    check_update_kind(optimizer_class, name, overlap_with_ddp)
+    mixed = is_mixed(items)
+    # with classes per group, a per-tensor class's groups are owned whole under "flat" too
+    check_update_kind(optimizer_class, "sorted_greedy" if mixed else name, overlap_with_ddp)
     check_hyperparameter_types(optimizer_class, defaults)
+    if mixed:
+        check_group_classes(items, optimizer_class)
     if name == "flat":
-        check_splittable(param_tensors(items))
-    return items, optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)
+        check_splittable(param_tensors(split_items(items, optimizer_class)))
+    # a 1x1 placeholder: classes for matrices (Muon) take it too
+    return items, optimizer_class([torch.nn.Parameter(torch.zeros(1, 1))], **defaults)
 
 
-def check_new_group(param_group: object, backend: str, partition: str) -> None:
-    """The local checks of a group given to ``add_param_group``: its parameters, their devices
-    for ``backend``, and under ``"flat"`` that they can be split.
+def check_new_group(
+    param_group: object,
+    backend: str,
+    partition: str,
+    default: type[Optimizer] = Optimizer,
+    index: int = 0,
+    main_params_dtype: object = None,
+    replicated: bool = False,
+) -> None:
+    """The local checks of a group given to ``add_param_group`` (as group ``index`` of an
+    optimizer of class ``default``): its parameters, their devices for ``backend``, its own
+    class (:func:`own_class_group`), and under ``"flat"`` that they can be split.
 
     Example:
         >>> check_new_group({"params": [torch.zeros(2)]}, "gloo", "flat")
@@ -385,10 +410,13 @@ def check_new_group(param_group: object, backend: str, partition: str) -> None:
         ...
         ValueError: parameter 0 is on the meta device (it has no data)...
     """
-    check_params([param_group])
-    check_devices(param_tensors([param_group]), backend)
+    items = check_params([param_group])
+    check_devices(param_tensors(items), backend)
+    if is_mixed(items):
+        check_mixed_modes(False, main_params_dtype, replicated)
+        check_group_classes(items, default, index)
     if partition == "flat":
-        check_splittable(param_tensors([param_group]))
+        check_splittable(param_tensors(split_items(items, default)))
 
 
 def warn_ignored_bucket_view(overlap_with_ddp: bool, parameters_as_bucket_view: bool) -> None:
@@ -403,3 +431,147 @@ def warn_ignored_bucket_view(overlap_with_ddp: bool, parameters_as_bucket_view: 
             "parameters_as_bucket_view=True is ignored when overlap_with_ddp=True: "
             "parameters are grouped by DDP's gradient buckets instead"
         )
+
+
+def group_class(group: Any, default: type[Optimizer]) -> type[Optimizer]:
+    """The class that runs ``group``: its ``"optimizer_class"`` (a class, or a name
+    :func:`~zero_functional.functional.registry.optimizer_by_name` knows), else ``default``.
+
+    Raises:
+        TypeError: The key holds neither an ``Optimizer`` subclass nor a known name.
+
+    Example:
+        >>> group_class({"params": [], "optimizer_class": "torch.optim.Adam"}, torch.optim.SGD)
+        <class 'torch.optim.adam.Adam'>
+        >>> group_class({"params": []}, torch.optim.SGD)
+        <class 'torch.optim.sgd.SGD'>
+    """
+    value = group.get(GROUP_CLASS_KEY) if isinstance(group, dict) else None
+    if value is None:
+        return default
+    cls = optimizer_by_name(value) if isinstance(value, str) else value
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise TypeError(
+            f"a param group's {GROUP_CLASS_KEY!r} must be a torch.optim.Optimizer subclass (or "
+            f"the name of a torch.optim or registered class), got {value!r}"
+        )
+    return cls
+
+
+def is_mixed(items: Sequence[Any]) -> bool:
+    """Whether any param group carries its own ``"optimizer_class"``.
+
+    Example:
+        >>> is_mixed([{"params": [], "optimizer_class": torch.optim.SGD}]), is_mixed([])
+        (True, False)
+    """
+    return any(isinstance(g, dict) and GROUP_CLASS_KEY in g for g in items)
+
+
+def split_items(items: Sequence[Any], default: type[Optimizer]) -> list[Any]:
+    """The groups (or tensors) ``partition="flat"`` splits: those of an elementwise class
+    (with classes per group, the others are owned whole).
+
+    Example:
+        >>> g = {"params": [torch.zeros(2, 2)], "optimizer_class": torch.optim.Muon}
+        >>> split_items([g, {"params": []}], torch.optim.SGD)
+        [{'params': []}]
+    """
+    if not is_mixed(items):
+        return list(items)
+    return [g for g in items if update_kind(group_class(g, default)) == "elementwise"]
+
+
+def _taken_keys(optimizer_class: type) -> set[str] | None:
+    """The hyperparameters ``optimizer_class``'s constructor takes (``None``: any)."""
+    try:
+        parameters = inspect.signature(optimizer_class).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.name != "params"}
+
+
+def own_class_group(group: dict[str, Any], index: int) -> dict[str, Any]:
+    """Group ``index`` as its own class fills it (that class's defaults, not the optimizer's),
+    its class recorded by name; the class's own checks ran on its values and parameters.
+
+    Raises:
+        TypeError: Not a class, or a hyperparameter the class does not take (named, with the
+            class), or one of the wrong type.
+        ValueError: The class refused the group (its own message, with the group's index:
+            Muon's for a parameter that is not 2-D).
+
+    Example:
+        >>> g = own_class_group({"params": [torch.zeros(2, 2)], "optimizer_class": torch.optim.Muon}, 0)
+        >>> g["optimizer_class"], g["momentum"]
+        ('torch.optim.Muon', 0.95)
+        >>> own_class_group({"params": [torch.zeros(2)], "optimizer_class": torch.optim.Muon}, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter group 1 (torch.optim.Muon): Muon only supports 2D parameters whereas we found a parameter with size: torch.Size([2])
+    """
+    cls = group_class(group, Optimizer)
+    name = optimizer_name(cls)
+    hyper = {k: v for k, v in group.items() if k not in ("params", GROUP_CLASS_KEY)}
+    taken = _taken_keys(cls)
+    unknown = [k for k in hyper if taken is not None and k not in taken | set(IGNORED_GROUP_KEYS)]
+    if unknown:
+        raise TypeError(
+            f"parameter group {index} runs {name}, which takes no hyperparameter "
+            f"{unknown[0]!r} (it takes {', '.join(sorted(taken or ()))})"
+        )
+    check_hyperparameter_types(cls, hyper)
+    ps = group["params"]
+    params = [ps] if isinstance(ps, Tensor) else list(ps)
+    try:
+        filled = cls([{**hyper, "params": params}]).param_groups[0]  # type: ignore[call-arg]
+    except ValueError as e:
+        raise ValueError(f"parameter group {index} ({name}): {e}") from e
+    return {**filled, GROUP_CLASS_KEY: name}
+
+
+def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: int = 0) -> None:
+    """Every group's own class: :func:`own_class_group`, and no class whose step needs a
+    closure (it cannot share a step with other classes); ``first`` is the first group's index.
+
+    Example:
+        >>> check_group_classes([{"params": [torch.zeros(2)], "optimizer_class": torch.optim.LBFGS}],
+        ...                     torch.optim.SGD)
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter group 0 runs LBFGS, whose step re-evaluates the model through a closure: it cannot share a step with other groups' classes; give it its own optimizer
+    """
+    for i, g in enumerate(items, start=first):
+        cls = group_class(g, default)
+        if update_kind(cls) == "closure":
+            raise ValueError(
+                f"parameter group {i} runs {cls.__name__}, whose step re-evaluates the model "
+                "through a closure: it cannot share a step with other groups' classes; give it "
+                "its own optimizer"
+            )
+        if isinstance(g, dict) and GROUP_CLASS_KEY in g:
+            own_class_group(g, i)
+
+
+def check_mixed_modes(overlap: bool, main_params_dtype: object, replicated: bool) -> None:
+    """Refuse the modes that do not run param groups with their own class yet (issue 30).
+
+    Example:
+        >>> check_mixed_modes(False, None, False)
+        >>> check_mixed_modes(True, None, False)
+        Traceback (most recent call last):
+        ...
+        ValueError: param groups with their own 'optimizer_class' do not support overlap_with_ddp=True yet: step after backward (overlap_with_ddp=False), or use one optimizer_class for all groups
+    """
+    for on, what, instead in (
+        (overlap, "overlap_with_ddp=True", "step after backward (overlap_with_ddp=False)"),
+        (main_params_dtype is not None, "main_params_dtype", "leave main_params_dtype=None"),
+        (replicated, "device_mesh=", "pass process_group= instead"),
+    ):
+        if on:
+            raise ValueError(
+                f"param groups with their own {GROUP_CLASS_KEY!r} do not support {what} yet: "
+                f"{instead}, or use one optimizer_class for all groups"
+            )

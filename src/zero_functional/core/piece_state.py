@@ -32,6 +32,7 @@ from torch import Tensor
 
 from zero_functional.core._validate import prefix_sums
 from zero_functional.core.param_table import ParamTable
+from zero_functional.functional.registry import GROUP_CLASS_KEY
 
 __all__ = [
     "Consolidation",
@@ -255,7 +256,8 @@ def check_param_state(
 
 def check_hyperparameters(i: int, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """A loaded group's hyperparameters must be of the kinds this optimizer's are: a number
-    for a number, a flag for a flag, a pair for a pair (``lr="0.1"`` would fail mid-step).
+    for a number, a flag for a flag, a pair for a pair (``lr="0.1"`` would fail mid-step); a
+    group with its own class must have been saved with that class (or with none recorded).
 
     Example:
         >>> check_hyperparameters(0, {"lr": 0.1}, {"lr": 0.2, "params": []})
@@ -263,9 +265,22 @@ def check_hyperparameters(i: int, saved: Mapping[str, Any], current: Mapping[str
         Traceback (most recent call last):
         ...
         TypeError: parameter group 0's loaded 'lr' is '0.1', but this optimizer's is 0.2: the state dict is of another optimizer class or was edited
+        >>> check_hyperparameters(1, {"optimizer_class": "torch.optim.AdamW"},
+        ...                       {"optimizer_class": "torch.optim.Muon"})
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter group 1 was saved for torch.optim.AdamW, but this optimizer runs it with torch.optim.Muon: load a state dict of the same classes
     """
+    if (
+        GROUP_CLASS_KEY in current
+        and saved.get(GROUP_CLASS_KEY, current[GROUP_CLASS_KEY]) != (current[GROUP_CLASS_KEY])
+    ):
+        raise ValueError(
+            f"parameter group {i} was saved for {saved[GROUP_CLASS_KEY]}, but this optimizer "
+            f"runs it with {current[GROUP_CLASS_KEY]}: load a state dict of the same classes"
+        )
     for key, now in current.items():
-        if key == "params" or key not in saved:
+        if key in ("params", GROUP_CLASS_KEY) or key not in saved:
             continue
         value = saved[key]
         if isinstance(now, bool) or now is None:

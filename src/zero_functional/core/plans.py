@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -47,7 +48,7 @@ from zero_functional.core.ownership import (
     sorted_greedy_ownership,
 )
 from zero_functional.core.param_table import BufferKey, ParamTable
-from zero_functional.core.partition import Piece
+from zero_functional.core.partition import Piece, sorted_greedy
 
 __all__ = [
     "COALESCE_BELOW",
@@ -71,6 +72,7 @@ __all__ = [
     "plan_moves",
     "send_list",
     "sync_plan",
+    "whole_owners",
     "takes_even_shards",
 ]
 
@@ -412,24 +414,66 @@ def ownership_for(
     return ownership_of(partition, ParamTable.of(param_groups), world_size)
 
 
-def ownership_of(partition: PartitionName, table: ParamTable, world_size: int) -> Ownership:
+def ownership_of(
+    partition: PartitionName,
+    table: ParamTable,
+    world_size: int,
+    whole: Sequence[bool] | None = None,
+) -> Ownership:
     """The ownership ``partition`` gives the parameters of ``table``.
 
     ``"sorted_greedy"`` is torch's whole-tensor assignment; ``"flat"`` splits each (device,
-    dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`.
+    dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`, except the
+    parameters ``whole`` marks (those of a per-tensor class, with classes per group): they are
+    owned whole, placed by :func:`whole_owners`.
 
     Example:
         >>> import torch
         >>> table = ParamTable.of([{"params": [torch.zeros(6), torch.zeros(2)]}])
         >>> [(s.param, s.start, s.stop) for s in ownership_of("flat", table, 2).owned(0)]
         [(0, 0, 4)]
+        >>> table = ParamTable.of([{"params": [torch.zeros(8), torch.zeros(3, 3)]}])
+        >>> ownership_of("flat", table, 2, whole=[False, True]).owned(0)
+        (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=9))
     """
     if partition == "sorted_greedy":
         return sorted_greedy_ownership(table.group_numels(), world_size)
     align: dict[Hashable, int] = {
         k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
     }
-    return flat_ownership(list(table.numels), world_size, keys=table.keys, align=align)
+    numels = list(table.numels)
+    if not whole or not any(whole):
+        return flat_ownership(numels, world_size, keys=table.keys, align=align)
+    split = [k for k, w in enumerate(whole) if not w]
+    kept = [k for k, w in enumerate(whole) if w]
+    per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
+    if split:
+        keys = [table.keys[k] for k in split]
+        sub = flat_ownership([numels[k] for k in split], world_size, keys=keys, align=align)
+        for rank, pieces in enumerate(sub.pieces):
+            per_rank[rank].extend(Piece(split[s.param], s.start, s.stop) for s in pieces)
+    owners = whole_owners([tuple(table.params[k].shape) for k in kept], world_size)
+    for k, rank in zip(kept, owners, strict=True):
+        per_rank[rank].append(Piece(k, 0, numels[k]))
+    ranked = tuple(tuple(sorted(ps, key=lambda s: s.param)) for ps in per_rank)
+    return Ownership(tuple(numels), world_size, ranked)
+
+
+def whole_owners(shapes: Sequence[tuple[int, ...]], world_size: int) -> list[int]:
+    """The rank that owns each tensor of ``shapes`` whole under ``"flat"``: the one place that
+    balances whole-owned tensors (today by element count, largest first onto the least loaded
+    rank; a cost per class, such as Muon's Newton-Schulz ``m*n*min(m, n)``, plugs in here).
+
+    Example:
+        >>> whole_owners([(2, 2), (4, 4), (3, 3)], 2)
+        [1, 0, 1]
+    """
+    owner = [0] * len(shapes)
+    costs = [math.prod(shape) for shape in shapes]
+    for rank, indices in enumerate(sorted_greedy(costs, world_size)):
+        for i in indices:
+            owner[i] = rank
+    return owner
 
 
 def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[int, int]]:

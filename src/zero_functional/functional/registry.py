@@ -37,6 +37,7 @@ from zero_functional.functional.sgd import (
 )
 
 __all__ = [
+    "GROUP_CLASS_KEY",
     "IGNORED_GROUP_KEYS",
     "OPTIMIZER_KINDS",
     "SUPPORTED",
@@ -45,10 +46,16 @@ __all__ = [
     "UpdateKind",
     "functional_spec",
     "group_hyperparams",
+    "optimizer_by_name",
+    "optimizer_name",
     "register_optimizer",
     "supports_group",
     "update_kind",
 ]
+
+GROUP_CLASS_KEY = "optimizer_class"
+"""The param-group key that names the group's own ``torch.optim`` class (a class, or its
+:func:`optimizer_name`); groups without it run the optimizer's ``optimizer_class``."""
 
 State = Union[SGDState, AdamState]  # noqa: UP007 - a runtime alias, kept 3.10-friendly
 
@@ -64,6 +71,7 @@ IGNORED_GROUP_KEYS: tuple[str, ...] = (
     "base_momentum",
     "max_momentum",
     "base_lr",
+    "optimizer_class",
 )
 # torch.optim options the core implements only switched off (SGD's fused among them)
 _OFF_ONLY = ("differentiable", "capturable", "fused")
@@ -365,3 +373,40 @@ def update_kind(optimizer_class: type) -> UpdateKind:
         ('elementwise', 'closure')
     """
     return OPTIMIZER_KINDS.get(optimizer_class, "per_tensor")
+
+
+def optimizer_name(optimizer_class: type) -> str:
+    """The class as a string a state dict records (``torch.load(weights_only=True)`` reads it):
+    its module and qualified name, ``torch.optim.X`` for torch's classes.
+
+    Example:
+        >>> optimizer_name(torch.optim.AdamW)
+        'torch.optim.AdamW'
+    """
+    module = optimizer_class.__module__
+    if module.startswith("torch.optim") and getattr(
+        torch.optim, optimizer_class.__name__, None
+    ) is (optimizer_class):
+        module = "torch.optim"
+    return f"{module}.{optimizer_class.__qualname__}"
+
+
+def optimizer_by_name(name: str) -> type | None:
+    """The class :func:`optimizer_name` gives ``name``, among ``torch.optim``'s classes and
+    those given to :func:`register_optimizer`; ``None`` if none.
+
+    Example:
+        >>> optimizer_by_name("torch.optim.SGD") is torch.optim.SGD
+        True
+        >>> optimizer_by_name("torch.optim.Nothing") is None
+        True
+    """
+    torch_classes = (
+        c
+        for c in vars(torch.optim).values()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+    )
+    for cls in (*OPTIMIZER_KINDS, *torch_classes):
+        if optimizer_name(cls) == name:
+            return cls
+    return None

@@ -33,13 +33,14 @@ from zero_functional.core.piece_state import (
     to_cpu,
 )
 from zero_functional.core.plans import ReshardPlan
+from zero_functional.functional.registry import GROUP_CLASS_KEY
 from zero_functional.shell.amp import unscaled
 from zero_functional.shell.steppers import (
-    FunctionalStepper,
     LocalView,
     RealStepper,
     Stepper,
     hyperparameters,
+    runs_functional,
 )
 
 __all__ = ["LocalShard"]
@@ -69,6 +70,7 @@ class LocalShard:
         >>> import torch
         >>> from collections import defaultdict
         >>> from zero_functional.functional import functional_spec
+        >>> from zero_functional.shell.steppers import FunctionalStepper
         >>> from zero_functional.core.ownership import flat_ownership
         >>> w = torch.nn.Parameter(torch.ones(4))
         >>> groups = torch.optim.SGD([w], lr=0.5).param_groups
@@ -300,7 +302,7 @@ class LocalShard:
         self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, object], copy: bool
     ) -> dict[str, object]:
         """``p``'s state with each value where it lives (:func:`~.state_dict.placed`)."""
-        fp32_step = isinstance(self.stepper, FunctionalStepper) or bool(
+        fp32_step = runs_functional(self.stepper, group) or bool(
             group.get("fused") or group.get("capturable")
         )
         dtype = main_dtype_for(p.dtype, self.main_params_dtype)
@@ -324,7 +326,8 @@ class LocalShard:
             for k, value in pieces.items()
         }
         for g, s in zip(self.param_groups, saved_groups):
-            g.update(hyperparameters(s))
+            # a group's class is this optimizer's (checked): a saved name never adds one
+            g.update({k: v for k, v in hyperparameters(s).items() if k != GROUP_CLASS_KEY})
         self.state.clear()  # in place: a RealStepper's instance shares this mapping
         self.state.update(new)
 

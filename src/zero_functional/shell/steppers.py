@@ -10,6 +10,8 @@ dicts belong to the shell (``ZeroRedundancyOptimizer.state``); a stepper keeps n
 * :class:`ShadowStepper`: any other elementwise class, as a real instance of it stepping fresh
   detached views of the pieces ("shadows") whose ``.grad`` is the reduced gradient: the class's
   own code runs on pieces of tensors, in overlap mode too.
+* :class:`ByClassStepper`: with a class per parameter group, each group through its class's
+  stepper (one of the two above).
 * :class:`RealStepper`: torch's own arrangement, one instance over this rank's whole parameters,
   for whole-tensor ownership outside overlap mode: closures (LBFGS) and step keyword arguments
   pass through, exactly as in ``torch.distributed.optim.ZeroRedundancyOptimizer``.
@@ -25,20 +27,27 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from zero_functional.core.checks import group_class, is_mixed
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.functional import (
     FunctionalSpec,
+    functional_spec,
     group_hyperparams,
+    supports_group,
     update_kind,
 )
+from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name
 
 __all__ = [
+    "ByClassStepper",
     "FunctionalStepper",
     "LocalView",
     "RealStepper",
     "ShadowStepper",
     "Stepper",
     "choose_stepper",
+    "class_steppers",
+    "runs_functional",
     "probe_state",
     "state_schema",
     "state_schemas",
@@ -147,6 +156,75 @@ class ShadowStepper(Stepper):
             local.state = defaultdict(dict)
 
 
+class ByClassStepper(Stepper):
+    """Each group through the stepper of its class (the group's ``"optimizer_class"`` name):
+    a class per parameter group (:func:`class_steppers` builds it)."""
+
+    def __init__(self, steppers: Mapping[str, Stepper]) -> None:
+        self.steppers = dict(steppers)
+
+    def of(self, group: Mapping[str, Any]) -> Stepper:
+        """The stepper of ``group``'s class."""
+        return self.steppers[group[GROUP_CLASS_KEY]]
+
+    def step_pieces(
+        self,
+        group: Mapping[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: StateDicts,
+    ) -> None:
+        """One step of ``group``'s class over ``params`` (see :class:`Stepper`)."""
+        self.of(group).step_pieces(group, params, grads, states)
+
+
+def class_steppers(
+    param_groups: Sequence[Mapping[str, Any]],
+    default: type[Optimizer],
+    compile: bool | None,
+    defaults: Mapping[str, Any],
+) -> ByClassStepper:
+    """Per class of ``param_groups`` (a class per group): the functional core where it covers
+    every group of the class, else a real instance over shadows (the constructor's keyword
+    ``defaults`` reach ``default``'s only).
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"},
+        ...           {"params": [torch.zeros(2)], "lr": 0.1, "optimizer_class": "torch.optim.AdamW"}]
+        >>> stepper = class_steppers(groups, torch.optim.AdamW, False, {})
+        >>> sorted((k, type(v).__name__) for k, v in stepper.steppers.items())
+        [('torch.optim.AdamW', 'FunctionalStepper'), ('torch.optim.Muon', 'ShadowStepper')]
+    """
+    by_class: dict[type[Optimizer], list[Mapping[str, Any]]] = {}
+    for g in param_groups:
+        by_class.setdefault(group_class(g, default), []).append(g)
+    steppers: dict[str, Stepper] = {}
+    for cls, groups in by_class.items():
+        spec = functional_spec(cls)
+        if spec is not None and all(supports_group(spec, g) for g in groups):
+            steppers[optimizer_name(cls)] = FunctionalStepper(spec, compile)
+            continue
+        # an instance over one of its own parameters (a class may refuse other shapes)
+        own = {**hyperparameters(groups[0]), "params": list(groups[0]["params"])[:1]}
+        local = cls([own], **(defaults if cls is default else {}))
+        local.param_groups[0]["params"] = []
+        steppers[optimizer_name(cls)] = ShadowStepper(local, defaults if cls is default else {})
+    return ByClassStepper(steppers)
+
+
+def runs_functional(stepper: object, group: Mapping[str, Any]) -> bool:
+    """Whether ``group`` steps through the functional core (its state's ``step`` is fp32).
+
+    Example:
+        >>> runs_functional(ShadowStepper(torch.optim.SGD([torch.zeros(1)]), {}), {})
+        False
+    """
+    if isinstance(stepper, ByClassStepper):  # a group added since: not stepped yet
+        stepper = stepper.steppers.get(group.get(GROUP_CLASS_KEY, ""))
+    return isinstance(stepper, FunctionalStepper)
+
+
 def _initial_state(
     optimizer_class: type[Optimizer],
     group: Mapping[str, Any],
@@ -249,8 +327,8 @@ def state_schemas(
     groups: Sequence[Mapping[str, Any]],
     defaults: Mapping[str, Any],
 ) -> list[dict[str, str] | None]:
-    """Per group, :func:`state_schema` where ``optimizer_class`` is elementwise, else ``None``
-    (no per-element state to check a loaded one against).
+    """Per group, :func:`state_schema` where its class (``optimizer_class``, or the group's
+    own) is elementwise, else ``None`` (no per-element state to check a loaded one against).
 
     Example:
         >>> state_schemas(torch.optim.SGD, [{"lr": 0.1, "momentum": 0.9}], {})
@@ -258,9 +336,13 @@ def state_schemas(
         >>> state_schemas(torch.optim.LBFGS, [{"lr": 1.0}], {})
         [None]
     """
-    if update_kind(optimizer_class) != "elementwise":
-        return [None for _ in groups]
-    return [state_schema(optimizer_class, g, defaults) for g in groups]
+    out: list[dict[str, str] | None] = []
+    for g in groups:
+        cls = group_class(g, optimizer_class)
+        own = GROUP_CLASS_KEY in g and cls is not optimizer_class
+        elementwise = update_kind(cls) == "elementwise"
+        out.append(state_schema(cls, g, {} if own else defaults) if elementwise else None)
+    return out
 
 
 class LocalView:
@@ -312,7 +394,10 @@ def choose_stepper(
 ) -> Stepper | RealStepper:
     """How this rank updates its pieces: the functional core where ``spec`` covers the class;
     else, where this rank owns ``whole`` parameters (after backward), a real instance of the
-    class over them sharing ``state``; else a real instance over shadows of the pieces."""
+    class over them sharing ``state``; else a real instance over shadows of the pieces. With a
+    class per group, each group through its class (:func:`class_steppers`)."""
+    if is_mixed(param_groups):
+        return class_steppers(param_groups, type(probe), compile, defaults)
     if spec is not None:
         return FunctionalStepper(spec, compile)
     if whole:
