@@ -3,6 +3,8 @@ it, the hidden matrices of each model, and the table on GPT-2 small at 4 and 8 r
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -169,3 +171,38 @@ def test_plan_muon_past_16_ranks_prints_the_busiest_rank_only(
     rows = _muon_table(out)[64]
     assert [r[0] for r in rows] == ["max", "max/mean"]
     assert rows[0][1] == "1"  # 48 matrices on 64 ranks: at most one each
+
+
+def test_the_optimizer_balances_muon_matrices_by_newton_schulz_cost_not_by_size() -> None:
+    """Under ``"flat"`` with Muon on the matrices, each matrix is owned whole and placed by
+    its Newton-Schulz cost: a (16, 1) matrix is as large as a (4, 4) one but costs a quarter,
+    a (32, 2) one as large as an (8, 8) one but a quarter, so size-balancing and
+    cost-balancing give the ranks other matrices; the optimizer follows the cost (as
+    ``plan --muon`` does)."""
+    import torch
+
+    from zero_functional import ZeroRedundancyOptimizer
+    from zero_functional.comm.testing import fake_world
+    from zero_functional.core.cost import cost_greedy, newton_schulz_cost
+
+    shapes = [(16, 1), (4, 4), (8, 8), (32, 2)]
+    with fake_world(2, rank=0):
+        matrices = [torch.zeros(s, requires_grad=True) for s in shapes]
+        rest = [torch.zeros(5, requires_grad=True)]
+        zero = ZeroRedundancyOptimizer(
+            [
+                {"params": matrices, "optimizer_class": torch.optim.Muon, "lr": 0.02},
+                {"params": rest},
+            ],
+            torch.optim.AdamW,
+            partition="flat",
+        )
+        by_cost = cost_greedy([newton_schulz_cost(s) for s in shapes], 2)
+        for rank in range(2):
+            whole = {p.param for p in zero.ownership.owned(rank) if p.param < len(shapes)}
+            assert whole == set(by_cost[rank]), (rank, whole, by_cost)
+            for piece in zero.ownership.owned(rank):
+                if piece.param < len(shapes):  # a matrix: owned whole
+                    assert (piece.start, piece.stop) == (0, matrices[piece.param].numel())
+        by_size = cost_greedy([math.prod(s) for s in shapes], 2)
+        assert [set(r) for r in by_size] != [set(r) for r in by_cost]  # the rules differ here

@@ -38,7 +38,7 @@ from zero_functional.core.plans import choose_param_gather, ownership_of, plan_m
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
-from zero_functional.shell.classes import add_group, whole_params
+from zero_functional.shell.classes import add_group, update_costs, whole_params
 from zero_functional.shell.join import StepJoinHook
 from zero_functional.shell.local_shard import LocalShard
 from zero_functional.shell.param_sync import ParamSync
@@ -188,7 +188,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _ownership_now(self) -> Ownership:
         whole = whole_params(self.param_groups, self.optimizer_class)  # per-tensor classes'
-        return ownership_of(self.partition, self._table, self.world_size, whole)
+        costs = update_costs(self.param_groups, self.optimizer_class) if whole else None
+        return ownership_of(self.partition, self._table, self.world_size, whole, costs)
 
     def reshard(self, ownership: Ownership) -> None:
         """Move this optimizer's state to ``ownership`` (of the same parameters and world size,

@@ -11,13 +11,15 @@ together, what ``zero-functional plan MODEL --muon`` prints.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zero_functional.core._validate import check_world_size
 from zero_functional.core.partition import FlatPartition, flat, sorted_greedy
 
 __all__ = [
+    "UPDATE_COSTS",
+    "update_cost",
     "ADAMW_STATE_BYTES",
     "MUON_STATE_BYTES",
     "MuonPlan",
@@ -68,6 +70,23 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
     if m < 0 or n < 0:
         raise ValueError(f"shape {dims} has a negative size: pass tensor.shape")
     return m * n * min(m, n)
+
+
+UPDATE_COSTS: dict[str, Callable[[Sequence[int]], int]] = {"torch.optim.Muon": newton_schulz_cost}
+"""The cost of one update of a whole tensor, by optimizer class name, for the classes whose
+update is not linear in the element count; every other class costs its element count."""
+
+
+def update_cost(class_name: str, shape: Sequence[int]) -> int:
+    """What one update of a tensor of ``shape`` costs under the class named ``class_name``
+    (:data:`UPDATE_COSTS`, else the element count): what whole-owned tensors are balanced by.
+
+    Example:
+        >>> update_cost("torch.optim.Muon", (4, 8)), update_cost("torch.optim.Adafactor", (4, 8))
+        (128, 32)
+    """
+    cost = UPDATE_COSTS.get(class_name)
+    return cost(shape) if cost is not None else _numel(shape)
 
 
 def cost_greedy(costs: Sequence[int], world_size: int) -> tuple[tuple[int, ...], ...]:

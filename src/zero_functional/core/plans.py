@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from zero_functional.core._validate import check_world_size
+from zero_functional.core.cost import cost_greedy
 from zero_functional.core.ownership import (
     Ownership,
     PartitionName,
@@ -48,7 +49,7 @@ from zero_functional.core.ownership import (
     sorted_greedy_ownership,
 )
 from zero_functional.core.param_table import BufferKey, ParamTable
-from zero_functional.core.partition import Piece, sorted_greedy
+from zero_functional.core.partition import Piece
 
 __all__ = [
     "COALESCE_BELOW",
@@ -419,13 +420,15 @@ def ownership_of(
     table: ParamTable,
     world_size: int,
     whole: Sequence[bool] | None = None,
+    costs: Sequence[int] | None = None,
 ) -> Ownership:
     """The ownership ``partition`` gives the parameters of ``table``.
 
     ``"sorted_greedy"`` is torch's whole-tensor assignment; ``"flat"`` splits each (device,
     dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`, except the
     parameters ``whole`` marks (those of a per-tensor class, with classes per group): they are
-    owned whole, placed by :func:`whole_owners`.
+    owned whole, placed by :func:`whole_owners` by their ``costs`` (one per parameter; the
+    element count without it).
 
     Example:
         >>> import torch
@@ -452,25 +455,37 @@ def ownership_of(
         sub = flat_ownership([numels[k] for k in split], world_size, keys=keys, align=align)
         for rank, pieces in enumerate(sub.pieces):
             per_rank[rank].extend(Piece(split[s.param], s.start, s.stop) for s in pieces)
-    owners = whole_owners([tuple(table.params[k].shape) for k in kept], world_size)
+    kept_costs = [costs[k] for k in kept] if costs is not None else None
+    owners = whole_owners([tuple(table.params[k].shape) for k in kept], world_size, kept_costs)
     for k, rank in zip(kept, owners, strict=True):
         per_rank[rank].append(Piece(k, 0, numels[k]))
     ranked = tuple(tuple(sorted(ps, key=lambda s: s.param)) for ps in per_rank)
     return Ownership(tuple(numels), world_size, ranked)
 
 
-def whole_owners(shapes: Sequence[tuple[int, ...]], world_size: int) -> list[int]:
+def whole_owners(
+    shapes: Sequence[tuple[int, ...]], world_size: int, costs: Sequence[int] | None = None
+) -> list[int]:
     """The rank that owns each tensor of ``shapes`` whole under ``"flat"``: the one place that
-    balances whole-owned tensors (today by element count, largest first onto the least loaded
-    rank; a cost per class, such as Muon's Newton-Schulz ``m*n*min(m, n)``, plugs in here).
+    balances whole-owned tensors, largest ``costs`` first onto the least loaded rank
+    (:func:`~zero_functional.core.cost.cost_greedy`). ``costs`` is each tensor's update cost
+    (:func:`~zero_functional.core.cost.update_cost`: Muon's Newton-Schulz ``m*n*min(m, n)``);
+    without it, the element count.
 
     Example:
         >>> whole_owners([(2, 2), (4, 4), (3, 3)], 2)
         [1, 0, 1]
+        >>> whole_owners([(16, 1), (4, 4), (2, 2)], 2)  # by size
+        [0, 1, 0]
+        >>> whole_owners([(16, 1), (4, 4), (2, 2)], 2, costs=[16, 64, 8])  # by Muon's cost
+        [1, 0, 1]
     """
+    if costs is None:
+        costs = [math.prod(shape) for shape in shapes]
+    elif len(costs) != len(shapes):
+        raise ValueError(f"{len(costs)} costs for {len(shapes)} tensors: pass one per tensor")
     owner = [0] * len(shapes)
-    costs = [math.prod(shape) for shape in shapes]
-    for rank, indices in enumerate(sorted_greedy(costs, world_size)):
+    for rank, indices in enumerate(cost_greedy(costs, world_size)):
         for i in indices:
             owner[i] = rank
     return owner

@@ -17,10 +17,11 @@ from typing import Any
 from torch.optim import Optimizer
 
 from zero_functional.core.checks import group_class, is_mixed, own_class_group
+from zero_functional.core.cost import update_cost
 from zero_functional.functional import update_kind
 from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name
 
-__all__ = ["add_group", "mark_classes", "whole_params"]
+__all__ = ["add_group", "mark_classes", "update_costs", "whole_params"]
 
 
 def add_group(
@@ -86,4 +87,22 @@ def whole_params(groups: list[dict[str, Any]], default: type[Optimizer]) -> list
         return None
     return [
         update_kind(group_class(g, default)) != "elementwise" for g in groups for _ in g["params"]
+    ]
+
+
+def update_costs(groups: list[dict[str, Any]], default: type[Optimizer]) -> list[int]:
+    """Per parameter (global index), what one update of it costs under its group's class
+    (:func:`~zero_functional.core.cost.update_cost`): what whole-owned tensors are balanced by.
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(2, 4)], "optimizer_class": "torch.optim.Muon"},
+        ...           {"params": [torch.zeros(2)]}]
+        >>> update_costs(groups, torch.optim.AdamW)
+        [16, 2]
+    """
+    return [
+        update_cost(optimizer_name(group_class(g, default)), tuple(p.shape))
+        for g in groups
+        for p in g["params"]
     ]
