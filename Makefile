@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint typecheck rules unit doctest bench clean
+.PHONY: setup demo test test-fast lint typecheck rules unit doctest bench stress clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ test: $(STAMP)
 # every test that starts no process (pure tests, property tests); tests/conftest.py marks the rest slow
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow and not bench" tests property_tests
+
+# the exit stress test at 60 rounds (make test runs 16): two spawned ranks per round, no abort
+stress: $(STAMP)
+	EXIT_STRESS_ROUNDS=60 $(BIN)/pytest -q tests/test_teardown.py -k never_abort
 
 bench: $(STAMP)
 	$(BIN)/python -m zero_functional bench
