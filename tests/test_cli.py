@@ -395,18 +395,6 @@ def test_bench_rejects_a_directory_without_benchmarks(
     assert err.count("\n") == 1 and "no benchmarks/bench_*.py" in err
 
 
-@needs_partition
-def test_python_dash_m_runs_the_cli() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "zero_functional", "plan", "resnet50", "--world-sizes", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "25,557,032 parameters" in proc.stdout
-
-
 @pytest.fixture
 def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if the command gets as far as starting ranks."""
