@@ -45,7 +45,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow and not bench" tests property_tests
 
-# the exit stress test at 60 rounds (make test runs 16): two spawned ranks per round, no abort
+# the exit stress test at 60 rounds (make test runs 12): two spawned ranks per round, no abort
 stress: $(STAMP)
 	EXIT_STRESS_ROUNDS=60 $(BIN)/pytest -q tests/test_teardown.py -k never_abort
 

@@ -81,13 +81,13 @@ def test_an_overlap_hook_keeps_neither_its_optimizer_nor_its_twin_group_alive() 
     assert run_ranks(_dropped_overlap, 2, timeout_s=120) == [[True, True, True]] * 2
 
 
-ROUNDS = int(os.environ.get("EXIT_STRESS_ROUNDS", "16"))
-"""Rounds of :func:`test_two_ranks_started_and_stopped_many_times_never_abort`: 16 in ``make
-test`` (the 4 cases, each imported before and after ``init_process_group``, twice), more under
-``make stress`` (``EXIT_STRESS_ROUNDS=60``). Each round spawns two fresh interpreters (about
-7 s of CPU): 30 rounds were a quarter of ``make test``'s CPU. A regression that aborts 1 round
-in 10 (the rarest rate seen before the fix) fails a run with probability 0.81 at 16 rounds
-(0.96 at 30, 0.998 at 60)."""
+ROUNDS = int(os.environ.get("EXIT_STRESS_ROUNDS", "12"))
+"""Rounds of :func:`test_two_ranks_started_and_stopped_many_times_never_abort`: 12 in ``make
+test`` (each of the 4 cases 3 times, imported before ``init_process_group`` twice and after it
+once), 60 under ``make stress``. Each round spawns two fresh interpreters (about 7 s of CPU):
+30 rounds were a quarter of ``make test``'s CPU and kept it over its 6 minutes. A regression
+that aborts 1 round in 10 (the rarest rate seen before the fix) fails a run with probability
+0.72 at 12 rounds (0.96 at 30, 0.998 at 60); one that aborts 1 in 5, 0.93."""
 
 
 @pytest.mark.slow
