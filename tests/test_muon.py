@@ -2,8 +2,9 @@
 
 Against DDP-style averaged gradients + plain ``torch.optim.Muon`` + ``torch.optim.AdamW`` on
 the same data: bitwise at 2 ranks, step after backward, under both partitions (AdamW's reference is
-``fused=True``, the kernel the functional core runs on the CPU). One launch runs
-every case (parity, the state dict, the errors and the modes not supported yet).
+``fused=True``, the kernel the functional core runs on the CPU); with ``reduce_scatter_hook``,
+against DDP + the plain optimizers, bitwise too. One launch runs every case (parity, the state
+dict, the errors and the modes not supported yet).
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ def backward(model: nn.Module, rank: int, world_size: int, step: int) -> None:
     logits = model(mine[:, :-1])
     nn.functional.cross_entropy(logits.reshape(-1, VOCAB), mine[:, 1:].reshape(-1)).backward()
     average_grads(model, world_size)
+
+
+def ddp_backward(ddp: nn.Module, rank: int, world_size: int, step: int) -> None:
+    """This rank's slice of step ``step``'s batch through ``ddp``: DDP (or its hook) averages."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (4 * world_size, 9), generator=g)
+    mine = tokens[4 * rank : 4 * (rank + 1)]
+    logits = ddp(mine[:, :-1])
+    nn.functional.cross_entropy(logits.reshape(-1, VOCAB), mine[:, 1:].reshape(-1)).backward()
 
 
 def exact(a: nn.Module, b: nn.Module) -> bool:
@@ -187,8 +197,25 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     # modes not supported yet refuse, naming the mode
     out["overlap"] = _error(lambda: recipe(model, "flat", overlap_with_ddp=True))
     out["main params"] = _error(lambda: recipe(model, "flat", main_params_dtype=torch.float32))
-    zero = recipe(model, "flat")
-    out["reduce_scatter_hook"] = _error(lambda: reduce_scatter_hook(DDP(model), zero))
+    # reduce_scatter_hook: each matrix's gradient reduced onto its owner only, against DDP +
+    # the plain optimizers (both divide, then sum, as DDP does)
+    for partition in ("flat", "sorted_greedy"):
+        ddp, ref = DDP(TinyGPT()), DDP(TinyGPT())
+        zero = recipe(ddp.module, partition)
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+        matrices, rest = split(ref.module)
+        plain = [
+            torch.optim.Muon(matrices, lr=0.02),
+            torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1, fused=True),
+        ]
+        for step in range(STEPS):
+            for m, opts in ((ddp, [zero]), (ref, plain)):
+                for o in opts:
+                    o.zero_grad()
+                ddp_backward(m, rank, world_size, step)
+                for o in opts:
+                    o.step()
+        out[f"{partition} reduce_scatter_hook parity"] = exact(ddp, ref)
     return out
 
 
@@ -203,7 +230,8 @@ def test_muon_with_adamw_two_ranks() -> None:
         assert "torch.optim.Muon" in got["unknown hyperparameter"]
         assert "do not support overlap_with_ddp=True yet" in got["overlap"]
         assert "do not support main_params_dtype yet" in got["main params"]
-        assert "reduce_scatter_hook does not support" in got["reduce_scatter_hook"]
+        for partition in ("flat", "sorted_greedy"):
+            assert got[f"{partition} reduce_scatter_hook parity"], partition
     first = results[0]
     for partition in ("flat", "sorted_greedy"):
         assert first[f"{partition} classes"] == ["torch.optim.Muon", "torch.optim.AdamW"]

@@ -38,7 +38,6 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
-from zero_functional.core.checks import is_mixed
 from zero_functional.core.ownership import Run
 from zero_functional.core.plans import COLLECTIVES, Collectives, choose_collectives
 from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -350,12 +349,6 @@ def reduce_scatter_hook(
         raise ValueError(
             "reduce_scatter_hook serves a ZeroRedundancyOptimizer that steps after backward; "
             "with overlap_with_ddp=True use hook_with_zero_step(allreduce_hook, ddp, zero)"
-        )
-    if is_mixed(zero.param_groups):
-        raise ValueError(
-            "reduce_scatter_hook does not support param groups with their own 'optimizer_class' "
-            "yet: keep DDP's own all-reduce (register no hook) and call zero.step() after "
-            "backward, or use one optimizer_class for all groups"
         )
     _check_ddp(ddp, zero)
     grad_sync = GradSync(
