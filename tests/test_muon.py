@@ -196,7 +196,6 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     )
     # modes not supported yet refuse, naming the mode
     out["overlap"] = _error(lambda: recipe(model, "flat", overlap_with_ddp=True))
-    out["main params"] = _error(lambda: recipe(model, "flat", main_params_dtype=torch.float32))
     # reduce_scatter_hook: each matrix's gradient reduced onto its owner only, against DDP +
     # the plain optimizers (both divide, then sum, as DDP does)
     for partition in ("flat", "sorted_greedy"):
@@ -216,6 +215,38 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                 for o in opts:
                     o.step()
         out[f"{partition} reduce_scatter_hook parity"] = exact(ddp, ref)
+    # a bf16 model with fp32 main parameters: Muon and AdamW step the fp32 main pieces, as
+    # the plain optimizers stepping fp32 copies of the bf16 weights with fp32 gradients do
+    for partition in ("flat", "sorted_greedy"):
+        model, ref_model = TinyGPT().to(torch.bfloat16), TinyGPT().to(torch.bfloat16)
+        start = [p.detach().clone() for p in model.parameters()]
+        zero = recipe(model, partition, main_params_dtype=torch.float32)
+        ref_params = [*split(ref_model)[0], *split(ref_model)[1]]
+        main = [p.detach().float().requires_grad_() for p in ref_params]
+        n = len(split(ref_model)[0])
+        plain = [
+            torch.optim.Muon(main[:n], lr=0.02),
+            torch.optim.AdamW(main[n:], lr=3e-4, weight_decay=0.1, fused=True),
+        ]
+        for step in range(STEPS):
+            zero.zero_grad()
+            ref_model.zero_grad()
+            backward(model, rank, world_size, step)
+            backward(ref_model, rank, world_size, step)
+            zero.step()
+            for m, p in zip(main, ref_params, strict=True):
+                m.grad = p.grad.float()
+            for o in plain:
+                o.step()
+            with torch.no_grad():
+                for m, p in zip(main, ref_params, strict=True):
+                    p.copy_(m)
+        out[f"{partition} fp32 main parity"] = exact(model, ref_model) and not all(
+            torch.equal(a, b) for a, b in zip(start, model.parameters())
+        )
+        out[f"{partition} fp32 main state"] = sorted(
+            {str(v.dtype) for s in zero.state.values() for v in s.values() if v.dim() > 0}
+        )
     return out
 
 
@@ -229,7 +260,9 @@ def test_muon_with_adamw_two_ranks() -> None:
         assert "takes no hyperparameter 'betas'" in got["unknown hyperparameter"]
         assert "torch.optim.Muon" in got["unknown hyperparameter"]
         assert "do not support overlap_with_ddp=True yet" in got["overlap"]
-        assert "do not support main_params_dtype yet" in got["main params"]
+        for partition in ("flat", "sorted_greedy"):
+            assert got[f"{partition} fp32 main parity"], partition
+            assert got[f"{partition} fp32 main state"] == ["torch.float32"], got
         for partition in ("flat", "sorted_greedy"):
             assert got[f"{partition} reduce_scatter_hook parity"], partition
     first = results[0]

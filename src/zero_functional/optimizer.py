@@ -223,7 +223,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "group; build it with all parameters instead of calling add_param_group"
             )
         backend, items = comm.backend(self.process_group), [*self.param_groups, param_group]
-        modes = (self.optimizer_class, len(self.param_groups), self._main_params_dtype)
+        modes = (self.optimizer_class, len(self.param_groups))
         replicated = self._replicate_group is not None
         check = lambda: check_new_group(param_group, backend, self.partition, *modes, replicated)  # noqa: E731
         agree("add_param_group()", check, items, self.process_group, timeout=self.timeout)

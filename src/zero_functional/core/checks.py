@@ -396,7 +396,6 @@ def check_new_group(
     partition: str,
     default: type[Optimizer] = Optimizer,
     index: int = 0,
-    main_params_dtype: object = None,
     replicated: bool = False,
 ) -> None:
     """The local checks of a group given to ``add_param_group`` (as group ``index`` of an
@@ -413,7 +412,7 @@ def check_new_group(
     items = check_params([param_group])
     check_devices(param_tensors(items), backend)
     if is_mixed(items):
-        check_mixed_modes(False, main_params_dtype, replicated)
+        check_mixed_modes(False, replicated)
         check_group_classes(items, default, index)
     if partition == "flat":
         check_splittable(param_tensors(split_items(items, default)))
@@ -555,19 +554,18 @@ def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: i
             own_class_group(g, i)
 
 
-def check_mixed_modes(overlap: bool, main_params_dtype: object, replicated: bool) -> None:
+def check_mixed_modes(overlap: bool, replicated: bool) -> None:
     """Refuse the modes that do not run param groups with their own class yet (issue 30).
 
     Example:
-        >>> check_mixed_modes(False, None, False)
-        >>> check_mixed_modes(True, None, False)
+        >>> check_mixed_modes(False, False)
+        >>> check_mixed_modes(True, False)
         Traceback (most recent call last):
         ...
         ValueError: param groups with their own 'optimizer_class' do not support overlap_with_ddp=True yet: step after backward (overlap_with_ddp=False), or use one optimizer_class for all groups
     """
     for on, what, instead in (
         (overlap, "overlap_with_ddp=True", "step after backward (overlap_with_ddp=False)"),
-        (main_params_dtype is not None, "main_params_dtype", "leave main_params_dtype=None"),
         (replicated, "device_mesh=", "pass process_group= instead"),
     ):
         if on:

@@ -108,7 +108,7 @@ def agreed_inputs(
                     f"{cast(type, optimizer_class).__name__} couples its parameters"
                 )
         if is_mixed(checked[0]):
-            check_mixed_modes(overlap_with_ddp, main_params_dtype, replicated)
+            check_mixed_modes(overlap_with_ddp, replicated)
     except CHECK_ERRORS as e:
         problem = e
     try:
