@@ -273,3 +273,36 @@ def test_muon_with_adamw_two_ranks() -> None:
             "parameter group 0 was saved for torch.optim.AdamW" in first[f"{partition} wrong class"]
         )
         assert first[f"{partition} reloaded"], partition
+
+
+def _four_ranks(rank: int, world_size: int) -> dict[str, bool]:
+    """At 4 ranks, 1-D and on a 2 x 2 mesh (state sharded in pairs, replicated across them):
+    every rank averages the same gradients, so each mode is bitwise equal to the plain
+    optimizers, whatever the order in which gloo adds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out: dict[str, bool] = {}
+    for layout, options in (("1-D", {}), ("2x2 mesh", {"device_mesh": mesh})):
+        for partition in ("flat", "sorted_greedy"):
+            model, ref_model = TinyGPT(), TinyGPT()
+            zero = recipe(model, partition, **options)
+            matrices, rest = split(ref_model)
+            plain = [
+                torch.optim.Muon(matrices, lr=0.02),
+                torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1, fused=True),
+            ]
+            for step in range(STEPS // 2):
+                for m, opts in ((model, [zero]), (ref_model, plain)):
+                    for o in opts:
+                        o.zero_grad()
+                    backward(m, rank, world_size, step)
+                    for o in opts:
+                        o.step()
+            out[f"{layout} {partition}"] = exact(model, ref_model)
+    return out
+
+
+def test_muon_with_adamw_at_four_ranks_and_on_a_mesh() -> None:
+    for got in run_ranks(_four_ranks, 4, timeout_s=300):
+        assert all(got.values()), got

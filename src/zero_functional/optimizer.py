@@ -107,10 +107,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.timeout = timeout
         self.partition: PartitionName = partition
         args = (params, optimizer_class, process_group, partition, overlap_with_ddp, defaults)
-        replicated = self._replicate_group is not None
-        self.process_group, items, probe = agreed_inputs(
-            *args, timeout, main_params_dtype, replicated=replicated
-        )
+        self.process_group, items, probe = agreed_inputs(*args, timeout, main_params_dtype)
         self._main_params_dtype = main_params_dtype
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
@@ -224,8 +221,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             )
         backend, items = comm.backend(self.process_group), [*self.param_groups, param_group]
         modes = (self.optimizer_class, len(self.param_groups))
-        replicated = self._replicate_group is not None
-        check = lambda: check_new_group(param_group, backend, self.partition, *modes, replicated)  # noqa: E731
+        check = lambda: check_new_group(param_group, backend, self.partition, *modes)  # noqa: E731
         agree("add_param_group()", check, items, self.process_group, timeout=self.timeout)
         add_group(super().add_param_group, self.param_groups, param_group, self.optimizer_class)
         self._table = ParamTable.of(self.param_groups)

@@ -396,7 +396,6 @@ def check_new_group(
     partition: str,
     default: type[Optimizer] = Optimizer,
     index: int = 0,
-    replicated: bool = False,
 ) -> None:
     """The local checks of a group given to ``add_param_group`` (as group ``index`` of an
     optimizer of class ``default``): its parameters, their devices for ``backend``, its own
@@ -412,7 +411,6 @@ def check_new_group(
     items = check_params([param_group])
     check_devices(param_tensors(items), backend)
     if is_mixed(items):
-        check_mixed_modes(False, replicated)
         check_group_classes(items, default, index)
     if partition == "flat":
         check_splittable(param_tensors(split_items(items, default)))
@@ -554,22 +552,19 @@ def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: i
             own_class_group(g, i)
 
 
-def check_mixed_modes(overlap: bool, replicated: bool) -> None:
+def check_mixed_modes(overlap: bool) -> None:
     """Refuse the modes that do not run param groups with their own class yet (issue 30).
 
     Example:
-        >>> check_mixed_modes(False, False)
-        >>> check_mixed_modes(True, False)
+        >>> check_mixed_modes(False)
+        >>> check_mixed_modes(True)
         Traceback (most recent call last):
         ...
         ValueError: param groups with their own 'optimizer_class' do not support overlap_with_ddp=True yet: step after backward (overlap_with_ddp=False), or use one optimizer_class for all groups
     """
-    for on, what, instead in (
-        (overlap, "overlap_with_ddp=True", "step after backward (overlap_with_ddp=False)"),
-        (replicated, "device_mesh=", "pass process_group= instead"),
-    ):
-        if on:
-            raise ValueError(
-                f"param groups with their own {GROUP_CLASS_KEY!r} do not support {what} yet: "
-                f"{instead}, or use one optimizer_class for all groups"
-            )
+    if overlap:
+        raise ValueError(
+            f"param groups with their own {GROUP_CLASS_KEY!r} do not support "
+            "overlap_with_ddp=True yet: step after backward (overlap_with_ddp=False), or use one "
+            "optimizer_class for all groups"
+        )

@@ -77,13 +77,11 @@ def agreed_inputs(
     defaults: Mapping[str, Any],
     timeout: float | None = None,
     main_params_dtype: object = None,
-    *,
-    replicated: bool = False,
 ) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
     """``ZeroRedundancyOptimizer``'s arguments, checked on every rank; collective.
 
     :func:`~zero_functional.core.checks.check_inputs` and ``main_params_dtype``'s, the modes
-    a class per group does not run yet (``replicated``: under a device mesh), then that every
+    a class per group does not run yet (overlap mode), then that every
     parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
     the arguments' own error comes first, else the missing group's.
 
@@ -108,7 +106,7 @@ def agreed_inputs(
                     f"{cast(type, optimizer_class).__name__} couples its parameters"
                 )
         if is_mixed(checked[0]):
-            check_mixed_modes(overlap_with_ddp, replicated)
+            check_mixed_modes(overlap_with_ddp)
     except CHECK_ERRORS as e:
         problem = e
     try:
