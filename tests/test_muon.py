@@ -250,6 +250,70 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def _schedules_clipping_checkpoints(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """An LR schedule per group and ``clip_grad_norm_``, against the plain optimizers with the
+    same schedules and torch's clipping; then a sharded checkpoint saved under ``"flat"``
+    loads under ``"sorted_greedy"`` with the same state, classes by name."""
+    from zero_functional import checkpoint
+
+    def schedules(opt: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> list[Any]:
+        decay, flat = (lambda s: 0.5**s), (lambda s: 1.0 / (1 + s))
+        if isinstance(opt, list):  # the plain Muon, then the plain AdamW
+            return [torch.optim.lr_scheduler.LambdaLR(o, f) for o, f in zip(opt, (decay, flat))]
+        return [torch.optim.lr_scheduler.LambdaLR(opt, [decay, flat])]
+
+    model, ref_model = TinyGPT(), TinyGPT()
+    zero = recipe(model, "flat")
+    matrices, rest = split(ref_model)
+    plain = [
+        torch.optim.Muon(matrices, lr=0.02),
+        torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1, fused=True),
+    ]
+    ours_s, plain_s = schedules(zero), schedules(plain)
+    for step in range(STEPS // 2):
+        for o in (zero, *plain):
+            o.zero_grad()
+        backward(model, rank, world_size, step)
+        backward(ref_model, rank, world_size, step)
+        zero.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        for o in (zero, *plain):
+            o.step()
+        for s in (*ours_s, *plain_s):
+            s.step()
+    out: dict[str, Any] = {
+        "lrs": [g["lr"] for g in zero.param_groups],
+        "plain lrs": [o.param_groups[0]["lr"] for o in plain],
+        "max diff": max(
+            (a - b).abs().max().item()
+            for a, b in zip(model.parameters(), ref_model.parameters(), strict=True)
+        ),
+    }
+    checkpoint.save(path, model=model, optimizer=zero)
+    saved = consolidated(zero, rank)
+    other_model = TinyGPT()
+    other = recipe(other_model, "sorted_greedy")
+    checkpoint.load(path, model=other_model, optimizer=other)
+    loaded = consolidated(other, rank)
+    assert saved is not None and loaded is not None
+    out["checkpoint state"] = saved["state"].keys() == loaded["state"].keys() and all(
+        torch.equal(v, loaded["state"][k][key])
+        for k, s in saved["state"].items()
+        for key, v in s.items()
+    )
+    out["checkpoint classes"] = [g["optimizer_class"] for g in loaded["param_groups"]]
+    out["checkpoint model"] = exact(model, other_model)
+    return out
+
+
+def test_muon_with_adamw_schedules_clipping_and_sharded_checkpoints(tmp_path: Any) -> None:
+    for got in run_ranks(_schedules_clipping_checkpoints, 2, str(tmp_path / "ck"), timeout_s=300):
+        assert got["lrs"] == got["plain lrs"] and got["lrs"][0] < 0.02, got
+        assert got["max diff"] <= 1e-6, got
+        assert got["checkpoint state"] and got["checkpoint model"], got
+        assert got["checkpoint classes"] == ["torch.optim.Muon", "torch.optim.AdamW"]
+
+
 def test_muon_with_adamw_two_ranks() -> None:
     results = run_ranks(_worker, 2, timeout_s=300)
     for got in results:
