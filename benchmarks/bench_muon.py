@@ -20,8 +20,8 @@ step; batch 8 per rank) and its ``step()`` alone:
 * ``ours + reduce_scatter_hook``: the same with each gradient reduced onto its owner only.
 
 The profile, measured in the same rounds on the same ranks: Newton–Schulz (``torch.optim.Muon``'s
-step) over every matrix and over this rank's own matrices, and the broadcast of every parameter
-from its owner (what our step sends after its updates).
+step) over every matrix and over this rank's own matrices, and the broadcast of every owner's
+share in one buffer per owner (what our step sends after its updates).
 
 The matrices-only model (the same 24 matrices as plain tensors with fixed random gradients):
 ``torch zero`` = torch's ``ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Muon)``
@@ -65,7 +65,7 @@ MATRIX_VARIANTS = [MATRIX_BASELINE, "ours"]
 PIECES = [
     "piece: muon, every matrix",
     "piece: muon, this rank's matrices",
-    "piece: broadcast every parameter from its owner",
+    "piece: broadcast every share, one buffer per owner",
 ]
 
 
@@ -120,7 +120,7 @@ def _iteration(ddp: DDP, opts: list[Any], tokens: Tensor) -> tuple[float, float]
 
 def _pieces(rank: int, world_size: int, zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
     """The profile's pieces, each a call timed on its own: Newton–Schulz everywhere and on this
-    rank's matrices (``zero``'s ownership), and every parameter broadcast from its owner."""
+    rank's matrices (``zero``'s ownership), and every owner's share broadcast in one buffer."""
     params = zero.param_table.params
     n_matrices = len(zero.param_groups[0]["params"])
     owner = {s.param: r for r in range(world_size) for s in zero.ownership.owned(r)}
@@ -133,10 +133,14 @@ def _pieces(rank: int, world_size: int, zero: ZeroRedundancyOptimizer) -> dict[s
 
     every = muon_over(list(range(n_matrices)))
     mine = muon_over([i for i in range(n_matrices) if owner[i] == rank])
-    copies = [p.detach().clone() for p in params]
+    # one flat buffer per owner, of what it owns: how our step sends (one broadcast per owner)
+    shares = [
+        torch.zeros(sum(s.stop - s.start for s in zero.ownership.owned(r)))
+        for r in range(world_size)
+    ]
 
     def broadcast() -> None:
-        works = [dist.broadcast(t, owner[i], async_op=True) for i, t in enumerate(copies)]
+        works = [dist.broadcast(t, r, async_op=True) for r, t in enumerate(shares)]
         for w in works:
             w.wait()
 
@@ -188,7 +192,9 @@ def _matrix_worker(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
         if name == MATRIX_BASELINE:
             opts[name] = TorchZero(matrices, optimizer_class=torch.optim.Muon, lr=0.02)
         else:
-            opts[name] = ZeroRedundancyOptimizer(matrices, optimizer_class=torch.optim.Muon, lr=0.02)
+            opts[name] = ZeroRedundancyOptimizer(
+                matrices, optimizer_class=torch.optim.Muon, lr=0.02
+            )
     times: dict[str, list[float]] = {name: [] for name in MATRIX_VARIANTS}
     for r in range(rounds + 2):
         for name, opt in opts.items():
