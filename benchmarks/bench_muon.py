@@ -23,11 +23,14 @@ The profile, measured in the same rounds on the same ranks: Newton–Schulz (``t
 step) over every matrix and over this rank's own matrices, and the broadcast of every owner's
 share in one buffer per owner (what our step sends after its updates).
 
-The matrices-only model (the same 24 matrices as plain tensors with fixed random gradients):
-``torch zero`` = torch's ``ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Muon)``
-(the baseline, 1.00x) against ours with ``optimizer_class=torch.optim.Muon`` (its default
-partition, sorted-greedy: one per-tensor class for every group is refused under ``"flat"``, as
-before issue 30); ``step()`` only.
+Matrices only, ``step()`` only, with fixed random gradients: ``torch zero`` = torch's
+``ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Muon)`` (the baseline, 1.00x) and
+with ``parameters_as_bucket_view=True``, against ours with ``optimizer_class=torch.optim.Muon``
+(its default partition, sorted-greedy by elements: one per-tensor class for every group is
+refused under ``"flat"``, as before issue 30) and ours with the class in the group and
+``partition="flat"`` (owned whole, balanced by Newton–Schulz cost). Two sets of matrices: the
+GPT's 24 (each has min(m, n) = 48, so the cost is proportional to the elements and both
+balances agree), and :data:`MIXED_SHAPES`, where they differ.
 
 Times are medians of the slowest rank; ratios against the baseline of the same run.
 
@@ -61,7 +64,10 @@ WIDTH = 48
 BASELINE = "ddp + muon"
 MATRIX_BASELINE = "torch zero"
 ITER_VARIANTS = [BASELINE, "ours", "ours + reduce_scatter_hook"]
-MATRIX_VARIANTS = [MATRIX_BASELINE, "ours"]
+MATRIX_VARIANTS = [MATRIX_BASELINE, "torch zero, bucket view", "ours", "ours flat, by cost"]
+# 6 squares and 3 rectangles of twice their elements but an eighth of their Newton–Schulz cost
+# each (m·n·min(m, n)): element counts put three squares on one rank at 2 and 4 ranks
+MIXED_SHAPES = [(1536, 12)] * 3 + [(96, 96)] * 6
 PIECES = [
     "piece: muon, every matrix",
     "piece: muon, this rank's matrices",
@@ -181,19 +187,39 @@ def _gpt_worker(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def _matrix_worker(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
+def _matrices(shapes: str) -> list[nn.Parameter]:
+    """The GPT's 24 block matrices (``"gpt"``) or :data:`MIXED_SHAPES` (``"mixed"``), seeded."""
+    if shapes == "gpt":
+        return _split(_model())[0]
+    torch.manual_seed(0)
+    return [nn.Parameter(torch.randn(m, n) * 0.02) for m, n in MIXED_SHAPES]
+
+
+def _matrix_worker(rank: int, world_size: int, rounds: int, shapes: str) -> dict[str, Any]:
     torch.set_num_threads(max(1, 2 // world_size))
-    opts = {}
+    opts: dict[str, Any] = {}
     for name in MATRIX_VARIANTS:
-        matrices, _ = _split(_model())
+        matrices = _matrices(shapes)
         g = torch.Generator().manual_seed(rank)
         for p in matrices:
             p.grad = torch.randn(p.shape, generator=g) * 1e-3
-        if name == MATRIX_BASELINE:
-            opts[name] = TorchZero(matrices, optimizer_class=torch.optim.Muon, lr=0.02)
-        else:
+        if name.startswith("torch"):
+            opts[name] = TorchZero(
+                matrices,
+                optimizer_class=torch.optim.Muon,
+                parameters_as_bucket_view=name != MATRIX_BASELINE,
+                lr=0.02,
+            )
+        elif name == "ours":
             opts[name] = ZeroRedundancyOptimizer(
                 matrices, optimizer_class=torch.optim.Muon, lr=0.02
+            )
+        else:  # the class in the group: owned whole under "flat", balanced by cost
+            opts[name] = ZeroRedundancyOptimizer(
+                [{"params": matrices, "optimizer_class": torch.optim.Muon}],
+                optimizer_class=torch.optim.Muon,
+                partition="flat",
+                lr=0.02,
             )
     times: dict[str, list[float]] = {name: [] for name in MATRIX_VARIANTS}
     for r in range(rounds + 2):
@@ -243,9 +269,9 @@ def _report_gpt(ws: int, rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _report_matrices(ws: int, rounds: int) -> list[dict[str, Any]]:
-    results = run_ranks(_matrix_worker, ws, rounds, timeout_s=1800)
-    label = "24 matrices only"
+def _report_matrices(ws: int, rounds: int, shapes: str) -> list[dict[str, Any]]:
+    results = run_ranks(_matrix_worker, ws, rounds, shapes, timeout_s=1800)
+    label = "24 matrices only" if shapes == "gpt" else "mixed shapes only"
     base = max(r["step"][MATRIX_BASELINE] for r in results)
     print(f"\n== Muon alone, {label}, world size {ws}, median of {rounds} rounds")
     print(f"{'variant':<50}{'step ms':>9}{'x torch zero':>14}")
@@ -268,7 +294,8 @@ def main() -> None:
     rows = []
     for ws in args.world_sizes:
         rows += _report_gpt(ws, args.rounds)
-        rows += _report_matrices(ws, args.rounds)
+        rows += _report_matrices(ws, args.rounds, "gpt")
+        rows += _report_matrices(ws, args.rounds, "mixed")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
