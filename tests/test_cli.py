@@ -378,6 +378,10 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
         "iteration (2M MLP)",
         "iteration (2.9M transformer)",
         "main params (2M bf16 AdamW)",
+        "muon iteration (GPT 0.22M, 24 matrices)",
+        "muon step (GPT 0.22M, 24 matrices)",
+        "muon step (24 matrices only)",
+        "muon step (mixed shapes only)",
         "step (2M Adam)",
         "step (2.9M transformer AdamW)",
     }, table
