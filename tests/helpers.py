@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_functional.app import launch
+from zero_functional.app import cli, launch
 
 R = TypeVar("R")
 
@@ -131,3 +131,15 @@ def forked_train_ranks(monkeypatch: Any) -> None:
     from zero_functional.app import train
 
     monkeypatch.setattr(train, "run_ranks", run_ranks)
+
+
+def run_cli(argv: list[str], capsys: Any) -> tuple[int, str, str]:
+    """``zero-functional ARGV`` through the script's own ``main``, in this process (``python -m``
+    itself is run by test_readme's demo test): the exit code, whether ``main`` returns or
+    exits, and what it printed to stdout and stderr (``capsys``, pytest's fixture)."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

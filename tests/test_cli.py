@@ -15,9 +15,8 @@ from torch import nn
 
 import zero_functional
 from zero_functional.app import cli, train
-from zero_functional.app.cli import main
 
-from tests.helpers import forked_train_ranks
+from tests.helpers import forked_train_ranks, run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -55,16 +54,6 @@ def needs_arguments(width: int) -> nn.Module:
 
 def raises_inside() -> nn.Module:
     raise RuntimeError("no weights here")
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """Exit code, stdout and stderr of ``main(argv)``, whether it returns or exits."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def plan_rows(out: str) -> list[list[str]]:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from zero_functional.app.cli import main
 from zero_functional.app.models import MODELS, OUTSIDE_BLOCKS, model_shapes, muon_params
 from zero_functional.core.cost import (
     cost_greedy,
@@ -19,14 +18,7 @@ from zero_functional.core.cost import (
 )
 from zero_functional.core.partition import balance_report, sorted_greedy
 
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.helpers import run_cli
 
 
 class TinyLM(nn.Module):

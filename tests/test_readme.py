@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, forked_train_ranks
+from tests.helpers import ROOT, forked_train_ranks, run_cli
 
 README = ROOT / "README.md"
 MAKEFILE = ROOT / "Makefile"
@@ -73,7 +73,7 @@ def env_with_src() -> dict[str, str]:
     return env
 
 
-def run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+def run_in_subprocess(argv: list[str]) -> subprocess.CompletedProcess[str]:
     """``zero-functional ARGV`` as ``python -m zero_functional ARGV`` (the script's entry point)."""
     return subprocess.run(
         [sys.executable, "-m", "zero_functional", *argv],
@@ -83,20 +83,6 @@ def run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=TIMEOUT_S,
     )
-
-
-def main_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``zero-functional ARGV`` run by the script's own ``main`` in this process (what the
-    script calls; ``python -m`` itself is run by :func:`test_make_demo_runs_to_the_end`): its
-    exit code, stdout and stderr."""
-    from zero_functional.app.cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_every_readme_command_is_run_by_a_test() -> None:
@@ -145,7 +131,7 @@ def test_readme_train_example_runs_to_the_end(
     argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     forked_train_ranks(monkeypatch)  # the job's ranks forked, not spawned: 2 s less per rank
-    code, out, err = main_in_process(argv, capsys)
+    code, out, err = run_cli(argv, capsys)
     assert code == 0, err[-3000:]
     assert "rank  optimizer state" in out
     if "--no-reference" not in argv:  # compared with plain DDP at its end: bitwise at 2 ranks
@@ -157,7 +143,7 @@ def test_readme_train_example_runs_to_the_end(
 def test_readme_plan_example_runs_to_the_end(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = main_in_process(argv, capsys)
+    code, out, err = run_cli(argv, capsys)
     assert code == 0, err[-3000:]
     model = argv[1]
     assert out.startswith(f"{model}: "), out[:200]
@@ -172,7 +158,7 @@ def test_readme_plan_example_runs_to_the_end(
 @pytest.mark.bench  # about two minutes: make bench runs it
 @pytest.mark.parametrize("argv", cli_commands("bench"), ids=" ".join)
 def test_readme_bench_example_runs_to_the_end(argv: list[str]) -> None:
-    proc = run_cli(argv)
+    proc = run_in_subprocess(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== summary" in proc.stdout
 
