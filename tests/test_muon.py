@@ -77,15 +77,6 @@ def recipe(model: TinyGPT, partition: str, **options: Any) -> ZeroRedundancyOpti
     )
 
 
-def backward(model: nn.Module, rank: int, world_size: int, step: int) -> None:
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (4 * world_size, 9), generator=g)
-    mine = tokens[4 * rank : 4 * (rank + 1)]
-    logits = model(mine[:, :-1])
-    nn.functional.cross_entropy(logits.reshape(-1, VOCAB), mine[:, 1:].reshape(-1)).backward()
-    average_grads(model, world_size)
-
-
 def ddp_backward(ddp: nn.Module, rank: int, world_size: int, step: int) -> None:
     """This rank's slice of step ``step``'s batch through ``ddp``: DDP (or its hook) averages."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -93,6 +84,12 @@ def ddp_backward(ddp: nn.Module, rank: int, world_size: int, step: int) -> None:
     mine = tokens[4 * rank : 4 * (rank + 1)]
     logits = ddp(mine[:, :-1])
     nn.functional.cross_entropy(logits.reshape(-1, VOCAB), mine[:, 1:].reshape(-1)).backward()
+
+
+def backward(model: nn.Module, rank: int, world_size: int, step: int) -> None:
+    """:func:`ddp_backward` through a plain module, then DDP's average by hand."""
+    ddp_backward(model, rank, world_size, step)
+    average_grads(model, world_size)
 
 
 def train_both(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zero_functional.core._validate import check_world_size
-from zero_functional.core.partition import FlatPartition, flat, sorted_greedy
+from zero_functional.core.partition import FlatPartition, flat, max_over_mean, sorted_greedy
 
 __all__ = [
     "UPDATE_COSTS",
@@ -115,22 +115,6 @@ def cost_greedy(costs: Sequence[int], world_size: int) -> tuple[tuple[int, ...],
         ((0, 1), (2, 3))
     """
     return sorted_greedy(costs, world_size)
-
-
-def max_over_mean(loads: Sequence[int]) -> float:
-    """The busiest rank's load over the mean load (1.0 is perfect; 1.0 when all are 0).
-
-    Raises:
-        ValueError: No loads.
-
-    Example:
-        >>> max_over_mean([3, 5]), max_over_mean([0, 0])
-        (1.25, 1.0)
-    """
-    if not loads:
-        raise ValueError("no loads: pass one load per rank")
-    total = sum(loads)
-    return max(loads) * len(loads) / total if total else 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from zero_functional.core._validate import (
 
 __all__ = [
     "BalanceReport",
+    "max_over_mean",
     "FlatPartition",
     "RankBytes",
     "RankTraffic",
@@ -351,6 +352,22 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
     return FlatPartition(tuple(numels), world_size, align, bounds, tuple(pieces))
 
 
+def max_over_mean(loads: Sequence[int]) -> float:
+    """The busiest rank's load over the mean load (1.0 is perfect; 1.0 when all are 0).
+
+    Raises:
+        ValueError: No loads.
+
+    Example:
+        >>> max_over_mean([3, 5]), max_over_mean([0, 0])
+        (1.25, 1.0)
+    """
+    if not loads:
+        raise ValueError("no loads: pass one load per rank")
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total else 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class BalanceReport:
     """How evenly a partition spreads elements: loads against the best possible."""
@@ -373,7 +390,7 @@ class BalanceReport:
     @property
     def max_over_mean(self) -> float:
         """Max load / mean load (1.0 is perfect)."""
-        return self.max_load / self.mean_load if self.mean_load else 1.0
+        return max_over_mean(self.loads)
 
     @property
     def max_over_lower_bound(self) -> float:

@@ -49,7 +49,7 @@ from zero_functional.core.ownership import (
     sorted_greedy_ownership,
 )
 from zero_functional.core.param_table import BufferKey, ParamTable
-from zero_functional.core.partition import Piece
+from zero_functional.core.partition import Piece, owners
 
 __all__ = [
     "COALESCE_BELOW",
@@ -484,11 +484,7 @@ def whole_owners(
         costs = [math.prod(shape) for shape in shapes]
     elif len(costs) != len(shapes):
         raise ValueError(f"{len(costs)} costs for {len(shapes)} tensors: pass one per tensor")
-    owner = [0] * len(shapes)
-    for rank, indices in enumerate(cost_greedy(costs, world_size)):
-        for i in indices:
-            owner[i] = rank
-    return owner
+    return list(owners(cost_greedy(costs, world_size), len(shapes)))
 
 
 def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[int, int]]:
