@@ -4,7 +4,7 @@ Against DDP-style averaged gradients + plain ``torch.optim.Muon`` + ``torch.opti
 the same data: bitwise at 2 ranks, step after backward, under both partitions (AdamW's reference is
 ``fused=True``, the kernel the functional core runs on the CPU); with ``reduce_scatter_hook``,
 against DDP + the plain optimizers, bitwise too. One launch runs every case (parity, the state
-dict, the errors and the modes not supported yet).
+dict, the errors); test_muon_modes runs overlap mode, the bytes, 3 ranks and resharding.
 """
 
 from __future__ import annotations
@@ -206,8 +206,6 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             torch.optim.AdamW,
         )
     )
-    # modes not supported yet refuse, naming the mode
-    out["overlap"] = _error(lambda: recipe(model, "flat", overlap_with_ddp=True))
     # reduce_scatter_hook: each matrix's gradient reduced onto its owner only, against DDP +
     # the plain optimizers (both divide, then sum, as DDP does)
     for partition in ("flat", "sorted_greedy"):
@@ -329,7 +327,6 @@ def test_muon_with_adamw_two_ranks() -> None:
         assert "parameter group 1 (torch.optim.Muon): Muon only supports 2D" in got["1-D in Muon"]
         assert "takes no hyperparameter 'betas'" in got["unknown hyperparameter"]
         assert "torch.optim.Muon" in got["unknown hyperparameter"]
-        assert "do not support overlap_with_ddp=True yet" in got["overlap"]
         for partition in ("flat", "sorted_greedy"):
             assert got[f"{partition} fp32 main parity"], partition
             assert got[f"{partition} fp32 main state"] == ["torch.float32"], got

@@ -65,11 +65,13 @@ from zero_functional.checkpoint.format import (
     optimizer_state_dict,
 )
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
+from zero_functional.core.checks import group_class
 from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import flat_range_boxes
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
+from zero_functional.functional import update_kind
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.steppers import hyperparameters, probe_state
 
@@ -416,27 +418,31 @@ class ZeroStateful:
         params = _params(zero)
         group_of = [i for i, (_, n) in enumerate(_spans(zero)) for _ in range(n)]
         held = zero.shard_state()
-        probes: dict[int, dict[str, Any] | None] = {}
+        probes: dict[tuple[int, tuple[int, ...]], dict[str, Any] | None] = {}
         self._flat = {}
         out: dict[str, dict[str, Any]] = {}
         for piece in zero.ownership.owned(zero.rank):
             k, p = piece.param, params[piece.param]
             numel = piece.stop - piece.start
+            probed = numel  # how many elements the state's elementwise values hold
             if k in held:
                 values, fresh = held[k][1], False
-            elif p.requires_grad:  # a template: the keys one step of the class makes
-                g = group_of[k]
-                if g not in probes:
-                    probes[g] = probe_state(zero.optimizer_class, zero.param_groups[g], {})
-                probe = probes[g]
+            elif p.requires_grad:  # a template: the keys one step of the group's class makes
+                group = zero.param_groups[group_of[k]]
+                cls = group_class(group, zero.optimizer_class)
+                # a per-tensor class (Muon) in the parameter's own shape; others on 2 elements
+                shape = (2,) if update_kind(cls) == "elementwise" else tuple(p.shape)
+                if (group_of[k], shape) not in probes:
+                    probes[group_of[k], shape] = probe_state(cls, group, {}, shape)
+                probe = probes[group_of[k], shape]
                 if probe is None:
                     continue
-                values, fresh = probe, True
+                values, fresh, probed = probe, True, math.prod(shape)
             else:
                 continue
             entry: dict[str, Any] = {}
             for key, v in values.items():
-                if isinstance(v, Tensor) and is_elementwise(v, 2 if fresh else numel):
+                if isinstance(v, Tensor) and is_elementwise(v, probed):
                     if fresh:
                         dtype = p.dtype if v.is_floating_point() or v.is_complex() else v.dtype
                         flat = torch.empty(numel, dtype=dtype, device=p.device)

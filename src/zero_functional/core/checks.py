@@ -28,7 +28,6 @@ __all__ = [
     "agreement_verdict",
     "check_devices",
     "check_group_classes",
-    "check_mixed_modes",
     "check_hyperparameter_types",
     "check_inputs",
     "check_new_group",
@@ -550,21 +549,3 @@ def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: i
             )
         if isinstance(g, dict) and GROUP_CLASS_KEY in g:
             own_class_group(g, i)
-
-
-def check_mixed_modes(overlap: bool) -> None:
-    """Refuse the modes that do not run param groups with their own class yet (issue 30).
-
-    Example:
-        >>> check_mixed_modes(False)
-        >>> check_mixed_modes(True)
-        Traceback (most recent call last):
-        ...
-        ValueError: param groups with their own 'optimizer_class' do not support overlap_with_ddp=True yet: step after backward (overlap_with_ddp=False), or use one optimizer_class for all groups
-    """
-    if overlap:
-        raise ValueError(
-            f"param groups with their own {GROUP_CLASS_KEY!r} do not support "
-            "overlap_with_ddp=True yet: step after backward (overlap_with_ddp=False), or use one "
-            "optimizer_class for all groups"
-        )

@@ -468,6 +468,9 @@ def bucket_ownership(
     *,
     partition: PartitionName = "sorted_greedy",
     shard_buckets: bool = False,
+    pinned: Mapping[int, int] | None = None,
+    keys: Sequence[Hashable] | None = None,
+    align: int | Mapping[Hashable, int] = 1,
 ) -> Ownership:
     """Overlap mode's ownership: DDP's gradient buckets, assigned as torch does or split evenly.
 
@@ -486,6 +489,9 @@ def bucket_ownership(
         world_size: Number of ranks.
         partition: ``"sorted_greedy"`` (whole parameters) or ``"flat"``.
         shard_buckets: With ``"sorted_greedy"``, split buckets by torch's rule.
+        pinned: With ``"flat"``, parameters owned whole: global index to rank.
+        keys, align: With ``"flat"``, each parameter's key and where the bounds of a bucket's
+            ranges fall, as for :func:`flat_ownership` (a bucket holds one key).
 
     Returns:
         The ownership.
@@ -495,6 +501,8 @@ def bucket_ownership(
         (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=4))
         >>> bucket_ownership([[1, 0]], [4, 4], 2, partition="flat").owned(0)
         (Piece(param=1, start=0, stop=4),)
+        >>> bucket_ownership([[0, 1, 2]], [4, 4, 9], 2, partition="flat", pinned={2: 1}).owned(1)
+        (Piece(param=1, start=0, stop=4), Piece(param=2, start=0, stop=9))
     """
     check_partition(partition)
     check_world_size(world_size)
@@ -508,12 +516,26 @@ def bucket_ownership(
                     "bucket: pass each bucket's parameter indices once"
                 )
             seen[k] = True
+    pinned = dict(pinned or {})
+    for k, rank in pinned.items():
+        if not 0 <= k < len(numels) or not 0 <= rank < world_size:
+            raise ValueError(
+                f"pinned maps parameter {k} to rank {rank}: both must be in range "
+                f"({len(numels)} parameters, {world_size} ranks)"
+            )
     rest = [k for k in range(len(numels)) if not seen[k]]
     groups = [list(b) for b in buckets] + ([rest] if rest else [])
     per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     if partition == "flat":
-        for members in groups:
-            sub = flat_ownership([numels[k] for k in members], world_size)
+        for k, rank in pinned.items():
+            per_param[k].append((rank, Piece(k, 0, numels[k])))
+        for members in ([k for k in g if k not in pinned] for g in groups):
+            if not members:
+                continue
+            sub_keys = [keys[k] for k in members] if keys is not None else None
+            sub = flat_ownership(
+                [numels[k] for k in members], world_size, keys=sub_keys, align=align
+            )
             for rank, rank_pieces in enumerate(sub.pieces):
                 for s in rank_pieces:
                     per_param[members[s.param]].append(

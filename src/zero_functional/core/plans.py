@@ -45,6 +45,7 @@ from zero_functional.core.ownership import (
     PartitionName,
     Run,
     Transfer,
+    bucket_ownership,
     flat_ownership,
     sorted_greedy_ownership,
 )
@@ -67,9 +68,11 @@ __all__ = [
     "choose_collectives",
     "choose_param_gather",
     "even_chunk",
+    "flat_align",
     "owned_spans",
     "ownership_for",
     "ownership_of",
+    "overlap_ownership",
     "plan_moves",
     "send_list",
     "sync_plan",
@@ -441,9 +444,7 @@ def ownership_of(
     """
     if partition == "sorted_greedy":
         return sorted_greedy_ownership(table.group_numels(), world_size)
-    align: dict[Hashable, int] = {
-        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
-    }
+    align = flat_align(table)
     numels = list(table.numels)
     if not whole or not any(whole):
         return flat_ownership(numels, world_size, keys=table.keys, align=align)
@@ -461,6 +462,52 @@ def ownership_of(
         per_rank[rank].append(Piece(k, 0, numels[k]))
     ranked = tuple(tuple(sorted(ps, key=lambda s: s.param)) for ps in per_rank)
     return Ownership(tuple(numels), world_size, ranked)
+
+
+def flat_align(table: ParamTable) -> dict[Hashable, int]:
+    """Per buffer key of ``table``, the element count :data:`FLAT_ALIGN_BYTES` holds: where
+    ``"flat"``'s range bounds fall, after backward and in overlap mode's buckets alike.
+
+    Example:
+        >>> import torch
+        >>> table = ParamTable.of([{"params": [torch.zeros(6), torch.zeros(2, dtype=torch.float64)]}])
+        >>> sorted(flat_align(table).values())
+        [2, 4]
+    """
+    return {
+        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
+    }
+
+
+def overlap_ownership(
+    structure: Sequence[Sequence[int]],
+    partition: PartitionName,
+    table: ParamTable,
+    world_size: int,
+    shard_buckets: bool = False,
+    pinned: Mapping[int, int] | None = None,
+) -> Ownership:
+    """Overlap mode's ownership of DDP's buckets ``structure`` (per bucket, its parameters'
+    global indices in ``table``): :func:`~zero_functional.core.ownership.bucket_ownership`,
+    with ``"flat"``'s ranges aligned as after backward (:func:`flat_align`) and the ``pinned``
+    tensors (a per-tensor class's, to their ranks) owned whole.
+
+    Example:
+        >>> import torch
+        >>> table = ParamTable.of([{"params": [torch.zeros(10), torch.zeros(3, 3)]}])
+        >>> overlap_ownership([[0, 1]], "flat", table, 2, pinned={1: 0}).owned(1)
+        (Piece(param=0, start=8, stop=10),)
+    """
+    return bucket_ownership(
+        structure,
+        table.numels,
+        world_size,
+        partition=partition,
+        shard_buckets=shard_buckets,
+        pinned=pinned,
+        keys=table.keys,
+        align=flat_align(table),
+    )
 
 
 def whole_owners(

@@ -19,9 +19,7 @@ from zero_functional.core.checks import (
     agreement_verdict,
     check_devices,
     check_inputs,
-    check_mixed_modes,
     fingerprint,
-    is_mixed,
     param_tensors,
 )
 from zero_functional.core.main_params import check_main_params_dtype
@@ -80,9 +78,8 @@ def agreed_inputs(
 ) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
     """``ZeroRedundancyOptimizer``'s arguments, checked on every rank; collective.
 
-    :func:`~zero_functional.core.checks.check_inputs` and ``main_params_dtype``'s, the modes
-    a class per group does not run yet (overlap mode), then that every
-    parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
+    :func:`~zero_functional.core.checks.check_inputs` and ``main_params_dtype``'s, then that
+    every parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
     the arguments' own error comes first, else the missing group's.
 
     Returns:
@@ -105,8 +102,6 @@ def agreed_inputs(
                     f"main_params_dtype needs an elementwise optimizer; "
                     f"{cast(type, optimizer_class).__name__} couples its parameters"
                 )
-        if is_mixed(checked[0]):
-            check_mixed_modes(overlap_with_ddp)
     except CHECK_ERRORS as e:
         problem = e
     try:

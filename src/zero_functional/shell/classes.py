@@ -18,10 +18,12 @@ from torch.optim import Optimizer
 
 from zero_functional.core.checks import group_class, is_mixed, own_class_group
 from zero_functional.core.cost import update_cost
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.plans import whole_owners
 from zero_functional.functional import update_kind
 from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name
 
-__all__ = ["add_group", "mark_classes", "update_costs", "whole_params"]
+__all__ = ["add_group", "mark_classes", "pinned_owners", "update_costs", "whole_params"]
 
 
 def add_group(
@@ -106,3 +108,27 @@ def update_costs(groups: list[dict[str, Any]], default: type[Optimizer]) -> list
         for g in groups
         for p in g["params"]
     ]
+
+
+def pinned_owners(
+    groups: list[dict[str, Any]], default: type[Optimizer], table: ParamTable, world_size: int
+) -> dict[int, int]:
+    """The rank that owns each tensor of a per-tensor class whole (global index to rank),
+    placed by its update's cost as under ``"flat"`` after backward; empty with one class.
+    What overlap mode's buckets keep whole
+    (:func:`~zero_functional.core.ownership.bucket_ownership`'s ``pinned``).
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(2, 2), torch.zeros(4, 4)],
+        ...            "optimizer_class": "torch.optim.Muon"}, {"params": [torch.zeros(8)]}]
+        >>> pinned_owners(groups, torch.optim.AdamW, ParamTable.of(groups), 2)
+        {0: 1, 1: 0}
+    """
+    whole = whole_params(groups, default)
+    if not whole:
+        return {}
+    kept = [k for k, w in enumerate(whole) if w]
+    costs = update_costs(groups, default)
+    shapes = [tuple(table.params[k].shape) for k in kept]
+    return dict(zip(kept, whole_owners(shapes, world_size, [costs[k] for k in kept]), strict=True))

@@ -24,10 +24,10 @@ from torch.amp import GradScaler
 from torch.futures import Future
 
 from zero_functional import comm
-from zero_functional.core.ownership import bucket_ownership
 from zero_functional.core.param_table import ParamTable
-from zero_functional.core.plans import Collectives
+from zero_functional.core.plans import Collectives, overlap_ownership
 from zero_functional.shell.amp import ScalerFacade, overlap_verdict
+from zero_functional.shell.classes import pinned_owners
 from zero_functional.shell.grad_sync import GradReduce, GradSync
 
 if TYPE_CHECKING:
@@ -263,12 +263,11 @@ class OverlapState:
         bucket of a backward whose buckets are new). Tests call it to simulate a rebuild.
         """
         zero = self.zero
-        ownership = bucket_ownership(
-            structure,
-            zero.ownership.numels,
-            zero.world_size,
-            partition=zero.partition,
-            shard_buckets=self.shard_buckets,
+        table = zero.param_table
+        # a per-tensor class's tensors (Muon's matrices) stay whole, on the ranks "flat" gives
+        pinned = pinned_owners(zero.param_groups, zero.optimizer_class, table, zero.world_size)
+        ownership = overlap_ownership(
+            structure, zero.partition, table, zero.world_size, self.shard_buckets, pinned
         )
         zero.reshard(ownership)  # the grad sync's plans follow the new ownership
         self.structure = structure

@@ -289,18 +289,25 @@ class RealStepper:
 
 
 def probe_state(
-    optimizer_class: type[Optimizer], group: Mapping[str, Any], defaults: Mapping[str, Any]
+    optimizer_class: type[Optimizer],
+    group: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    shape: tuple[int, ...] = (2,),
 ) -> dict[str, Any] | None:
-    """The state one step of ``optimizer_class`` makes for a 2-element CPU probe parameter with
-    ``group``'s options (gradient ones): which keys a state has and of which type and dtype.
-    ``None`` when a probe step cannot tell (a class that needs a closure or another device).
+    """The state one step of ``optimizer_class`` makes for a CPU probe parameter of ``shape``
+    (2 elements by default; a per-tensor class's own shape, as Muon takes matrices only) with
+    ``group``'s options (gradient ones): which keys a state has, of which type, dtype and
+    shape. ``None`` when a probe step cannot tell (a class that needs a closure, another
+    device, or other shapes).
 
     Example:
         >>> sorted(probe_state(torch.optim.Adam, {"lr": 0.1}, {}))
         ['exp_avg', 'exp_avg_sq', 'step']
+        >>> probe_state(torch.optim.Muon, {"lr": 0.1}, {}, (3, 2))["momentum_buffer"].shape
+        torch.Size([3, 2])
     """
-    probe = torch.nn.Parameter(torch.zeros(2))
-    probe.grad = torch.ones(2)
+    probe = torch.nn.Parameter(torch.zeros(shape))
+    probe.grad = torch.ones(shape)
     try:
         opt = optimizer_class([{**hyperparameters(group), "params": [probe]}], **defaults)
         with torch.no_grad():
