@@ -69,6 +69,18 @@ def one_step(ddp: DDP, zero: ZeroRedundancyOptimizer, rank: int, world: int, ste
         zero.step()
 
 
+def plain_step(
+    model: nn.Module, plain: list[torch.optim.Optimizer], rank: int, world: int, step: int
+) -> None:
+    """One step of the plain optimizers: DDP's average (through ``model``, a DDP), or the
+    hand average of :func:`~tests.test_muon.backward` (a plain module)."""
+    for o in plain:
+        o.zero_grad()
+    (ddp_backward if isinstance(model, DDP) else backward)(model, rank, world, step)
+    for o in plain:
+        o.step()
+
+
 def reduced_grads(zero: ZeroRedundancyOptimizer, rank: int) -> list[torch.Tensor]:
     """The gradients this step reduced, whole on every rank: each rank's owned pieces of its
     ``.grad`` (the only elements that hold the average), the others zero, summed; collective."""
@@ -125,11 +137,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             plain = plain_for(ref.module)
             for step in range(STEPS):
                 one_step(ddp, zero, rank, world, step)
-                for o in plain:
-                    o.zero_grad()
-                ddp_backward(ref, rank, world, step)
-                for o in plain:
-                    o.step()
+                plain_step(ref, plain, rank, world, step)
             out[f"{partition} {mode} parity"] = exact(ddp, ref)
     for mode in MODES:  # two steps after DDP rebuilt its buckets (and overlap mode adopted)
         ddp, zero = in_mode(mode, "flat")
@@ -198,12 +206,8 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
                 muon_group = {"params": split(model)[0], "optimizer_class": "torch.optim.Muon"}
                 zero.add_param_group({**muon_group, "lr": 0.02})
                 plain.insert(0, torch.optim.Muon(split(ref_model)[0], lr=0.02))
-            for m, opts in ((model, [zero]), (ref_model, plain)):
-                for o in opts:
-                    o.zero_grad()
-                backward(m, rank, world, step)
-                for o in opts:
-                    o.step()
+            plain_step(model, [zero], rank, world, step)
+            plain_step(ref_model, plain, rank, world, step)
         out[f"{partition} add_param_group"] = exact(model, ref_model) and [
             g["optimizer_class"] for g in zero.param_groups
         ] == ["torch.optim.AdamW", "torch.optim.Muon"]
@@ -211,9 +215,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     model = TinyGPT()
     zero = recipe(model, "flat")
     for step in range(3):
-        zero.zero_grad()
-        backward(model, rank, world, step)
-        zero.step()
+        plain_step(model, [zero], rank, world, step)
     dcp.save({"app": checkpoint.stateful(model, zero)}, checkpoint_id=f"{root}/dcp")
     saved = consolidated(zero, rank)
     other_model = TinyGPT()
@@ -272,12 +274,8 @@ def _three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         model, ref_model = TinyGPT(), TinyGPT()
         zero, plain = recipe(model, partition), plain_for(ref_model)
         for step in range(STEPS):
-            for m, opts in ((model, [zero]), (ref_model, plain)):
-                for o in opts:
-                    o.zero_grad()
-                backward(m, rank, world, step)
-                for o in opts:
-                    o.step()
+            plain_step(model, [zero], rank, world, step)
+            plain_step(ref_model, plain, rank, world, step)
         out[f"{partition} after backward"] = max_diff(model, ref_model)
         for mode in MODES:
             ddp, zero = in_mode(mode, partition)
@@ -305,9 +303,7 @@ def _three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     model = TinyGPT()
     zero = recipe(model, "flat")
     for step in range(3):
-        zero.zero_grad()
-        backward(model, rank, world, step)
-        zero.step()
+        plain_step(model, [zero], rank, world, step)
     checkpoint.save(f"{root}/ck", model=model, optimizer=zero)
     saved = consolidated(zero, rank)
     if rank == 0:
@@ -328,9 +324,7 @@ def _reload(rank: int, world: int, root: str) -> dict[str, bool]:
         checkpoint.load(f"{root}/ck", model=model, optimizer=zero)
         state = same_state(reference["optimizer"], consolidated(zero, rank))
         weights = all(torch.equal(v, model.state_dict()[k]) for k, v in reference["model"].items())
-        zero.zero_grad()
-        backward(model, rank, world, 3)
-        zero.step()
+        plain_step(model, [zero], rank, world, 3)
         out[partition] = state and weights
     return out
 
