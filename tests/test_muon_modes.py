@@ -122,7 +122,8 @@ def counted_bytes(zero: ZeroRedundancyOptimizer) -> Iterator[dict[str, float]]:
 
 
 def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Both overlap hooks under both partitions against DDP + the plain optimizers; the bytes
+    """Both overlap hooks and bucket views under both partitions against DDP + the plain
+    optimizers; the bytes
     of two steps in every mode; a GradScaler with an overflow; ``add_param_group`` with a
     class; ``checkpoint.stateful``."""
     import torch.distributed.checkpoint as dcp
@@ -139,6 +140,13 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
                 one_step(ddp, zero, rank, world, step)
                 plain_step(ref, plain, rank, world, step)
             out[f"{partition} {mode} parity"] = exact(ddp, ref)
+        # after backward with the parameters as bucket views
+        model, ref_model = TinyGPT(), TinyGPT()
+        zero, plain = recipe(model, partition, parameters_as_bucket_view=True), plain_for(ref_model)
+        for step in range(STEPS):
+            plain_step(model, [zero], rank, world, step)
+            plain_step(ref_model, plain, rank, world, step)
+        out[f"{partition} bucket views parity"] = exact(model, ref_model)
     for mode in MODES:  # two steps after DDP rebuilt its buckets (and overlap mode adopted)
         ddp, zero = in_mode(mode, "flat")
         for step in (0, 1):
@@ -245,7 +253,7 @@ def test_muon_with_adamw_overlap_bytes_scaler_and_stateful(tmp_path: Any) -> Non
     world = len(results)
     for got in results:
         for partition in ("flat", "sorted_greedy"):
-            for mode in HOOKS:
+            for mode in (*HOOKS, "bucket views"):
                 assert got[f"{partition} {mode} parity"], (partition, mode)
         assert got["scaler after backward"] == (True, [False, False, False, True, False, False])
         assert got["scaler interleaved"] == got["scaler after backward"]
