@@ -20,194 +20,35 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from zero_functional import __version__
+from zero_functional.app.cli_args import (
+    DEMO_WORLD_SIZES,
+    DIGITS_TRAIN_SIZE,
+    MAX_BENCH_NUMEL,
+    MAX_BENCH_ROUNDS,
+    MAX_BUCKET_CAP_MB,
+    MAX_EPOCHS,
+    MAX_HIDDEN,
+    MAX_LOCAL_RANKS,
+    MAX_TIMEOUT_S,
+    SEED_RANGE,
+    Parser,
+    fail,
+    int_in,
+    local_ranks,
+    positive_float,
+)
+from zero_functional.app.plan_cmd import add_plan_parser, cmd_plan
 from zero_functional.app.plan_format import (
     DTYPE_BYTES,
-    check_ranks,
-    format_hybrid,
     format_memory,
-    format_muon,
     format_plan,
 )
 
 __all__ = ["DTYPE_BYTES", "build_parser", "format_bench", "format_memory", "format_plan", "main"]
-
-DEMO_WORLD_SIZES = (2, 8, 64)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (no usage block), still with exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _fail(command: str, message: str) -> int:
-    one_line = " ".join(message.split())
-    print(f"zero-functional {command}: error: {one_line}", file=sys.stderr)
-    return 2
-
-
-MAX_LOCAL_RANKS = 64
-"""Most ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""
-MAX_PLAN_WORLD_SIZE = 1 << 20
-"""Most ranks ``plan`` reports (past the largest clusters; 2**20 takes seconds and 0.6 GB)."""
-MAX_SIMULATED_RANKS = 64
-"""Most ranks ``plan --simulate`` builds per world size (each takes up to a second)."""
-MAX_EPOCHS = 1_000_000
-"""Most epochs of the train job: 23 million steps at the default batch, days of training."""
-MAX_HIDDEN = 4096
-"""Widest MLP of the train job: 17M parameters, about 0.5 GB per rank with the reference run."""
-DIGITS_TRAIN_SIZE = 1438
-"""The train job's training images (scikit-learn's 1,797 digits less the fixed 20% test split):
-the largest global batch, as ``test_train.py`` checks against the data."""
-SEED_RANGE = (-(2**63), 2**64 - 1)
-"""``torch.manual_seed``'s range (it raises outside it)."""
-MAX_BUCKET_CAP_MB = float(1 << 20)
-"""1 TiB: past any model on one machine (DDP takes the cap in bytes as an int64)."""
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""A week (the launcher's waits take at most 2**31 ms, 24.8 days)."""
-MAX_BENCH_ROUNDS = 10_000
-MAX_BENCH_NUMEL = 1_000_000_000
-"""4 GB per fp32 copy of the benchmarks' model, of which each rank holds several."""
-
-
-def _shown(text: str) -> str:
-    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
-
-
-def _int_in(low: int, high: int, why: str, span: str = "") -> Callable[[str], int]:
-    """An argparse type: an integer from ``low`` to ``high``; the error says why the bound."""
-    span = span or f"from {low:,} to {high:,}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:  # not an integer, or more digits than int() takes
-            raise argparse.ArgumentTypeError(
-                f"expected an integer {span}, got {_shown(text)}"
-            ) from None
-        if not low <= value <= high:
-            reason = f" ({why})" if why and value > high else ""
-            raise argparse.ArgumentTypeError(
-                f"expected an integer {span}{reason}, got {_shown(text)}"
-            )
-        return value
-
-    return parse
-
-
-def _positive_float(high: float, why: str) -> Callable[[str], float]:
-    """An argparse type: a finite number above 0 and at most ``high``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a positive number, got {_shown(text)}"
-            ) from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {_shown(text)}")
-        if value > high:
-            raise argparse.ArgumentTypeError(
-                f"expected a positive number up to {high:,.0f} ({why}), got {_shown(text)}"
-            )
-        return value
-
-    return parse
-
-
-_ranks = _int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine")
-
-
-def _rank_list(text: str) -> list[int]:
-    """An argparse type: ranks separated by commas (``0,1023``), each an integer >= 0."""
-    parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() for part in parts) or len(parts) > MAX_SIMULATED_RANKS:
-        raise argparse.ArgumentTypeError(
-            f"expected up to {MAX_SIMULATED_RANKS} ranks (integers >= 0) separated by commas, "
-            f"such as 0,1023, got {_shown(text)}"
-        )
-    return [int(part) for part in parts]
-
-
-# ----------------------------------------------------------------------------- plan
-
-
-def _current_directory_on_path() -> None:
-    """Put the current directory first on ``sys.path``, as ``python -m`` does.
-
-    The ``zero-functional`` script's own ``sys.path[0]`` is the folder of the script (the
-    environment's ``bin``), so without this ``plan mymodels:build`` would not find
-    ``./mymodels.py``, which ``python -m zero_functional plan mymodels:build`` finds.
-    """
-    here = os.getcwd()
-    if not any(os.path.abspath(p or os.curdir) == here for p in sys.path):
-        sys.path.insert(0, here)
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
-
-    if args.model not in MODELS:
-        _current_directory_on_path()
-    try:
-        shapes, muon = muon_params(args.model) if args.muon else (model_shapes(args.model), [])
-    except ValueError as e:
-        return _fail("plan", str(e))
-    if not shapes:
-        return _fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
-    if args.muon and not any(muon):
-        return _fail(
-            "plan",
-            f"--muon: model {args.model!r} has no hidden 2-D matrix for Muon (torch.optim.Muon "
-            "takes 2-D parameters only; embeddings and heads go to AdamW): drop --muon",
-        )
-    if args.shard_size is not None:
-        from zero_functional.core.partition import hybrid_shape
-
-        try:
-            for w in args.world_sizes:
-                hybrid_shape(w, args.shard_size)
-        except ValueError as e:
-            return _fail("plan", f"--shard-size: {e} (--world-sizes)")
-    params = None
-    if args.simulate is not None:
-        try:
-            check_ranks(args.simulate, args.world_sizes)  # before torch is imported
-            from zero_functional.app.simulate import model_params
-
-            params = model_params(shapes, args.dtype or "fp32")
-        except ValueError as e:
-            return _fail("plan", f"--simulate: {e}")
-    dtype = args.dtype or "fp32"
-    print(format_plan(args.model, numels(shapes), args.world_sizes))
-    if args.dtype is not None or args.main_params is not None:
-        print()
-        print(format_memory(numels(shapes), args.world_sizes, dtype, args.main_params))
-    if args.shard_size is not None:
-        print()
-        print(
-            format_hybrid(
-                numels(shapes), args.world_sizes, args.shard_size, dtype, args.main_params
-            )
-        )
-    if params is not None:
-        from zero_functional.app.simulate import format_simulated, simulate_ranks
-
-        has_main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
-        rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
-        print()
-        print(format_simulated(rows))
-    if args.muon:
-        print()
-        print(format_muon(shapes, muon, args.world_sizes))
-    return 0
 
 
 # ----------------------------------------------------------------------------- train / demo
@@ -252,30 +93,30 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
     """
     missing = _missing_modules(DEMO_MODULES)
     if missing:
-        return None, _fail(
+        return None, fail(
             command,
             f"the train job needs {' and '.join(missing)}, which "
             f"{'is' if len(missing) == 1 else 'are'} not installed: "
             "pip install 'zero_functional[demo]'",
         )
     if args.batch_size < args.nproc:
-        return None, _fail(
+        return None, fail(
             command, f"--batch-size {args.batch_size} is smaller than --nproc {args.nproc}"
         )
     if args.overlap and args.impl == "torch":
-        return None, _fail(
+        return None, fail(
             command,
             "--overlap with --impl torch hangs on gloo (pytorch#62300); drop one of the two",
         )
     if args.main_params and args.impl == "torch":
-        return None, _fail(
+        return None, fail(
             command,
             "--main-params fp32 needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
             "keeps no main copy",
         )
     if args.shard_size is not None:
         if args.impl == "torch":
-            return None, _fail(
+            return None, fail(
                 command,
                 "--shard-size needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
                 "takes no device mesh",
@@ -287,15 +128,15 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             hybrid_shape(world, args.shard_size)
         except ValueError as e:
             where = "torchrun's WORLD_SIZE" if _under_torchrun() else "--nproc"
-            return None, _fail(command, f"--shard-size: {e} ({where})")
+            return None, fail(command, f"--shard-size: {e} ({where})")
     if args.main_params and args.dtype == "fp32":
-        return None, _fail(
+        return None, fail(
             command,
             "--main-params fp32 with --dtype fp32: fp32 parameters need no main copy; "
             "pass --dtype bf16",
         )
     if args.dtype != "fp32" and (args.checkpoint or args.resume):
-        return None, _fail(
+        return None, fail(
             command,
             f"--dtype {args.dtype} with --checkpoint/--resume is not supported yet; "
             "checkpoint an fp32 run",
@@ -303,24 +144,24 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
     if args.checkpoint is not None:
         parent = Path(args.checkpoint).resolve().parent
         if not parent.is_dir():
-            return None, _fail(command, f"--checkpoint directory {parent} does not exist")
+            return None, fail(command, f"--checkpoint directory {parent} does not exist")
         # ours writes a sharded checkpoint (a directory); torch's class, one consolidated file
         sharded = args.impl == "zero_functional"
         if sharded and Path(args.checkpoint).is_file():
-            return None, _fail(
+            return None, fail(
                 command,
                 f"--checkpoint {args.checkpoint} is a file (a single-file checkpoint); a sharded "
                 "checkpoint is a directory: pass a new path",
             )
         if not sharded and Path(args.checkpoint).is_dir():
-            return None, _fail(
+            return None, fail(
                 command,
                 f"--checkpoint {args.checkpoint} is a directory; --impl torch writes one "
                 "consolidated file: pass a file path",
             )
         why = _unwritable_directory(parent)
         if why is not None:
-            return None, _fail(
+            return None, fail(
                 command,
                 f"--checkpoint {args.checkpoint}: cannot create files in {parent} ({why}); "
                 "pass a path in a writable directory",
@@ -329,7 +170,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
         try:
             import zero_functional.hooks  # noqa: F401
         except ImportError as e:
-            return None, _fail(command, f"--overlap needs zero_functional.hooks, which fails: {e}")
+            return None, fail(command, f"--overlap needs zero_functional.hooks, which fails: {e}")
     from zero_functional.app.train import CheckpointError, TrainConfig, load_checkpoint
 
     hidden: int | None = args.hidden
@@ -337,16 +178,16 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
         try:
             ckpt = load_checkpoint(args.resume)
         except CheckpointError as e:
-            return None, _fail(command, str(e))
+            return None, fail(command, str(e))
         if int(ckpt["epoch"]) >= args.epochs:
-            return None, _fail(
+            return None, fail(
                 command,
                 f"checkpoint {args.resume} has finished epoch {ckpt['epoch']} of --epochs "
                 f"{args.epochs}; pass --epochs {int(ckpt['epoch']) + 1} or more to continue",
             )
         saved = int(ckpt["args"]["hidden"])
         if hidden is not None and hidden != saved:
-            return None, _fail(
+            return None, fail(
                 command,
                 f"--hidden {hidden} conflicts with checkpoint {args.resume}, whose model has "
                 f"hidden {saved}; drop --hidden (a resumed run takes the checkpoint's)",
@@ -356,7 +197,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
         try:
             import zero_functional.optimizer  # noqa: F401
         except ImportError as e:
-            return None, _fail(
+            return None, fail(
                 command, f"zero_functional.optimizer does not import ({e}); try --impl torch"
             )
     try:
@@ -379,7 +220,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             shard_size=args.shard_size,
         )
     except ValueError as e:
-        return None, _fail(command, str(e))
+        return None, fail(command, str(e))
     return cfg, 0
 
 
@@ -404,7 +245,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # the plan's own namespace, parsed as the command line would: every flag ``plan`` has
     # gets its default here, so a flag added to ``plan`` cannot break the demo
     plan_argv = ["plan", "gpt2-small", "--world-sizes", *map(str, DEMO_WORLD_SIZES)]
-    code = _cmd_plan(build_parser().parse_args(plan_argv))
+    code = cmd_plan(build_parser().parse_args(plan_argv))
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return code
 
@@ -458,7 +299,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bench_dir = Path(args.dir) if args.dir else _benchmarks_dir()
     scripts = sorted(p for p in bench_dir.glob("bench_*.py")) if bench_dir.is_dir() else []
     if not scripts:
-        return _fail(
+        return fail(
             "bench",
             f"no benchmarks/bench_*.py under {bench_dir}; run from a source checkout or pass --dir",
         )
@@ -497,29 +338,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     p.add_argument(
-        "--nproc", type=_ranks, default=2, help=f"local ranks to spawn (2; 1 to {MAX_LOCAL_RANKS})"
+        "--nproc",
+        type=local_ranks,
+        default=2,
+        help=f"local ranks to spawn (2; 1 to {MAX_LOCAL_RANKS})",
     )
     p.add_argument(
         "--epochs",
-        type=_int_in(1, MAX_EPOCHS, "a million epochs already take days"),
+        type=int_in(1, MAX_EPOCHS, "a million epochs already take days"),
         default=epochs,
         help=f"epochs ({epochs}; at most {MAX_EPOCHS:,})",
     )
     p.add_argument(
         "--lr",
-        type=_positive_float(math.inf, ""),
+        type=positive_float(math.inf, ""),
         default=1e-3,
         help="Adam learning rate (1e-3)",
     )
     p.add_argument(
         "--seed",
-        type=_int_in(*SEED_RANGE, "", span="in torch.manual_seed's range, -2**63 to 2**64-1"),
+        type=int_in(*SEED_RANGE, "", span="in torch.manual_seed's range, -2**63 to 2**64-1"),
         default=0,
         help="init and data-order seed (0; -2**63 to 2**64-1, torch.manual_seed's range)",
     )
     p.add_argument(
         "--batch-size",
-        type=_int_in(
+        type=int_in(
             1, DIGITS_TRAIN_SIZE, f"the digits set has {DIGITS_TRAIN_SIZE:,} training images"
         ),
         default=64,
@@ -527,7 +371,7 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     )
     p.add_argument(
         "--hidden",
-        type=_int_in(1, MAX_HIDDEN, "a wider MLP needs gigabytes per rank"),
+        type=int_in(1, MAX_HIDDEN, "a wider MLP needs gigabytes per rank"),
         help=f"MLP hidden width (128; at most {MAX_HIDDEN}; a resumed run takes the checkpoint's)",
     )
     p.add_argument("--overlap", action="store_true", help="run the ZeRO step inside DDP's backward")
@@ -554,7 +398,7 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     )
     p.add_argument(
         "--bucket-cap-mb",
-        type=_positive_float(MAX_BUCKET_CAP_MB, "1 TiB"),
+        type=positive_float(MAX_BUCKET_CAP_MB, "1 TiB"),
         default=25.0,
         help="DDP bucket size in MB (25); with --overlap, ranks own whole buckets",
     )
@@ -579,7 +423,7 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     )
     p.add_argument(
         "--shard-size",
-        type=_int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine"),
+        type=int_in(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine"),
         metavar="S",
         help="hybrid sharding: state sharded within groups of S ranks (a node) and replicated "
         "across the world/S groups (device_mesh=); S must divide --nproc (default: the world)",
@@ -587,7 +431,7 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--timeout",
-        type=_positive_float(MAX_TIMEOUT_S, "a week"),
+        type=positive_float(MAX_TIMEOUT_S, "a week"),
         default=600.0,
         help="seconds before a hang fails (600; at most a week)",
     )
@@ -595,7 +439,7 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zero-functional`` (for ``--help`` and the tests)."""
-    parser = _Parser(
+    parser = Parser(
         prog="zero-functional",
         description="ZeRO stage-1 sharded optimizers for PyTorch DDP: demo job, plans, benchmarks.",
     )
@@ -613,56 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="what `make demo` runs: a short train, then a plan")
     _add_train_flags(demo, epochs=20)
     demo.set_defaults(func=_cmd_demo)
-    plan = sub.add_parser(
-        "plan",
-        help="balance of sorted-greedy and flat partitions for a model (pure, instant)",
-        description="MODEL: a built-in spec or module:function returning an nn.Module "
-        "(built on the meta device).",
-    )
-    from zero_functional.app.models import MODELS
-
-    plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
-    plan.add_argument(
-        "--world-sizes",
-        type=_int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
-        nargs="+",
-        default=list(DEMO_WORLD_SIZES),
-        help=f"world sizes to report (2 8 64; at most {MAX_PLAN_WORLD_SIZE:,})",
-    )
-    plan.add_argument(
-        "--dtype",
-        choices=tuple(DTYPE_BYTES),
-        help="parameters' and gradients' dtype (fp32); with it or --main-params, also print "
-        "the bytes per rank of parameters, gradients, main copy and AdamW state",
-    )
-    plan.add_argument(
-        "--main-params",
-        choices=("fp32",),
-        help="an fp32 main copy of the owned pieces of narrower parameters, with fp32 state "
-        "(main_params_dtype=torch.float32; default: none)",
-    )
-    plan.add_argument(
-        "--shard-size",
-        type=_int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
-        metavar="S",
-        help="also print hybrid sharding (state sharded within groups of S ranks, a node, and "
-        "replicated across world/S): state per rank and bytes per rank and step within and "
-        "across nodes; S must divide every world size",
-    )
-    plan.add_argument(
-        "--simulate",
-        type=_rank_list,
-        metavar="RANKS",
-        help="also build the optimizer as these ranks (such as 0,1023) of each world size "
-        "would, under torch's fake process group, step once, and print what each holds",
-    )
-    plan.add_argument(
-        "--muon",
-        action="store_true",
-        help="also print Muon (hidden 2-D matrices, owned whole, balanced by Newton-Schulz cost) "
-        "+ AdamW (the rest, split flat): state bytes and cost per rank, and their max/mean",
-    )
-    plan.set_defaults(func=_cmd_plan)
+    add_plan_parser(sub)
     bench = sub.add_parser(
         "bench", help="run benchmarks/bench_*.py and print one table of ratios against torch's best"
     )
@@ -672,18 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--world-sizes",
-        type=_ranks,
+        type=local_ranks,
         nargs="+",
         help=f"(scripts: 2 4; at most {MAX_LOCAL_RANKS}, ranks on this machine)",
     )
     bench.add_argument(
         "--rounds",
-        type=_int_in(1, MAX_BENCH_ROUNDS, "more do not move a median"),
+        type=int_in(1, MAX_BENCH_ROUNDS, "more do not move a median"),
         help=f"timed rounds per variant (at most {MAX_BENCH_ROUNDS:,})",
     )
     bench.add_argument(
         "--numel",
-        type=_int_in(1, MAX_BENCH_NUMEL, "4 GB per fp32 copy, several per rank"),
+        type=int_in(1, MAX_BENCH_NUMEL, "4 GB per fp32 copy, several per rank"),
         help=f"model parameters (8,000,000; at most {MAX_BENCH_NUMEL:,})",
     )
     bench.add_argument("--dir", help="the benchmarks directory (default: the checkout's)")

@@ -78,14 +78,23 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def format_memory(
-    numels: Sequence[int], world_sizes: Sequence[int], dtype: str, main_params: str | None
+    numels: Sequence[int],
+    world_sizes: Sequence[int],
+    dtype: str,
+    main_params: str | None,
+    optimizer: str = "adamw",
+    remainders: bool = False,
+    ema: bool = False,
 ) -> str:
     """Bytes per rank (the fullest rank) of an AdamW run, per world size and partition.
 
     Parameters and gradients are in ``dtype`` on every rank; the main copy
-    (``main_params_dtype``, only for parameters narrower than it) and AdamW's two moments
-    (in the main dtype with a main copy, else in ``dtype``) cover the owned elements
-    (:func:`zero_functional.core.partition.rank_bytes`).
+    (``main_params_dtype``, only for parameters narrower than it; 2 B with ``remainders``, an
+    int16 beside the bf16 parameter), the two moments (in the main dtype with a main copy, else
+    in ``dtype``; block-quantized where ``optimizer`` is a low-bit one,
+    :data:`~zero_functional.core.lowbit.LOW_BIT`, decided per whole tensor) and the ``ema``
+    (in the main dtype, else ``dtype``) cover the owned elements. The last line: the bytes per
+    parameter per rank of the fullest flat rank, at each world size.
 
     Example:
         >>> print(format_memory([6, 3, 3], [2], "bf16", "fp32"))
@@ -93,31 +102,61 @@ def format_memory(
         world  partition          params       grads   main copy       state       total
             2  sorted-greedy        24 B        24 B        24 B        48 B       120 B
             2  flat                 24 B        24 B        24 B        48 B       120 B
+        per parameter per rank (flat): 10.00 B at 2
+        >>> print(format_memory([1 << 20], [1], "bf16", "fp32", "adamw8bit", True, True))  # doctest: +NORMALIZE_WHITESPACE
+        bytes per rank (fullest rank): bf16 parameters and gradients, fp32 main copy as bf16 + int16 remainders, adamw8bit's 2 block-quantized states, fp32 EMA
+        world  partition          params       grads   main copy       state         ema       total
+            1  sorted-greedy     2.0 MiB     2.0 MiB     2.0 MiB     2.0 MiB     4.0 MiB    12.0 MiB
+            1  flat              2.0 MiB     2.0 MiB     2.0 MiB     2.0 MiB     4.0 MiB    12.0 MiB
+        per parameter per rank (flat): 12.03 B at 1
     """
     from zero_functional.app.train import format_bytes
-    from zero_functional.core.partition import flat, rank_bytes, rank_loads, sorted_greedy
+    from zero_functional.core.lowbit import LOW_BIT
+    from zero_functional.core.partition import flat, sorted_greedy
 
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0
     has_main = main_bytes > param_bytes
+    full = main_bytes if has_main else param_bytes  # the moments' and the EMA's dtype
+    wide = main_params if has_main else dtype
+    spec = LOW_BIT.get(optimizer)
     copy = f"{main_params} main copy" if has_main else "no main copy"
+    if has_main and remainders:
+        copy += f" as {dtype} + int16 remainders"
+    states = f"{optimizer}'s 2 block-quantized states" if spec else f"AdamW's 2 {wide} states"
+    columns = ("params", "grads", "main copy", "state", *(("ema",) if ema else ()), "total")
     lines = [
-        f"bytes per rank (fullest rank): {dtype} parameters and gradients, {copy}, "
-        f"AdamW's 2 {main_params if has_main else dtype} states",
-        f"{'world':>5}  {'partition':<13}  "
-        + "  ".join(f"{c:>10}" for c in ("params", "grads", "main copy", "state", "total")),
+        f"bytes per rank (fullest rank): {dtype} parameters and gradients, {copy}, {states}"
+        + (f", {wide} EMA" if ema else ""),
+        f"{'world':>5}  {'partition':<13}  " + "  ".join(f"{c:>10}" for c in columns),
     ]
     total = sum(numels)
+
+    def rank_cells(owned: Sequence[tuple[int, int]]) -> tuple[float, ...]:
+        load = sum(n for _, n in owned)
+        main = (2 if remainders else main_bytes) * load if has_main else 0
+        if spec is None:
+            state = 2.0 * full * load
+        else:
+            state = sum(spec.state_bytes(numels[k], full, n) for k, n in owned)
+        extra = (full * load,) if ema else ()
+        cells = (param_bytes * total, param_bytes * total, main, state, *extra)
+        return (*cells, sum(cells))
+
+    per_param = []
     for w in world_sizes:
-        for label, loads in (
-            ("sorted-greedy", rank_loads(numels, sorted_greedy(numels, w))),
-            ("flat", flat(numels, w).loads),
+        rows = []
+        for label, owned in (
+            ("sorted-greedy", [[(k, numels[k]) for k in ks] for ks in sorted_greedy(numels, w)]),
+            ("flat", [[(p.param, p.numel) for p in ps] for ps in flat(numels, w).pieces]),
         ):
-            b = rank_bytes(max(loads), total, param_bytes=param_bytes, main_bytes=main_bytes)
-            cells = (b.params, b.grads, b.main, b.state, b.total)
+            cells = max((rank_cells(o) for o in owned), key=lambda c: c[-1])
+            rows.append(cells)
             lines.append(
                 f"{w:>5}  {label:<13}  " + "  ".join(f"{format_bytes(c):>10}" for c in cells)
             )
+        per_param.append(f"{rows[-1][-1] / total if total else 0:.2f} B at {w:,}")
+    lines.append("per parameter per rank (flat): " + ", ".join(per_param))
     return "\n".join(lines)
 
 

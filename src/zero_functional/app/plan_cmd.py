@@ -1,0 +1,202 @@
+"""``zero-functional plan``: its flags and what it does (pure, instant: no process starts).
+
+The tables it prints are :mod:`.plan_format`'s; the simulation is :mod:`.simulate`'s.
+
+Example:
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> add_plan_parser(parser.add_subparsers())
+    >>> parser.parse_args(["plan", "gpt2-small", "--world-sizes", "4"]).world_sizes
+    [4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from zero_functional.app.cli_args import (
+    DEMO_WORLD_SIZES,
+    MAX_PLAN_WORLD_SIZE,
+    fail,
+    int_in,
+    rank_list,
+)
+from zero_functional.app.plan_format import (
+    DTYPE_BYTES,
+    check_ranks,
+    format_hybrid,
+    format_memory,
+    format_muon,
+    format_plan,
+)
+from zero_functional.core.lowbit import LOW_BIT
+
+__all__ = ["add_plan_parser", "cmd_plan", "current_directory_on_path"]
+
+
+def current_directory_on_path() -> None:
+    """Put the current directory first on ``sys.path``, as ``python -m`` does.
+
+    The ``zero-functional`` script's own ``sys.path[0]`` is the folder of the script (the
+    environment's ``bin``), so without this ``plan mymodels:build`` would not find
+    ``./mymodels.py``, which ``python -m zero_functional plan mymodels:build`` finds.
+    """
+    here = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == here for p in sys.path):
+        sys.path.insert(0, here)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
+
+    if args.model not in MODELS:
+        current_directory_on_path()
+    try:
+        shapes, muon = muon_params(args.model) if args.muon else (model_shapes(args.model), [])
+    except ValueError as e:
+        return fail("plan", str(e))
+    if not shapes:
+        return fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
+    if args.muon and not any(muon):
+        return fail(
+            "plan",
+            f"--muon: model {args.model!r} has no hidden 2-D matrix for Muon (torch.optim.Muon "
+            "takes 2-D parameters only; embeddings and heads go to AdamW): drop --muon",
+        )
+    if args.remainders and (args.dtype != "bf16" or args.main_params != "fp32"):
+        return fail(
+            "plan",
+            "--remainders keeps the fp32 main copy as bf16 parameters + int16 remainders: it "
+            "needs --dtype bf16 --main-params fp32",
+        )
+    if args.shard_size is not None:
+        from zero_functional.core.partition import hybrid_shape
+
+        try:
+            for w in args.world_sizes:
+                hybrid_shape(w, args.shard_size)
+        except ValueError as e:
+            return fail("plan", f"--shard-size: {e} (--world-sizes)")
+    params = None
+    if args.simulate is not None:
+        try:
+            check_ranks(args.simulate, args.world_sizes)  # before torch is imported
+            from zero_functional.app.simulate import model_params
+
+            params = model_params(shapes, args.dtype or "fp32")
+        except ValueError as e:
+            return fail("plan", f"--simulate: {e}")
+    dtype = args.dtype or "fp32"
+    print(format_plan(args.model, numels(shapes), args.world_sizes))
+    memory = (
+        args.dtype,
+        args.main_params,
+        args.optimizer,
+        args.remainders or None,
+        args.ema or None,
+    )
+    if any(option is not None for option in memory):
+        print()
+        print(
+            format_memory(
+                numels(shapes),
+                args.world_sizes,
+                dtype,
+                args.main_params,
+                args.optimizer or "adamw",
+                args.remainders,
+                args.ema,
+            )
+        )
+    if args.shard_size is not None:
+        print()
+        print(
+            format_hybrid(
+                numels(shapes), args.world_sizes, args.shard_size, dtype, args.main_params
+            )
+        )
+    if params is not None:
+        from zero_functional.app.simulate import format_simulated, simulate_ranks
+
+        has_main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
+        rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
+        print()
+        print(format_simulated(rows))
+    if args.muon:
+        print()
+        print(format_muon(shapes, muon, args.world_sizes))
+    return 0
+
+
+def add_plan_parser(sub: Any) -> None:
+    """Add the ``plan`` command to ``sub`` (an ``add_subparsers()`` object)."""
+    plan = sub.add_parser(
+        "plan",
+        help="balance of sorted-greedy and flat partitions for a model (pure, instant)",
+        description="MODEL: a built-in spec or module:function returning an nn.Module "
+        "(built on the meta device).",
+    )
+    from zero_functional.app.models import MODELS
+
+    plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
+    plan.add_argument(
+        "--world-sizes",
+        type=int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
+        nargs="+",
+        default=list(DEMO_WORLD_SIZES),
+        help=f"world sizes to report (2 8 64; at most {MAX_PLAN_WORLD_SIZE:,})",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=tuple(DTYPE_BYTES),
+        help="parameters' and gradients' dtype (fp32); with it or --main-params, also print "
+        "the bytes per rank of parameters, gradients, main copy and AdamW state",
+    )
+    plan.add_argument(
+        "--main-params",
+        choices=("fp32",),
+        help="an fp32 main copy of the owned pieces of narrower parameters, with fp32 state "
+        "(main_params_dtype=torch.float32; default: none)",
+    )
+    plan.add_argument(
+        "--shard-size",
+        type=int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
+        metavar="S",
+        help="also print hybrid sharding (state sharded within groups of S ranks, a node, and "
+        "replicated across world/S): state per rank and bytes per rank and step within and "
+        "across nodes; S must divide every world size",
+    )
+    plan.add_argument(
+        "--simulate",
+        type=rank_list,
+        metavar="RANKS",
+        help="also build the optimizer as these ranks (such as 0,1023) of each world size "
+        "would, under torch's fake process group, step once, and print what each holds",
+    )
+    plan.add_argument(
+        "--muon",
+        action="store_true",
+        help="also print Muon (hidden 2-D matrices, owned whole, balanced by Newton-Schulz cost) "
+        "+ AdamW (the rest, split flat): state bytes and cost per rank, and their max/mean",
+    )
+    plan.add_argument(
+        "--optimizer",
+        choices=("adamw", *LOW_BIT),
+        help="the state's optimizer for the bytes per rank: AdamW (default) or torchao's "
+        "low-bit AdamW (block-quantized moments, for tensors of >= 4096 elements)",
+    )
+    plan.add_argument(
+        "--remainders",
+        action="store_true",
+        help="the fp32 main copy kept as the bf16 parameter + an int16 remainder "
+        "(store_param_remainders=True): 2 B per owned element instead of 4",
+    )
+    plan.add_argument(
+        "--ema",
+        action="store_true",
+        help="an EMA of the weights (ShardedEMA): each owner keeps its pieces' in fp32",
+    )
+    plan.set_defaults(func=cmd_plan)

@@ -1,0 +1,91 @@
+"""Low-bit optimizer state: what torchao's 8-bit, 4-bit and FP8 AdamW keep per element (pure).
+
+torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8`` keep each moment block-wise quantized:
+codes of ``code_bits`` per element and one fp32 scale per ``block`` elements, counted from the
+tensor's first element. A tensor's state is quantized only if the whole tensor has at least
+:data:`MIN_QUANTIZED_NUMEL` elements and a whole number of blocks (torchao follows
+bitsandbytes); any other tensor keeps both moments in full precision. This module is the one
+place these facts live: the planner counts bytes with them, and under ``partition="flat"`` the
+shell cuts ranges on block bounds and decides quantization on the whole tensor with them (a
+piece is smaller than its tensor: deciding on it silently keeps fp32 state, pytorch/ao#4912).
+
+Example:
+    >>> spec = LOW_BIT["adamw8bit"]
+    >>> spec.quantized(4096), spec.quantized(4000), spec.quantized(1 << 20)
+    (True, False, True)
+    >>> spec.state_bytes(1 << 20) / (1 << 20)  # both moments, per element
+    2.03125
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["LOW_BIT", "MIN_QUANTIZED_NUMEL", "LowBitSpec", "low_bit_spec"]
+
+MIN_QUANTIZED_NUMEL = 4096
+"""torchao quantizes the state of tensors of at least this many elements (bitsandbytes' rule)."""
+
+
+@dataclass(frozen=True)
+class LowBitSpec:
+    """One low-bit AdamW: its name for ``plan --optimizer``, its class's import path, the bits
+    per element of each moment's codes, and its quantization block (elements per fp32 scale)."""
+
+    name: str
+    class_path: str
+    code_bits: int
+    block: int
+    moments: int = 2
+
+    def quantized(self, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements (the whole tensor, never a piece of it) gets
+        quantized state.
+
+        Example:
+            >>> LOW_BIT["adamw4bit"].quantized(4096 + 128), LOW_BIT["adamw4bit"].quantized(4100)
+            (True, False)
+        """
+        return numel >= MIN_QUANTIZED_NUMEL and numel % self.block == 0
+
+    def state_bytes(self, numel: int, full_bytes: int = 4, owned: int | None = None) -> float:
+        """Bytes of the moments of ``owned`` elements (all by default) of a tensor of ``numel``:
+        codes and one fp32 scale per block where the tensor is quantized, else ``full_bytes``
+        per element per moment (the parameters' or main copy's dtype).
+
+        Example:
+            >>> LOW_BIT["adamw4bit"].state_bytes(8192)  # 2 x (4096 B codes + 64 scales x 4 B)
+            8704.0
+            >>> LOW_BIT["adamw4bit"].state_bytes(100)  # too small: two fp32 moments
+            800.0
+        """
+        n = numel if owned is None else owned
+        if not 0 <= n <= numel:
+            raise ValueError(f"owned must be in [0, numel={numel}], got {owned}")
+        if not self.quantized(numel):
+            return float(self.moments * full_bytes * n)
+        codes = n * self.code_bits / 8
+        scales = 4 * math.ceil(n / self.block)
+        return float(self.moments * (codes + scales))
+
+
+LOW_BIT: dict[str, LowBitSpec] = {
+    spec.name: spec
+    for spec in (
+        LowBitSpec("adamw8bit", "torchao.optim.AdamW8bit", code_bits=8, block=256),
+        LowBitSpec("adamw4bit", "torchao.optim.AdamW4bit", code_bits=4, block=128),
+        LowBitSpec("adamwfp8", "torchao.optim.AdamWFp8", code_bits=8, block=256),
+    )
+}
+"""torchao's low-bit AdamWs by ``plan`` name (their classes' default ``block_size``)."""
+
+
+def low_bit_spec(class_path: str) -> LowBitSpec | None:
+    """The spec of the low-bit class at ``class_path`` (``module.Class``), else ``None``.
+
+    Example:
+        >>> low_bit_spec("torchao.optim.AdamW4bit").block, low_bit_spec("torch.optim.AdamW")
+        (128, None)
+    """
+    return next((s for s in LOW_BIT.values() if s.class_path == class_path), None)
