@@ -40,7 +40,7 @@ from zero_functional.shell.agreement import agree, agreed_inputs
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
 from zero_functional.shell.classes import add_group, update_costs, whole_params
 from zero_functional.shell.join import StepJoinHook
-from zero_functional.shell.local_shard import LocalShard
+from zero_functional.shell.local_shard import LocalShard, RemainderTies
 from zero_functional.shell.param_sync import ParamSync
 from zero_functional.shell.steppers import LocalView, choose_stepper, state_schemas
 
@@ -73,6 +73,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             (nowhere on CPU), ``True`` wherever it applies, ``False`` never.
         main_params_dtype: ``torch.float32``: bf16/fp16 parameters step through fp32 copies of
             the owned pieces, with fp32 state (:mod:`.main_params`). Default ``None``: torch's.
+        store_param_remainders: bf16 parameters with fp32 main copies keep each copy as an int16
+            remainder (2 B, not 4); the same fp32 values (:attr:`remainder_ties`).
         device_mesh: A 2-D ``DeviceMesh`` named ``("replicate", "shard")`` (FSDP2's hybrid
             sharding): state sharded over ``"shard"``, replicated over ``"replicate"``; DDP
             spans the whole mesh. Instead of ``process_group``.
@@ -99,6 +101,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_param_gather: bool | None = None,
         compile: bool | None = None,
         main_params_dtype: torch.dtype | None = None,
+        store_param_remainders: bool = False,
         device_mesh: Any = None,
         **defaults: Any,
     ) -> None:
@@ -107,8 +110,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.timeout = timeout
         self.partition: PartitionName = partition
         args = (params, optimizer_class, process_group, partition, overlap_with_ddp, defaults)
-        self.process_group, items, probe = agreed_inputs(*args, timeout, main_params_dtype)
+        main = (main_params_dtype, store_param_remainders)
+        self.process_group, items, probe = agreed_inputs(*args, timeout, *main)
         self._main_params_dtype = main_params_dtype
+        self._ties = RemainderTies() if store_param_remainders else None
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         self.global_rank = comm.global_rank(self.process_group, self.rank)
@@ -156,6 +161,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._main_params_dtype
 
     @property
+    def remainder_ties(self) -> int:
+        """With ``store_param_remainders``: how many bf16 elements this rank's steps wrote that
+        differ from ``main.to(torch.bfloat16)`` (exact ties, rounded away from zero); else 0."""
+        return 0 if self._ties is None else self._ties.total()
+
+    @property
     def param_sync(self) -> ParamSync:
         """The owner of the parameters' storage and of the parameter all-gathers in flight."""
         return self._param_sync
@@ -180,7 +191,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         stepper = self._stepper_for(whole, groups, owned, state, self._user_defaults)
         name = self.optimizer_class.__name__
         table = self._table
-        self._shard = LocalShard(ownership, self.rank, table, groups, state, stepper, name, main)
+        shard = (ownership, self.rank, table, groups, state, stepper, name, main, self._ties)
+        self._shard = LocalShard(*shard)
         self._build_buffers()
 
     def _ownership_now(self) -> Ownership:

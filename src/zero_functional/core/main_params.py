@@ -7,20 +7,44 @@ optimizers): the gradient piece is upcast, the optimizer updates the fp32 copy w
 and the parameter's piece receives ``main.to(param.dtype)``, so the parameter all-gather moves
 2 bytes per element. Living in the state dict, the copy travels with every state move there is
 (consolidation, resharding, sharded checkpoints) with no code of its own.
+
+With ``store_param_remainders=True`` (Megatron-LM's and TransformerEngine's option, bf16
+parameters only) the state keeps an int16 remainder under :data:`REMAINDER_KEY` instead: the
+fp32 main value's bits are the bf16 parameter's bits shifted up 16, plus the remainder
+(:func:`join_main`), the parameter being the main value rounded to nearest, ties away from zero
+(:func:`split_main`), which differs from torch's ``.to(torch.bfloat16)`` on exact ties only
+(:func:`tie_count`). The remainder never leaves its rank: every state that does carries the
+fp32 main under :data:`MAIN_KEY` (:func:`with_main`), and a loaded main is kept until the
+piece's next step splits it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["MAIN_KEY", "check_main_params_dtype", "main_dtype_for", "step_through_main_"]
+__all__ = [
+    "MAIN_KEY",
+    "REMAINDER_KEY",
+    "check_main_params_dtype",
+    "check_remainders",
+    "join_main",
+    "main_dtype_for",
+    "main_value",
+    "split_main",
+    "step_through_main_",
+    "tie_count",
+    "with_main",
+]
 
 MAIN_KEY = "main_param"
 """The state key of a piece's main copy (in the parameter's shape in a consolidated dict)."""
+
+REMAINDER_KEY = "main_param_remainder"
+"""The state key of a piece's int16 remainder (``store_param_remainders``; never saved)."""
 
 
 def check_main_params_dtype(value: object) -> torch.dtype | None:
@@ -64,6 +88,119 @@ def main_dtype_for(
     return main_params_dtype if param_dtype.itemsize < main_params_dtype.itemsize else None
 
 
+def check_remainders(
+    store: object, main_params_dtype: torch.dtype | None, dtypes: Iterable[torch.dtype]
+) -> bool:
+    """``store`` (``store_param_remainders``) if it may be on for parameters of ``dtypes`` with
+    ``main_params_dtype``, else a ``TypeError``/``ValueError`` naming the fix.
+
+    Example:
+        >>> check_remainders(True, torch.float32, [torch.bfloat16, torch.float32])
+        True
+        >>> check_remainders(True, torch.float32, [torch.float16])
+        Traceback (most recent call last):
+        ...
+        ValueError: store_param_remainders=True needs bf16 parameters (the fp32 main value is the bf16 bits plus a 16-bit remainder); these have torch.float16 main copies: cast them to torch.bfloat16 or pass store_param_remainders=False
+    """
+    if not isinstance(store, bool):
+        raise TypeError(f"store_param_remainders must be True or False; got {store!r}")
+    if not store:
+        return False
+    if main_params_dtype != torch.float32:
+        raise ValueError(
+            "store_param_remainders=True keeps each fp32 main copy as a 16-bit remainder beside "
+            f"its bf16 parameter: pass main_params_dtype=torch.float32 (got {main_params_dtype})"
+        )
+    narrow = {d for d in dtypes if main_dtype_for(d, main_params_dtype) is not None}
+    if narrow != {torch.bfloat16}:
+        which = ", ".join(sorted(map(str, narrow - {torch.bfloat16}))) or "no"
+        raise ValueError(
+            "store_param_remainders=True needs bf16 parameters (the fp32 main value is the bf16 "
+            f"bits plus a 16-bit remainder); these have {which} main copies: cast them to "
+            "torch.bfloat16 or pass store_param_remainders=False"
+        )
+    return True
+
+
+def split_main(main: Tensor) -> tuple[Tensor, Tensor]:
+    """An fp32 tensor as (bf16 rounded to nearest, ties away from zero; the int16 remainder),
+    new tensors, :func:`join_main`'s inverse for every bit pattern (TransformerEngine's rule: a
+    remainder's top bit set rounds the bf16 bits up, so every remainder fits in 16 bits).
+
+    Example:
+        >>> x = torch.tensor([1.0 + 2**-8, -(1.0 + 2**-8), 1.0 + 2**-9])  # two ties, one not
+        >>> p, r = split_main(x)
+        >>> p.tolist(), x.to(torch.bfloat16).tolist(), r.tolist()
+        ([1.0078125, -1.0078125, 1.0], [1.0, -1.0, 1.0], [-32768, -32768, 16384])
+        >>> torch.equal(join_main(p, r), x)
+        True
+    """
+    bits = main.view(torch.int32)
+    remainder = (bits & 0xFFFF).to(torch.int16)  # the low 16 bits, read as signed
+    high = ((bits >> 16) + (remainder < 0)).to(torch.int16)
+    return high.view(torch.bfloat16), remainder
+
+
+def join_main(param: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``
+    (int16, signed): :func:`split_main`'s inverse; a new tensor.
+
+    Example:
+        >>> join_main(torch.tensor([1.0078125], dtype=torch.bfloat16),
+        ...           torch.tensor([-32768], dtype=torch.int16)).item()
+        1.00390625
+    """
+    bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
+    """How many elements of a :func:`split_main` pair differ from torch's rounding of the main
+    value (round to nearest, ties to even): exact ties whose rounded-up bits are odd. A 0-dim
+    int64 tensor on their device (counted without a device sync).
+
+    Example:
+        >>> tie_count(*split_main(torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.5]))).item()
+        1
+    """
+    odd = (param.view(torch.int16) & 1) == 1
+    return ((remainder == -0x8000) & odd).sum()
+
+
+def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Tensor:
+    """A piece's main value: its state's :data:`MAIN_KEY` (the tensor itself), else joined
+    from its :data:`REMAINDER_KEY` and the piece ``view``, else ``view`` in ``dtype`` (new).
+
+    Example:
+        >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
+        >>> main_value(p, {REMAINDER_KEY: torch.tensor([-32768], dtype=torch.int16)},
+        ...            torch.float32).item()
+        1.00390625
+    """
+    main = state.get(MAIN_KEY)
+    if main is not None:
+        return cast(Tensor, main)
+    remainder = state.get(REMAINDER_KEY)
+    if remainder is not None:
+        return join_main(view.detach(), remainder)
+    return view.detach().to(dtype, copy=True)
+
+
+def with_main(view: Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` as it leaves its rank: its remainder replaced by the fp32 main value it makes
+    with the piece ``view`` (a new dict; the same entries where it has no remainder).
+
+    Example:
+        >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
+        >>> with_main(p, {"step": 1, REMAINDER_KEY: torch.tensor([-32768], dtype=torch.int16)})
+        {'step': 1, 'main_param': tensor([1.0039])}
+    """
+    out = {k: v for k, v in state.items() if k != REMAINDER_KEY}
+    if REMAINDER_KEY in state:
+        out[MAIN_KEY] = join_main(view.detach(), state[REMAINDER_KEY])
+    return out
+
+
 StepPieces = Callable[
     [Mapping[str, Any], Sequence[Tensor], Sequence[Tensor], list[dict[str, Any]]], None
 ]
@@ -76,7 +213,9 @@ def step_through_main_(
     grads: Sequence[Tensor],
     states: Sequence[dict[str, Any]],
     dtypes: Sequence[torch.dtype | None],
-) -> None:
+    *,
+    remainders: bool = False,
+) -> Tensor | None:
     """Run ``step_pieces(group, params, grads, states)`` over the pieces ``views``, each through
     its main copy where ``dtypes`` names one: in place on ``states`` and ``views``.
 
@@ -84,6 +223,13 @@ def step_through_main_(
     piece on its first step), with its gradient upcast and its other state in the main dtype;
     the piece then receives the copy rounded to its own dtype. The stepper never sees
     :data:`MAIN_KEY` (torch's optimizers take a non-empty state for an initialized one).
+
+    With ``remainders`` (bf16 pieces, fp32 main) the main value is :func:`main_value`'s, and
+    after the step the piece and its :data:`REMAINDER_KEY` receive :func:`split_main`'s pair (a
+    :data:`MAIN_KEY` loaded is consumed); the stepper sees neither key.
+
+    Returns:
+        With ``remainders``, :func:`tie_count` summed over the pieces (0-dim), else ``None``.
 
     Example:
         >>> p = torch.tensor([1.0], dtype=torch.bfloat16)
@@ -95,32 +241,50 @@ def step_through_main_(
         ...                    [state], [torch.float32])
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
+        >>> state = {}  # a step to an exact tie: torch's rounding would give 1.0
+        >>> step_through_main_(sgd, {"lr": 2**-8}, [p], [-torch.ones(1, dtype=torch.bfloat16)],
+        ...                    [state], [torch.float32], remainders=True).item()
+        1
+        >>> p.item(), state[REMAINDER_KEY].item(), main_value(p, state, torch.float32).item()
+        (1.0078125, -32768, 1.00390625)
     """
     if not any(d is not None for d in dtypes):
         step_pieces(group, views, grads, list(states))
-        return
+        return None
     params: list[Tensor] = []
     upcast: list[Tensor] = []
     inner: list[dict[str, Any]] = []
-    written: list[tuple[Tensor, Tensor]] = []
+    written: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
     for view, grad, state, dtype in zip(views, grads, states, dtypes, strict=True):
         if dtype is None:
             params.append(view)
             upcast.append(grad)
             inner.append(state)
             continue
-        main = state.get(MAIN_KEY)
-        if main is None:
-            main = view.detach().to(dtype, copy=True)
-            state[MAIN_KEY] = main
+        if remainders:
+            check_remainders(True, dtype, [view.dtype])
+            main = main_value(view, state, dtype)
+        elif MAIN_KEY in state:
+            main = state[MAIN_KEY]
+        else:
+            main = state[MAIN_KEY] = view.detach().to(dtype, copy=True)
         params.append(main)
         upcast.append(grad.to(dtype))
-        inner.append({k: v for k, v in state.items() if k != MAIN_KEY})
-        written.append((view, main))
+        inner.append({k: v for k, v in state.items() if k not in (MAIN_KEY, REMAINDER_KEY)})
+        written.append((view, main, state))
     step_pieces(group, params, upcast, inner)
     for state, own in zip(states, inner):
         if own is not state:
             state.update(own)
+    ties: Tensor | None = None
     with torch.no_grad():
-        for view, main in written:
-            view.copy_(main)
+        for view, main, state in written:
+            if not remainders:
+                view.copy_(main)
+                continue
+            rounded, state[REMAINDER_KEY] = split_main(main)
+            state.pop(MAIN_KEY, None)
+            view.copy_(rounded)
+            n = tie_count(rounded, state[REMAINDER_KEY])
+            ties = n if ties is None else ties + n.to(ties.device)
+    return ties

@@ -22,7 +22,7 @@ from zero_functional.core.checks import (
     fingerprint,
     param_tensors,
 )
-from zero_functional.core.main_params import check_main_params_dtype
+from zero_functional.core.main_params import check_main_params_dtype, check_remainders
 from zero_functional.functional import update_kind
 
 __all__ = ["agree", "agreed_inputs"]
@@ -75,10 +75,12 @@ def agreed_inputs(
     defaults: Mapping[str, Any],
     timeout: float | None = None,
     main_params_dtype: object = None,
+    store_param_remainders: object = False,
 ) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
     """``ZeroRedundancyOptimizer``'s arguments, checked on every rank; collective.
 
-    :func:`~zero_functional.core.checks.check_inputs` and ``main_params_dtype``'s, then that
+    :func:`~zero_functional.core.checks.check_inputs`, ``main_params_dtype``'s and
+    ``store_param_remainders``' (:mod:`~zero_functional.core.main_params`), then that
     every parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
     the arguments' own error comes first, else the missing group's.
 
@@ -96,12 +98,14 @@ def agreed_inputs(
     checked: tuple[list[Any], Optimizer] | None = None
     try:
         checked = check_inputs(params, optimizer_class, partition, overlap_with_ddp, dict(defaults))
-        if check_main_params_dtype(main_params_dtype) is not None:
+        if (main := check_main_params_dtype(main_params_dtype)) is not None:
             if update_kind(cast(type, optimizer_class)) != "elementwise":
                 raise ValueError(
                     f"main_params_dtype needs an elementwise optimizer; "
                     f"{cast(type, optimizer_class).__name__} couples its parameters"
                 )
+        dtypes = [t.dtype for t in param_tensors(checked[0])]
+        check_remainders(store_param_remainders, main, dtypes)
     except CHECK_ERRORS as e:
         problem = e
     try:

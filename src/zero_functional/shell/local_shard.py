@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_functional.core.checks import check_unfrozen
-from zero_functional.core.main_params import MAIN_KEY, main_dtype_for, step_through_main_
+from zero_functional.core.main_params import (
+    MAIN_KEY,
+    main_dtype_for,
+    main_value,
+    step_through_main_,
+    with_main,
+)
 from zero_functional.core.ownership import Ownership, Transfer, piece_view
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
@@ -43,11 +49,35 @@ from zero_functional.shell.steppers import (
     runs_functional,
 )
 
-__all__ = ["LocalShard"]
+__all__ = ["LocalShard", "RemainderTies"]
 
 logger = logging.getLogger(__name__)
 
 PieceStates = dict[int, dict[Transfer, dict[str, Any]]]
+
+
+class RemainderTies:
+    """With ``store_param_remainders``: how many bf16 elements this rank wrote that differ from
+    torch's rounding of their main value (exact ties, rounded away from zero), summed over the
+    steps; kept on the pieces' devices until read, so that a step adds no device sync.
+
+    Example:
+        >>> ties = RemainderTies()
+        >>> ties.add(torch.tensor(2)); ties.add(torch.tensor(1)); ties.total()
+        3
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[torch.device, Tensor] = {}
+
+    def add(self, n: Tensor) -> None:
+        """Add ``n`` (a 0-dim count) on its device."""
+        now = self.sums.get(n.device)
+        self.sums[n.device] = n if now is None else now + n
+
+    def total(self) -> int:
+        """The count so far (one sync per device)."""
+        return sum(int(n.item()) for n in self.sums.values())
 
 
 class LocalShard:
@@ -65,6 +95,8 @@ class LocalShard:
         name: The optimizer class's name, for messages.
         main_params_dtype: Update low-precision parameters through main copies of this dtype
             (:mod:`zero_functional.core.main_params`), or ``None``.
+        remainders: Keep the fp32 main copies of bf16 pieces as int16 remainders
+            (``store_param_remainders``), counting the ties here; ``None``: whole copies.
 
     Example:
         >>> import torch
@@ -95,6 +127,7 @@ class LocalShard:
         stepper: Stepper | RealStepper,
         name: str,
         main_params_dtype: torch.dtype | None = None,
+        remainders: RemainderTies | None = None,
     ) -> None:
         self.ownership = ownership
         self.rank = rank
@@ -104,6 +137,7 @@ class LocalShard:
         self.stepper = stepper
         self.name = name
         self.main_params_dtype = main_params_dtype
+        self.remainders = remainders
         self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(rank)}
         self.trainable = [p.requires_grad for p in table.params]
         self._built_trainable = list(self.trainable)
@@ -121,6 +155,7 @@ class LocalShard:
             self.stepper,
             self.name,
             self.main_params_dtype,
+            self.remainders,
         )
 
     def piece(self, k: Hashable, what: str) -> Piece:
@@ -177,8 +212,14 @@ class LocalShard:
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
             ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
+        ties, remainders = self.remainders, self.remainders is not None
         for g, (ps, gs, ss, ds) in sorted(by_group.items()):
-            step_through_main_(stepper.step_pieces, self.param_groups[g], ps, gs, ss, ds)
+            group = self.param_groups[g]
+            n = step_through_main_(
+                stepper.step_pieces, group, ps, gs, ss, ds, remainders=remainders
+            )
+            if ties is not None and n is not None:
+                ties.add(n)
 
     def local_step(
         self,
@@ -228,13 +269,23 @@ class LocalShard:
 
     def shard_state(self) -> dict[int, tuple[Piece, dict[str, Any]]]:
         """Global index -> (this rank's piece, its state: the optimizer's own tensors), for
-        each parameter this rank owns a piece of and has state for."""
+        each parameter this rank owns a piece of and has state for; a remainder is given as
+        the fp32 main value it makes (:func:`~zero_functional.core.main_params.with_main`)."""
         params = self.table.params
         return {
-            k: (piece, self.state[params[k]])
+            k: (piece, self._leaving(k))
             for k, piece in sorted(self.pieces.items())
             if self.state.get(params[k])
         }
+
+    def _leaving(self, k: int) -> dict[str, Any]:
+        """Parameter ``k``'s state as it leaves this rank: the optimizer's own dict, or with its
+        remainder joined into the fp32 main value (a new dict)."""
+        p = self.table.params[k]
+        state = self.state[p]
+        if self.remainders is None:
+            return cast(dict[str, Any], state)
+        return with_main(piece_view(p, self.pieces[k]), state)
 
     def cpu_shard(self) -> dict[int, tuple[Range, dict[str, object]]]:
         """:meth:`shard_state` with ranges for pieces and CPU copies for tensors: what travels
@@ -268,16 +319,15 @@ class LocalShard:
 
     def main_params(self) -> dict[Tensor, Tensor]:
         """This rank's main copies, keyed by parameter: views of the optimizer's own (a piece
-        not stepped yet: its parameter's values upcast, a new tensor); parameters that need
-        no copy are absent."""
+        not stepped yet: its parameter's values upcast; with remainders: joined; new tensors);
+        parameters that need no copy are absent."""
         params = self.table.params
         out: dict[Tensor, Tensor] = {}
         for k, piece in sorted(self.pieces.items()):
             p = params[k]
             dtype = main_dtype_for(p.dtype, self.main_params_dtype)
             if dtype is not None:
-                main = self.state.get(p, {}).get(MAIN_KEY)
-                out[p] = main.detach() if main is not None else piece_view(p, piece).to(dtype)
+                out[p] = main_value(piece_view(p, piece), self.state.get(p, {}), dtype).detach()
         return out
 
     def check(
@@ -339,6 +389,8 @@ class LocalShard:
         for t in plan.sends:
             held, state = old.piece(self.rank, t.param), self.state.get(params[t.param])
             if held is not None and state:
+                if self.remainders is not None:  # the bf16 piece stays here: send the main
+                    state = with_main(piece_view(params[t.param], held), state)
                 part = slice_state(state, (held.start, held.stop), (t.start, t.stop))
                 parts.setdefault(t.dst, {})[t] = part
         return parts
