@@ -94,9 +94,9 @@ class ShardedEMA:
     def _owned(self) -> dict[int, Piece]:
         return {s.param: s for s in self._ownership.owned(self.optimizer.rank)}
 
-    def _fill_missing(self) -> None:
-        """Average each owned piece that has no average yet from its values now (not counted:
-        its first update copies)."""
+    def _fill_missing(self, n_averaged: int = 0) -> None:
+        """Average each owned piece that has no average yet as its values now, averaged
+        ``n_averaged`` times (at 0 its first update copies)."""
         params = self.optimizer.param_table.params
         mains = self.optimizer.main_params()
         for s in self._ownership.owned(self.optimizer.rank):
@@ -104,7 +104,7 @@ class ShardedEMA:
                 p = params[s.param]
                 value = mains.get(p, piece_view(p, s))
                 self._averages[s.param] = value.detach().reshape(-1).clone()
-                self._counts[s.param] = 0
+                self._counts[s.param] = n_averaged
 
     def close(self) -> None:
         """Stop following the optimizer (its updates no longer reach this EMA)."""
@@ -161,7 +161,8 @@ class ShardedEMA:
                 self._averages[k] = average.to(like.device)
                 self._counts[k] = min(n for _, n in got)
         self._ownership = new
-        self._fill_missing()  # new parameters: averaged from their first update
+        # a new parameter was constant until now: its average is its value, as many times
+        self._fill_missing(self.n_averaged())
 
     # ------------------------------------------------------------------ read whole
 

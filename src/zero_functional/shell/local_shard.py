@@ -11,6 +11,7 @@ dicts are the shell's own mapping, read and written in place.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -398,7 +399,8 @@ class UpdateHooks:
     """
 
     def __init__(self) -> None:
-        self._hooks: dict[int, tuple[Updated, Resharded | None]] = {}
+        # an OrderedDict, which RemovableHandle can hold a weak reference to (a dict it cannot)
+        self._hooks: OrderedDict[int, tuple[Updated, Resharded | None]] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self._hooks)
