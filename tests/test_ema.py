@@ -61,7 +61,11 @@ def _zero(model: nn.Module, mode: str, partition: str, view: bool, cls: type) ->
     if mode == "reduce_scatter_hook":
         ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
     elif overlap:
-        wrap = hook_with_zero_step if mode == "hook_with_zero_step" else hook_with_zero_step_interleaved
+        wrap = (
+            hook_with_zero_step
+            if mode == "hook_with_zero_step"
+            else hook_with_zero_step_interleaved
+        )
         ddp.register_comm_hook(None, wrap(allreduce_hook, ddp, zero))
     return ddp, zero
 
@@ -91,7 +95,7 @@ def _moves(rank: int, world_size: int) -> dict[str, float]:
     ref = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY), use_buffers=False)
     for step in range(STEPS):
         if step == 2:
-            zero.reshard(sorted_greedy_ownership(zero.param_table.group_numels, world_size))
+            zero.reshard(sorted_greedy_ownership(zero.param_table.group_numels(), world_size))
         if step == 3:
             zero.reshard(flat_ownership(zero.param_table.numels, world_size))
         if step == 4:
