@@ -10,6 +10,7 @@ The public surface is what this module re-exports:
 * ownership, the one value that says which rank owns which pieces of which parameters
   (:class:`Ownership`, built by :func:`sorted_greedy_ownership`, :func:`flat_ownership`,
   :func:`bucket_ownership`), and the collectives policy (:func:`choose_collectives`);
+* :class:`ShardedEMA`, the EMA of the weights each owner keeps for its own pieces;
 * the functional ZeRO step for custom loops (:func:`shard_init`, :func:`shard_update`) with
   its collectives :func:`reduce_to_owners` and :func:`sync_params`.
 
@@ -56,6 +57,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "reduce_scatter_hook",
     ),
     "zero_functional.optimizer": ("ZeroRedundancyOptimizer",),
+    "zero_functional.shell.ema": ("ShardedEMA",),
     "zero_functional.core.ownership": (
         "Ownership",
         "bucket_ownership",

@@ -21,6 +21,7 @@ import torch._dynamo  # noqa: F401
 from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from zero_functional import comm
 from zero_functional.core.checks import check_new_group, warn_ignored_bucket_view
@@ -40,7 +41,13 @@ from zero_functional.shell.agreement import agree, agreed_inputs
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
 from zero_functional.shell.classes import add_group, update_costs, whole_params
 from zero_functional.shell.join import StepJoinHook
-from zero_functional.shell.local_shard import LocalShard, RemainderTies
+from zero_functional.shell.local_shard import (
+    LocalShard,
+    RemainderTies,
+    Resharded,
+    Updated,
+    UpdateHooks,
+)
 from zero_functional.shell.param_sync import ParamSync
 from zero_functional.shell.steppers import LocalView, choose_stepper, state_schemas
 
@@ -137,6 +144,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         warn_ignored_bucket_view(overlap_with_ddp, parameters_as_bucket_view)
         self._spec = spec
         self._stepper_for = functools.partial(choose_stepper, spec, compile, probe)
+        self._hooks = UpdateHooks()
         self._set_ownership(self._ownership_now())
         self._initialized = True
 
@@ -215,6 +223,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             arrived.update(cast(dict[Transfer, dict[str, Any]], payload))
         self._shard.incoming(plan, ownership, arrived)
         self._set_ownership(ownership)
+        self._hooks.resharded(old)
 
     def _build_buffers(self) -> None:
         bucket_view = self.parameters_as_bucket_view and not self._overlap_with_ddp
@@ -268,6 +277,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if skip:  # a non-finite gradient on every rank: no parameter changes anywhere
             return None
         loss, grads = self._shard.local_step(closure, grad_scale, **kwargs)
+        if grads is None:  # a real optimizer stepped its whole parameters
+            self._hooks.updated(self._shard, self._shard.grads())
         with self._call("step()"):
             self._param_sync.sync(grads, self.update_owned)
         return loss
@@ -291,6 +302,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.finish_param_sync()
         self._book.changed()
         self._shard.update(grads)
+        self._hooks.updated(self._shard, grads)
+
+    def register_update_hook(
+        self, updated: Updated, resharded: Resharded | None = None
+    ) -> RemovableHandle:
+        """Run ``updated(values)`` after each update of this rank's pieces, in every mode
+        (``values``: global index -> the piece's new value, flat, its main copy where there is
+        one; read-only), and ``resharded(old)`` on every rank after the ownership changes."""
+        return self._hooks.register(updated, resharded)
 
     def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
         """Hand over parameter all-gathers in flight (a pending collective and the parameters

@@ -73,6 +73,7 @@ from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.functional import update_kind
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.shell.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.shell.steppers import hyperparameters, probe_state
 
 __all__ = [
@@ -153,10 +154,15 @@ def _spans(optimizer: Optimizer) -> list[tuple[int, int]]:
 
 
 def _snapshot(
-    model: nn.Module | None, optimizer: Optimizer | None, extra: Any, rank: int
+    model: nn.Module | None,
+    optimizer: Optimizer | None,
+    extra: Any,
+    rank: int,
+    ema: ShardedEMA | None = None,
 ) -> Snapshot:
     """What this rank writes: the pieces it owns (every piece on rank 0 for a plain
-    optimizer), with the model's values over them; rank 0 adds the model's other tensors."""
+    optimizer), with the model's values and the EMA over them; rank 0 adds the model's other
+    tensors."""
     held: list[Held] = []
     groups = None
     in_optimizer: set[Tensor] = set()
@@ -167,7 +173,10 @@ def _snapshot(
             for k, piece in owned.items():
                 p = params[k]
                 values = None if model is None else p.detach().reshape(-1)[piece.start : piece.stop]
-                held.append(Held(names[k], tuple(p.shape), piece, states.get(k, {}), values))
+                average = None if ema is None else ema.pieces[k]
+                held.append(
+                    Held(names[k], tuple(p.shape), piece, states.get(k, {}), values, average)
+                )
         in_optimizer = set(params)
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": group_names}
@@ -178,7 +187,8 @@ def _snapshot(
         for name, t in _module(model).state_dict(keep_vars=True).items():
             if isinstance(t, Tensor) and t not in in_optimizer:
                 others[name] = t
-    return Snapshot(held, others, groups, extra)
+    n_averaged = None if ema is None else ema.n_averaged()
+    return Snapshot(held, others, groups, extra, n_averaged)
 
 
 def _first_replica_writes(write: Callable[[], None], replicate: dist.ProcessGroup) -> None:
@@ -206,6 +216,7 @@ def save(
     extra: Any = None,
     process_group: dist.ProcessGroup | None = None,
     max_chunk_numel: int = DEFAULT_MAX_BOX_NUMEL,
+    ema: ShardedEMA | None = None,
 ) -> None:
     """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``.
 
@@ -222,6 +233,8 @@ def save(
         process_group: The ranks without an optimizer to take it from (default: the world).
         max_chunk_numel: No stored chunk has more elements: the memory a save needs beyond
             what the rank already holds.
+        ema: A :class:`~zero_functional.shell.ema.ShardedEMA` of ``optimizer``: each rank
+            writes its pieces' averages.
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause; ``path`` is untouched.
@@ -232,10 +245,12 @@ def save(
     if model is None and optimizer is None:
         raise ValueError("save needs a model, an optimizer or both")
     zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    if ema is not None and (zero is None or ema.optimizer is not zero):
+        raise ValueError("save(ema=...) takes the ShardedEMA of the optimizer it is given")
     if zero is not None:
         zero.finish_param_sync()
     group = _group(optimizer, process_group)
-    snapshot = _snapshot(model, optimizer, extra, comm.rank_or_zero(group))
+    snapshot = _snapshot(model, optimizer, extra, comm.rank_or_zero(group), ema)
 
     def write() -> None:
         checkpoint_format.write(path, snapshot, group, max_box_numel=max_chunk_numel)
@@ -247,7 +262,11 @@ def save(
 
 
 def _request(
-    model: nn.Module | None, optimizer: Optimizer | None, tensors: dict[str, Tensor], strict: bool
+    model: nn.Module | None,
+    optimizer: Optimizer | None,
+    tensors: dict[str, Tensor],
+    strict: bool,
+    ema: bool = False,
 ) -> Request:
     """What this rank reads: the model's tensors, and the pieces its optimizer owns."""
     shapes = None if model is None else {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
@@ -265,7 +284,7 @@ def _request(
         )
         for k, piece in _shards(optimizer)[0].items()
     ]
-    return Request(shapes, reads, _group_names(optimizer, names), strict)
+    return Request(shapes, reads, _group_names(optimizer, names), strict, ema)
 
 
 def _state_dict(optimizer: Optimizer, contents: checkpoint_format.Contents) -> dict[str, Any]:
@@ -284,6 +303,7 @@ def load(
     optimizer: Optimizer | None = None,
     process_group: dist.ProcessGroup | None = None,
     strict: bool = True,
+    ema: ShardedEMA | None = None,
 ) -> Any:
     """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its extra.
 
@@ -298,6 +318,8 @@ def load(
             rank reads its pieces), or a plain ``torch.optim`` optimizer (every rank reads all).
         process_group: The ranks without an optimizer to take it from (default: the world).
         strict: Refuse model tensors the checkpoint lacks or has in excess.
+        ema: The :class:`~zero_functional.shell.ema.ShardedEMA` of ``optimizer`` to fill (each
+            rank reads its pieces' averages; a checkpoint saved without one is refused).
 
     Returns:
         The ``extra`` given to :func:`save`.
@@ -312,7 +334,9 @@ def load(
     if model is not None:
         state = _module(model).state_dict(keep_vars=True)
         tensors = {k: v for k, v in state.items() if isinstance(v, Tensor)}
-    request = _request(model, optimizer, tensors, strict)
+    if ema is not None and (optimizer is None or ema.optimizer is not optimizer):
+        raise ValueError("load(ema=...) takes the ShardedEMA of the optimizer it is given")
+    request = _request(model, optimizer, tensors, strict, ema is not None)
     contents = checkpoint_format.read(path, request, _group(optimizer, process_group))
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.finish_param_sync()
@@ -322,6 +346,8 @@ def load(
     with torch.no_grad():
         for name, value in contents.model.items():  # in the saved dtype: cast as torch does
             tensors[name].copy_(value)
+    if ema is not None:
+        ema.load_pieces(contents.ema, contents.ema_n_averaged)
     return contents.extra
 
 
@@ -380,7 +406,9 @@ class ZeroStateful:
     optimizer state (checked against the class's own state, collective).
     """
 
-    def __init__(self, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: ZeroRedundancyOptimizer, ema: ShardedEMA | None = None
+    ) -> None:
         if not isinstance(optimizer, ZeroRedundancyOptimizer):
             raise TypeError(
                 f"stateful() takes a zero_functional ZeroRedundancyOptimizer, got "
@@ -393,8 +421,11 @@ class ZeroStateful:
                 "replicas would each write the same shards; use zero_functional.checkpoint."
                 "save/load, which the first replica writes and every rank reads"
             )
+        if ema is not None and ema.optimizer is not optimizer:
+            raise ValueError("stateful(ema=...) takes the ShardedEMA of the optimizer it is given")
         self.model = model
         self.optimizer = optimizer
+        self.ema = ema
         self._names = _names(model, optimizer)  # checks that the parameters are the model's
         self._flat: dict[tuple[str, str], tuple[ShardedTensor, Tensor]] = {}
 
@@ -402,7 +433,7 @@ class ZeroStateful:
         """The model's state and the optimizer's groups and this rank's state; no copies."""
         zero = self.optimizer
         zero.finish_param_sync()  # the model's parameters are read (or written) next
-        return {
+        out = {
             "model": _module(self.model).state_dict(),
             "optimizer": {
                 "state": self._optimizer_state(),
@@ -412,6 +443,21 @@ class ZeroStateful:
                 ],
             },
         }
+        if self.ema is not None:
+            out["ema"] = self._ema_state(self.ema)
+        return out
+
+    def _ema_state(self, ema: ShardedEMA) -> dict[str, Any]:
+        """The EMA in ``AveragedModel``'s layout, each average a ShardedTensor of the pieces."""
+        zero, params = self.optimizer, _params(self.optimizer)
+        out: dict[str, Any] = {
+            MODULE_PREFIX + self._names[k]: _sharded(
+                flat, params[k].shape, zero.ownership.holders(k), zero
+            )
+            for k, flat in ema.pieces.items()
+        }
+        out[N_AVERAGED_KEY] = torch.tensor(ema.n_averaged(), dtype=torch.long)
+        return out
 
     def _optimizer_state(self) -> dict[str, dict[str, Any]]:
         zero = self.optimizer
@@ -490,9 +536,23 @@ class ZeroStateful:
             state[k] = values
         self._flat = {}
         zero.load_shard_state(state, groups, copy=False)
+        if self.ema is not None:
+            saved_ema = state_dict["ema"]
+            self.ema.load_pieces(
+                {
+                    index[key[len(MODULE_PREFIX) :]]: torch.cat(
+                        [s.tensor.reshape(-1) for s in v.local_shards()]
+                    )
+                    for key, v in saved_ema.items()
+                    if isinstance(v, ShardedTensor)
+                },
+                int(saved_ema[N_AVERAGED_KEY]),
+            )
 
 
-def stateful(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> ZeroStateful:
+def stateful(
+    model: nn.Module, optimizer: ZeroRedundancyOptimizer, ema: ShardedEMA | None = None
+) -> ZeroStateful:
     """A ``torch.distributed.checkpoint`` ``Stateful`` of ``model`` and its ZeRO ``optimizer``.
 
     Each rank writes its share of the optimizer state; any world size and either partition
@@ -502,6 +562,8 @@ def stateful(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> ZeroStatef
         model: The model (a ``DistributedDataParallel`` or the module inside it).
         optimizer: The :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` over its
             parameters.
+        ema: Its :class:`~zero_functional.shell.ema.ShardedEMA`, saved under ``"ema"`` in
+            ``AveragedModel``'s layout, each average sharded as the state is.
 
     Raises:
         TypeError: ``optimizer`` is not a ZeroRedundancyOptimizer.
@@ -513,4 +575,4 @@ def stateful(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> ZeroStatef
         >>> # dcp.save({"app": stateful(ddp, zero)}, checkpoint_id="ckpt/step-100")
         >>> # dcp.load({"app": stateful(ddp, zero)}, checkpoint_id="ckpt/step-100")
     """
-    return ZeroStateful(model, optimizer)
+    return ZeroStateful(model, optimizer, ema)

@@ -10,6 +10,8 @@ partition:
 * ``state.<parameter name>.<key>`` (:func:`state_key`): the optimizer state, an elementwise value
   in its parameter's shape, a 0-d tensor (Adam's ``step``) as a 0-d tensor, anything else as an
   object;
+* ``ema.<parameter name>`` (:func:`ema_key`): a :class:`~zero_functional.shell.ema.ShardedEMA`'s
+  average of the parameter, in its shape, with the object ``ema_n_averaged``, where one was saved;
 * the objects ``param_groups`` (each group's hyperparameters and its parameters' names),
   ``extra`` (the caller's) and ``format`` (this version's name).
 
@@ -34,9 +36,9 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +59,9 @@ __all__ = [
     "Owned",
     "Request",
     "Snapshot",
+    "EMA_N_AVERAGED",
     "check_groups",
+    "ema_key",
     "layout",
     "model_key",
     "model_state_dict",
@@ -80,7 +84,9 @@ FORMAT = "zero_functional.checkpoint/1"
 TRAIN_FORMAT = "zero_functional.app.train/1"
 """The ``format`` key of the train job's checkpoints; others are refused on resume."""
 
-_MODEL, _STATE = "model.", "state."
+_MODEL, _STATE, _EMA = "model.", "state.", "ema."
+EMA_N_AVERAGED = "ema_n_averaged"
+"""The object that holds a saved EMA's number of averaged updates."""
 
 
 def model_key(name: str) -> str:
@@ -101,6 +107,16 @@ def state_key(name: str, key: str) -> str:
         'state.0.weight.exp_avg'
     """
     return f"{_STATE}{name}.{key}"
+
+
+def ema_key(name: str) -> str:
+    """The key of the EMA of the parameter ``name``.
+
+    Example:
+        >>> ema_key("0.weight")
+        'ema.0.weight'
+    """
+    return _EMA + name
 
 
 def split_state_key(key: str) -> tuple[str, str] | None:
@@ -184,6 +200,7 @@ class Held:
         piece: The elements this rank writes.
         state: Its optimizer state over ``piece`` (elementwise values flat or in shape).
         values: The parameter's own values over ``piece``, flat; ``None`` to write no model.
+        ema: Its EMA over ``piece``, flat; ``None`` to write none.
     """
 
     name: str
@@ -191,18 +208,20 @@ class Held:
     piece: Piece
     state: Mapping[str, Any]
     values: Tensor | None
+    ema: Tensor | None = None
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """What one rank writes: its :class:`Held` parameters, the model's other tensors (whole,
     one writer), the optimizer's groups (names for parameters; ``None`` without an optimizer)
-    and the caller's ``extra``."""
+    and the caller's ``extra``; with an EMA, its number of averaged updates."""
 
     held: Sequence[Held]
     others: Mapping[str, Tensor]
     param_groups: list[dict[str, Any]] | None
     extra: Any
+    ema_n_averaged: int | None = None
 
 
 def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
@@ -228,6 +247,9 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
             else:  # a whole parameter's other values (a per-tensor optimizer's lists, ...)
                 objects[item] = value
     for held in snapshot.held:
+        if held.ema is not None:
+            flat, piece = held.ema.detach().reshape(-1), held.piece
+            pieces[ema_key(held.name)] = (held.shape, flat.dtype, [(piece.start, piece.stop, flat)])
         if held.values is not None:
             values, piece = held.values.detach(), held.piece
             pieces[model_key(held.name)] = (
@@ -235,6 +257,8 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
                 values.dtype,
                 [(piece.start, piece.stop, values)],
             )
+    if snapshot.ema_n_averaged is not None:
+        objects[EMA_N_AVERAGED] = snapshot.ema_n_averaged
     if snapshot.param_groups is not None:
         objects["param_groups"] = snapshot.param_groups
     for name, t in snapshot.others.items():
@@ -281,25 +305,29 @@ class Owned:
 class Request:
     """What a rank reads: the model tensors to fill (name to shape and dtype; ``None`` for no
     model), its :class:`Owned` parameters (``None`` for no optimizer), the optimizer's groups'
-    parameter names, and whether model tensors the checkpoint lacks or has in excess are
-    refused."""
+    parameter names, whether model tensors the checkpoint lacks or has in excess are
+    refused, and whether the EMA of the owned pieces is read."""
 
     model: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None
     owned: Sequence[Owned] | None
     groups: Sequence[Sequence[str]]
     strict: bool = True
+    ema: bool = False
 
 
 @dataclass(frozen=True)
 class Contents:
     """What a rank read, in fresh tensors: the model tensors in their shapes (in the saved
     dtype), each :class:`Owned` parameter's state over its piece (by ``piece.param``), the
-    checked groups (``[]`` without an optimizer) and the ``extra``."""
+    checked groups (``[]`` without an optimizer) and the ``extra``; where the request asked
+    for it, the EMA of each owned piece, flat (by ``piece.param``), and its count."""
 
     model: dict[str, Tensor]
     state: dict[int, dict[str, Any]]
     param_groups: list[dict[str, Any]]
     extra: Any
+    ema: dict[int, Tensor] = field(default_factory=dict)
+    ema_n_averaged: int = 0
 
 
 Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
@@ -444,6 +472,22 @@ def read_v1(
                 wanted[key] = ((), meta[1], [(0, 1)])
             else:
                 wanted[key] = (owned.shape, meta[1], [(owned.piece.start, owned.piece.stop)])
+    if request.ema:
+        lacking = [o.name for o in request.owned or () if saved.get(ema_key(o.name)) is None]
+        if lacking or EMA_N_AVERAGED not in saved:
+            raise CheckpointError(
+                f"{os.fspath(path)} holds no EMA of {lacking or 'any parameter'}: it was saved "
+                "without ema=; load it without ema="
+            )
+        objects.append(EMA_N_AVERAGED)
+        for owned in request.owned or ():
+            meta = saved[ema_key(owned.name)]
+            assert meta is not None
+            wanted[ema_key(owned.name)] = (
+                owned.shape,
+                meta[1],
+                [(owned.piece.start, owned.piece.stop)],
+            )
     read = storage.load_pieces(path, wanted, objects, process_group)
     tensors, values = read
     return Contents(
@@ -457,6 +501,10 @@ def read_v1(
             [] if request.owned is None else check_groups(values["param_groups"], request.groups)
         ),
         extra=values["extra"],
+        ema={
+            o.piece.param: tensors[ema_key(o.name)][0] for o in request.owned or () if request.ema
+        },
+        ema_n_averaged=int(cast(int, values.get(EMA_N_AVERAGED, 0))),
     )
 
 

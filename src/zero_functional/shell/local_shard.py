@@ -11,12 +11,14 @@ dicts are the shell's own mapping, read and written in place.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from zero_functional.core.checks import check_unfrozen
 from zero_functional.core.main_params import (
@@ -49,7 +51,7 @@ from zero_functional.shell.steppers import (
     runs_functional,
 )
 
-__all__ = ["LocalShard", "RemainderTies"]
+__all__ = ["LocalShard", "RemainderTies", "UpdateHooks"]
 
 logger = logging.getLogger(__name__)
 
@@ -410,3 +412,69 @@ class LocalShard:
                 continue
             joined = join_states(parts, tuple(p.shape) if piece.is_whole else None)
             self.state[p] = self._placed(p, self.param_groups[group_of(k)], joined, copy=False)
+
+    def values(self, indices: Iterable[int]) -> dict[int, Tensor]:
+        """Global index -> this rank's piece of that parameter as it is now, flat: its main
+        copy where it keeps one (or joins it from a remainder; the parameter's values upcast
+        before its first step), else a view of the parameter. What :class:`UpdateHooks` hand to a hook after an update."""
+        params = self.table.params
+        out: dict[int, Tensor] = {}
+        for k in indices:
+            p, piece = params[k], self.piece(k, "values")
+            view = piece_view(p, piece)
+            dtype = main_dtype_for(p.dtype, self.main_params_dtype)
+            # the fp32 main: kept, joined from a remainder, or (before a first step) upcast
+            value = view if dtype is None else main_value(view, self.state.get(p, {}), dtype)
+            out[k] = value.detach().reshape(-1)
+        return out
+
+
+Updated = Callable[[Mapping[int, Tensor]], None]
+"""A hook after an update: global index -> the updated piece's new value
+(:meth:`LocalShard.values`), read-only."""
+Resharded = Callable[[Ownership], None]
+"""A hook after the ownership changed, given the old one (called on every rank)."""
+
+
+class UpdateHooks:
+    """The callbacks an optimizer runs after it updates this rank's pieces and after its
+    ownership changes (what :class:`~zero_functional.shell.ema.ShardedEMA` follows).
+
+    Example:
+        >>> hooks = UpdateHooks()
+        >>> handle = hooks.register(print)
+        >>> bool(hooks)
+        True
+        >>> handle.remove()
+        >>> bool(hooks)
+        False
+    """
+
+    def __init__(self) -> None:
+        # an OrderedDict, which RemovableHandle can hold a weak reference to (a dict it cannot)
+        self._hooks: OrderedDict[int, tuple[Updated, Resharded | None]] = OrderedDict()
+
+    def __bool__(self) -> bool:
+        return bool(self._hooks)
+
+    def register(self, updated: Updated, resharded: Resharded | None = None) -> RemovableHandle:
+        """Run ``updated`` after each update and ``resharded`` after each ownership change,
+        until the handle's ``remove()``."""
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = (updated, resharded)
+        return handle
+
+    def updated(self, shard: LocalShard, indices: Iterable[int]) -> None:
+        """Run every ``updated`` hook on ``shard``'s new values of ``indices`` (read only when
+        a hook is registered)."""
+        if not self._hooks:
+            return
+        values = shard.values(indices)
+        for updated, _ in list(self._hooks.values()):
+            updated(values)
+
+    def resharded(self, old: Ownership) -> None:
+        """Run every ``resharded`` hook, given the ownership before the change."""
+        for _, resharded in list(self._hooks.values()):
+            if resharded is not None:
+                resharded(old)
