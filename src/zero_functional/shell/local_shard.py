@@ -10,6 +10,7 @@ dicts are the shell's own mapping, read and written in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -166,6 +167,7 @@ class LocalShard:
         stepper = self.pieces_stepper()
         params, group_of = self.table.params, self.table.group_of
         by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
+        numels: dict[int, list[int]] = {}  # each piece's whole parameter's (low-bit state)
         for k, grad in grads.items():
             piece = self.piece(k, "gradients")
             if grad.is_sparse:
@@ -177,8 +179,10 @@ class LocalShard:
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
             ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
+            numels.setdefault(group_of(k), []).append(p.numel())
         for g, (ps, gs, ss, ds) in sorted(by_group.items()):
-            step_through_main_(stepper.step_pieces, self.param_groups[g], ps, gs, ss, ds)
+            step = functools.partial(stepper.step_pieces, numels=numels[g])
+            step_through_main_(step, self.param_groups[g], ps, gs, ss, ds)
 
     def local_step(
         self,
