@@ -196,7 +196,7 @@ def lowbit_state(
         >>> type(lowbit_state(local, {}, torch.zeros(4096), 4100)["exp_avg"]).__name__
         'Tensor'
     """
-    block = int(local.block_size)
+    block = int(getattr(local, "block_size", 1))  # torchao's instance attribute
     quantized = numel >= TORCHAO_MIN_QUANTIZED and numel % block == 0
     if quantized and piece.numel() % block:
         raise ValueError(
