@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,22 +32,9 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from zero_functional.core._validate import (
-    check_numels,
-    check_rank,
-    check_world_size,
-    prefix_sums,
-    round_up,
-)
+from zero_functional.core._validate import check_numels, check_rank, check_world_size, prefix_sums
 from zero_functional.core.layout import ddp_bucket_assignments
-from zero_functional.core.partition import (
-    FlatPartition,
-    Piece,
-    flat,
-    owners,
-    sorted_greedy,
-    sorted_greedy_groups,
-)
+from zero_functional.core.partition import Piece, flat, owners, sorted_greedy, sorted_greedy_groups
 
 __all__ = [
     "PARTITIONS",
@@ -437,10 +423,7 @@ def flat_ownership(
         keys: One hashable per parameter; parameters of equal keys are split together
             (default: all together).
         align: Range bounds are multiples of this many elements (per key, if a mapping).
-        blocks: Per parameter, its optimizer's quantization block (torchao's low-bit state):
-            a bound inside a parameter moves up to the next multiple of its block counted from
-            the parameter's start (or to its end), so no block is cut in two; such a bound
-            need not fall on ``align``. Every rank's load stays within a block of even.
+        blocks: Per parameter, a quantization block no bound cuts (:func:`.partition.block_bounds`).
 
     Returns:
         The ownership.
@@ -449,8 +432,6 @@ def flat_ownership(
         >>> o = flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"])
         >>> o.owned(0)
         (Piece(param=0, start=0, stop=3), Piece(param=1, start=0, stop=2))
-        >>> flat_ownership([2, 12], 2, blocks=[1, 4]).owned(1)  # 7 would cut a block of 4
-        (Piece(param=1, start=8, stop=12),)
     """
     check_world_size(world_size)
     check_numels(numels)
@@ -466,11 +447,8 @@ def flat_ownership(
     per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     for key, members in groups.items():
         step = align[key] if isinstance(align, Mapping) else align
-        part = flat([numels[k] for k in members], world_size, align=step)
-        if blocks is not None and any(blocks[k] > 1 for k in members):
-            sizes = [numels[k] for k in members]
-            bounds = block_bounds(part.bounds, sizes, [blocks[k] for k in members])
-            part = flat_in(sizes, bounds, step)
+        sub = [blocks[k] for k in members] if blocks is not None else None
+        part = flat([numels[k] for k in members], world_size, align=step, blocks=sub)
         for rank, rank_pieces in enumerate(part.pieces):
             for s in rank_pieces:
                 k = members[s.param]
@@ -484,55 +462,6 @@ def flat_ownership(
                 )
                 per_param[k].append((rank, Piece(k, 0, 0)))
     return _from_holders(numels, world_size, per_param)
-
-
-def block_bounds(
-    bounds: Sequence[tuple[int, int]], numels: Sequence[int], blocks: Sequence[int]
-) -> tuple[tuple[int, int], ...]:
-    """Contiguous ranges ``bounds`` over the concatenation of parameters of ``numels``, each
-    bound inside a parameter moved up to the next multiple of that parameter's block counted
-    from its start (or to its end): ranges that cut no quantization block in two.
-
-    Example:
-        >>> block_bounds(((0, 7), (7, 14)), [2, 12], [1, 4])  # 7 is element 5 of the second
-        ((0, 10), (10, 14))
-    """
-    starts = prefix_sums(numels)
-
-    def snapped(c: int) -> int:
-        j = bisect.bisect_right(starts, c) - 1
-        if j >= len(numels) or c == starts[j]:
-            return c
-        return min(starts[j] + round_up(c - starts[j], blocks[j]), starts[j + 1])
-
-    cuts = [snapped(lo) for lo, _ in bounds] + [bounds[-1][1]]
-    return tuple(zip(cuts[:-1], cuts[1:]))
-
-
-def flat_in(numels: Sequence[int], bounds: Sequence[tuple[int, int]], align: int) -> FlatPartition:
-    """The :class:`~zero_functional.core.partition.FlatPartition` of the ranges ``bounds`` over
-    the concatenation of parameters of ``numels`` (its ``align`` is 1 when a bound is off
-    ``align``: a block's bound, which wins).
-
-    Example:
-        >>> flat_in([2, 12], ((0, 10), (10, 14)), 2).pieces[1]
-        (Piece(param=1, start=8, stop=12),)
-    """
-    starts = prefix_sums(numels)
-    pieces = []
-    for lo, hi in bounds:
-        pieces.append(
-            tuple(
-                Piece(j, max(lo, a) - a, min(hi, b) - a, numels[j])
-                for j, (a, b) in enumerate(zip(starts, starts[1:]))
-                if min(hi, b) > max(lo, a)
-            )
-        )
-    total = starts[-1]
-    aligned = all(c % align == 0 or c == total for lo, hi in bounds for c in (lo, hi))
-    return FlatPartition(
-        tuple(numels), len(bounds), align if aligned else 1, tuple(bounds), tuple(pieces)
-    )
 
 
 def bucket_ownership(
@@ -565,9 +494,7 @@ def bucket_ownership(
         partition: ``"sorted_greedy"`` (whole parameters) or ``"flat"``.
         shard_buckets: With ``"sorted_greedy"``, split buckets by torch's rule.
         pinned: With ``"flat"``, parameters owned whole: global index to rank.
-        keys, align, blocks: With ``"flat"``, each parameter's key, where the bounds of a
-            bucket's ranges fall and each parameter's quantization block, as for
-            :func:`flat_ownership` (a bucket holds one key).
+        keys, align, blocks: With ``"flat"``, as :func:`flat_ownership`'s (a bucket: one key).
 
     Returns:
         The ownership.
@@ -608,15 +535,10 @@ def bucket_ownership(
         for members in ([k for k in g if k not in pinned] for g in groups):
             if not members:
                 continue
-            sub_keys = [keys[k] for k in members] if keys is not None else None
-            sub_blocks = [blocks[k] for k in members] if blocks is not None else None
-            sub = flat_ownership(
-                [numels[k] for k in members],
-                world_size,
-                keys=sub_keys,
-                align=align,
-                blocks=sub_blocks,
-            )
+            ks = [keys[k] for k in members] if keys is not None else None
+            bs = [blocks[k] for k in members] if blocks is not None else None
+            ns = [numels[k] for k in members]
+            sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs)
             for rank, rank_pieces in enumerate(sub.pieces):
                 for s in rank_pieces:
                     per_param[members[s.param]].append(
