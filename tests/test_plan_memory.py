@@ -1,6 +1,6 @@
 """``plan --optimizer/--remainders/--ema``: bytes per rank below 1/N (issue 31), against the
 closed forms (``P + G + (main + state + ema) / N`` per parameter), and torchao's facts that
-:mod:`zero_functional.core.lowbit` keeps (block sizes, the quantization rule)."""
+:mod:`zero_functional.functional.lowbit` keeps (block sizes, the quantization rule)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_functional.app.plan_format import format_memory
-from zero_functional.core.lowbit import LOW_BIT, MIN_QUANTIZED_NUMEL, low_bit_spec
+from zero_functional.functional.lowbit import LOW_BIT, MIN_QUANTIZED_NUMEL, low_bit_spec
 
 from tests.helpers import run_cli
 

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from zero_functional import comm
-from zero_functional.core.checks import check_new_group, warn_ignored_bucket_view
+from zero_functional.core.checks import check_new_group, param_blocks, warn_ignored_bucket_view
 from zero_functional.core.grad_norm import clip_, local_norm, total_norm
 from zero_functional.core.ownership import Ownership, PartitionName, Transfer
 from zero_functional.core.param_table import ParamTable
@@ -203,10 +203,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._shard = LocalShard(*shard)
         self._build_buffers()
 
+    @property
+    def quantization_blocks(self) -> list[int] | None:
+        """Per parameter, the block its class quantizes state in (torchao's low-bit optimizers),
+        which ``"flat"`` cuts on; ``None`` where no class has blocks."""
+        return param_blocks(self.param_groups, self.optimizer_class, self._user_defaults)
+
     def _ownership_now(self) -> Ownership:
         whole = whole_params(self.param_groups, self.optimizer_class)  # per-tensor classes'
         costs = update_costs(self.param_groups, self.optimizer_class) if whole else None
-        return ownership_of(self.partition, self._table, self.world_size, whole, costs)
+        blocks = self.quantization_blocks
+        return ownership_of(self.partition, self._table, self.world_size, whole, costs, blocks)
 
     def reshard(self, ownership: Ownership) -> None:
         """Move this optimizer's state to ``ownership`` (of the same parameters and world size,

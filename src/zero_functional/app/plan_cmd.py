@@ -32,7 +32,7 @@ from zero_functional.app.plan_format import (
     format_muon,
     format_plan,
 )
-from zero_functional.core.lowbit import LOW_BIT
+from zero_functional.functional.lowbit import LOW_BIT
 
 __all__ = ["add_plan_parser", "cmd_plan", "current_directory_on_path"]
 

@@ -92,7 +92,7 @@ def format_memory(
     (``main_params_dtype``, only for parameters narrower than it; 2 B with ``remainders``, an
     int16 beside the bf16 parameter), the two moments (in the main dtype with a main copy, else
     in ``dtype``; block-quantized where ``optimizer`` is a low-bit one,
-    :data:`~zero_functional.core.lowbit.LOW_BIT`, decided per whole tensor) and the ``ema``
+    :data:`~zero_functional.functional.lowbit.LOW_BIT`, decided per whole tensor) and the ``ema``
     (in the main dtype, else ``dtype``) cover the owned elements. The last line: the bytes per
     parameter per rank of the fullest flat rank, at each world size.
 
@@ -111,8 +111,8 @@ def format_memory(
         per parameter per rank (flat): 12.03 B at 1
     """
     from zero_functional.app.train import format_bytes
-    from zero_functional.core.lowbit import LOW_BIT
     from zero_functional.core.partition import flat, sorted_greedy
+    from zero_functional.functional.lowbit import LOW_BIT
 
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0

@@ -9,7 +9,7 @@ import hashlib
 import inspect
 import logging
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -22,6 +22,7 @@ from zero_functional.functional.registry import (
     GROUP_CLASS_KEY,
     optimizer_by_name,
     optimizer_name,
+    update_block,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "group_class",
     "is_mixed",
     "own_class_group",
+    "param_blocks",
     "param_tensors",
     "split_items",
 ]
@@ -462,6 +464,27 @@ def is_mixed(items: Sequence[Any]) -> bool:
         (True, False)
     """
     return any(isinstance(g, dict) and GROUP_CLASS_KEY in g for g in items)
+
+
+def param_blocks(
+    param_groups: Sequence[Any], default: type[Optimizer], defaults: Mapping[str, Any]
+) -> list[int] | None:
+    """Per parameter (global index), the quantization block of its class's state
+    (:func:`~zero_functional.functional.registry.update_block`: torchao's low-bit optimizers),
+    which ``"flat"`` cuts on; ``None`` where no class has blocks. The constructor's keyword
+    ``defaults`` reach ``default``'s groups only.
+
+    Example:
+        >>> param_blocks([{"params": [torch.zeros(2)]}], torch.optim.AdamW, {}) is None
+        True
+    """
+    blocks = [
+        update_block(cls, defaults if cls is default else None)
+        for g in param_groups
+        for cls in [group_class(g, default)]
+        for _ in g["params"]
+    ]
+    return blocks if any(b > 1 for b in blocks) else None
 
 
 def split_items(items: Sequence[Any], default: type[Optimizer]) -> list[Any]:

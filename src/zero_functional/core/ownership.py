@@ -407,6 +407,7 @@ def flat_ownership(
     *,
     keys: Sequence[Hashable] | None = None,
     align: int | Mapping[Hashable, int] = 1,
+    blocks: Sequence[int] | None = None,
 ) -> Ownership:
     """Even split: the parameters of each key, end to end in index order, cut into ranges.
 
@@ -422,6 +423,7 @@ def flat_ownership(
         keys: One hashable per parameter; parameters of equal keys are split together
             (default: all together).
         align: Range bounds are multiples of this many elements (per key, if a mapping).
+        blocks: Per parameter, a quantization block no bound cuts (:func:`.partition.block_bounds`).
 
     Returns:
         The ownership.
@@ -445,7 +447,8 @@ def flat_ownership(
     per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     for key, members in groups.items():
         step = align[key] if isinstance(align, Mapping) else align
-        part = flat([numels[k] for k in members], world_size, align=step)
+        sub = [blocks[k] for k in members] if blocks is not None else None
+        part = flat([numels[k] for k in members], world_size, align=step, blocks=sub)
         for rank, rank_pieces in enumerate(part.pieces):
             for s in rank_pieces:
                 k = members[s.param]
@@ -471,6 +474,7 @@ def bucket_ownership(
     pinned: Mapping[int, int] | None = None,
     keys: Sequence[Hashable] | None = None,
     align: int | Mapping[Hashable, int] = 1,
+    blocks: Sequence[int] | None = None,
 ) -> Ownership:
     """Overlap mode's ownership: DDP's gradient buckets, assigned as torch does or split evenly.
 
@@ -490,8 +494,7 @@ def bucket_ownership(
         partition: ``"sorted_greedy"`` (whole parameters) or ``"flat"``.
         shard_buckets: With ``"sorted_greedy"``, split buckets by torch's rule.
         pinned: With ``"flat"``, parameters owned whole: global index to rank.
-        keys, align: With ``"flat"``, each parameter's key and where the bounds of a bucket's
-            ranges fall, as for :func:`flat_ownership` (a bucket holds one key).
+        keys, align, blocks: With ``"flat"``, as :func:`flat_ownership`'s (a bucket: one key).
 
     Returns:
         The ownership.
@@ -529,18 +532,15 @@ def bucket_ownership(
     if partition == "flat":
         for k, rank in pinned.items():
             per_param[k].append((rank, Piece(k, 0, numels[k])))
-        for members in ([k for k in g if k not in pinned] for g in groups):
-            if not members:
-                continue
-            sub_keys = [keys[k] for k in members] if keys is not None else None
-            sub = flat_ownership(
-                [numels[k] for k in members], world_size, keys=sub_keys, align=align
-            )
-            for rank, rank_pieces in enumerate(sub.pieces):
+        for members in ([k for k in g if k not in pinned] for g in groups if g):
+            ks = [keys[k] for k in members] if keys is not None else None
+            bs = [blocks[k] for k in members] if blocks is not None else None
+            ns = [numels[k] for k in members]
+            sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs) if ns else None
+            for rank, rank_pieces in enumerate(sub.pieces if sub else ()):
                 for s in rank_pieces:
-                    per_param[members[s.param]].append(
-                        (rank, Piece(members[s.param], s.start, s.stop))
-                    )
+                    k = members[s.param]
+                    per_param[k].append((rank, Piece(k, s.start, s.stop)))
     else:
         sizes = [[numels[k] for k in b] for b in buckets]
         try:

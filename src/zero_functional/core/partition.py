@@ -12,6 +12,7 @@ Two partitions:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ __all__ = [
     "RankTraffic",
     "Piece",
     "balance_report",
+    "block_bounds",
     "flat",
     "hybrid_shape",
     "owners",
@@ -302,7 +304,13 @@ class FlatPartition:
         return tuple(stop - start for start, stop in self.bounds)
 
 
-def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatPartition:
+def flat(
+    numels: Sequence[int],
+    world_size: int,
+    *,
+    align: int = 1,
+    blocks: Sequence[int] | None = None,
+) -> FlatPartition:
     """Split the concatenation of all parameters into ``world_size`` contiguous ranges.
 
     Each rank gets at most ``ceil(total / world_size)`` elements rounded up to a multiple of
@@ -314,6 +322,9 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
         numels: Number of elements of each parameter, in concatenation order.
         world_size: Number of ranks.
         align: Every range starts on a multiple of this many elements.
+        blocks: Per parameter, its optimizer's quantization block: a bound inside a parameter
+            moves up to a block boundary counted from its start (:func:`block_bounds`), which
+            wins over ``align`` (the result's ``align`` is then 1).
 
     Returns:
         The ranges and, per rank, the pieces of parameters that fill its range in order.
@@ -336,6 +347,9 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
     # Integer ceilings: total / world_size in floating point loses exactness past 2**53.
     chunk = round_up(ceil_div(total, world_size), align)
     bounds = tuple((min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(world_size))
+    if blocks is not None and any(b > 1 for b in blocks):
+        bounds = block_bounds(bounds, numels, blocks)
+        align = align if all(lo % align == 0 for lo, _ in bounds) else 1
     pieces: list[tuple[Piece, ...]] = []
     p = 0
     for lo, hi in bounds:
@@ -350,6 +364,29 @@ def flat(numels: Sequence[int], world_size: int, *, align: int = 1) -> FlatParti
             q += 1
         pieces.append(tuple(rank_pieces))
     return FlatPartition(tuple(numels), world_size, align, bounds, tuple(pieces))
+
+
+def block_bounds(
+    bounds: Sequence[tuple[int, int]], numels: Sequence[int], blocks: Sequence[int]
+) -> tuple[tuple[int, int], ...]:
+    """Contiguous ranges ``bounds`` over the concatenation of parameters of ``numels``, each
+    bound inside a parameter moved up to the next multiple of that parameter's block counted
+    from its start (or to its end): ranges that cut no quantization block in two.
+
+    Example:
+        >>> block_bounds(((0, 7), (7, 14)), [2, 12], [1, 4])  # 7 is element 5 of the second
+        ((0, 10), (10, 14))
+    """
+    starts = prefix_sums(numels)
+
+    def snapped(c: int) -> int:
+        j = bisect.bisect_right(starts, c) - 1
+        if j >= len(numels) or c == starts[j]:
+            return c
+        return min(starts[j] + round_up(c - starts[j], blocks[j]), starts[j + 1])
+
+    cuts = [snapped(lo) for lo, _ in bounds] + [bounds[-1][1]]
+    return tuple(zip(cuts[:-1], cuts[1:]))
 
 
 def max_over_mean(loads: Sequence[int]) -> float:

@@ -102,12 +102,32 @@ def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[s
         if not isinstance(value, Tensor):
             out[key] = value
         elif want == held:
-            out[key] = value.detach().clone()
+            out[key] = copied(value.detach())
         elif is_elementwise(value, b - a):
-            out[key] = value.detach().reshape(-1)[lo - a : hi - a].clone()
+            out[key] = copied(value.detach().reshape(-1)[lo - a : hi - a])
         else:
-            out[key] = value.detach().clone()
+            out[key] = copied(value.detach())
     return out
+
+
+def copied(value: Tensor) -> Tensor:
+    """A copy of ``value``: ``clone()``, or for a wrapper tensor subclass without one (torchao's
+    quantized optimizer state: codes, scales and a code table) each of its inner tensors cloned.
+
+    Example:
+        >>> import torch
+        >>> copied(torch.ones(2))
+        tensor([1., 1.])
+    """
+    flatten = getattr(type(value), "__tensor_flatten__", None)
+    if flatten is None:
+        return value.clone()
+    names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {n: getattr(value, n).clone() for n in names}
+    return cast(
+        Tensor,
+        type(value).__tensor_unflatten__(inner, ctx, value.shape, value.stride()),  # type: ignore[attr-defined]
+    )
 
 
 def join_states(

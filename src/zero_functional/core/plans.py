@@ -424,6 +424,7 @@ def ownership_of(
     world_size: int,
     whole: Sequence[bool] | None = None,
     costs: Sequence[int] | None = None,
+    blocks: Sequence[int] | None = None,
 ) -> Ownership:
     """The ownership ``partition`` gives the parameters of ``table``.
 
@@ -431,7 +432,10 @@ def ownership_of(
     dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`, except the
     parameters ``whole`` marks (those of a per-tensor class, with classes per group): they are
     owned whole, placed by :func:`whole_owners` by their ``costs`` (one per parameter; the
-    element count without it).
+    element count without it). A bound inside a parameter whose optimizer quantizes its state
+    in ``blocks`` (one per parameter, :func:`~zero_functional.functional.registry.update_block`)
+    falls on a block boundary counted from the parameter's start instead
+    (:func:`~zero_functional.core.ownership.block_bounds`).
 
     Example:
         >>> import torch
@@ -441,19 +445,25 @@ def ownership_of(
         >>> table = ParamTable.of([{"params": [torch.zeros(8), torch.zeros(3, 3)]}])
         >>> ownership_of("flat", table, 2, whole=[False, True]).owned(0)
         (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=9))
+        >>> table = ParamTable.of([{"params": [torch.zeros(1000)]}])
+        >>> ownership_of("flat", table, 3, blocks=[256]).owned(1)
+        (Piece(param=0, start=512, stop=768),)
     """
     if partition == "sorted_greedy":
         return sorted_greedy_ownership(table.group_numels(), world_size)
     align = flat_align(table)
     numels = list(table.numels)
     if not whole or not any(whole):
-        return flat_ownership(numels, world_size, keys=table.keys, align=align)
+        return flat_ownership(numels, world_size, keys=table.keys, align=align, blocks=blocks)
     split = [k for k, w in enumerate(whole) if not w]
     kept = [k for k, w in enumerate(whole) if w]
     per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
     if split:
         keys = [table.keys[k] for k in split]
-        sub = flat_ownership([numels[k] for k in split], world_size, keys=keys, align=align)
+        sub_blocks = [blocks[k] for k in split] if blocks is not None else None
+        sub = flat_ownership(
+            [numels[k] for k in split], world_size, keys=keys, align=align, blocks=sub_blocks
+        )
         for rank, pieces in enumerate(sub.pieces):
             per_rank[rank].extend(Piece(split[s.param], s.start, s.stop) for s in pieces)
     kept_costs = [costs[k] for k in kept] if costs is not None else None
@@ -486,10 +496,12 @@ def overlap_ownership(
     world_size: int,
     shard_buckets: bool = False,
     pinned: Mapping[int, int] | None = None,
+    blocks: Sequence[int] | None = None,
 ) -> Ownership:
     """Overlap mode's ownership of DDP's buckets ``structure`` (per bucket, its parameters'
     global indices in ``table``): :func:`~zero_functional.core.ownership.bucket_ownership`,
-    with ``"flat"``'s ranges aligned as after backward (:func:`flat_align`) and the ``pinned``
+    with ``"flat"``'s ranges aligned as after backward (:func:`flat_align`, and on the
+    quantization ``blocks`` of each parameter, as :func:`ownership_of`) and the ``pinned``
     tensors (a per-tensor class's, to their ranks) owned whole.
 
     Example:
@@ -507,6 +519,7 @@ def overlap_ownership(
         pinned=pinned,
         keys=table.keys,
         align=flat_align(table),
+        blocks=blocks,
     )
 
 

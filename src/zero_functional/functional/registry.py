@@ -8,11 +8,12 @@ the spec's ``init``/``update_`` with them; state crosses to and from torch's for
 
 from __future__ import annotations
 
+import importlib
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Union
+from typing import Literal, Union, cast
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ from zero_functional.functional.adam import (
     adam_update,
     adam_update_,
 )
+from zero_functional.functional.lowbit import LOW_BIT
 from zero_functional.functional.sgd import (
     SGD_DEFAULTS,
     SGDHyper,
@@ -50,6 +52,7 @@ __all__ = [
     "optimizer_name",
     "register_optimizer",
     "supports_group",
+    "update_block",
     "update_kind",
 ]
 
@@ -337,20 +340,39 @@ OPTIMIZER_KINDS: dict[type, UpdateKind] = {
 * ``"closure"``: ``step`` re-evaluates the model through a closure (LBFGS): whole tensors, and
   never inside backward.
 
-A class not listed counts as ``"per_tensor"``, the safe assumption."""
+A class not listed counts as ``"per_tensor"``, the safe assumption.
+
+An elementwise class may quantize its state in blocks (:data:`OPTIMIZER_BLOCKS`): each element's
+update still reads only its own element, but its state is stored per block of ``block`` elements
+counted from the parameter's start (one scale per block), so a piece must start and end on a
+block boundary of its parameter, and whether the state is quantized at all is decided on the
+whole parameter."""
+
+OPTIMIZER_BLOCKS: dict[type, int] = {}
+"""The quantization block of each elementwise class that stores its state in blocks (data; set
+by :func:`register_optimizer`'s ``block``); classes not listed have blocks of one element."""
+
+# compat: torchao's low-bit AdamW/Adam (torchao.optim, an optional dependency, so known by name
+# and imported only when asked): elementwise per block of 256 elements (8-bit, FP8) or 128 (4-bit)
+_KNOWN_BY_NAME: dict[str, tuple[UpdateKind, int]] = {
+    f"torchao.optim.adam.{name}{spec.suffix}": ("elementwise", spec.block)
+    for name in ("Adam", "AdamW")
+    for spec in LOW_BIT.values()
+}
 
 
-def register_optimizer(optimizer_class: type, kind: UpdateKind) -> None:
-    """Declare how ``optimizer_class`` updates (see :data:`OPTIMIZER_KINDS`).
+def register_optimizer(optimizer_class: type, kind: UpdateKind, *, block: int = 1) -> None:
+    """Declare how ``optimizer_class`` updates (see :data:`OPTIMIZER_KINDS`) and, for an
+    elementwise class that quantizes its state in blocks, the block's element count.
 
     Example:
         >>> class MySGD(torch.optim.SGD):
         ...     pass
         >>> update_kind(MySGD)
         'per_tensor'
-        >>> register_optimizer(MySGD, "elementwise")
-        >>> update_kind(MySGD)
-        'elementwise'
+        >>> register_optimizer(MySGD, "elementwise", block=64)
+        >>> update_kind(MySGD), update_block(MySGD)
+        ('elementwise', 64)
     """
     if not (
         isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
@@ -360,7 +382,22 @@ def register_optimizer(optimizer_class: type, kind: UpdateKind) -> None:
         )
     if kind not in ("elementwise", "per_tensor", "closure"):
         raise ValueError(f"kind must be 'elementwise', 'per_tensor' or 'closure', got {kind!r}")
+    if not (isinstance(block, int) and block >= 1) or (block > 1 and kind != "elementwise"):
+        raise ValueError(
+            f"block must be an int >= 1, and > 1 only for an elementwise class; got {block!r} "
+            f"for kind {kind!r}"
+        )
     OPTIMIZER_KINDS[optimizer_class] = kind
+    OPTIMIZER_BLOCKS.pop(optimizer_class, None)
+    if block > 1:
+        OPTIMIZER_BLOCKS[optimizer_class] = block
+
+
+def _known(optimizer_class: type) -> tuple[UpdateKind, int] | None:
+    """A class this module knows by name (torchao's), where it was not registered."""
+    if not isinstance(optimizer_class, type):
+        return None
+    return _KNOWN_BY_NAME.get(f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
 
 
 def update_kind(optimizer_class: type) -> UpdateKind:
@@ -372,7 +409,34 @@ def update_kind(optimizer_class: type) -> UpdateKind:
         >>> update_kind(torch.optim.RMSprop), update_kind(torch.optim.LBFGS)
         ('elementwise', 'closure')
     """
-    return OPTIMIZER_KINDS.get(optimizer_class, "per_tensor")
+    if optimizer_class in OPTIMIZER_KINDS:
+        return OPTIMIZER_KINDS[optimizer_class]
+    known = _known(optimizer_class)
+    return known[0] if known else "per_tensor"
+
+
+def update_block(optimizer_class: type, defaults: Mapping[str, object] | None = None) -> int:
+    """The element count of ``optimizer_class``'s quantization block (1: none), counted from
+    each parameter's start: a piece of a parameter starts and ends on one. A ``block_size``
+    among the constructor's keyword ``defaults`` (torchao's) overrides the class's.
+
+    Example:
+        >>> update_block(torch.optim.AdamW)
+        1
+        >>> class Blocky(torch.optim.SGD):
+        ...     pass
+        >>> register_optimizer(Blocky, "elementwise", block=256)
+        >>> update_block(Blocky), update_block(Blocky, {"block_size": 512})
+        (256, 512)
+    """
+    if optimizer_class in OPTIMIZER_KINDS:
+        block = OPTIMIZER_BLOCKS.get(optimizer_class, 1)
+    else:
+        known = _known(optimizer_class)
+        block = known[1] if known else 1
+    if block > 1 and defaults is not None and "block_size" in defaults:
+        return int(cast(int, defaults["block_size"]))
+    return block
 
 
 def optimizer_name(optimizer_class: type) -> str:
@@ -409,4 +473,8 @@ def optimizer_by_name(name: str) -> type | None:
     for cls in (*OPTIMIZER_KINDS, *torch_classes):
         if optimizer_name(cls) == name:
             return cls
+    if name in _KNOWN_BY_NAME:  # torchao's, imported only now (an optional dependency)
+        module, _, qualname = name.rpartition(".")
+        found = getattr(importlib.import_module(module), qualname, None)
+        return found if isinstance(found, type) else None
     return None

@@ -10,6 +10,7 @@ dicts are the shell's own mapping, read and written in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
@@ -203,6 +204,7 @@ class LocalShard:
         stepper = self.pieces_stepper()
         params, group_of = self.table.params, self.table.group_of
         by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
+        numels: dict[int, list[int]] = {}  # each piece's whole parameter's (low-bit state)
         for k, grad in grads.items():
             piece = self.piece(k, "gradients")
             if grad.is_sparse:
@@ -214,11 +216,13 @@ class LocalShard:
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
             ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
+            numels.setdefault(group_of(k), []).append(p.numel())
         ties, remainders = self.remainders, self.remainders is not None
         for g, (ps, gs, ss, ds) in sorted(by_group.items()):
-            group = self.param_groups[g]
+            # each piece's whole parameter's size: where a class decides on it (torchao)
+            step = functools.partial(stepper.step_pieces, numels=numels[g])
             n = step_through_main_(
-                stepper.step_pieces, group, ps, gs, ss, ds, remainders=remainders
+                step, self.param_groups[g], ps, gs, ss, ds, remainders=remainders
             )
             if ties is not None and n is not None:
                 ties.add(n)

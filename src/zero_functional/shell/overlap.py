@@ -266,8 +266,9 @@ class OverlapState:
         table = zero.param_table
         # a per-tensor class's tensors (Muon's matrices) stay whole, on the ranks "flat" gives
         pinned = pinned_owners(zero.param_groups, zero.optimizer_class, table, zero.world_size)
+        blocks = zero.quantization_blocks  # torchao's low-bit state: cut on its blocks
         ownership = overlap_ownership(
-            structure, zero.partition, table, zero.world_size, self.shard_buckets, pinned
+            structure, zero.partition, table, zero.world_size, self.shard_buckets, pinned, blocks
         )
         zero.reshard(ownership)  # the grad sync's plans follow the new ownership
         self.structure = structure

@@ -36,7 +36,8 @@ from zero_functional.functional import (
     supports_group,
     update_kind,
 )
-from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name
+from zero_functional.functional.lowbit import quantized
+from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name, update_block
 
 __all__ = [
     "ByClassStepper",
@@ -70,8 +71,11 @@ class Stepper:
         params: Sequence[Tensor],
         grads: Sequence[Tensor],
         states: StateDicts,
+        numels: Sequence[int] | None = None,
     ) -> None:
-        """Update ``params`` and ``states`` (one dict per param, possibly empty) in place."""
+        """Update ``params`` and ``states`` (one dict per param, possibly empty) in place;
+        ``numels``: each piece's whole parameter's size, where a class decides its state on
+        the whole parameter (torchao's low-bit state: :class:`ShadowStepper`)."""
         raise NotImplementedError
 
 
@@ -94,6 +98,7 @@ class FunctionalStepper(Stepper):
         params: Sequence[Tensor],
         grads: Sequence[Tensor],
         states: StateDicts,
+        numels: Sequence[int] | None = None,
     ) -> None:
         """One step of the functional optimizer over ``params`` (see :class:`Stepper`)."""
         if not params:
@@ -126,6 +131,7 @@ class ShadowStepper(Stepper):
             raise ValueError("ShadowStepper takes an instance built with one parameter group")
         self.local = local
         self.defaults = dict(defaults)
+        self.tensor_keys = tensor_keys(local)
 
     def step_pieces(
         self,
@@ -133,8 +139,11 @@ class ShadowStepper(Stepper):
         params: Sequence[Tensor],
         grads: Sequence[Tensor],
         states: StateDicts,
+        numels: Sequence[int] | None = None,
     ) -> None:
-        """One step of the instance over shadows of ``params`` (see :class:`Stepper`)."""
+        """One step of the instance over shadows of ``params`` (see :class:`Stepper`); a
+        class with quantization blocks gets its fresh state decided on the whole parameters
+        of ``numels`` (:func:`lowbit_state`), not on the pieces."""
         if not params:
             return
         shadows = []
@@ -142,11 +151,15 @@ class ShadowStepper(Stepper):
             shadow = p.detach()
             shadow.grad = g.detach()
             shadows.append(shadow)
+        if numels is not None and update_block(type(self.local)) > 1:
+            for shadow, s, n in zip(shadows, states, numels, strict=True):
+                if not s:
+                    s.update(lowbit_state(self.local, group, shadow, n))
         fresh = [(shadow, s) for shadow, s in zip(shadows, states) if not s]
         if fresh:
             _initial_state(type(self.local), group, fresh, self.defaults)
         local = self.local
-        local.param_groups[0] = {**hyperparameters(group), "params": shadows}
+        local.param_groups[0] = {**instance_hyper(self.tensor_keys, group), "params": shadows}
         local.state = defaultdict(dict, zip(shadows, states))
         try:
             with torch.no_grad():
@@ -154,6 +167,79 @@ class ShadowStepper(Stepper):
         finally:
             local.param_groups[0] = {**hyperparameters(group), "params": []}
             local.state = defaultdict(dict)
+
+
+def lowbit_state(
+    local: Optimizer, group: Mapping[str, Any], piece: Tensor, numel: int
+) -> dict[str, Tensor]:
+    """The fresh state torchao's low-bit ``local`` makes for ``piece`` of a parameter of
+    ``numel`` elements: quantized (per block of ``local.block_size`` elements) where the
+    *whole* parameter is quantized, fp32 where it is not, whatever the piece's size (torchao
+    applies its rule to what it is given: a small piece would silently fall back to fp32,
+    pytorch/ao#4912, bitsandbytes#2080).
+
+    Raises:
+        ValueError: A quantized parameter's piece that is not whole blocks (a cut that splits
+            a block: ``"flat"`` cuts on blocks, :func:`~zero_functional.core.ownership.block_bounds`).
+
+    Example:
+        >>> from torchao.optim import AdamW8bit
+        >>> local = AdamW8bit([torch.zeros(1)])
+        >>> state = lowbit_state(local, local.param_groups[0], torch.zeros(512), 8192)
+        >>> type(state["exp_avg"]).__name__, type(state["exp_avg_sq"]).__name__
+        ('OptimState8bit', 'OptimState8bit')
+        >>> type(lowbit_state(local, {}, torch.zeros(4096), 4100)["exp_avg"]).__name__
+        'Tensor'
+    """
+    block = int(getattr(local, "block_size", 1))  # torchao's instance attribute
+    whole_quantized = quantized(numel, block)
+    if whole_quantized and piece.numel() % block:
+        raise ValueError(
+            f"a piece of {piece.numel()} elements of a parameter of {numel} is not whole "
+            f"blocks of {block}: {type(local).__name__} quantizes its state per block counted "
+            "from the parameter's start, so its pieces must start and stop on one"
+        )
+
+    def zeros(signed: bool) -> Tensor:
+        if not whole_quantized:
+            return torch.zeros_like(piece)
+        # torchao's own hook for a zero-filled quantized state of its class
+        return cast(Tensor, type(local)._subclass_zeros(piece, signed, block))  # type: ignore[attr-defined]
+
+    state = {"step": torch.tensor(0.0), "exp_avg": zeros(True), "exp_avg_sq": zeros(False)}
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = zeros(False)
+    return state
+
+
+def tensor_keys(local: Optimizer) -> dict[str, torch.dtype]:
+    """The hyperparameters ``local``'s group holds as 0-d tensors (torchao's ``lr``), with
+    their dtypes.
+
+    Example:
+        >>> tensor_keys(torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1)))
+        {'lr': torch.float32}
+    """
+    return {
+        k: v.dtype
+        for k, v in local.param_groups[0].items()
+        if isinstance(v, Tensor) and v.dim() == 0
+    }
+
+
+def instance_hyper(keys: Mapping[str, torch.dtype], group: Mapping[str, Any]) -> dict[str, Any]:
+    """``group``'s hyperparameters as the instance takes them: a number where the instance
+    keeps a 0-d tensor (``keys``, :func:`tensor_keys`) becomes one.
+
+    Example:
+        >>> instance_hyper({"lr": torch.float32}, {"params": [], "lr": 0.5})
+        {'lr': tensor(0.5000)}
+    """
+    # compat: torchao's low-bit optimizers refuse a number lr ("lr was changed to a non-Tensor")
+    return {
+        k: torch.tensor(v, dtype=keys[k]) if k in keys and not isinstance(v, Tensor) else v
+        for k, v in hyperparameters(group).items()
+    }
 
 
 class ByClassStepper(Stepper):
@@ -173,9 +259,10 @@ class ByClassStepper(Stepper):
         params: Sequence[Tensor],
         grads: Sequence[Tensor],
         states: StateDicts,
+        numels: Sequence[int] | None = None,
     ) -> None:
         """One step of ``group``'s class over ``params`` (see :class:`Stepper`)."""
-        self.of(group).step_pieces(group, params, grads, states)
+        self.of(group).step_pieces(group, params, grads, states, numels)
 
 
 def class_steppers(
@@ -263,6 +350,7 @@ class RealStepper:
             for g, ps in zip(groups, owned, strict=True)
         ]
         self.local = optimizer_class(local_groups, **defaults)
+        self.tensor_keys = tensor_keys(self.local)
         # a rank may own nothing of a group: the placeholder only got the constructor through
         for lg, ps in zip(self.local.param_groups, owned):
             lg["params"] = list(ps)
@@ -279,12 +367,19 @@ class RealStepper:
     ) -> float | None:
         """``optimizer_class.step`` with the shell's hyperparameters; they are copied back."""
         for g, lg in zip(groups, self.local.param_groups, strict=True):
-            lg.update(hyperparameters(g))
+            lg.update(instance_hyper(self.tensor_keys, g))
         loss = (
             self.local.step(closure, **kwargs) if closure is not None else self.local.step(**kwargs)
         )
         for g, lg in zip(groups, self.local.param_groups, strict=True):
-            g.update(hyperparameters(lg))
+            # the shell keeps a number where the instance keeps a tensor (torchao's lr)
+            g.update(
+                {
+                    k: v
+                    for k, v in hyperparameters(lg).items()
+                    if k not in self.tensor_keys or isinstance(g.get(k), Tensor)
+                }
+            )
         return cast("float | None", loss)
 
 

@@ -1,13 +1,15 @@
-"""Low-bit optimizer state: what torchao's 8-bit, 4-bit and FP8 AdamW keep per element (pure).
+"""Low-bit optimizer state: what torchao's 8-bit, 4-bit and FP8 Adam(W) keep per element (pure).
 
 torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8`` keep each moment block-wise quantized:
 codes of ``code_bits`` per element and one fp32 scale per ``block`` elements, counted from the
 tensor's first element. A tensor's state is quantized only if the whole tensor has at least
 :data:`MIN_QUANTIZED_NUMEL` elements and a whole number of blocks (torchao follows
 bitsandbytes); any other tensor keeps both moments in full precision. This module is the one
-place these facts live: the planner counts bytes with them, and under ``partition="flat"`` the
-shell cuts ranges on block bounds and decides quantization on the whole tensor with them (a
-piece is smaller than its tensor: deciding on it silently keeps fp32 state, pytorch/ao#4912).
+place these facts live: the registry knows the classes by them
+(:func:`~zero_functional.functional.registry.update_block`), the planner counts bytes with them,
+and under ``partition="flat"`` the shell cuts ranges on block bounds and decides quantization on
+the whole tensor with them (a piece is smaller than its tensor: deciding on it silently keeps
+fp32 state, pytorch/ao#4912).
 
 Example:
     >>> spec = LOW_BIT["adamw8bit"]
@@ -22,22 +24,45 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["LOW_BIT", "MIN_QUANTIZED_NUMEL", "LowBitSpec", "low_bit_spec"]
+__all__ = ["LOW_BIT", "MIN_QUANTIZED_NUMEL", "LowBitSpec", "low_bit_spec", "quantized"]
 
 MIN_QUANTIZED_NUMEL = 4096
-"""torchao quantizes the state of tensors of at least this many elements (bitsandbytes' rule)."""
+"""torchao quantizes the state of tensors of at least this many elements (bitsandbytes' rule,
+``_AdamBase._new_buffer``)."""
+
+
+def quantized(numel: int, block: int) -> bool:
+    """Whether torchao quantizes the state of a whole tensor of ``numel`` elements in blocks of
+    ``block``: at least :data:`MIN_QUANTIZED_NUMEL` elements, a whole number of blocks.
+
+    Example:
+        >>> quantized(4096, 256), quantized(4000, 256), quantized(4096 + 128, 256)
+        (True, False, False)
+    """
+    return numel >= MIN_QUANTIZED_NUMEL and numel % block == 0
 
 
 @dataclass(frozen=True)
 class LowBitSpec:
-    """One low-bit AdamW: its name for ``plan --optimizer``, its class's import path, the bits
-    per element of each moment's codes, and its quantization block (elements per fp32 scale)."""
+    """One low-bit kind: its name for ``plan --optimizer``, its classes' name suffix
+    (``AdamW8bit``, ``Adam8bit``), the bits per element of each moment's codes, and its
+    quantization block (elements per fp32 scale: the classes' default ``block_size``)."""
 
     name: str
-    class_path: str
+    suffix: str
     code_bits: int
     block: int
     moments: int = 2
+
+    @property
+    def class_path(self) -> str:
+        """The AdamW class's public import path.
+
+        Example:
+            >>> LOW_BIT["adamw4bit"].class_path
+            'torchao.optim.AdamW4bit'
+        """
+        return f"torchao.optim.AdamW{self.suffix}"
 
     def quantized(self, numel: int) -> bool:
         """Whether a tensor of ``numel`` elements (the whole tensor, never a piece of it) gets
@@ -47,7 +72,7 @@ class LowBitSpec:
             >>> LOW_BIT["adamw4bit"].quantized(4096 + 128), LOW_BIT["adamw4bit"].quantized(4100)
             (True, False)
         """
-        return numel >= MIN_QUANTIZED_NUMEL and numel % self.block == 0
+        return quantized(numel, self.block)
 
     def state_bytes(self, numel: int, full_bytes: int = 4, owned: int | None = None) -> float:
         """Bytes of the moments of ``owned`` elements (all by default) of a tensor of ``numel``:
@@ -73,9 +98,9 @@ class LowBitSpec:
 LOW_BIT: dict[str, LowBitSpec] = {
     spec.name: spec
     for spec in (
-        LowBitSpec("adamw8bit", "torchao.optim.AdamW8bit", code_bits=8, block=256),
-        LowBitSpec("adamw4bit", "torchao.optim.AdamW4bit", code_bits=4, block=128),
-        LowBitSpec("adamwfp8", "torchao.optim.AdamWFp8", code_bits=8, block=256),
+        LowBitSpec("adamw8bit", "8bit", code_bits=8, block=256),
+        LowBitSpec("adamw4bit", "4bit", code_bits=4, block=128),
+        LowBitSpec("adamwfp8", "Fp8", code_bits=8, block=256),
     )
 }
 """torchao's low-bit AdamWs by ``plan`` name (their classes' default ``block_size``)."""
