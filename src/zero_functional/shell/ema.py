@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from zero_functional import comm
+from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import Ownership, Transfer, piece_view
 from zero_functional.core.partition import Piece
 from zero_functional.core.plans import plan_moves
@@ -66,9 +67,18 @@ class ShardedEMA:
             buffers, as ``AveragedModel``'s); without it, parameters are named by index.
 
     Example:
-        >>> # ema = ShardedEMA(zero, decay=0.999, model=model)
-        >>> # loss.backward(); zero.step()          # the EMA follows every update
-        >>> # with ema.swapped_into(model): evaluate(model)
+        >>> import tempfile, torch.distributed as dist, zero_functional as zf
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+        >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+        >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+        >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1 -> -2
+        >>> _ = zero.step(), zero.step(), zero.step()  # its EMA: 0 -> -0.5 -> -1.25
+        >>> with ema.swapped_into(model):  # the averaged weights, for evaluation
+        ...     model.w.tolist()
+        [-1.25, -1.25]
+        >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -107,17 +117,61 @@ class ShardedEMA:
                 self._counts[s.param] = n_averaged
 
     def close(self) -> None:
-        """Stop following the optimizer (its updates no longer reach this EMA)."""
+        """Stop following the optimizer (its updates no longer reach this EMA).
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
+            >>> _ = zero.step(), zero.step()
+            >>> ema.close()
+            >>> _ = zero.step()
+            >>> model.w.tolist(), ema.pieces  # the EMA did not follow
+            ([-2.0, -2.0], {0: tensor([-0.5000, -0.5000])})
+            >>> dist.destroy_process_group()
+        """
         self._handle.remove()
 
     @property
     def pieces(self) -> dict[int, Tensor]:
-        """Global index -> this rank's averaged piece, flat (read it, do not write it)."""
+        """Global index -> this rank's averaged piece, flat (read it, do not write it).
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
+            >>> _ = zero.step(), zero.step()
+            >>> ema.pieces
+            {0: tensor([-0.5000, -0.5000])}
+            >>> dist.destroy_process_group()
+        """
         return dict(self._averages)
 
     def update_(self, values: Mapping[int, Tensor]) -> None:
         """Average in the new values of this rank's pieces (global index -> flat values): the
-        first update of a piece copies, later ones ``lerp_`` by ``1 - decay``; local."""
+        first update of a piece copies, later ones ``lerp_`` by ``1 - decay``; local. The
+        optimizer calls it after each update (``register_update_hook``).
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> w = nn.Parameter(torch.ones(2))
+            >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
+            >>> ema.update_({0: torch.tensor([4.0, 2.0])})  # the first update copies
+            >>> ema.update_({0: torch.tensor([0.0, 0.0])})  # later ones lerp by 1 - decay
+            >>> ema.pieces, ema.n_averaged()
+            ({0: tensor([2., 1.])}, 2)
+            >>> dist.destroy_process_group()
+        """
         with torch.no_grad():
             groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
             for k, value in values.items():
@@ -134,7 +188,21 @@ class ShardedEMA:
 
     def reshard(self, old: Ownership) -> None:
         """Follow the optimizer's ownership from ``old`` (or an extension of this EMA's, after
-        ``add_param_group``): each stretch of an average moves to its new owner; collective."""
+        ``add_param_group``): each stretch of an average moves to its new owner; collective.
+        The optimizer calls it after each change of ownership.
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> zero.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+            >>> ema.pieces  # the new parameter's average: its value, until it is updated
+            {0: tensor([1., 1.]), 1: tensor([0., 0., 0.])}
+            >>> dist.destroy_process_group()
+        """
         zero, rank = self.optimizer, self.optimizer.rank
         new = zero.ownership
         plan = plan_moves(old, new, rank)
@@ -167,14 +235,40 @@ class ShardedEMA:
     # ------------------------------------------------------------------ read whole
 
     def n_averaged(self) -> int:
-        """The number of updates averaged (the most any parameter has had); collective."""
+        """The number of updates averaged (the most any parameter has had); collective.
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
+            >>> _ = zero.step(), zero.step()
+            >>> ema.n_averaged()
+            2
+            >>> dist.destroy_process_group()
+        """
         zero = self.optimizer
         local = torch.tensor(max(self._counts.values(), default=0), dtype=torch.float64)
         with comm.call("ShardedEMA.n_averaged()", zero.process_group, timeout=zero.timeout):
             return int(comm.all_reduce_scalar(local, zero.process_group, op="max").item())
 
     def names(self) -> list[str]:
-        """Each of the optimizer's parameters' name in the model (its index without one)."""
+        """Each of the optimizer's parameters' name in the model (its index without one).
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> ema.names(), ShardedEMA(zero).names()
+            (['w'], ['0'])
+            >>> dist.destroy_process_group()
+        """
         params = self.optimizer.param_table.params
         if self.model is None:
             return [str(k) for k in range(len(params))]
@@ -186,7 +280,23 @@ class ShardedEMA:
     def state_dict(self) -> dict[str, Any]:
         """The whole EMA in ``AveragedModel``'s layout (``"module.<name>"`` for each parameter
         and buffer of the model, ``"n_averaged"``), on every rank; collective (every rank's
-        pieces are gathered to every rank)."""
+        pieces are gathered to every rank).
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
+            >>> _ = zero.step(), zero.step()
+            >>> ema.state_dict()
+            {'module.w': tensor([-0.5000, -0.5000]), 'n_averaged': tensor(2)}
+            >>> torch.optim.swa_utils.AveragedModel(model).load_state_dict(ema.state_dict())
+            <All keys matched successfully>
+            >>> dist.destroy_process_group()
+        """
         zero = self.optimizer
         params = zero.param_table.params
         owned = self._owned()
@@ -194,11 +304,10 @@ class ShardedEMA:
         with comm.call("ShardedEMA.state_dict()", zero.process_group, timeout=zero.timeout):
             every = comm.all_gather_objects(mine, zero.process_group)
         n = self.n_averaged()
-        whole = [torch.empty(p.numel(), dtype=self._dtype(k)) for k, p in enumerate(params)]
-        for got in every:
-            for k, ((start, stop), t) in cast(
-                dict[int, tuple[tuple[int, int], Tensor]], got
-            ).items():
+        dtypes = [main_dtype_for(p.dtype, zero.main_params_dtype) or p.dtype for p in params]
+        whole = [torch.empty(p.numel(), dtype=d) for p, d in zip(params, dtypes)]
+        for got in cast(list[dict[int, tuple[tuple[int, int], Tensor]]], every):
+            for k, ((start, stop), t) in got.items():
                 whole[k][start:stop] = t
         by_param = {p: w.view(p.shape).to(p.device) for p, w in zip(params, whole)}
         out: dict[str, Any] = {}
@@ -211,29 +320,32 @@ class ShardedEMA:
         out[N_AVERAGED_KEY] = torch.tensor(n, dtype=torch.long)
         return out
 
-    def _dtype(self, k: int) -> torch.dtype:
-        average = self._averages.get(k)
-        if average is not None:
-            return average.dtype
-        p = self.optimizer.param_table.params[k]
-        main = self.optimizer.main_params_dtype
-        wider = main is not None and p.is_floating_point() and p.element_size() < main.itemsize
-        return main if wider and main is not None else p.dtype
-
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's pieces of a whole EMA in ``AveragedModel``'s layout (written at any
         world size); local.
 
         Raises:
             KeyError: A parameter or ``n_averaged`` is missing, naming it.
+            ValueError: A parameter's average has another number of elements.
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> from torch.optim.swa_utils import AveragedModel
+            >>> reference = AveragedModel(model, multi_avg_fn=ema.multi_avg_fn)
+            >>> reference.update_parameters(model)
+            >>> ema.load_state_dict(reference.state_dict())
+            >>> ema.pieces, ema.n_averaged()
+            ({0: tensor([1., 1.])}, 1)
+            >>> dist.destroy_process_group()
         """
-        params = self.optimizer.param_table.params
-        names = self.names()
-        missing = [
-            MODULE_PREFIX + names[k]
-            for k in self._averages
-            if MODULE_PREFIX + names[k] not in state_dict
-        ]
+        params, names = self.optimizer.param_table.params, self.names()
+        keys = {k: MODULE_PREFIX + names[k] for k in self._averages}
+        missing = [key for key in keys.values() if key not in state_dict]
         if missing or N_AVERAGED_KEY not in state_dict:
             raise KeyError(
                 f"this EMA state dict lacks {missing or [N_AVERAGED_KEY]}: pass the state_dict() "
@@ -241,10 +353,10 @@ class ShardedEMA:
             )
         pieces = {}
         for k, piece in self._owned().items():
-            whole = state_dict[MODULE_PREFIX + names[k]]
+            whole = state_dict[keys[k]]
             if whole.numel() != params[k].numel():
                 raise ValueError(
-                    f"{MODULE_PREFIX + names[k]} has {whole.numel()} elements, the parameter "
+                    f"{keys[k]} has {whole.numel()} elements, the parameter "
                     f"{params[k].numel()}: pass the EMA of this model"
                 )
             pieces[k] = whole.detach().reshape(-1)[piece.start : piece.stop]
@@ -252,7 +364,20 @@ class ShardedEMA:
 
     def load_pieces(self, pieces: Mapping[int, Tensor], n_averaged: int) -> None:
         """Replace this rank's averages by ``pieces`` (global index -> this rank's piece, flat:
-        what a checkpoint reader cut) and their counts by ``n_averaged``; local."""
+        what a checkpoint reader cut) and their counts by ``n_averaged``; local (ValueError
+        when an owned parameter lacks its piece).
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> w = nn.Parameter(torch.ones(2))
+            >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
+            >>> ema.load_pieces({0: torch.tensor([3.0, 4.0])}, n_averaged=7)
+            >>> ema.pieces, ema.n_averaged()
+            ({0: tensor([3., 4.])}, 7)
+            >>> dist.destroy_process_group()
+        """
         lacking = sorted(set(self._averages) - set(pieces))
         if lacking:
             raise ValueError(f"no EMA values for the owned parameters {lacking}")
@@ -268,6 +393,22 @@ class ShardedEMA:
 
         Raises:
             ValueError: ``model`` does not hold the optimizer's parameters.
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
+            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
+            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
+            >>> _ = zero.step(), zero.step()
+            >>> with ema.swapped_into(model):
+            ...     model.w.tolist()  # the averaged weights
+            [-0.5, -0.5]
+            >>> model.w.tolist()  # the training weights, bitwise
+            [-1.0, -1.0]
+            >>> dist.destroy_process_group()
         """
         zero = self.optimizer
         params = zero.param_table.params
@@ -294,7 +435,18 @@ class ShardedEMA:
                     p.copy_(s)
 
     def memory(self) -> tuple[int, int]:
-        """This rank's EMA bytes and the optimizer's elements (for ``bytes / (elements / N)``)."""
+        """This rank's EMA bytes and the optimizer's elements (for ``bytes / (elements / N)``).
+
+        Example:
+            >>> import tempfile, torch.distributed as dist, zero_functional as zf
+            >>> dist.init_process_group(
+            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> w = nn.Parameter(torch.ones(2))
+            >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
+            >>> ema.memory()  # 2 fp32 averages of 2 elements on the only rank
+            (8, 2)
+            >>> dist.destroy_process_group()
+        """
         own = sum(t.numel() * t.element_size() for t in self._averages.values())
         return own, sum(math.prod(p.shape) for p in self.optimizer.param_table.params)
 

@@ -463,14 +463,41 @@ class UpdateHooks:
 
     def register(self, updated: Updated, resharded: Resharded | None = None) -> RemovableHandle:
         """Run ``updated`` after each update and ``resharded`` after each ownership change,
-        until the handle's ``remove()``."""
+        until the handle's ``remove()``.
+
+        Example:
+            >>> from zero_functional.core.ownership import flat_ownership
+            >>> hooks = UpdateHooks()
+            >>> handle = hooks.register(print, lambda old: print("was", old.owned(1)))
+            >>> hooks.resharded(flat_ownership([4], 2))
+            was (Piece(param=0, start=2, stop=4),)
+            >>> handle.remove()
+            >>> hooks.resharded(flat_ownership([4], 2))  # removed: nothing runs
+        """
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = (updated, resharded)
         return handle
 
     def updated(self, shard: LocalShard, indices: Iterable[int]) -> None:
         """Run every ``updated`` hook on ``shard``'s new values of ``indices`` (read only when
-        a hook is registered)."""
+        a hook is registered).
+
+        Example:
+            >>> from collections import defaultdict
+            >>> from zero_functional.functional import functional_spec
+            >>> from zero_functional.shell.steppers import FunctionalStepper
+            >>> from zero_functional.core.ownership import flat_ownership
+            >>> w = torch.nn.Parameter(torch.ones(4))
+            >>> groups = torch.optim.SGD([w], lr=0.5).param_groups
+            >>> stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)
+            >>> table, state = ParamTable.of(groups), defaultdict(dict)
+            >>> shard = LocalShard(flat_ownership([4], 2), 1, table, groups, state, stepper, "SGD")
+            >>> shard.update({0: torch.ones(2)})
+            >>> hooks = UpdateHooks()
+            >>> _ = hooks.register(print)
+            >>> hooks.updated(shard, [0])  # rank 1's piece, elements 2 and 3
+            {0: tensor([0.5000, 0.5000])}
+        """
         if not self._hooks:
             return
         values = shard.values(indices)
