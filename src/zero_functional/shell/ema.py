@@ -63,8 +63,8 @@ class ShardedEMA:
         optimizer: The optimizer whose pieces are averaged (of their main copies where it
             keeps them: ``main_params_dtype=``).
         decay: In ``[0, 1]``, as ``get_ema_multi_avg_fn``'s.
-        model: The model, for the names of :meth:`state_dict` (``"module.<name>"``, and its
-            buffers, as ``AveragedModel``'s); without it, parameters are named by index.
+        model: The model, for the names of :meth:`state_dict` (``"module.<name>"``) and its
+            buffers as they are now (``use_buffers=False`` keeps them so); else indices.
 
     Example:
         >>> import tempfile, torch.distributed as dist, zero_functional as zf
