@@ -168,9 +168,10 @@ def _write(job: _Job) -> None:
     try:
         results = job.writer.write_data(job.plan, job.planner).value()
     except Exception as e:
-        error = f"rank {job.rank}: {e}"
-        _put(mine, (job.tmp, None, error))
-        raise CheckpointError(f"checkpoint save to {job.target} failed: {error}") from e
+        _put(mine, (job.tmp, None, str(e)))  # rank 0 names the rank
+        raise CheckpointError(
+            f"checkpoint save to {job.target} failed: rank {job.rank}: {e}"
+        ) from e
     _put(mine, (job.tmp, results, None))
     if job.rank == 0:
         _commit(job)
