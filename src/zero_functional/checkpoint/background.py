@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -96,23 +97,40 @@ class _Job:
     copied: list[torch.cuda.Event]  # recorded after the copies to pinned memory
 
 
+_STAGED: dict[tuple[str, int, int], Tensor] = {}
+"""The host copies of the last background save, by (key, start, stop): the next one copies into
+them (fresh pages and pinned allocations cost more than the copy); one copy of this rank's
+share stays allocated between saves, as with ``torch.distributed.checkpoint.async_save``'s
+cached staging."""
+
+
+def _host(key: tuple[str, int, int], t: Tensor) -> Tensor:
+    """A host buffer for ``t``: last save's for the same range when it fits, else a new one."""
+    old = _STAGED.get(key)
+    pinned = t.is_cuda
+    if old is not None and (old.shape, old.dtype, old.is_pinned()) == (t.shape, t.dtype, pinned):
+        return old
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+
+
 def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
     """Each range's tensor copied off the training's hands, and the events that say when the
-    device copies have landed."""
+    device copies have landed. Call it with no write in flight: it reuses the last one's."""
     out: dict[str, Any] = {}
+    staged: dict[tuple[str, int, int], Tensor] = {}
     devices: set[torch.device] = set()
     for key, (shape, dtype, ranges) in pieces.items():
         copies = []
         for start, stop, t in ranges:
             t = t.detach()
+            host = staged[key, start, stop] = _host((key, start, stop), t)
+            host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
                 devices.add(t.device)
-            else:
-                host = t.to("cpu", copy=True)
             copies.append((start, stop, host))
         out[key] = (shape, dtype, copies)
+    _STAGED.clear()
+    _STAGED.update(staged)
     events = []
     for device in devices:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -138,7 +156,10 @@ def _plan(
         local = f"{type(e).__name__}: {e}"
     distributed = dist.is_initialized()
     group = comm.default_group(group) if distributed else None
-    plans = comm.all_gather_objects(local, group) if group is not None else [local]
+    # as one bytes object: torch.save (comm's pickler) of a plan's small objects is slow
+    mine = pickle.dumps(local)
+    packed = comm.all_gather_objects(mine, group) if group is not None else [mine]
+    plans = [pickle.loads(cast(bytes, b)) for b in packed]
     verdict: tuple[list[SavePlan] | None, str | None] = (None, None)
     metadata = None
     if rank == 0:
@@ -151,9 +172,7 @@ def _plan(
         except Exception as e:
             verdict = (None, str(e))
     if group is not None:
-        verdict = cast(
-            tuple[list[SavePlan] | None, str | None], comm.broadcast_object(verdict, group)
-        )
+        verdict = pickle.loads(cast(bytes, comm.broadcast_object(pickle.dumps(verdict), group)))
     central_plans, error = verdict
     if error is not None or central_plans is None:
         raise CheckpointError(f"checkpoint save failed: {error}")

@@ -276,14 +276,10 @@ def write(
     blocking: bool = True,
 ) -> background.SaveHandle | None:
     """Write every rank's snapshot to the directory ``path`` in :data:`FORMAT`; collective.
-
-    A save still in flight is waited for first (:func:`~zero_functional.checkpoint.background.settle`).
+    A save in flight is waited for first (:func:`~zero_functional.checkpoint.background.settle`).
 
     Args:
-        path: The checkpoint directory.
-        snapshot: What this rank writes.
-        process_group: The ranks that save together (default: the world).
-        max_box_numel: No stored chunk is larger.
+        path, snapshot, process_group, max_box_numel: Where, what, who, the largest chunk.
         blocking: Return once committed (``None``); else once the state is copied, with the
             handle of the write (:func:`~zero_functional.checkpoint.background.start`).
 

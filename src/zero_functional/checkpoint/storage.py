@@ -133,6 +133,9 @@ class _Want:
 
 
 def _digest(obj: object) -> str:
+    if isinstance(obj, Tensor):  # its bytes: torch.save's archive costs ~1 ms a tensor
+        raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return f"{obj.dtype}{tuple(obj.shape)}:{zlib.crc32(raw.numpy().tobytes()):08x}"
     buf = io.BytesIO()
     torch.save(obj, buf)
     return f"{zlib.crc32(buf.getbuffer()):08x}:{buf.tell()}"
@@ -568,8 +571,7 @@ def commit(tmp: str, target: str) -> str | None:
 def dcp_parts(
     tmp: str, pieces: Pieces, max_box_numel: int | None
 ) -> tuple[SavePlanner, FileSystemWriter]:
-    """The DCP planner and storage writer :func:`save_pieces` writes ``pieces`` into ``tmp``
-    with: one item per box, objects checked to agree, a CRC32 per item, files synced.
+    """:func:`save_pieces`'s DCP planner and writer of ``pieces`` into ``tmp`` (a CRC32 per item).
 
     Example:
         >>> planner, writer = dcp_parts("ckpt.tmp-0", {}, None)
