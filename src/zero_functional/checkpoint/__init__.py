@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.checkpoint import format as checkpoint_format
+from zero_functional.checkpoint.background import SaveHandle
 from zero_functional.checkpoint.format import (
     FORMAT,
     Held,
@@ -79,6 +80,7 @@ from zero_functional.shell.steppers import hyperparameters, probe_state
 __all__ = [
     "FORMAT",
     "CheckpointError",
+    "SaveHandle",
     "ZeroStateful",
     "load",
     "model_state_dict",
@@ -208,6 +210,30 @@ def _first_replica_writes(write: Callable[[], None], replicate: dist.ProcessGrou
         raise CheckpointError(str(verdict))
 
 
+@overload
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = ...,
+    optimizer: Optimizer | None = ...,
+    extra: Any = ...,
+    process_group: dist.ProcessGroup | None = ...,
+    max_chunk_numel: int = ...,
+    ema: ShardedEMA | None = ...,
+    blocking: Literal[True] = ...,
+) -> None: ...
+@overload
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = ...,
+    optimizer: Optimizer | None = ...,
+    extra: Any = ...,
+    process_group: dist.ProcessGroup | None = ...,
+    max_chunk_numel: int = ...,
+    ema: ShardedEMA | None = ...,
+    blocking: Literal[False],
+) -> SaveHandle: ...
 def save(
     path: str | os.PathLike[str],
     *,
@@ -217,11 +243,13 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     max_chunk_numel: int = DEFAULT_MAX_BOX_NUMEL,
     ema: ShardedEMA | None = None,
-) -> None:
+    blocking: bool = True,
+) -> SaveHandle | None:
     """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``.
 
     Collective: call it on every rank. Atomic: the directory is replaced only once every rank
-    has written, so a crash mid-save leaves the previous checkpoint readable.
+    has written, so a crash mid-save leaves the previous checkpoint readable. A save still
+    writing in the background is waited for first, never interleaved.
 
     Args:
         path: The checkpoint directory.
@@ -235,12 +263,21 @@ def save(
             what the rank already holds.
         ema: A :class:`~zero_functional.shell.ema.ShardedEMA` of ``optimizer``: each rank
             writes its pieces' averages.
+        blocking: ``False`` returns once the state is copied (to pinned host memory from a
+            GPU) and the save planned, with a :class:`SaveHandle` (``.wait()``, ``.done()``);
+            a thread writes and commits behind training, with every guarantee above. Not
+            with an optimizer sharded over a ``device_mesh``.
+
+    Returns:
+        ``None`` when blocking; else the write's :class:`SaveHandle`, whose ``wait()`` raises
+        what the write failed with (so does the next ``save``, if nothing reported it).
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause; ``path`` is untouched.
 
     Example:
         >>> # zero_functional.checkpoint.save("ckpt", model=ddp, optimizer=zero, extra={"epoch": 3})
+        >>> # handle = zero_functional.checkpoint.save("ckpt", ..., blocking=False); handle.wait()
     """
     if model is None and optimizer is None:
         raise ValueError("save needs a model, an optimizer or both")
@@ -252,6 +289,16 @@ def save(
     group = _group(optimizer, process_group)
     snapshot = _snapshot(model, optimizer, extra, comm.rank_or_zero(group), ema)
 
+    if not blocking:
+        if zero is not None and zero.replicate_group is not None:
+            raise ValueError(
+                "save(blocking=False) does not take an optimizer sharded over a device_mesh: "
+                "its replicas wait for the first one's verdict; save with blocking=True"
+            )
+        return checkpoint_format.write(
+            path, snapshot, group, max_box_numel=max_chunk_numel, blocking=False
+        )
+
     def write() -> None:
         checkpoint_format.write(path, snapshot, group, max_box_numel=max_chunk_numel)
 
@@ -259,6 +306,7 @@ def save(
         write()
     else:
         _first_replica_writes(write, zero.replicate_group)
+    return None
 
 
 def _request(

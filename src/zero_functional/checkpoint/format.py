@@ -43,7 +43,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from zero_functional.checkpoint import storage
+from zero_functional.checkpoint import background, storage
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
 from zero_functional.core.main_params import MAIN_KEY
@@ -273,8 +273,15 @@ def write(
     process_group: ProcessGroup | None,
     *,
     max_box_numel: int,
-) -> None:
+    blocking: bool = True,
+) -> background.SaveHandle | None:
     """Write every rank's snapshot to the directory ``path`` in :data:`FORMAT`; collective.
+    A save in flight is waited for first (:func:`~zero_functional.checkpoint.background.settle`).
+
+    Args:
+        path, snapshot, process_group, max_box_numel: Where, what, who, the largest chunk.
+        blocking: Return once committed (``None``); else once the state is copied, with the
+            handle of the write (:func:`~zero_functional.checkpoint.background.start`).
 
     Raises:
         CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
@@ -283,7 +290,11 @@ def write(
         >>> # write("ckpt", snapshot, None, max_box_numel=1 << 22)
     """
     pieces, objects = layout(snapshot)
+    if not blocking:
+        return background.start(path, pieces, objects, process_group, max_box_numel=max_box_numel)
+    background.settle(process_group)
     storage.save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
+    return None
 
 
 # ------------------------------------------------------------------------------ reading

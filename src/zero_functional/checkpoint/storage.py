@@ -86,7 +86,10 @@ __all__ = [
     "load_pieces",
     "read_keys",
     "read_objects",
+    "commit",
+    "dcp_parts",
     "save_pieces",
+    "temporary",
     "verify",
 ]
 
@@ -130,6 +133,9 @@ class _Want:
 
 
 def _digest(obj: object) -> str:
+    if isinstance(obj, Tensor):  # its bytes: torch.save's archive costs ~1 ms a tensor
+        raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return f"{obj.dtype}{tuple(obj.shape)}:{zlib.crc32(raw.numpy().tobytes()):08x}"
     buf = io.BytesIO()
     torch.save(obj, buf)
     return f"{zlib.crc32(buf.getbuffer()):08x}:{buf.tell()}"
@@ -309,8 +315,20 @@ class _ChecksummedWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert plan.storage_data is not None
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        file = os.path.join(str(self.path), name)
+        try:
+            results = self._write_items(file, name, plan, planner)
+        except OSError as e:
+            raise CheckpointError(f"cannot write {file}: {e}") from e
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_items(
+        self, file: str, name: str, plan: SavePlan, planner: SavePlanner
+    ) -> list[WriteResult]:
         results: list[WriteResult] = []
-        with open(os.path.join(str(self.path), name), "wb") as f:
+        with open(file, "wb") as f:
             for item in plan.items:
                 data = planner.resolve_data(item)
                 offset = f.tell()
@@ -332,9 +350,7 @@ class _ChecksummedWriter(FileSystemWriter):
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
@@ -483,10 +499,43 @@ def save_pieces(
             ``path``, if any, is untouched. ``path`` a file, a symbolic link or a directory
             that holds no checkpoint is refused before anything is written.
     """
+    target, tmp = temporary(path, process_group)
+    planner, writer = dcp_parts(tmp, pieces, max_box_numel)
+    try:
+        with _dcp_errors("save"):
+            dcp_save(
+                dict(objects), storage_writer=writer, planner=planner, process_group=process_group
+            )
+    except CheckpointError:
+        if comm.rank_or_zero(process_group) == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    mine = commit(tmp, target) if comm.rank_or_zero(process_group) == 0 else None
+    error = comm.broadcast_object(mine, process_group)  # every rank returns after the commit
+    if error:
+        raise CheckpointError(str(error))
+
+
+def temporary(
+    path: str | os.PathLike[str], process_group: dist.ProcessGroup | None
+) -> tuple[str, str]:
+    """The absolute target and the marked temporary a save writes into; collective.
+
+    Group rank 0 decides (:mod:`~zero_functional.checkpoint.atomic_dir`) before anything is
+    written; every rank returns the same or raises the same.
+
+    Raises:
+        CheckpointError: ``path`` is refused or no temporary can be made beside it.
+
+    Example:
+        >>> import os, tempfile
+        >>> target, tmp = temporary(os.path.join(tempfile.mkdtemp(), "ckpt"), None)
+        >>> os.path.basename(tmp).startswith(os.path.basename(target) + ".tmp-")
+        True
+    """
     target = os.path.abspath(os.fspath(path))
-    first = comm.rank_or_zero(process_group) == 0
     tmp, reason = "", None
-    if first:  # one rank decides, before anything is written; every rank raises the same
+    if comm.rank_or_zero(process_group) == 0:
         reason = atomic_dir.refusal(target)
         if reason is None:
             try:
@@ -498,32 +547,37 @@ def save_pieces(
     )
     if reason is not None:
         raise CheckpointError(f"checkpoint save refused, nothing written: {reason}")
-    writer = _ChecksummedWriter(tmp, sync_files=True, overwrite=False)
+    return target, tmp
+
+
+def commit(tmp: str, target: str) -> str | None:
+    """Swap the written temporary onto ``target`` and remove earlier saves' leftovers (one
+    rank); why it failed, naming both directories, or ``None``.
+
+    Example:
+        >>> import os, tempfile
+        >>> target, tmp = temporary(os.path.join(tempfile.mkdtemp(), "ckpt"), None)
+        >>> commit(tmp, target), os.listdir(target)
+        (None, ['.zero_functional-save'])
+    """
     try:
-        with _dcp_errors("save"):
-            dcp_save(
-                dict(objects),
-                storage_writer=writer,
-                planner=_BoxSavePlanner(pieces, max_box_numel),
-                process_group=process_group,
-            )
-    except CheckpointError:
-        if comm.rank_or_zero(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    error: object = None
-    if first:
-        try:
-            atomic_dir.commit(tmp, target)
-        except OSError as e:
-            error = f"the checkpoint was written to {tmp} but could not replace {target}: {e}"
-        else:
-            atomic_dir.remove_leftovers(target)  # of earlier saves killed before their commit
-    error = comm.broadcast_object(
-        error, process_group
-    )  # every rank returns after the commit, or raises
-    if error:
-        raise CheckpointError(str(error))
+        atomic_dir.commit(tmp, target)
+    except OSError as e:
+        return f"the checkpoint was written to {tmp} but could not replace {target}: {e}"
+    atomic_dir.remove_leftovers(target)  # of earlier saves killed before their commit
+    return None
+
+
+def dcp_parts(
+    tmp: str, pieces: Pieces, max_box_numel: int | None
+) -> tuple[SavePlanner, FileSystemWriter]:
+    """:func:`save_pieces`'s DCP planner and writer of ``pieces`` into ``tmp`` (a CRC32 per item).
+
+    Example:
+        >>> planner, writer = dcp_parts("ckpt.tmp-0", {}, None)
+    """
+    writer = _ChecksummedWriter(tmp, sync_files=True, overwrite=False)
+    return _BoxSavePlanner(pieces, max_box_numel), writer
 
 
 def _metadata(path: str | os.PathLike[str]) -> tuple[_ChecksummedReader, Metadata]:

@@ -1,0 +1,402 @@
+"""Checkpoints written behind training: copy and plan now, on the caller's thread; write later,
+in a thread of this process that does file I/O only.
+
+:func:`start` is what ``checkpoint.save(..., blocking=False)`` runs, in three steps:
+
+1. **Copy.** Every tensor to write is copied before :func:`start` returns: the next optimizer
+   step mutates the parameters and the optimizer state in place, and a forward the model's
+   buffers, so nothing a checkpoint holds can be read later. A CUDA tensor goes to pinned host
+   memory (``non_blocking``, ordered before any later kernel of the stream, which the thread
+   waits for), any other to a fresh CPU tensor; the objects (groups, ``extra``) are deep-copied.
+2. **Plan, collectively.** The refusal of foreign targets and the temporary directory
+   (:func:`~zero_functional.checkpoint.storage.temporary`), then DCP's plan exchange (every
+   rank's plan gathered, checked and deduplicated by rank 0, handed back), all on the caller's
+   thread: the background thread never issues a collective on the training's group.
+3. **Write, then commit through files.** Each rank's thread writes its data file (checksummed,
+   synced) and then ``.zero_functional-rank-<r>``, its write results or its error, written
+   whole (to a ``.part`` renamed into place). Rank 0's thread waits for every rank's, writes
+   the index and swaps the directory in (:func:`~zero_functional.checkpoint.storage.commit`);
+   the other ranks' threads wait to see their own results file in the committed directory, or
+   ``.zero_functional-failed`` in the temporary (rank 0's verdict, naming each rank and file).
+
+A process killed at any moment leaves the previous checkpoint in place and a marked temporary
+that no ``load`` accepts (it has no index) and the next save removes. One save is in flight per
+process: each save first waits for the previous one (:func:`settle`) and raises, on every rank,
+an error of it that :meth:`SaveHandle.wait` has not reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+
+from zero_functional import comm
+from zero_functional.checkpoint import storage
+from zero_functional.checkpoint.storage import CheckpointError, Pieces
+from zero_functional.core._validate import by_rank
+
+__all__ = ["RENDEZVOUS_TIMEOUT_S", "SaveHandle", "settle", "start"]
+
+RENDEZVOUS_TIMEOUT_S = 1800.0
+"""How long a rank's thread waits for the other ranks' files (rank 0) or for the commit (the
+others) before it gives up, naming the ranks it did not hear from; what a dead peer costs."""
+
+_POLL_S = 0.01
+_FAILED = ".zero_functional-failed"
+
+
+def _results_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f".zero_functional-rank-{rank}")
+
+
+def _put(path: str, value: object) -> None:
+    """Write ``value`` to ``path`` whole: a reader sees no file or all of it."""
+    with open(path + ".part", "wb") as f:
+        pickle.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(path + ".part", path)
+
+
+def _get(path: str) -> Any:
+    """What :func:`_put` wrote at ``path``, or ``None`` while there is none."""
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)  # our own file, in a directory this save made
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a rank's thread needs: everything decided and copied on the caller's thread."""
+
+    rank: int
+    world_size: int
+    target: str
+    tmp: str
+    planner: SavePlanner
+    writer: FileSystemWriter
+    plan: SavePlan
+    metadata: Metadata | None  # rank 0's, from the global plan
+    copied: list[torch.cuda.Event]  # recorded after the copies to pinned memory
+
+
+_STAGED: dict[tuple[str, int, int], Tensor] = {}
+"""The host copies of the last background save, by (key, start, stop): the next one copies into
+them (fresh pages and pinned allocations cost more than the copy); one copy of this rank's
+share stays allocated between saves, as with ``torch.distributed.checkpoint.async_save``'s
+cached staging."""
+
+
+def _host(key: tuple[str, int, int], t: Tensor) -> Tensor:
+    """A host buffer for ``t``: last save's for the same range when it fits, else a new one."""
+    old = _STAGED.get(key)
+    pinned = t.is_cuda
+    if old is not None and (old.shape, old.dtype, old.is_pinned()) == (t.shape, t.dtype, pinned):
+        return old
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+
+
+def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
+    """Each range's tensor copied off the training's hands, and the events that say when the
+    device copies have landed. Call it with no write in flight: it reuses the last one's."""
+    out: dict[str, Any] = {}
+    staged: dict[tuple[str, int, int], Tensor] = {}
+    devices: set[torch.device] = set()
+    for key, (shape, dtype, ranges) in pieces.items():
+        copies = []
+        for start, stop, t in ranges:
+            t = t.detach()
+            host = staged[key, start, stop] = _host((key, start, stop), t)
+            host.copy_(t, non_blocking=t.is_cuda)
+            if t.is_cuda:
+                devices.add(t.device)
+            copies.append((start, stop, host))
+        out[key] = (shape, dtype, copies)
+    _STAGED.clear()
+    _STAGED.update(staged)
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return out, events
+
+
+def _plan(
+    objects: dict[str, Any],
+    planner: SavePlanner,
+    writer: FileSystemWriter,
+    group: dist.ProcessGroup | None,
+) -> tuple[SavePlan, Metadata | None]:
+    """DCP's plan exchange (``_save_state_dict``'s ``reduce_scatter``), on this thread."""
+    rank = comm.rank_or_zero(group)
+    local: SavePlan | str
+    try:
+        planner.set_up_planner(objects, writer.storage_meta(), rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        local = writer.prepare_local_plan(planner.create_local_plan())
+    except Exception as e:  # one rank's bad input fails every rank, not a hang
+        local = f"{type(e).__name__}: {e}"
+    distributed = dist.is_initialized()
+    group = comm.default_group(group) if distributed else None
+    # as one bytes object: torch.save (comm's pickler) of a plan's small objects is slow
+    mine = pickle.dumps(local)
+    packed = comm.all_gather_objects(mine, group) if group is not None else [mine]
+    plans = [pickle.loads(cast(bytes, b)) for b in packed]
+    verdict: tuple[list[SavePlan] | None, str | None] = (None, None)
+    metadata = None
+    if rank == 0:
+        failed = [(r, p) for r, p in enumerate(plans) if isinstance(p, str)]
+        try:
+            if failed:
+                raise CheckpointError(by_rank(failed))
+            central, metadata = planner.create_global_plan(cast(list[SavePlan], plans))
+            verdict = (writer.prepare_global_plan(central), None)
+        except Exception as e:
+            verdict = (None, str(e))
+    if group is not None:
+        verdict = pickle.loads(cast(bytes, comm.broadcast_object(pickle.dumps(verdict), group)))
+    central_plans, error = verdict
+    if error is not None or central_plans is None:
+        raise CheckpointError(f"checkpoint save failed: {error}")
+    return planner.finish_plan(central_plans[rank]), metadata
+
+
+def _write(job: _Job) -> None:
+    """A rank's thread: its data file, its results file; rank 0 commits, the others wait."""
+    for event in job.copied:
+        event.synchronize()
+    mine = _results_file(job.tmp, job.rank)
+    try:
+        results = job.writer.write_data(job.plan, job.planner).value()
+    except Exception as e:
+        _put(mine, (job.tmp, None, str(e)))  # rank 0 names the rank
+        raise CheckpointError(
+            f"checkpoint save to {job.target} failed: rank {job.rank}: {e}"
+        ) from e
+    _put(mine, (job.tmp, results, None))
+    if job.rank == 0:
+        _commit(job)
+    else:
+        _await_commit(job)
+
+
+def _fail(job: _Job, message: str) -> CheckpointError:
+    """Rank 0's verdict, left in the temporary for the other ranks' threads to read."""
+    message = f"checkpoint save to {job.target} failed: {message}"
+    _put(os.path.join(job.tmp, _FAILED), message)
+    return CheckpointError(message)
+
+
+def _commit(job: _Job) -> None:
+    """Rank 0: every rank's results, then the index and the swap."""
+    results: dict[int, list[WriteResult]] = {}
+    errors: list[tuple[int, str]] = []
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    waiting = set(range(job.world_size))
+    while waiting:
+        for r in sorted(waiting):
+            got = _get(_results_file(job.tmp, r))
+            if got is not None:
+                waiting.discard(r)
+                if got[2] is not None:
+                    errors.append((r, got[2]))
+                else:
+                    results[r] = got[1]
+        if waiting and time.monotonic() > deadline:
+            errors += [
+                (r, f"wrote no {_results_file(job.tmp, r)} within {RENDEZVOUS_TIMEOUT_S:.0f} s")
+                for r in sorted(waiting)
+            ]
+            break
+        if waiting:
+            time.sleep(_POLL_S)
+    if errors:
+        raise _fail(job, by_rank(sorted(errors)))
+    assert job.metadata is not None
+    try:
+        job.writer.finish(job.metadata, [results[r] for r in range(job.world_size)])
+    except OSError as e:
+        raise _fail(job, f"rank 0: cannot write {os.path.join(job.tmp, '.metadata')}: {e}") from e
+    error = storage.commit(job.tmp, job.target)
+    if error is not None:
+        raise _fail(job, f"rank 0: {error}")
+
+
+def _await_commit(job: _Job) -> None:
+    """Another rank: until its results file is in the committed directory, or rank 0 failed."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while True:
+        failed = _get(os.path.join(job.tmp, _FAILED))
+        if failed is not None:
+            raise CheckpointError(str(failed))
+        committed = _get(_results_file(job.target, job.rank))
+        if committed is not None and committed[0] == job.tmp:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"rank {job.rank}: rank 0 did not commit {job.target} within "
+                f"{RENDEZVOUS_TIMEOUT_S:.0f} s (its files are in {job.tmp})"
+            )
+        time.sleep(_POLL_S)
+
+
+class SaveHandle:
+    """A checkpoint being written behind training; ``checkpoint.save(..., blocking=False)``
+    returns one.
+
+    Example:
+        >>> import tempfile, torch, zero_functional.checkpoint as ckpt
+        >>> handle = ckpt.save(tempfile.mkdtemp() + "/c", model=torch.nn.Linear(2, 2), blocking=False)
+        >>> handle.wait()
+        >>> handle.done()
+        True
+    """
+
+    def __init__(self, job: _Job) -> None:
+        self.path = job.target
+        self._rank = job.rank
+        self._error: CheckpointError | None = None
+        self._reported = False
+        self._thread = threading.Thread(
+            target=self._run, args=(job,), name=f"zero_functional-save-rank{job.rank}"
+        )
+        self._thread.start()
+
+    def _run(self, job: _Job) -> None:
+        try:
+            _write(job)
+        except CheckpointError as e:
+            self._error = e
+        except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
+            self._error = CheckpointError(
+                f"checkpoint save to {job.target} failed: rank {job.rank}: {type(e).__name__}: {e}"
+            )
+
+    def done(self) -> bool:
+        """Whether the write has ended: committed (on every rank) or failed.
+
+        Example:
+            >>> # while not handle.done(): train_one_step()
+        """
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is committed; raise what the write failed with.
+
+        Args:
+            timeout: Seconds to wait at most (default: until the write ends).
+
+        Raises:
+            CheckpointError: The write failed, naming each failed rank and its file; the
+                previous checkpoint at the path is untouched.
+            TimeoutError: ``timeout`` passed with the write still running.
+
+        Example:
+            >>> # handle = checkpoint.save("ckpt", model=ddp, optimizer=zero, blocking=False)
+            >>> # handle.wait()
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"rank {self._rank}: {self.path} is still being written")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+
+
+_IN_FLIGHT: list[SaveHandle] = []  # this process's save in flight: at most one
+
+
+def settle(process_group: dist.ProcessGroup | None) -> None:
+    """Wait for this process's save in flight, if any; collective when there was one.
+
+    Raises, on every rank, an error of it that no rank's :meth:`SaveHandle.wait` reported.
+
+    Raises:
+        CheckpointError: The previous background save failed and nobody was told.
+
+    Example:
+        >>> settle(None)  # nothing in flight: returns at once
+    """
+    if not _IN_FLIGHT:
+        return
+    handle = _IN_FLIGHT.pop()
+    handle._thread.join()
+    unreported = None
+    if handle._error is not None and not handle._reported:
+        unreported = str(handle._error)
+    verdicts: list[object] = [unreported]
+    if dist.is_initialized():
+        verdicts = comm.all_gather_objects(unreported, comm.default_group(process_group))
+    failed = [str(v) for v in verdicts if v is not None]
+    if failed:
+        raise CheckpointError(f"the previous background save failed: {failed[0]}")
+
+
+def start(
+    path: str | os.PathLike[str],
+    pieces: Pieces,
+    objects: Mapping[str, object],
+    process_group: dist.ProcessGroup | None,
+    *,
+    max_box_numel: int | None,
+) -> SaveHandle:
+    """Copy ``pieces`` and ``objects``, plan their save to ``path``, and write them behind
+    training; collective, as :func:`~zero_functional.checkpoint.storage.save_pieces`.
+
+    Args:
+        path: The checkpoint directory; replaced as a whole once every rank has written.
+        pieces: What this rank holds (:data:`~zero_functional.checkpoint.storage.Pieces`).
+        objects: Small picklable values (identical on every rank that passes one).
+        process_group: The ranks that save together (default: the world).
+        max_box_numel: No stored chunk is larger.
+
+    Returns:
+        The write's handle.
+
+    Raises:
+        CheckpointError: On every rank, before anything is written: a refused ``path``, a
+            piece that does not fit, copies of one key that disagree.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> handle = start(path, {"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, {}, None,
+        ...                max_box_numel=None)
+        >>> handle.wait(); sorted(os.listdir(path))[:2]
+        ['.metadata', '.metadata.crc32']
+    """
+    settle(process_group)
+    copied, events = _copy(pieces)
+    owned = copy.deepcopy(dict(objects))
+    target, tmp = storage.temporary(path, process_group)
+    planner, writer = storage.dcp_parts(tmp, copied, max_box_numel)
+    try:
+        plan, metadata = _plan(owned, planner, writer, process_group)
+    except CheckpointError:
+        if comm.rank_or_zero(process_group) == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    rank = comm.rank_or_zero(process_group)
+    world = comm.group_size(comm.default_group(process_group)) if dist.is_initialized() else 1
+    job = _Job(rank, world, target, tmp, planner, writer, plan, metadata, events)
+    handle = SaveHandle(job)
+    _IN_FLIGHT.append(handle)
+    return handle
