@@ -228,9 +228,9 @@ def _gathered_main(zero: ZeroRedundancyOptimizer, rank: int, world: int) -> list
     return full
 
 
-MODES = ("after_backward", "bucket_view", "reduce_scatter_hook", "main_params")
-"""Not yet: the overlap hooks (``HOOKS``), whose reshard at DDP's bucket rebuild joins pieces of
-a quantized state, which torchao's tensors cannot concatenate (no ``aten.cat``)."""
+MODES = ("after_backward", "bucket_view", "reduce_scatter_hook", "main_params", *HOOKS)
+"""Every mode; the overlap hooks reshard at DDP's bucket rebuild, moving quantized state in
+whole blocks (:func:`~zero_functional.core.piece_state.slice_state`)."""
 
 
 def _every_mode(rank: int, world: int) -> dict[str, float]:

@@ -165,7 +165,9 @@ class ShadowStepper(Stepper):
             with torch.no_grad():
                 local.step()
         finally:
-            local.param_groups[0] = {**hyperparameters(group), "params": []}
+            # the instance keeps its own kinds (torchao's tensor lr): a stepper built on it
+            # later (a reshard) reads them from it
+            local.param_groups[0] = {**instance_hyper(self.tensor_keys, group), "params": []}
             local.state = defaultdict(dict)
 
 
