@@ -385,7 +385,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """torch's format, each parameter's state whole; local. Full on rank ``to`` after
         :meth:`consolidate_state_dict` ``(to)`` (elsewhere ``PARTIAL_KEY``), empty before any
         step, else a RuntimeError naming the fix (:class:`~.state_dict.Consolidation`)."""
-        return self._book.state_dict(self.param_groups, self.rank)
+        return self._book.state_dict(self._shard.saved_groups(), self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's pieces of a whole state dict (ours or ``torch.optim``'s); local.

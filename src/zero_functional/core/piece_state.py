@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from zero_functional.core._validate import prefix_sums
+from zero_functional.core.blockwise import is_blockwise, joined_blocks, sliced_blocks
 from zero_functional.core.param_table import ParamTable
 from zero_functional.functional.registry import GROUP_CLASS_KEY
 
@@ -103,6 +104,8 @@ def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[s
             out[key] = value
         elif want == held:
             out[key] = copied(value.detach())
+        elif is_elementwise(value, b - a) and is_blockwise(value):
+            out[key] = sliced_blocks(key, value, (a, b), (lo, hi))
         elif is_elementwise(value, b - a):
             out[key] = copied(value.detach().reshape(-1)[lo - a : hi - a])
         else:
@@ -170,7 +173,18 @@ def join_states(
     out: dict[str, object] = {}
     for key, first in parts[0][1].items():
         sizes = [hi - lo for (lo, hi), _ in parts]
-        if all(is_elementwise(s[key], n) for (_, s), n in zip(parts, sizes)):
+        values = [s[key] for _, s in parts]
+        elementwise = all(is_elementwise(v, n) for v, n in zip(values, sizes))
+        blockwise = [is_blockwise(v) for v in values]
+        if elementwise and any(blockwise):
+            if not all(blockwise):
+                raise ValueError(
+                    f"the pieces of {key!r} are quantized for some ranges and not for others "
+                    f"({[r for r, _ in parts]}): a parameter's state is quantized whole or not"
+                )
+            whole = tuple(shape) if shape is not None else (sum(sizes),)
+            out[key] = joined_blocks(key, cast(list[Tensor], values), whole)
+        elif elementwise:
             joined = torch.cat([cast(Tensor, s[key]).detach().reshape(-1) for _, s in parts])
             out[key] = joined.view(tuple(shape)) if shape is not None else joined
         else:

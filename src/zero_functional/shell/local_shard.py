@@ -48,8 +48,10 @@ from zero_functional.shell.steppers import (
     LocalView,
     RealStepper,
     Stepper,
-    hyperparameters,
+    converted_state,
+    loaded_group,
     runs_functional,
+    saved_group,
 )
 
 __all__ = ["LocalShard", "RemainderTies", "UpdateHooks"]
@@ -304,11 +306,31 @@ class LocalShard:
         params = self.table.params
         pieces = {
             k: slice_state(v, (0, params[k].numel()), (self.pieces[k].start, self.pieces[k].stop))
-            for k, v in state.items()
-            if k in self.pieces
+            for k, v in self.converted({k: v for k, v in state.items() if k in self.pieces}).items()
         }
         self.warn_without_main(pieces)
         return pieces
+
+    def converted(self, states: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+        """Loaded states as the groups' classes keep them (:func:`~.steppers.converted_state`:
+        quantized for a low-bit class, dequantized for another), one warning per conversion."""
+        params, group_of = self.table.params, self.table.group_of
+        out: dict[int, Mapping[str, Any]] = {}
+        hows = set()
+        for k, value in states.items():
+            group = self.param_groups[group_of(k)]
+            out[k], how = converted_state(self.stepper, group, value, params[k].numel())
+            hows.add(how)
+        for how in sorted(h for h in hows if h is not None):
+            logger.warning(
+                "the loaded optimizer state was %s on load for %s: %s",
+                how,
+                self.name,
+                "it quantizes the moments of parameters of whole blocks, the loaded ones were fp32"
+                if how == "quantized"
+                else "it keeps full-precision moments, the loaded ones were quantized",
+            )
+        return out
 
     def warn_without_main(self, pieces: Mapping[int, Mapping[str, Any]]) -> None:
         """One warning where a piece that needs a main copy has loaded state without one."""
@@ -335,6 +357,10 @@ class LocalShard:
             if dtype is not None:
                 out[p] = main_value(piece_view(p, piece), self.state.get(p, {}), dtype).detach()
         return out
+
+    def saved_groups(self) -> list[dict[str, Any]]:
+        """The groups as a state dict carries them (:func:`~.steppers.saved_group`)."""
+        return [saved_group(self.stepper, g) for g in self.param_groups]
 
     def check(
         self,
@@ -379,11 +405,12 @@ class LocalShard:
         params, group_of = self.table.params, self.table.group_of
         new = {
             params[k]: self._placed(params[k], self.param_groups[group_of(k)], value, copy)
-            for k, value in pieces.items()
+            for k, value in self.converted(pieces).items()
         }
         for g, s in zip(self.param_groups, saved_groups):
             # a group's class is this optimizer's (checked): a saved name never adds one
-            g.update({k: v for k, v in hyperparameters(s).items() if k != GROUP_CLASS_KEY})
+            loaded = loaded_group(self.stepper, g, s)
+            g.update({k: v for k, v in loaded.items() if k != GROUP_CLASS_KEY})
         self.state.clear()  # in place: a RealStepper's instance shares this mapping
         self.state.update(new)
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from zero_functional.core.blockwise import is_blockwise
 from zero_functional.core.checks import group_class, is_mixed
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.functional import (
@@ -47,6 +48,11 @@ __all__ = [
     "ShadowStepper",
     "Stepper",
     "choose_stepper",
+    "converted_state",
+    "low_bit_local",
+    "instance_keys",
+    "loaded_group",
+    "saved_group",
     "class_steppers",
     "runs_functional",
     "probe_state",
@@ -165,7 +171,9 @@ class ShadowStepper(Stepper):
             with torch.no_grad():
                 local.step()
         finally:
-            local.param_groups[0] = {**hyperparameters(group), "params": []}
+            # the instance keeps its own kinds (torchao's tensor lr): a stepper built on it
+            # later (a reshard) reads them from it
+            local.param_groups[0] = {**instance_hyper(self.tensor_keys, group), "params": []}
             local.state = defaultdict(dict)
 
 
@@ -212,6 +220,62 @@ def lowbit_state(
     return state
 
 
+def low_bit_local(stepper: object, group: Mapping[str, Any]) -> Optimizer | None:
+    """The instance that steps ``group`` where its class quantizes its state per block
+    (torchao's low-bit classes: ``update_block`` above 1), else ``None``.
+
+    Example:
+        >>> low_bit_local(ShadowStepper(torch.optim.SGD([torch.zeros(1)]), {}), {}) is None
+        True
+    """
+    if isinstance(stepper, ByClassStepper):
+        stepper = stepper.steppers.get(group.get(GROUP_CLASS_KEY, ""))
+    if isinstance(stepper, (ShadowStepper, RealStepper)):
+        if update_block(type(stepper.local)) > 1:
+            return stepper.local
+    return None
+
+
+def converted_state(
+    stepper: object, group: Mapping[str, Any], state: Mapping[str, Any], numel: int
+) -> tuple[dict[str, Any], str | None]:
+    """A loaded piece state of a parameter of ``numel`` elements as ``group``'s class keeps
+    it, and how it was converted (``None``: as it was). Quantized state where the class keeps
+    fp32 is dequantized; fp32 moments where a low-bit class quantizes the whole parameter are
+    quantized (torchao's ``copy_`` into its zero state quantizes); a parameter too small for
+    quantized state keeps fp32 either way.
+
+    Example:
+        >>> from torchao.optim import AdamW8bit
+        >>> local = AdamW8bit([torch.zeros(1)])
+        >>> stepper = ShadowStepper(local, {})
+        >>> state = {"step": torch.tensor(1.0), "exp_avg": torch.ones(4096), "exp_avg_sq": torch.ones(4096)}
+        >>> new, how = converted_state(stepper, {}, state, 4096)
+        >>> type(new["exp_avg"]).__name__, how
+        ('OptimState8bit', 'quantized')
+        >>> back, how = converted_state(ShadowStepper(torch.optim.AdamW([torch.zeros(1)]), {}), {}, new, 4096)
+        >>> type(back["exp_avg"]).__name__, torch.equal(back["exp_avg"], torch.ones(4096)), how
+        ('Tensor', True, 'dequantized')
+    """
+    local = low_bit_local(stepper, group)
+    out, how = dict(state), None
+    if local is None:
+        for key, value in state.items():
+            if is_blockwise(value):
+                out[key], how = value.dequantize(), "dequantized"
+        return out, how
+    block = int(getattr(local, "block_size", 1))  # torchao's instance attribute
+    moments = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
+    plain = [k for k in moments if isinstance(state[k], Tensor) and not is_blockwise(state[k])]
+    if plain and quantized(numel, block):
+        piece = cast(Tensor, state[plain[0]]).detach()
+        zeros = lowbit_state(local, {**group, "amsgrad": "max_exp_avg_sq" in state}, piece, numel)
+        for key in plain:
+            out[key] = zeros[key].copy_(cast(Tensor, state[key]).detach())
+        how = "quantized"
+    return out, how
+
+
 def tensor_keys(local: Optimizer) -> dict[str, torch.dtype]:
     """The hyperparameters ``local``'s group holds as 0-d tensors (torchao's ``lr``), with
     their dtypes.
@@ -239,6 +303,56 @@ def instance_hyper(keys: Mapping[str, torch.dtype], group: Mapping[str, Any]) ->
     return {
         k: torch.tensor(v, dtype=keys[k]) if k in keys and not isinstance(v, Tensor) else v
         for k, v in hyperparameters(group).items()
+    }
+
+
+def instance_keys(stepper: object, group: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """The hyperparameters that ``group``'s class keeps as 0-d tensors where a real instance
+    of it steps (torchao's ``lr``; :func:`tensor_keys`); none for the functional core.
+
+    Example:
+        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
+        >>> instance_keys(ShadowStepper(local, {}), {}), instance_keys(None, {})
+        ({'lr': torch.float32}, {})
+    """
+    if isinstance(stepper, ByClassStepper):
+        stepper = stepper.steppers.get(group.get(GROUP_CLASS_KEY, ""))
+    if isinstance(stepper, (ShadowStepper, RealStepper)):
+        return dict(stepper.tensor_keys)
+    return {}
+
+
+def saved_group(stepper: object, group: Mapping[str, Any]) -> dict[str, Any]:
+    """``group`` as a state dict carries it: where the class keeps a hyperparameter as a 0-d
+    tensor (:func:`instance_keys`), as one, so that a plain instance of the class loads and
+    steps it (torchao refuses a number ``lr``); the shell's group keeps numbers.
+
+    Example:
+        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
+        >>> saved_group(ShadowStepper(local, {}), {"params": [0], "lr": 0.5})
+        {'lr': tensor(0.5000), 'params': [0]}
+    """
+    return {**instance_hyper(instance_keys(stepper, group), group), "params": group["params"]}
+
+
+def loaded_group(
+    stepper: object, group: Mapping[str, Any], saved: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``saved``'s hyperparameters as the shell's ``group`` keeps them: a 0-d tensor that the
+    class's instance keeps as a tensor (torchao's ``lr``) becomes a number where ``group``
+    holds a number, so a dict saved by the plain class or by us loads alike.
+
+    Example:
+        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
+        >>> loaded_group(ShadowStepper(local, {}), {"lr": 0.1}, {"lr": torch.tensor(0.5)})
+        {'lr': 0.5}
+    """
+    keys = instance_keys(stepper, group)
+    return {
+        k: v.item()
+        if k in keys and isinstance(v, Tensor) and not isinstance(group.get(k), Tensor)
+        else v
+        for k, v in hyperparameters(saved).items()
     }
 
 

@@ -1,0 +1,138 @@
+"""Block-wise quantized tensors cut and joined through their inner tensors (pure).
+
+torchao's low-bit optimizer state (``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``)
+is a wrapper tensor subclass of ``codes`` (one per element, 4-bit: two to a byte) and
+``scale`` (one fp32 per block of elements, counted from the tensor's start), beside constants
+(a code table). It has no ``cat`` and no slice off a block; a piece of whole blocks, though, is
+exactly a slice of the codes and of the scales. :func:`sliced_blocks` and :func:`joined_blocks`
+cut and join such values bitwise, generic over the classes (``__tensor_flatten__`` /
+``__tensor_unflatten__``; nothing here imports torchao).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+__all__ = ["is_blockwise", "joined_blocks", "sliced_blocks"]
+
+Range = tuple[int, int]
+
+
+def is_blockwise(value: object) -> bool:
+    """Whether ``value`` is a block-wise quantized tensor: a wrapper tensor subclass whose
+    inner tensors (``__tensor_flatten__``) are ``codes`` (per element, possibly packed several
+    to a byte) and ``scale`` (one per block of elements), beside constants such as a code
+    table (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``).
+
+    Example:
+        >>> import torch
+        >>> is_blockwise(torch.zeros(2))
+        False
+    """
+    if not isinstance(value, Tensor) or getattr(type(value), "__tensor_flatten__", None) is None:
+        return False
+    names = value.__tensor_flatten__()[0]  # type: ignore[attr-defined]
+    return "codes" in names and "scale" in names
+
+
+def _inner(value: Tensor) -> tuple[dict[str, Tensor], Any]:
+    """A block-wise tensor's inner tensors by name, and its flatten context."""
+    names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    return {n: getattr(value, n) for n in names}, ctx
+
+
+def _rebuilt(like: Tensor, inner: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
+    """A tensor of ``like``'s class from ``inner`` tensors, ``shape`` on the outside: codes of
+    one per element take the shape (packed ones stay flat), and a context entry that is
+    ``like``'s shape (4-bit keeps it there) becomes ``shape``."""
+    numel = math.prod(shape)
+    _, ctx = like.__tensor_flatten__()  # type: ignore[attr-defined]
+    old = tuple(like.shape)
+    ctx = type(ctx)(shape if isinstance(c, tuple) and tuple(c) == old else c for c in ctx)
+    tensors = dict(inner)
+    codes = tensors["codes"]
+    tensors["codes"] = codes.reshape(shape) if codes.numel() == numel else codes.reshape(-1)
+    stride = torch.empty(shape, device="meta").stride()
+    return cast(Tensor, type(like).__tensor_unflatten__(tensors, ctx, shape, stride))  # type: ignore[attr-defined]
+
+
+def _block(value: Tensor) -> int:
+    """Elements per scale of a block-wise tensor."""
+    return value.numel() // max(_inner(value)[0]["scale"].numel(), 1)
+
+
+def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
+    """Elements ``want`` of the block-wise ``value`` of piece ``held``: a copy of their codes
+    and scales (bitwise).
+
+    Raises:
+        ValueError: ``want`` does not start and stop on a block.
+
+    Example:
+        >>> sliced_blocks("v", torch.zeros(2), (0, 2), (0, 1))
+        Traceback (most recent call last):
+        ...
+        TypeError: 'v' is not a block-wise quantized tensor
+    """
+    if not is_blockwise(value):
+        raise TypeError(f"{key!r} is not a block-wise quantized tensor")
+    (a, b), (lo, hi) = held, want
+    block, n = _block(value), b - a
+    if (lo - a) % block or (hi - a) % block:
+        raise ValueError(
+            f"elements [{lo}, {hi}) of the quantized state {key!r} of the piece [{a}, {b}) do "
+            f"not start and stop on its blocks of {block} (one scale per block, counted from "
+            "the piece's start): a low-bit state moves in whole blocks only; use "
+            'partition="flat", which cuts on them, or the optimizer\'s block_size'
+        )
+    inner, _ = _inner(value)
+    codes = inner["codes"].reshape(-1)
+    per = codes.numel() * block // n  # code bytes per block (4-bit: two codes a byte)
+    moved = {name: t.clone() for name, t in inner.items()}
+    moved["codes"] = codes[(lo - a) // block * per : (hi - a) // block * per].clone()
+    moved["scale"] = inner["scale"].reshape(-1)[(lo - a) // block : (hi - a) // block].clone()
+    return _rebuilt(value, moved, (hi - lo,))
+
+
+def joined_blocks(key: str, values: Sequence[Tensor], shape: tuple[int, ...]) -> Tensor:
+    """One block-wise tensor of ``shape`` from block-wise ``values`` in element order: codes
+    and scales concatenated (bitwise).
+
+    Raises:
+        ValueError: Values of other classes, blocks or kinds (signed or not).
+
+    Example:
+        >>> joined_blocks("v", [torch.zeros(2)], (2,))
+        Traceback (most recent call last):
+        ...
+        TypeError: 'v' is not a block-wise quantized tensor
+    """
+    if not all(is_blockwise(v) for v in values):
+        raise TypeError(f"{key!r} is not a block-wise quantized tensor")
+    first = values[0]
+    ctx = first.__tensor_flatten__()[1]  # type: ignore[attr-defined]
+    for v in values[1:]:
+        if (
+            type(v) is not type(first)
+            or _block(v) != _block(first)
+            or (
+                [c for c in v.__tensor_flatten__()[1] if not isinstance(c, tuple)]  # type: ignore[attr-defined]
+                != [c for c in ctx if not isinstance(c, tuple)]
+            )
+        ):
+            raise ValueError(
+                f"the pieces of the quantized state {key!r} differ in class, block or kind "
+                f"({type(first).__name__} in blocks of {_block(first)}, "
+                f"{type(v).__name__} in blocks of {_block(v)}): they were not made by one "
+                "optimizer"
+            )
+    inner = [_inner(v)[0] for v in values]
+    joined = dict(inner[0])
+    for name in ("codes", "scale"):
+        joined[name] = torch.cat([i[name].detach().reshape(-1) for i in inner])
+    return _rebuilt(first, joined, shape)
