@@ -53,6 +53,7 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
 from zero_functional import comm
+from zero_functional.checkpoint import background, per_rank
 from zero_functional.checkpoint import format as checkpoint_format
 from zero_functional.checkpoint.background import SaveHandle
 from zero_functional.checkpoint.format import (
@@ -221,6 +222,7 @@ def save(
     max_chunk_numel: int = ...,
     ema: ShardedEMA | None = ...,
     blocking: Literal[True] = ...,
+    shared: bool = ...,
 ) -> None: ...
 @overload
 def save(
@@ -233,6 +235,7 @@ def save(
     max_chunk_numel: int = ...,
     ema: ShardedEMA | None = ...,
     blocking: Literal[False],
+    shared: Literal[True] = ...,
 ) -> SaveHandle: ...
 def save(
     path: str | os.PathLike[str],
@@ -244,6 +247,7 @@ def save(
     max_chunk_numel: int = DEFAULT_MAX_BOX_NUMEL,
     ema: ShardedEMA | None = None,
     blocking: bool = True,
+    shared: bool = True,
 ) -> SaveHandle | None:
     """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``.
 
@@ -267,6 +271,10 @@ def save(
             GPU) and the save planned, with a :class:`SaveHandle` (``.wait()``, ``.done()``);
             a thread writes and commits behind training, with every guarantee above. Not
             with an optimizer sharded over a ``device_mesh``.
+        shared: ``False`` when the ranks share no file system (Ray Train, pods): ``path`` is
+            this rank's own directory, where it writes only its files, its manifest and its
+            own commit (:mod:`~zero_functional.checkpoint.per_rank`); ``load`` reads the
+            ranks' directories merged into one. Blocking, and not over a ``device_mesh``.
 
     Returns:
         ``None`` when blocking; else the write's :class:`SaveHandle`, whose ``wait()`` raises
@@ -289,6 +297,16 @@ def save(
     group = _group(optimizer, process_group)
     snapshot = _snapshot(model, optimizer, extra, comm.rank_or_zero(group), ema)
 
+    if not shared:
+        if not blocking or (zero is not None and zero.replicate_group is not None):
+            raise ValueError(
+                "save(shared=False) is blocking and takes no optimizer sharded over a "
+                "device_mesh: pass blocking=True, or save to a shared directory"
+            )
+        background.settle(group)
+        pieces, objects = checkpoint_format.layout(snapshot)
+        per_rank.save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
+        return None
     if not blocking:
         if zero is not None and zero.replicate_group is not None:
             raise ValueError(
@@ -385,6 +403,7 @@ def load(
     if ema is not None and (optimizer is None or ema.optimizer is not optimizer):
         raise ValueError("load(ema=...) takes the ShardedEMA of the optimizer it is given")
     request = _request(model, optimizer, tensors, strict, ema is not None)
+    per_rank.check_parts(path)  # a shared=False save: every rank's part, of one save
     contents = checkpoint_format.read(path, request, _group(optimizer, process_group))
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.finish_param_sync()

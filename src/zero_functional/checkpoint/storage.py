@@ -467,7 +467,7 @@ def _unwrap(step: str, error: CheckpointException) -> CheckpointError:
 
 
 @contextlib.contextmanager
-def _dcp_errors(step: str) -> Iterator[None]:
+def dcp_errors(step: str) -> Iterator[None]:
     try:
         yield
     except CheckpointException as e:
@@ -502,7 +502,7 @@ def save_pieces(
     target, tmp = temporary(path, process_group)
     planner, writer = dcp_parts(tmp, pieces, max_box_numel)
     try:
-        with _dcp_errors("save"):
+        with dcp_errors("save"):
             dcp_save(
                 dict(objects), storage_writer=writer, planner=planner, process_group=process_group
             )
@@ -690,7 +690,7 @@ def load_pieces(
         out[key] = buffers
         plan[key] = _Want(shape, dtype, boxes, views)
     state: dict[str, Any] = {k: None for k in objects}
-    with _dcp_errors("load"):
+    with dcp_errors("load"):
         dcp_load(
             state,
             storage_reader=_ChecksummedReader(os.fspath(path)),

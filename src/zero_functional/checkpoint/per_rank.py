@@ -1,0 +1,182 @@
+"""Checkpoints without a shared file system: each rank writes its own files into its own directory.
+
+Under Ray Train, a Kubernetes job or any launcher whose nodes share no disk, each rank saves with
+``checkpoint.save(its_own_directory, ..., shared=False)``: it writes only its files there (DCP's
+``__<rank>_0.distcp``, and on rank 0 the index ``.metadata``, every name unique to its rank),
+then its own manifest :data:`MANIFEST` (the save's id, its rank, the world size, each of its
+files' size and CRC32) and commits its own directory atomically
+(:mod:`~zero_functional.checkpoint.atomic_dir`). Merging the ranks' directories (Ray Train does
+it when each worker reports its directory) gives one directory that ``checkpoint.load`` reads at
+any world size; :func:`check_parts` first checks that every rank's part of one save is there.
+
+Example:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> write_manifest(d, "abc", 0, 2)
+    >>> check_parts(d)
+    Traceback (most recent call last):
+    ...
+    zero_functional.checkpoint.storage.CheckpointError: the checkpoint in ... is missing rank 1's part (ranks 0-1 of 2 saved it with shared=False): merge every rank's directory into it
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+import zlib
+from collections.abc import Mapping
+from typing import cast
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from zero_functional import comm
+from zero_functional.checkpoint import atomic_dir, storage
+from zero_functional.checkpoint.storage import CheckpointError, Pieces
+from zero_functional.core._validate import by_rank
+
+__all__ = ["MANIFEST", "check_parts", "save_pieces", "write_manifest"]
+
+MANIFEST = ".rank-{rank}-of-{world}.json"
+"""Each rank's manifest in a ``shared=False`` checkpoint."""
+_MANIFEST_RE = re.compile(r"^\.rank-(\d+)-of-(\d+)\.json$")
+
+
+def _crc(path: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return crc, size
+
+
+def write_manifest(directory: str, save_id: str, rank: int, world_size: int) -> None:
+    """Write rank ``rank``'s manifest into ``directory``: the save's id and each file there
+    (but manifests and the save marker) with its size and CRC32; flushed to disk."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name != atomic_dir.MARKER and not _MANIFEST_RE.match(name):
+            crc, size = _crc(os.path.join(directory, name))
+            files[name] = {"size": size, "crc32": f"{crc:08x}"}
+    body = {"save": save_id, "rank": rank, "world_size": world_size, "files": files}
+    path = os.path.join(directory, MANIFEST.format(rank=rank, world=world_size))
+    with open(path, "w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_parts(path: str | os.PathLike[str]) -> None:
+    """Raise a :class:`~zero_functional.checkpoint.storage.CheckpointError` unless the
+    ``shared=False`` checkpoint at ``path`` holds every rank's part of one save (each manifest
+    present, one save id, each listed file there with its size); nothing for a checkpoint
+    saved on a shared file system (no manifests)."""
+    directory = os.fspath(path)
+    if not os.path.isdir(directory):
+        return  # the reader names a missing directory
+    found: dict[int, tuple[int, dict[str, object]]] = {}
+    for name in os.listdir(directory):
+        m = _MANIFEST_RE.match(name)
+        if m:
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    found[int(m.group(1))] = (int(m.group(2)), json.load(f))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot read the manifest {name} in {directory}: {e}") from e
+    if not found:
+        return
+    worlds = {w for w, _ in found.values()}
+    saves = {str(body.get("save")) for _, body in found.values()}
+    if len(worlds) > 1 or len(saves) > 1:
+        raise CheckpointError(
+            f"the checkpoint in {directory} mixes parts of different saves (manifests of "
+            f"{len(saves)} saves, world sizes {sorted(worlds)}): merge the directories of one save"
+        )
+    (world,) = worlds
+    missing = [r for r in range(world) if r not in found]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise CheckpointError(
+            f"the checkpoint in {directory} is missing rank {shown}'s part (ranks 0-{world - 1} "
+            f"of {world} saved it with shared=False): merge every rank's directory into it"
+        )
+    for rank, (_, body) in sorted(found.items()):
+        for name, info in cast(Mapping[str, Mapping[str, object]], body["files"]).items():
+            file = os.path.join(directory, name)
+            size = os.path.getsize(file) if os.path.isfile(file) else None
+            if size != info["size"]:
+                got = "missing" if size is None else f"{size} bytes"
+                raise CheckpointError(
+                    f"rank {rank}'s file {file} is {got} but {info['size']} bytes were saved: "
+                    "the merged checkpoint is incomplete or was overwritten"
+                )
+
+
+def save_pieces(
+    path: str | os.PathLike[str],
+    pieces: Pieces,
+    objects: Mapping[str, object],
+    process_group: dist.ProcessGroup | None,
+    *,
+    max_box_numel: int | None,
+) -> None:
+    """:func:`~zero_functional.checkpoint.storage.save_pieces` into this rank's own directory
+    ``path`` (every rank's path differs); collective: the ranks agree on each step's verdict.
+
+    Raises:
+        CheckpointError: On every rank, naming each rank's cause (a refused target, two ranks
+            given one directory, a failed write or commit); every rank's previous checkpoint at
+            its ``path`` is untouched.
+    """
+    target = os.path.abspath(os.fspath(path))
+    rank, world = (
+        comm.rank_or_zero(process_group),
+        comm.group_size(comm.default_group(process_group)),
+    )
+    tmp, reason = "", atomic_dir.refusal(target)
+    if reason is None:
+        try:
+            tmp = atomic_dir.make_temporary(target)
+        except OSError as e:
+            reason = f"cannot create a directory beside {target} ({e}); pass a writable path"
+    verdicts = cast(
+        list[tuple[str, "str | None"]],
+        comm.all_gather_objects((target, reason), comm.default_group(process_group)),
+    )
+    owners: dict[str, int] = {}
+    problems = [(r, why) for r, (_, why) in enumerate(verdicts) if why is not None]
+    for r, (where, _) in enumerate(verdicts):
+        if where in owners:
+            problems.append(
+                (
+                    r,
+                    f"{where} is rank {owners[where]}'s directory too: with "
+                    "shared=False each rank saves into its own directory",
+                )
+            )
+        owners.setdefault(where, r)
+    if problems:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError("checkpoint save refused, nothing written: " + by_rank(problems))
+    save_id = cast(str, comm.broadcast_object(uuid.uuid4().hex, process_group))
+    planner, writer = storage.dcp_parts(tmp, pieces, max_box_numel)
+    try:
+        with storage.dcp_errors("save"):
+            dcp_save(
+                dict(objects), storage_writer=writer, planner=planner, process_group=process_group
+            )
+        write_manifest(tmp, save_id, rank, world)
+        error = storage.commit(tmp, target)
+    except (CheckpointError, OSError) as e:
+        error = str(e)
+    errors = cast(
+        list["str | None"], comm.all_gather_objects(error, comm.default_group(process_group))
+    )
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError("checkpoint save failed: " + by_rank(failed))
