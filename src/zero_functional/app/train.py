@@ -521,11 +521,11 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | No
         except Preempted as e:
             if rank == 0:
                 where = (
-                    f"a checkpoint is in {cfg.checkpoint}: --resume it to continue"
+                    f" ({cfg.checkpoint}): --resume it to continue"
                     if e.saved
-                    else f"the ZeRO run had finished: {cfg.checkpoint} holds its end"
+                    else f": the ZeRO run had finished, and {cfg.checkpoint} holds its end"
                 )
-                print(f"zero-functional train: every rank {e}; {where}", file=sys.stderr)
+                print(f"zero-functional train: every rank {e}{where}", file=sys.stderr)
                 sys.stderr.flush()
             return EXIT_CODE, None
 
