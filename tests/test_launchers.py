@@ -67,7 +67,9 @@ def _free(port: int) -> bool:
     return True
 
 
-def _run_ranks(envs: list[dict[str, str]], tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
+def _run_ranks(
+    envs: list[dict[str, str]], tmp_path: Path
+) -> list[subprocess.CompletedProcess[str]]:
     """``python -m zero_functional train`` once per rank, each with its own variables."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     procs = [
