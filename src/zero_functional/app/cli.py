@@ -41,12 +41,14 @@ from zero_functional.app.cli_args import (
     local_ranks,
     positive_float,
 )
+from zero_functional.app.cluster import ClusterError, ClusterRank, cluster_rank
 from zero_functional.app.plan_cmd import add_plan_parser, cmd_plan
 from zero_functional.app.plan_format import (
     DTYPE_BYTES,
     format_memory,
     format_plan,
 )
+from zero_functional.app.preempt import DEFAULT_GRACE_S
 
 __all__ = ["DTYPE_BYTES", "build_parser", "format_bench", "format_memory", "format_plan", "main"]
 
@@ -54,8 +56,9 @@ __all__ = ["DTYPE_BYTES", "build_parser", "format_bench", "format_memory", "form
 # ----------------------------------------------------------------------------- train / demo
 
 
-def _under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+def _cluster_rank() -> ClusterRank | None:
+    """Where torchrun, SLURM or a PyTorchJob put this process; None: ``train`` spawns its ranks."""
+    return cluster_rank(os.environ)
 
 
 DEMO_MODULES = {"sklearn": "scikit-learn", "tqdm": "tqdm"}
@@ -91,6 +94,10 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
 
     The checks that need no torch come first, so that those errors answer at once.
     """
+    try:
+        where = _cluster_rank()
+    except ClusterError as e:
+        return None, fail(command, str(e))
     missing = _missing_modules(DEMO_MODULES)
     if missing:
         return None, fail(
@@ -123,12 +130,12 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             )
         from zero_functional.core.partition import hybrid_shape
 
-        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
+        world = where.world_size if where is not None else args.nproc
         try:
             hybrid_shape(world, args.shard_size)
         except ValueError as e:
-            where = "torchrun's WORLD_SIZE" if _under_torchrun() else "--nproc"
-            return None, fail(command, f"--shard-size: {e} ({where})")
+            whose = f"{where.source}'s world size" if where is not None else "--nproc"
+            return None, fail(command, f"--shard-size: {e} ({whose})")
     if args.main_params and args.dtype == "fp32":
         return None, fail(
             command,
@@ -218,6 +225,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             dtype=args.dtype,
             main_params=args.main_params,
             shard_size=args.shard_size,
+            grace_s=args.grace_s,
         )
     except ValueError as e:
         return None, fail(command, str(e))
@@ -231,8 +239,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from zero_functional.app.train import TrainConfig, launch, run_torchrun
 
     assert isinstance(cfg, TrainConfig)
-    if _under_torchrun():
-        return run_torchrun(cfg)
+    where = _cluster_rank()
+    if where is not None:
+        return run_torchrun(cfg, where)
     return launch(cfg, args.nproc, timeout_s=args.timeout)
 
 
@@ -382,6 +391,14 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         "share) here, atomically; --impl torch writes one consolidated file",
     )
     p.add_argument(
+        "--grace-s",
+        type=positive_float(MAX_TIMEOUT_S, "a week"),
+        default=DEFAULT_GRACE_S,
+        metavar="S",
+        help=f"with --checkpoint, SIGTERM stops every rank after the same step and saves there "
+        f"within S seconds ({DEFAULT_GRACE_S:g}), else exits without it; exit code 143",
+    )
+    p.add_argument(
         "--resume",
         metavar="PATH",
         help="continue from this checkpoint (a sharded directory, or an older single file), at "
@@ -450,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train an MLP on sklearn's digits with DDP + ZeroRedundancyOptimizer(Adam)",
-        description="Spawns --nproc gloo ranks on 127.0.0.1, or joins torchrun's group.",
+        description="Spawns --nproc gloo ranks on 127.0.0.1, or joins the group of torchrun, "
+        "SLURM (srun, one task per process) or a PyTorchJob.",
     )
     _add_train_flags(train, epochs=10)
     train.set_defaults(func=_cmd_train)

@@ -32,7 +32,8 @@ waits for the process group's timeout. A rank that neither reports nor dies befo
 SIGTERM to the launcher (what ``kill``, ``timeout`` and job schedulers send) would by default end
 it alone, the ranks training on, orphaned. While ranks run, it raises :class:`Terminated` in the
 launcher instead, once every rank is stopped: a rank being stopped gets SIGTERM first (a rank
-that handles it has :data:`TERM_GRACE_S` to finish), then SIGKILL.
+that handles it has ``term_grace_s``, :data:`TERM_GRACE_S` by default, to finish: ``train``
+saves a checkpoint then), then SIGKILL.
 
 How a rank shuts down, and why: after reporting, a rank that succeeded waits in a barrier for
 the others (in gloo a barrier also waits for every collective still pending), destroys the
@@ -411,6 +412,7 @@ def run_ranks(
     backend: str = "gloo",
     num_threads: int | None = 1,
     grace_s: float = GRACE_S,
+    term_grace_s: float = TERM_GRACE_S,
 ) -> list[R]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the values in rank order.
 
@@ -428,6 +430,9 @@ def run_ranks(
         backend: The process group's backend.
         num_threads: ``torch.set_num_threads`` in each rank (1: the ranks share the cores);
             ``None`` keeps torch's default.
+        grace_s: Seconds the other ranks get to report after the first failure.
+        term_grace_s: Seconds a rank being stopped gets between SIGTERM and SIGKILL (a rank
+            that saves a checkpoint on SIGTERM needs its grace period here).
 
     Returns:
         What ``fn`` returned on each rank, in rank order.
@@ -488,7 +493,7 @@ def run_ranks(
                 failures = _await_exit(ranks)
         finally:
             sigterm.armed = False  # a SIGTERM from here on waits until every rank is stopped
-            _release(ranks)
+            _release(ranks, term_grace_s)
         if sigterm.received:
             raise Terminated(len(ranks))
     if failures:
@@ -675,12 +680,12 @@ def _rank_environment() -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-def _release(ranks: Sequence[_Rank]) -> None:
+def _release(ranks: Sequence[_Rank], term_grace_s: float) -> None:
     """Stop every rank still alive (SIGTERM, then SIGKILL), reap it, close its pipe and handles."""
     alive = [r for r in ranks if r.process.is_alive()]
     for r in alive:
         r.process.terminate()  # as a scheduler stops a job: a rank may handle SIGTERM
-    deadline = time.monotonic() + TERM_GRACE_S
+    deadline = time.monotonic() + term_grace_s
     for r in alive:
         r.process.join(max(deadline - time.monotonic(), 0.0))
         if r.process.is_alive():

@@ -31,13 +31,20 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.app.launch import LaunchError, Terminated, process_group, run_ranks
+from zero_functional.app.cluster import ClusterRank
+from zero_functional.app.launch import (
+    TERM_GRACE_S,
+    LaunchError,
+    Terminated,
+    process_group,
+    run_ranks,
+)
+from zero_functional.app.preempt import DEFAULT_GRACE_S, EXIT_CODE, Preempted, Preemption
 from zero_functional.checkpoint import format as checkpoint_format
 from zero_functional.checkpoint.storage import CheckpointError
 from zero_functional.core.ownership import check_partition
@@ -81,9 +88,11 @@ class TrainConfig:
         batch_size: Global batch size, split across ranks.
         hidden: Width of the MLP's two hidden layers.
         overlap: Run the ZeRO step inside DDP's backward (``overlap_with_ddp``).
-        checkpoint: Write a checkpoint here after every epoch: a sharded directory
+        checkpoint: Write a checkpoint here after every epoch, and after the step at which
+            every rank agreed to stop on SIGTERM: a sharded directory
             (``zero_functional.checkpoint``), or with ``impl="torch"`` one consolidated file.
-        resume: Continue from this checkpoint (a directory or a file, any world size).
+        resume: Continue from this checkpoint (a directory or a file, any world size), at the
+            epoch and step it was written after.
         impl: ``"zero_functional"`` (ours) or ``"torch"`` (``torch.distributed.optim``'s).
         reference: Also run plain DDP + ``torch.optim.Adam`` and compare parameters.
         progress: Show a tqdm bar on rank 0.
@@ -96,6 +105,8 @@ class TrainConfig:
         shard_size: Hybrid sharding (ours only): the state sharded within groups of this many
             consecutive ranks and replicated across the ``world_size / shard_size`` groups, a
             ``("replicate", "shard")`` device mesh; ``None``: sharded over the whole world.
+        grace_s: With ``checkpoint``: seconds from SIGTERM to the end of the save it asks for
+            (:mod:`zero_functional.app.preempt`); past them the rank exits without it.
     """
 
     epochs: int = 10
@@ -114,6 +125,7 @@ class TrainConfig:
     dtype: str = "fp32"
     main_params: str | None = None
     shard_size: int | None = None
+    grace_s: float = DEFAULT_GRACE_S
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES or self.main_params not in (None, "fp32"):
@@ -128,6 +140,8 @@ class TrainConfig:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not (self.grace_s > 0 and math.isfinite(self.grace_s)):
+            raise ValueError(f"grace_s must be a positive number, got {self.grace_s}")
         if not -(2**63) <= self.seed < 2**64:
             raise ValueError(
                 f"seed must be in torch.manual_seed's range, -2**63 to 2**64-1, got {self.seed}"
@@ -349,6 +363,7 @@ def _train(
     world_size: int,
     ckpt: Mapping[str, Any] | None,
     use_zero: bool,
+    stop: Preemption | None = None,
 ) -> _RunResult:
     x_train, y_train, x_test, y_test = load_digits_split()
     dtype = DTYPES[cfg.dtype]
@@ -410,14 +425,18 @@ def _train(
         for g in opt.param_groups:
             g["lr"] = cfg.lr
     start = int(ckpt["epoch"]) if ckpt is not None else 0
+    start_step = int(ckpt.get("step", 0)) if ckpt is not None else 0  # 0: an epoch's end
     steps_per_epoch = -(-len(y_train) // cfg.batch_size)
     name = "ZeRO + DDP" if use_zero else "plain DDP"
     step_s, steps, samples = 0.0, 0, 0
     t_start = time.perf_counter()
-    total = (cfg.epochs - start) * steps_per_epoch
+    total = (cfg.epochs - start) * steps_per_epoch - start_step
+    saves = use_zero and cfg.checkpoint is not None
     with _progress(total, name, cfg.progress and rank == 0) as bar:
         for epoch in range(start, cfg.epochs):  # one epoch's batches at a time
-            for batch in epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch):
+            batches = epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch)
+            for i in range(start_step if epoch == start else 0, len(batches)):
+                batch = batches[i]
                 idx = rank_slice(batch, rank, world_size)
                 t0 = time.perf_counter()
                 out = ddp(x_train[idx])
@@ -435,8 +454,14 @@ def _train(
                     refresh=False,
                 )
                 bar.update()
-            if use_zero and cfg.checkpoint is not None:
-                _write_checkpoint(cfg, rank, model, opt, epoch + 1, hidden)
+                # where the run stands: (epochs done, steps done in the next epoch)
+                at = (epoch + 1, 0) if i + 1 == len(batches) else (epoch, i + 1)
+                if saves and at[1] == 0:
+                    _write_checkpoint(cfg, rank, model, opt, at, hidden)
+                if stop is not None and stop.agreed():  # every rank stops after this step
+                    if saves and at[1] != 0:
+                        _write_checkpoint(cfg, rank, model, opt, at, hidden)
+                    raise Preempted(*at, saved=saves)
     finish = getattr(opt, "finish_param_sync", None)
     if finish is not None:
         finish()  # parameters final before they are read outside a forward
@@ -451,34 +476,61 @@ def _train(
 
 
 def _write_checkpoint(
-    cfg: TrainConfig, rank: int, model: nn.Module, opt: Optimizer, epoch: int, hidden: int
+    cfg: TrainConfig,
+    rank: int,
+    model: nn.Module,
+    opt: Optimizer,
+    at: tuple[int, int],
+    hidden: int,
 ) -> None:
+    """Save after ``at``, (epochs done, steps done in the next epoch); a resume starts there."""
     assert cfg.checkpoint is not None
     args = {**asdict(cfg), "hidden": hidden}
+    extra = {**checkpoint_format.train_extra(at[0], args), "step": at[1]}
     if cfg.impl == "zero_functional":
         from zero_functional import checkpoint
 
-        extra = checkpoint_format.train_extra(epoch, args)
         checkpoint.save(cfg.checkpoint, model=model, optimizer=opt, extra=extra)
         return
     opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
     if rank == 0:
         payload = {
-            **checkpoint_format.train_extra(epoch, args),
+            **extra,
             "model": model.state_dict(),
             "optimizer": opt.state_dict(),
         }
         save_checkpoint(cfg.checkpoint, payload)
 
 
-def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
+def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | None]:
     """Train with ZeRO (and the plain-DDP reference); call on every rank of the default group.
 
     The arguments are in :func:`zero_functional.app.launch.run_ranks`'s order, which calls it.
+    With a checkpoint, SIGTERM stops every rank after the same step, with a checkpoint there
+    (:mod:`zero_functional.app.preempt`); rank 0 says so on stderr.
 
     Returns:
-        On rank 0 the summary table, elsewhere ``None``.
+        The exit code (0, or 143 after SIGTERM) and on rank 0 the summary table (``None``
+        after SIGTERM and on the other ranks).
     """
+    if cfg.checkpoint is None:  # nothing to save: SIGTERM ends the rank at once, as before
+        return 0, _run_job(rank, world_size, cfg, None)
+    with Preemption(cfg.grace_s, rank=rank, checkpoint=cfg.checkpoint) as stop:
+        try:
+            return 0, _run_job(rank, world_size, cfg, stop)
+        except Preempted as e:
+            if rank == 0:
+                where = (
+                    f" ({cfg.checkpoint}): --resume it to continue"
+                    if e.saved
+                    else f": the ZeRO run had finished, and {cfg.checkpoint} holds its end"
+                )
+                print(f"zero-functional train: every rank {e}{where}", file=sys.stderr)
+                sys.stderr.flush()
+            return EXIT_CODE, None
+
+
+def _run_job(rank: int, world_size: int, cfg: TrainConfig, stop: Preemption | None) -> str | None:
     ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None
     ref_ckpt = ckpt
     if ckpt is not None and "sharded" in ckpt and cfg.reference:
@@ -494,8 +546,8 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
             "model": model.state_dict(),
             "optimizer": adam.state_dict(),
         }
-    zero = _train(cfg, rank, world_size, ckpt, use_zero=True)
-    ref = _train(cfg, rank, world_size, ref_ckpt, use_zero=False) if cfg.reference else None
+    zero = _train(cfg, rank, world_size, ckpt, True, stop)
+    ref = _train(cfg, rank, world_size, ref_ckpt, False, stop) if cfg.reference else None
     mine: dict[str, Any] = {
         "state_bytes": zero.state_bytes,
         "step_s": zero.step_s,
@@ -573,14 +625,15 @@ def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
     once, and stderr names the rank that failed first and how (its traceback if it raised).
 
     SIGTERM (``kill``, ``timeout``, a job scheduler) and Ctrl-C stop the ranks too, with one
-    line on stderr.
+    line on stderr; with a checkpoint, SIGTERM gives them ``cfg.grace_s`` to save one first.
 
     Returns:
         The exit code: 0 on success, 1 if a rank failed or timed out, 143 after SIGTERM, 130
         after Ctrl-C.
     """
+    term_grace_s = TERM_GRACE_S + (cfg.grace_s if cfg.checkpoint is not None else 0.0)
     try:
-        summaries = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s)
+        results = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s, term_grace_s=term_grace_s)
     except Terminated as e:  # kill, timeout or a job scheduler; run_ranks stopped the ranks
         print(f"zero-functional train: {e.message}", file=sys.stderr)
         return int(cast(int, e.code))
@@ -595,18 +648,24 @@ def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
             lines[0] += "; raise --timeout if the job is just slow"
         print("zero-functional train: " + "\n".join(lines), file=sys.stderr)
         return 1
-    print(summaries[0])
-    return 0
+    code, summary = results[0]
+    if summary is not None:
+        print(summary)
+    return max(code for code, _ in results)
 
 
-def run_torchrun(cfg: TrainConfig) -> int:
-    """Join the process group torchrun set up (``RANK``, ``WORLD_SIZE``, ...) and run the job.
+def run_torchrun(cfg: TrainConfig, where: ClusterRank) -> int:
+    """Join the job's process group as ``where`` says (torchrun, SLURM or a PyTorchJob set its
+    variables: :func:`zero_functional.app.cluster.cluster_rank`) and run the job.
 
     Returns:
-        The exit code (0); errors propagate so that torchrun reports the failing rank.
+        The exit code: 0, or 143 after SIGTERM (with a checkpoint saved if ``cfg`` has one);
+        errors propagate so that the launcher reports the failing rank.
     """
-    with process_group("gloo"):
-        summary = run_job(dist.get_rank(), dist.get_world_size(), cfg)
+    # torch's env:// rendezvous reads these two; SLURM's are derived (cluster_rank)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = where.master_addr, str(where.master_port)
+    with process_group("gloo", rank=where.rank, world_size=where.world_size):
+        code, summary = run_job(where.rank, where.world_size, cfg)
         if summary is not None:
             print(summary, flush=True)
-    return 0
+    return code

@@ -1,0 +1,188 @@
+"""Where a rank of ``train`` stands when a cluster started it: torchrun, SLURM or a PyTorchJob.
+
+Pure: the environment in, a :class:`ClusterRank` (or ``None``: nobody started this process as a
+rank, so ``train`` spawns its own) out. Read in this order, the first that applies wins:
+
+* ``RANK`` and ``WORLD_SIZE`` set: torchrun's workers (``srun`` + ``torchrun`` included: there
+  torchrun's variables, not srun's, name the process) or a Kubeflow PyTorchJob's pod, which
+  sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` but no ``LOCAL_RANK``
+  (one process per pod: local rank 0).
+* ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_STEP_ID`` set: a task of ``srun`` started one
+  per process (``SLURM_STEP_ID`` is srun's: a batch script that runs ``train`` itself, without
+  srun, spawns ``--nproc`` ranks as on any machine). Rank, world size and local rank are
+  ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID``; ``MASTER_ADDR``, unless set, is the
+  first host of ``SLURM_JOB_NODELIST`` (:func:`expand_hostlist`), and ``MASTER_PORT``, unless
+  set, :func:`slurm_port` of ``SLURM_JOB_ID`` (every task of a job derives the same).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["ClusterRank", "ClusterError", "cluster_rank", "expand_hostlist", "slurm_port"]
+
+SLURM_PORT_BASE = 29500
+"""The first port :func:`slurm_port` derives (torchrun's default port)."""
+SLURM_PORT_SPAN = 2000
+"""How many ports :func:`slurm_port` spreads the job ids over."""
+
+
+class ClusterError(ValueError):
+    """The launcher's variables are incomplete or inconsistent; the message names them."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterRank:
+    """This process's place in a job a cluster launcher started.
+
+    Attributes:
+        rank: The global rank.
+        world_size: The number of ranks.
+        local_rank: The rank on this node.
+        master_addr: Where rank 0's store listens.
+        master_port: Its port.
+        source: Who started the process, for messages (``"torchrun"``, ``"SLURM"``,
+            ``"RANK/WORLD_SIZE (a PyTorchJob)"``).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.world_size and 0 <= self.local_rank < self.world_size):
+            raise ClusterError(
+                f"{self.source}: rank {self.rank} and local rank {self.local_rank} must be "
+                f"from 0 to world size - 1 ({self.world_size - 1})"
+            )
+        if not 0 < self.master_port < 2**16:
+            raise ClusterError(f"{self.source}: MASTER_PORT {self.master_port} is not a port")
+
+
+_GROUP = re.compile(r"\[([^\[\]]*)\]")
+
+
+def _expand_one(pattern: str) -> list[str]:
+    """The hosts of one pattern with any number of bracket groups, in scontrol's order."""
+    m = _GROUP.search(pattern)
+    if m is None:
+        if "[" in pattern or "]" in pattern:
+            raise ClusterError(f"unbalanced brackets in host list entry {pattern!r}")
+        return [pattern]
+    head, tail = pattern[: m.start()], pattern[m.end() :]
+    values: list[str] = []
+    for part in m.group(1).split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ClusterError(f"host list range {part!r} in {pattern!r} is not N or N-M")
+        width = len(lo)  # node[01-10]: zero padded to the first bound's digits
+        last = int(hi) if sep else int(lo)
+        if last < int(lo):
+            raise ClusterError(f"host list range {part!r} in {pattern!r} runs backwards")
+        values += [f"{i:0{width}d}" for i in range(int(lo), last + 1)]
+    return [f"{head}{v}{rest}" for v in values for rest in _expand_one(tail)]
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """The host names of a SLURM host list, as ``scontrol show hostnames`` prints them.
+
+    Example:
+        >>> expand_hostlist("node[01-04,07]")
+        ['node01', 'node02', 'node03', 'node04', 'node07']
+        >>> expand_hostlist("a1,b[2-3]")
+        ['a1', 'b2', 'b3']
+        >>> expand_hostlist("rack[1-2]-gpu[8-9]")
+        ['rack1-gpu8', 'rack1-gpu9', 'rack2-gpu8', 'rack2-gpu9']
+    """
+    entries, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise ClusterError(f"unbalanced brackets in host list {text!r}")
+        if ch == "," and depth == 0:
+            entries.append(text[start:i])
+            start = i + 1
+    entries.append(text[start:])
+    if depth != 0 or any(not e.strip() for e in entries):
+        raise ClusterError(f"host list {text!r} is malformed (empty entry or open bracket)")
+    return [host for entry in entries for host in _expand_one(entry.strip())]
+
+
+def slurm_port(job_id: int) -> int:
+    """The ``MASTER_PORT`` every task of SLURM job ``job_id`` derives when none is set.
+
+    Two jobs on one node collide only if their ids are :data:`SLURM_PORT_SPAN` apart.
+
+    Example:
+        >>> slurm_port(123456), slurm_port(123457)
+        (30956, 30957)
+    """
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def _int(env: Mapping[str, str], name: str, source: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ClusterError(f"{source}: {name}={env[name]!r} is not an integer") from None
+
+
+def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
+    """This process's place in a job a launcher started, from ``env``; ``None`` if none did.
+
+    Raises:
+        ClusterError: A launcher's variables are there but incomplete or inconsistent.
+
+    Example:
+        >>> cluster_rank({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0",
+        ...               "MASTER_PORT": "23456"})  # a PyTorchJob's worker pod
+        ClusterRank(rank=1, world_size=2, local_rank=0, master_addr='job-master-0', master_port=23456, source='RANK/WORLD_SIZE (a PyTorchJob)')
+        >>> slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+        ...          "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1"}
+        >>> r = cluster_rank(slurm)
+        >>> r.rank, r.world_size, r.local_rank, r.master_addr, r.master_port
+        (3, 4, 1, 'gpu07', 29501)
+        >>> cluster_rank({"HOME": "/root"}) is None
+        True
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        torchrun = "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env
+        source = "torchrun" if torchrun else "RANK/WORLD_SIZE (a PyTorchJob)"
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise ClusterError(f"{source}: RANK and WORLD_SIZE are set but not {missing}")
+        return ClusterRank(
+            rank=_int(env, "RANK", source),
+            world_size=_int(env, "WORLD_SIZE", source),
+            local_rank=_int(env, "LOCAL_RANK", source) if "LOCAL_RANK" in env else 0,
+            master_addr=env["MASTER_ADDR"],
+            master_port=_int(env, "MASTER_PORT", source),
+            source=source,
+        )
+    if not all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")):
+        return None
+    source = "SLURM"
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        if not env.get("SLURM_JOB_NODELIST"):
+            raise ClusterError("SLURM: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
+        addr = expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+    if env.get("MASTER_PORT"):
+        port = _int(env, "MASTER_PORT", source)
+    elif env.get("SLURM_JOB_ID"):
+        port = slurm_port(_int(env, "SLURM_JOB_ID", source))
+    else:
+        raise ClusterError("SLURM: neither MASTER_PORT nor SLURM_JOB_ID is set")
+    return ClusterRank(
+        rank=_int(env, "SLURM_PROCID", source),
+        world_size=_int(env, "SLURM_NTASKS", source),
+        local_rank=_int(env, "SLURM_LOCALID", source) if "SLURM_LOCALID" in env else 0,
+        master_addr=addr,
+        master_port=port,
+        source=source,
+    )
