@@ -32,7 +32,6 @@ from zero_functional.app.plan_format import (
     format_muon,
     format_plan,
 )
-from zero_functional.functional.lowbit import LOW_BIT
 
 __all__ = ["add_plan_parser", "cmd_plan", "current_directory_on_path"]
 
@@ -66,6 +65,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"--muon: model {args.model!r} has no hidden 2-D matrix for Muon (torch.optim.Muon "
             "takes 2-D parameters only; embeddings and heads go to AdamW): drop --muon",
         )
+    if args.optimizer not in (None, "adamw"):
+        from zero_functional.functional.lowbit import LOW_BIT  # imports torch: not for --help
+
+        if args.optimizer not in LOW_BIT:
+            names = ", ".join(("adamw", *LOW_BIT))
+            return fail("plan", f"--optimizer: expected one of {names}, got {args.optimizer!r}")
     if args.remainders and (args.dtype != "bf16" or args.main_params != "fp32"):
         return fail(
             "plan",
@@ -184,9 +189,10 @@ def add_plan_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--optimizer",
-        choices=("adamw", *LOW_BIT),
-        help="the state's optimizer for the bytes per rank: AdamW (default) or torchao's "
-        "low-bit AdamW (block-quantized moments, for tensors of >= 4096 elements)",
+        metavar="NAME",
+        help="the state's optimizer for the bytes per rank: adamw (default) or torchao's "
+        "low-bit adamw8bit, adamw4bit, adamwfp8 (block-quantized moments, for tensors of >= "
+        "4096 elements)",
     )
     plan.add_argument(
         "--remainders",
