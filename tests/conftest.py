@@ -47,6 +47,7 @@ STARTS_PROCESSES = (
     "os.fork(",
     ".Process(",
     "NotebookClient(",
+    "ray.init(",
 )
 """Text in a reachable function that marks its tests ``slow``."""
 COMPILES = ("torch.compile(", "compile=True", "compiled_adam_update_", "compiled_sgd_update_")
