@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q "$(TORCH)" -e ".[test,dev,demo,integrations,lowbit]"  # torch pinned: no extra may replace it
+	$(BIN)/pip install -q "$(TORCH)" -e ".[test,dev,demo,integrations,lowbit,ray]"  # torch pinned: no extra may replace it
 	touch $(STAMP)
 
 setup: $(STAMP)
