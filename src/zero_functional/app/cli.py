@@ -226,6 +226,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
             main_params=args.main_params,
             shard_size=args.shard_size,
             grace_s=args.grace_s,
+            save_every=args.save_every,
         )
     except ValueError as e:
         return None, fail(command, str(e))
@@ -389,6 +390,13 @@ def _add_train_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         metavar="PATH",
         help="after every epoch, write a sharded checkpoint (a directory; each rank writes its "
         "share) here, atomically; --impl torch writes one consolidated file",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int_in(1, 1 << 40, ""),
+        metavar="K",
+        help="with --checkpoint, also save after every K steps (a restarted elastic torchrun "
+        "job resumes from the last complete one)",
     )
     p.add_argument(
         "--grace-s",

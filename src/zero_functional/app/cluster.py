@@ -17,11 +17,19 @@ rank, so ``train`` spawns its own) out. Read in this order, the first that appli
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClusterRank", "ClusterError", "cluster_rank", "expand_hostlist", "slurm_port"]
+__all__ = [
+    "ClusterError",
+    "ClusterRank",
+    "cluster_rank",
+    "elastic_resume",
+    "expand_hostlist",
+    "slurm_port",
+]
 
 SLURM_PORT_BASE = 29500
 """The first port :func:`slurm_port` derives (torchrun's default port)."""
@@ -186,3 +194,29 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
         master_port=port,
         source=source,
     )
+
+
+def elastic_resume(
+    checkpoint: str | None, resume: str | None, env: Mapping[str, str], rank: int = 0
+) -> str | None:
+    """What a job resumes from: ``resume``; else, when torchrun restarted the workers
+    (``TORCHELASTIC_RESTART_COUNT`` > 0: a node left or failed) and the job's own
+    ``checkpoint`` is there, that checkpoint: the job continues from the last complete one at
+    the world size the restart gave it (rank 0 says so).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> elastic_resume(d, None, {}) is None
+        True
+        >>> elastic_resume(d, None, {"TORCHELASTIC_RESTART_COUNT": "1"}, rank=1) == d
+        True
+    """
+    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if resume is not None or restarts < 1 or checkpoint is None:
+        return resume
+    if not os.path.exists(checkpoint):
+        return None  # no checkpoint was committed before the restart: start over
+    if rank == 0:
+        print(f"restart {restarts}: resuming from {checkpoint}", flush=True)
+    return checkpoint

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.app.cluster import ClusterRank
+from zero_functional.app.cluster import ClusterRank, elastic_resume
 from zero_functional.app.launch import (
     TERM_GRACE_S,
     LaunchError,
@@ -126,8 +126,14 @@ class TrainConfig:
     main_params: str | None = None
     shard_size: int | None = None
     grace_s: float = DEFAULT_GRACE_S
+    save_every: int | None = None
 
     def __post_init__(self) -> None:
+        if self.save_every is not None and (self.save_every < 1 or self.checkpoint is None):
+            raise ValueError(
+                f"save_every must be >= 1 and needs a checkpoint, got {self.save_every} with "
+                f"checkpoint {self.checkpoint!r}"
+            )
         if self.dtype not in DTYPES or self.main_params not in (None, "fp32"):
             raise ValueError(
                 f"dtype must be one of {', '.join(DTYPES)} and main_params None or 'fp32', got "
@@ -456,8 +462,11 @@ def _train(
                 bar.update()
                 # where the run stands: (epochs done, steps done in the next epoch)
                 at = (epoch + 1, 0) if i + 1 == len(batches) else (epoch, i + 1)
-                if saves and at[1] == 0:
+                every = cfg.save_every and (epoch * len(batches) + i + 1) % cfg.save_every == 0
+                if saves and (at[1] == 0 or every):
                     _write_checkpoint(cfg, rank, model, opt, at, hidden)
+                    if every and rank == 0:
+                        print(f"saved {cfg.checkpoint} at epoch {at[0]} step {at[1]}", flush=True)
                 if stop is not None and stop.agreed():  # every rank stops after this step
                     if saves and at[1] != 0:
                         _write_checkpoint(cfg, rank, model, opt, at, hidden)
@@ -664,6 +673,8 @@ def run_torchrun(cfg: TrainConfig, where: ClusterRank) -> int:
     """
     # torch's env:// rendezvous reads these two; SLURM's are derived (cluster_rank)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = where.master_addr, str(where.master_port)
+    resume = elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank)
+    cfg = replace(cfg, resume=resume)
     with process_group("gloo", rank=where.rank, world_size=where.world_size):
         code, summary = run_job(where.rank, where.world_size, cfg)
         if summary is not None:
