@@ -44,6 +44,17 @@ import torch
 from torch import Tensor, nn
 
 from zero_functional.checkpoint import background, storage
+from zero_functional.checkpoint.keys import (
+    MODEL_PREFIX,
+    STATE_PREFIX,
+    check_groups,
+    ema_key,
+    model_key,
+    model_state_dict,
+    optimizer_state_dict,
+    split_state_key,
+    state_key,
+)
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
 from zero_functional.core.main_params import MAIN_KEY
@@ -84,107 +95,8 @@ FORMAT = "zero_functional.checkpoint/1"
 TRAIN_FORMAT = "zero_functional.app.train/1"
 """The ``format`` key of the train job's checkpoints; others are refused on resume."""
 
-_MODEL, _STATE, _EMA = "model.", "state.", "ema."
 EMA_N_AVERAGED = "ema_n_averaged"
 """The object that holds a saved EMA's number of averaged updates."""
-
-
-def model_key(name: str) -> str:
-    """The key of the model tensor ``name``.
-
-    Example:
-        >>> model_key("0.weight")
-        'model.0.weight'
-    """
-    return _MODEL + name
-
-
-def state_key(name: str, key: str) -> str:
-    """The key of the optimizer state ``key`` (which has no dot) of the parameter ``name``.
-
-    Example:
-        >>> state_key("0.weight", "exp_avg")
-        'state.0.weight.exp_avg'
-    """
-    return f"{_STATE}{name}.{key}"
-
-
-def ema_key(name: str) -> str:
-    """The key of the EMA of the parameter ``name``.
-
-    Example:
-        >>> ema_key("0.weight")
-        'ema.0.weight'
-    """
-    return _EMA + name
-
-
-def split_state_key(key: str) -> tuple[str, str] | None:
-    """The parameter name and state key of an optimizer state item; ``None`` for another item.
-
-    Example:
-        >>> split_state_key("state.0.weight.exp_avg"), split_state_key("model.0.weight")
-        (('0.weight', 'exp_avg'), None)
-    """
-    if not key.startswith(_STATE):
-        return None
-    name, _, rest = key[len(_STATE) :].rpartition(".")
-    return (name, rest) if name else None
-
-
-def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's ``state_dict`` from a ``dcp_to_torch_save`` file of a checkpoint.
-
-    Example:
-        >>> model_state_dict({"model.w": 1, "state.w.step": 2, "extra": None})
-        {'w': 1}
-    """
-    return {k[len(_MODEL) :]: v for k, v in flat.items() if k.startswith(_MODEL)}
-
-
-def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint.
-
-    Parameters are numbered as ``torch.optim`` numbers them: by position in the groups'
-    ``params`` lists, concatenated.
-
-    Example:
-        >>> flat = {"state.w.step": 3, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
-        >>> optimizer_state_dict(flat)
-        {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
-    """
-    groups = flat["param_groups"]
-    order = [name for g in groups for name in g["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in flat.items():
-        split = split_state_key(key)
-        if split is not None:
-            state.setdefault(index[split[0]], {})[split[1]] = value
-    return {
-        "state": state,
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
-    }
-
-
-def check_groups(saved: object, expected: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
-    """The saved ``param_groups``, checked to list the parameters ``expected`` group by group.
-
-    Raises:
-        CheckpointError: They list other parameters (another model, or another group order).
-
-    Example:
-        >>> check_groups([{"lr": 0.1, "params": ["w"]}], [["w"]])
-        [{'lr': 0.1, 'params': ['w']}]
-    """
-    if not isinstance(saved, list) or [g.get("params") for g in saved] != [
-        list(names) for names in expected
-    ]:
-        raise CheckpointError(
-            "the checkpoint's parameter groups list other parameters than the optimizer's: "
-            "it belongs to another model (or the groups were built in another order)"
-        )
-    return saved
 
 
 # ------------------------------------------------------------------------------ writing
@@ -378,7 +290,7 @@ def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
     """Per model tensor to fill, the key it is read from; refuses a misfit when strict."""
     if request.model is None:
         return {}
-    names_saved = {k[len(_MODEL) :] for k in saved if k.startswith(_MODEL)}
+    names_saved = {k[len(MODEL_PREFIX) :] for k in saved if k.startswith(MODEL_PREFIX)}
     missing = sorted(set(request.model) - names_saved)
     unexpected = sorted(names_saved - set(request.model))
     if request.strict and (missing or unexpected):
@@ -689,7 +601,9 @@ def read_train_directory(
                         f"{meta[0]}, the model's {name} {tuple(p.shape)}"
                     )
     unknown = sorted(
-        k for k in keys if k.startswith(_STATE) and (split_state_key(k) or ("", ""))[0] not in names
+        k
+        for k in keys
+        if k.startswith(STATE_PREFIX) and (split_state_key(k) or ("", ""))[0] not in names
     )
     if unknown or any(model_key(n) not in keys for n in names):
         raise CheckpointError(
