@@ -43,7 +43,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from zero_functional.checkpoint import background, storage
+from zero_functional.checkpoint import background, quantized, storage
 from zero_functional.checkpoint.keys import (
     MODEL_PREFIX,
     STATE_PREFIX,
@@ -57,12 +57,14 @@ from zero_functional.checkpoint.keys import (
 )
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
+from zero_functional.core.blockwise import is_blockwise
 from zero_functional.core.main_params import MAIN_KEY
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
 
 __all__ = [
     "FORMAT",
+    "FORMAT_QUANTIZED",
     "READERS",
     "TRAIN_FORMAT",
     "Contents",
@@ -82,6 +84,7 @@ __all__ = [
     "read_train_directory",
     "read_train_file",
     "read_v1",
+    "read_v2",
     "split_state_key",
     "state_key",
     "train_extra",
@@ -90,7 +93,10 @@ __all__ = [
 ]
 
 FORMAT = "zero_functional.checkpoint/1"
-"""The ``format`` object of the checkpoints :func:`write` writes."""
+"""The ``format`` object of the checkpoints :func:`write` writes without quantized state."""
+
+FORMAT_QUANTIZED = "zero_functional.checkpoint/2"
+"""The ``format`` object of those of an optimizer that may keep block-wise quantized state."""
 
 TRAIN_FORMAT = "zero_functional.app.train/1"
 """The ``format`` key of the train job's checkpoints; others are refused on resume."""
@@ -127,17 +133,25 @@ class Held:
 class Snapshot:
     """What one rank writes: its :class:`Held` parameters, the model's other tensors (whole,
     one writer), the optimizer's groups (names for parameters; ``None`` without an optimizer)
-    and the caller's ``extra``; with an EMA, its number of averaged updates."""
+    and the caller's ``extra``; with an EMA, its number of averaged updates; whether the
+    optimizer's class may keep block-wise quantized state (the same on every rank: the
+    checkpoint is then :data:`FORMAT_QUANTIZED`)."""
 
     held: Sequence[Held]
     others: Mapping[str, Tensor]
     param_groups: list[dict[str, Any]] | None
     extra: Any
     ema_n_averaged: int | None = None
+    quantized: bool = False
 
 
 def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
-    """The tensor items (:data:`~zero_functional.checkpoint.storage.Pieces`) and objects of a snapshot.
+    """The tensor items (:data:`~zero_functional.checkpoint.storage.Pieces`) and objects of a snapshot;
+    a quantized state value as its codes and scales (:func:`~.quantized.items`).
+
+    Raises:
+        CheckpointError: A quantized value in a snapshot not marked ``quantized``, or one cut
+            off its blocks.
 
     Example:
         >>> held = Held("w", (2,), Piece(0, 0, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
@@ -146,12 +160,23 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
         (['model.b', 'model.w', 'state.w.step'], {'format': 'zero_functional.checkpoint/1', 'extra': 7})
     """
     pieces: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]] = {}
-    objects: dict[str, Any] = {"format": FORMAT, "extra": snapshot.extra}
+    version = FORMAT_QUANTIZED if snapshot.quantized else FORMAT
+    objects: dict[str, Any] = {"format": version, "extra": snapshot.extra}
     for held in snapshot.held:
         start, stop = held.piece.start, held.piece.stop
         for key, value in held.state.items():
             item = state_key(held.name, key)
-            if is_elementwise(value, stop - start):
+            if is_blockwise(value) and snapshot.quantized:
+                more, meta = quantized.items(held.name, held.shape, held.piece, key, value)
+                pieces.update(more)
+                objects.update(meta)
+            elif is_blockwise(value):
+                raise CheckpointError(
+                    f"the state {item} is block-wise quantized ({type(value).__name__}) but its "
+                    "optimizer class has no quantization block: register it with "
+                    "zero_functional.register_optimizer(..., block=)"
+                )
+            elif is_elementwise(value, stop - start):
                 flat = value.detach().reshape(-1)
                 pieces[item] = (held.shape, flat.dtype, [(start, stop, flat)])
             elif isinstance(value, Tensor) and value.dim() == 0:
@@ -330,6 +355,13 @@ def _state_keys(saved: Saved, owned: Owned) -> dict[str, str]:
     return out
 
 
+def _shape(owned: Owned) -> tuple[int, ...]:
+    """The shape of an owned piece's state: the parameter's when whole, else flat."""
+    n = torch.Size(owned.shape).numel()
+    whole = owned.piece.start == 0 and owned.piece.stop == n
+    return owned.shape if whole else (owned.piece.stop - owned.piece.start,)
+
+
 def _entry(
     owned: Owned,
     keys: Mapping[str, str],
@@ -377,6 +409,33 @@ def read_v1(
     Example:
         >>> # read_v1("ckpt", storage.read_keys("ckpt"), request, None)
     """
+    return _read(path, saved, request, process_group, with_quantized=False)
+
+
+def read_v2(
+    path: str | os.PathLike[str],
+    saved: Saved,
+    request: Request,
+    process_group: ProcessGroup | None,
+) -> Contents:
+    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): format 1 plus
+    block-wise quantized state, each rank reading the whole blocks around its pieces
+    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`); collective.
+
+    Example:
+        >>> # read_v2("ckpt", storage.read_keys("ckpt"), request, None)
+    """
+    return _read(path, saved, request, process_group, with_quantized=True)
+
+
+def _read(
+    path: str | os.PathLike[str],
+    saved: Saved,
+    request: Request,
+    process_group: ProcessGroup | None,
+    *,
+    with_quantized: bool,
+) -> Contents:
     sources = _model_sources(saved, request)
     shapes = request.model or {}
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
@@ -395,6 +454,16 @@ def read_v1(
                 wanted[key] = ((), meta[1], [(0, 1)])
             else:
                 wanted[key] = (owned.shape, meta[1], [(owned.piece.start, owned.piece.stop)])
+    plans = {
+        o.piece.param: (
+            quantized.reads(saved, o.name, o.shape, o.piece) if with_quantized else ([], {})
+        )
+        for o in request.owned or ()
+    }
+    for owned in request.owned or ():
+        plan, more = plans[owned.piece.param]
+        wanted.update(more)
+        objects.extend(quantized.quantized_key(owned.name, r.key) for r in plan)
     if request.ema:
         lacking = [o.name for o in request.owned or () if saved.get(ema_key(o.name)) is None]
         if lacking or EMA_N_AVERAGED not in saved:
@@ -416,9 +485,14 @@ def read_v1(
     return Contents(
         model={name: tensors[key][0].view(shapes[name][0]) for name, key in sources.items()},
         state={
-            o.piece.param: _entry(o, keys[o.piece.param], saved, read)
+            o.piece.param: {
+                **_entry(o, keys[o.piece.param], saved, read),
+                **quantized.rebuilt(
+                    o.name, plans[o.piece.param][0], tensors, values, o.piece, _shape(o)
+                ),
+            }
             for o in request.owned or ()
-            if keys[o.piece.param]
+            if keys[o.piece.param] or plans[o.piece.param][0]
         },
         param_groups=(
             [] if request.owned is None else check_groups(values["param_groups"], request.groups)
@@ -431,7 +505,7 @@ def read_v1(
     )
 
 
-READERS: dict[str, Reader] = {FORMAT: read_v1}
+READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
 """The reader of each directory format version."""
 
 
