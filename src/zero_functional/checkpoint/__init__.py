@@ -639,7 +639,8 @@ def stateful(
 
     Raises:
         TypeError: ``optimizer`` is not a ZeroRedundancyOptimizer.
-        ValueError: It is sharded over a ``device_mesh`` (use :func:`save`/:func:`load`).
+        ValueError: It is sharded over a ``device_mesh``, or a class of its quantizes its state
+            in blocks (torchao's low-bit AdamWs): use :func:`save`/:func:`load`.
         CheckpointError: Its parameters are not the model's.
 
     Example:

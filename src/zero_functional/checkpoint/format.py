@@ -15,9 +15,15 @@ partition:
 * the objects ``param_groups`` (each group's hyperparameters and its parameters' names),
   ``extra`` (the caller's) and ``format`` (this version's name).
 
+**zero_functional.checkpoint/2** (:data:`FORMAT_QUANTIZED`, written when a group's class
+quantizes its state in blocks: torchao's low-bit AdamWs): checkpoint/1 plus, for each
+block-wise quantized state value, its codes and scales as flat items and one object
+(:mod:`~zero_functional.checkpoint.quantized`), read by :func:`read_v2`. The item keys are
+:mod:`~zero_functional.checkpoint.keys`' (re-exported here).
+
 :func:`layout` says which items a rank's :class:`Snapshot` becomes and :func:`write` writes them;
 :func:`read` reads what a rank's :class:`Request` needs with the reader of the version the
-checkpoint names (:data:`READERS`: :func:`read_v1`) and hands back :class:`Contents`.
+checkpoint names (:data:`READERS`: :func:`read_v1`, :func:`read_v2`) and hands back :class:`Contents`.
 
 **zero_functional.app.train/1** (:data:`TRAIN_FORMAT`): the demo train job's, in two layouts, both
 read by :func:`read_train`: a checkpoint/1 directory whose ``extra`` is :func:`train_extra`
