@@ -10,6 +10,7 @@ every comparison here is bitwise.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero_functional import ZeroRedundancyOptimizer
+from zero_functional import ZeroRedundancyOptimizer, checkpoint
+from zero_functional.checkpoint import storage
 from zero_functional.comm.testing import fake_world
 from zero_functional.core.ownership import piece_view
 from zero_functional.core.piece_state import slice_state
@@ -431,3 +433,104 @@ def test_quantized_state_cut_off_its_blocks_is_refused_with_the_reason() -> None
                 assert "do not start and stop on its blocks of 256" in str(e)
                 refused.append(rank)
     assert refused
+
+
+# ------------------------------------------------------------------ sharded checkpoints
+
+
+def _flat_state(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """Rank 0's consolidated state, picklable: a quantized value as its class name and inner
+    tensors (codes, scales, code table), others as they are (collective)."""
+    zero.consolidate_state_dict(0)
+    if dist.get_rank():
+        return {}
+    out: dict[str, Any] = {}
+    for k, entry in zero.state_dict()["state"].items():
+        for key, v in entry.items():
+            if hasattr(v, "codes"):
+                names = v.__tensor_flatten__()[0]
+                out[f"{k}.{key}"] = (type(v).__name__, [getattr(v, n).clone() for n in names])
+            else:
+                out[f"{k}.{key}"] = v
+    return out
+
+
+def _lowbit_steps(module: nn.Module, zero: ZeroRedundancyOptimizer, steps: range) -> None:
+    """``steps`` of ``zero`` on gradients of the step's number (the same on every rank)."""
+    for t in steps:
+        g = torch.Generator().manual_seed(500 + t)
+        for p in module.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        zero.step()
+
+
+def _save_lowbit(rank: int, world: int, path: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Two steps of AdamW8bit under ``"flat"`` at ``world`` ranks, saved; the consolidated
+    state then, and the parameters after a third step."""
+    eager()
+    module = model()
+    zero = ZeroRedundancyOptimizer(list(module.parameters()), ao.AdamW8bit, partition="flat")
+    _lowbit_steps(module, zero, range(2))
+    checkpoint.save(path, model=module, optimizer=zero)
+    state = _flat_state(zero)
+    _lowbit_steps(module, zero, range(2, 3))
+    return state, [p.detach().clone() for p in module.parameters()]
+
+
+def _load_lowbit(
+    rank: int, world: int, path: str, saved: tuple[dict[str, Any], list[torch.Tensor]]
+) -> dict[str, bool]:
+    """The checkpoint loaded at ``world`` ranks under each partition into a model of other
+    values: the consolidated state equals the saving run's, bitwise, and a third step its."""
+    eager()
+    out: dict[str, bool] = {}
+    for partition in ("flat", "sorted_greedy"):
+        torch.manual_seed(1)
+        module = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 48), nn.Linear(48, 4))
+        zero = ZeroRedundancyOptimizer(list(module.parameters()), ao.AdamW8bit, partition=partition)
+        checkpoint.load(path, model=module, optimizer=zero)
+        state = _flat_state(zero)
+        if rank == 0:
+            out[f"{partition} state"] = state.keys() == saved[0].keys() and all(
+                _same_flat(state[k], v) for k, v in saved[0].items()
+            )
+        _lowbit_steps(module, zero, range(2, 3))
+        out[f"{partition} step"] = all(
+            torch.equal(a, b) for a, b in zip(module.parameters(), saved[1])
+        )
+    return out
+
+
+def _same_flat(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple):
+        return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else bool(a == b)
+
+
+def test_sharded_checkpoints_of_quantized_state_reshard_3_to_2_and_4_bitwise(
+    tmp_path: Path,
+) -> None:
+    """Saved at 3 ranks under ``"flat"`` (6144- and 4608-element weights quantized, cut on
+    their 256-element blocks; biases and a 192-element weight in fp32), loaded at 2 and 4 under
+    both partitions: the consolidated state is the saving run's, bitwise, and training goes on
+    as it would have."""
+    path = str(tmp_path / "ck")
+    saved = run_ranks(_save_lowbit, 3, path, timeout_s=120)[0]
+    keys = storage.read_keys(path)
+    assert keys["quantized.0.weight.exp_avg.codes"] == ((6144,), torch.uint8)
+    assert keys["quantized.0.weight.exp_avg.scale"] == ((24,), torch.float32)
+    assert "state.0.weight.exp_avg" not in keys and "state.0.bias.exp_avg" in keys
+    assert storage.read_objects(path, ["format"])["format"] == "zero_functional.checkpoint/2"
+    assert any(isinstance(v, tuple) and v[0] == "OptimState8bit" for v in saved[0].values())
+    assert any(isinstance(v, torch.Tensor) and v.dim() for v in saved[0].values())
+    for world in (2, 4):
+        for result in run_ranks(_load_lowbit, world, path, saved, timeout_s=120):
+            assert result == dict.fromkeys(result, True), (world, result)
+
+
+def test_dcp_stateful_refuses_quantized_state_naming_checkpoint_save() -> None:
+    with fake_world(2, 0):
+        module = model()
+        zero = ZeroRedundancyOptimizer(list(module.parameters()), ao.AdamW8bit)
+        with pytest.raises(ValueError, match=r"AdamW8bit.*zero_functional\.checkpoint\.save"):
+            checkpoint.stateful(module, zero)

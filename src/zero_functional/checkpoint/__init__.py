@@ -74,6 +74,7 @@ from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.functional import update_kind
+from zero_functional.functional.registry import update_block
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.shell.steppers import hyperparameters, probe_state
@@ -156,6 +157,21 @@ def _spans(optimizer: Optimizer) -> list[tuple[int, int]]:
     return out
 
 
+def _blockwise(optimizer: Optimizer) -> str | None:
+    """The name of the first class among ``optimizer``'s groups' that quantizes its state in
+    blocks (torchao's low-bit AdamWs), else ``None``: the same on every rank."""
+    default = (
+        optimizer.optimizer_class
+        if isinstance(optimizer, ZeroRedundancyOptimizer)
+        else type(optimizer)
+    )
+    for g in optimizer.param_groups:
+        cls = group_class(g, default) if isinstance(optimizer, ZeroRedundancyOptimizer) else default
+        if update_block(cls, {**optimizer.defaults, **g}) > 1:
+            return cls.__name__
+    return None
+
+
 def _snapshot(
     model: nn.Module | None,
     optimizer: Optimizer | None,
@@ -191,7 +207,8 @@ def _snapshot(
             if isinstance(t, Tensor) and t not in in_optimizer:
                 others[name] = t
     n_averaged = None if ema is None else ema.n_averaged()
-    return Snapshot(held, others, groups, extra, n_averaged)
+    blockwise = optimizer is not None and _blockwise(optimizer) is not None
+    return Snapshot(held, others, groups, extra, n_averaged, blockwise)
 
 
 def _first_replica_writes(write: Callable[[], None], replicate: dist.ProcessGroup) -> None:
@@ -490,6 +507,13 @@ class ZeroStateful:
             )
         if ema is not None and ema.optimizer is not optimizer:
             raise ValueError("stateful(ema=...) takes the ShardedEMA of the optimizer it is given")
+        blockwise = _blockwise(optimizer)
+        if blockwise is not None:  # DCP would cut its codes in the parameter's shape
+            raise ValueError(
+                f"stateful() does not take an optimizer whose state is block-wise quantized "
+                f"({blockwise}): use zero_functional.checkpoint.save/load, which store its "
+                "codes and scales on its blocks and reshard them at any world size"
+            )
         self.model = model
         self.optimizer = optimizer
         self.ema = ema
@@ -634,7 +658,8 @@ def stateful(
 
     Raises:
         TypeError: ``optimizer`` is not a ZeroRedundancyOptimizer.
-        ValueError: It is sharded over a ``device_mesh`` (use :func:`save`/:func:`load`).
+        ValueError: It is sharded over a ``device_mesh``, or a class of its quantizes its state
+            in blocks (torchao's low-bit AdamWs): use :func:`save`/:func:`load`.
         CheckpointError: Its parameters are not the model's.
 
     Example:

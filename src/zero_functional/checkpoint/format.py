@@ -15,9 +15,15 @@ partition:
 * the objects ``param_groups`` (each group's hyperparameters and its parameters' names),
   ``extra`` (the caller's) and ``format`` (this version's name).
 
+**zero_functional.checkpoint/2** (:data:`FORMAT_QUANTIZED`, written when a group's class
+quantizes its state in blocks: torchao's low-bit AdamWs): checkpoint/1 plus, for each
+block-wise quantized state value, its codes and scales as flat items and one object
+(:mod:`~zero_functional.checkpoint.quantized`), read by :func:`read_v2`. The item keys are
+:mod:`~zero_functional.checkpoint.keys`' (re-exported here).
+
 :func:`layout` says which items a rank's :class:`Snapshot` becomes and :func:`write` writes them;
 :func:`read` reads what a rank's :class:`Request` needs with the reader of the version the
-checkpoint names (:data:`READERS`: :func:`read_v1`) and hands back :class:`Contents`.
+checkpoint names (:data:`READERS`: :func:`read_v1`, :func:`read_v2`) and hands back :class:`Contents`.
 
 **zero_functional.app.train/1** (:data:`TRAIN_FORMAT`): the demo train job's, in two layouts, both
 read by :func:`read_train`: a checkpoint/1 directory whose ``extra`` is :func:`train_extra`
@@ -43,15 +49,28 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from zero_functional.checkpoint import background, storage
+from zero_functional.checkpoint import background, quantized, storage
+from zero_functional.checkpoint.keys import (
+    MODEL_PREFIX,
+    STATE_PREFIX,
+    check_groups,
+    ema_key,
+    model_key,
+    model_state_dict,
+    optimizer_state_dict,
+    split_state_key,
+    state_key,
+)
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
+from zero_functional.core.blockwise import is_blockwise
 from zero_functional.core.main_params import MAIN_KEY
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
 
 __all__ = [
     "FORMAT",
+    "FORMAT_QUANTIZED",
     "READERS",
     "TRAIN_FORMAT",
     "Contents",
@@ -71,6 +90,7 @@ __all__ = [
     "read_train_directory",
     "read_train_file",
     "read_v1",
+    "read_v2",
     "split_state_key",
     "state_key",
     "train_extra",
@@ -79,112 +99,16 @@ __all__ = [
 ]
 
 FORMAT = "zero_functional.checkpoint/1"
-"""The ``format`` object of the checkpoints :func:`write` writes."""
+"""The ``format`` object of the checkpoints :func:`write` writes without quantized state."""
+
+FORMAT_QUANTIZED = "zero_functional.checkpoint/2"
+"""The ``format`` object of those of an optimizer that may keep block-wise quantized state."""
 
 TRAIN_FORMAT = "zero_functional.app.train/1"
 """The ``format`` key of the train job's checkpoints; others are refused on resume."""
 
-_MODEL, _STATE, _EMA = "model.", "state.", "ema."
 EMA_N_AVERAGED = "ema_n_averaged"
 """The object that holds a saved EMA's number of averaged updates."""
-
-
-def model_key(name: str) -> str:
-    """The key of the model tensor ``name``.
-
-    Example:
-        >>> model_key("0.weight")
-        'model.0.weight'
-    """
-    return _MODEL + name
-
-
-def state_key(name: str, key: str) -> str:
-    """The key of the optimizer state ``key`` (which has no dot) of the parameter ``name``.
-
-    Example:
-        >>> state_key("0.weight", "exp_avg")
-        'state.0.weight.exp_avg'
-    """
-    return f"{_STATE}{name}.{key}"
-
-
-def ema_key(name: str) -> str:
-    """The key of the EMA of the parameter ``name``.
-
-    Example:
-        >>> ema_key("0.weight")
-        'ema.0.weight'
-    """
-    return _EMA + name
-
-
-def split_state_key(key: str) -> tuple[str, str] | None:
-    """The parameter name and state key of an optimizer state item; ``None`` for another item.
-
-    Example:
-        >>> split_state_key("state.0.weight.exp_avg"), split_state_key("model.0.weight")
-        (('0.weight', 'exp_avg'), None)
-    """
-    if not key.startswith(_STATE):
-        return None
-    name, _, rest = key[len(_STATE) :].rpartition(".")
-    return (name, rest) if name else None
-
-
-def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's ``state_dict`` from a ``dcp_to_torch_save`` file of a checkpoint.
-
-    Example:
-        >>> model_state_dict({"model.w": 1, "state.w.step": 2, "extra": None})
-        {'w': 1}
-    """
-    return {k[len(_MODEL) :]: v for k, v in flat.items() if k.startswith(_MODEL)}
-
-
-def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint.
-
-    Parameters are numbered as ``torch.optim`` numbers them: by position in the groups'
-    ``params`` lists, concatenated.
-
-    Example:
-        >>> flat = {"state.w.step": 3, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
-        >>> optimizer_state_dict(flat)
-        {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
-    """
-    groups = flat["param_groups"]
-    order = [name for g in groups for name in g["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in flat.items():
-        split = split_state_key(key)
-        if split is not None:
-            state.setdefault(index[split[0]], {})[split[1]] = value
-    return {
-        "state": state,
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
-    }
-
-
-def check_groups(saved: object, expected: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
-    """The saved ``param_groups``, checked to list the parameters ``expected`` group by group.
-
-    Raises:
-        CheckpointError: They list other parameters (another model, or another group order).
-
-    Example:
-        >>> check_groups([{"lr": 0.1, "params": ["w"]}], [["w"]])
-        [{'lr': 0.1, 'params': ['w']}]
-    """
-    if not isinstance(saved, list) or [g.get("params") for g in saved] != [
-        list(names) for names in expected
-    ]:
-        raise CheckpointError(
-            "the checkpoint's parameter groups list other parameters than the optimizer's: "
-            "it belongs to another model (or the groups were built in another order)"
-        )
-    return saved
 
 
 # ------------------------------------------------------------------------------ writing
@@ -215,17 +139,25 @@ class Held:
 class Snapshot:
     """What one rank writes: its :class:`Held` parameters, the model's other tensors (whole,
     one writer), the optimizer's groups (names for parameters; ``None`` without an optimizer)
-    and the caller's ``extra``; with an EMA, its number of averaged updates."""
+    and the caller's ``extra``; with an EMA, its number of averaged updates; whether the
+    optimizer's class may keep block-wise quantized state (the same on every rank: the
+    checkpoint is then :data:`FORMAT_QUANTIZED`)."""
 
     held: Sequence[Held]
     others: Mapping[str, Tensor]
     param_groups: list[dict[str, Any]] | None
     extra: Any
     ema_n_averaged: int | None = None
+    quantized: bool = False
 
 
 def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
-    """The tensor items (:data:`~zero_functional.checkpoint.storage.Pieces`) and objects of a snapshot.
+    """The tensor items (:data:`~zero_functional.checkpoint.storage.Pieces`) and objects of a snapshot;
+    a quantized state value as its codes and scales (:func:`~.quantized.items`).
+
+    Raises:
+        CheckpointError: A quantized value in a snapshot not marked ``quantized``, or one cut
+            off its blocks.
 
     Example:
         >>> held = Held("w", (2,), Piece(0, 0, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
@@ -234,12 +166,23 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
         (['model.b', 'model.w', 'state.w.step'], {'format': 'zero_functional.checkpoint/1', 'extra': 7})
     """
     pieces: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]] = {}
-    objects: dict[str, Any] = {"format": FORMAT, "extra": snapshot.extra}
+    version = FORMAT_QUANTIZED if snapshot.quantized else FORMAT
+    objects: dict[str, Any] = {"format": version, "extra": snapshot.extra}
     for held in snapshot.held:
         start, stop = held.piece.start, held.piece.stop
         for key, value in held.state.items():
             item = state_key(held.name, key)
-            if is_elementwise(value, stop - start):
+            if is_blockwise(value) and snapshot.quantized:
+                more, meta = quantized.items(held.name, held.shape, held.piece, key, value)
+                pieces.update(more)
+                objects.update(meta)
+            elif is_blockwise(value):
+                raise CheckpointError(
+                    f"the state {item} is block-wise quantized ({type(value).__name__}) but its "
+                    "optimizer class has no quantization block: register it with "
+                    "zero_functional.register_optimizer(..., block=)"
+                )
+            elif is_elementwise(value, stop - start):
                 flat = value.detach().reshape(-1)
                 pieces[item] = (held.shape, flat.dtype, [(start, stop, flat)])
             elif isinstance(value, Tensor) and value.dim() == 0:
@@ -378,7 +321,7 @@ def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
     """Per model tensor to fill, the key it is read from; refuses a misfit when strict."""
     if request.model is None:
         return {}
-    names_saved = {k[len(_MODEL) :] for k in saved if k.startswith(_MODEL)}
+    names_saved = {k[len(MODEL_PREFIX) :] for k in saved if k.startswith(MODEL_PREFIX)}
     missing = sorted(set(request.model) - names_saved)
     unexpected = sorted(names_saved - set(request.model))
     if request.strict and (missing or unexpected):
@@ -416,6 +359,13 @@ def _state_keys(saved: Saved, owned: Owned) -> dict[str, str]:
             continue  # a main copy this optimizer does not keep (the model may read it)
         out[split[1]] = key
     return out
+
+
+def _shape(owned: Owned) -> tuple[int, ...]:
+    """The shape of an owned piece's state: the parameter's when whole, else flat."""
+    n = torch.Size(owned.shape).numel()
+    whole = owned.piece.start == 0 and owned.piece.stop == n
+    return owned.shape if whole else (owned.piece.stop - owned.piece.start,)
 
 
 def _entry(
@@ -465,6 +415,33 @@ def read_v1(
     Example:
         >>> # read_v1("ckpt", storage.read_keys("ckpt"), request, None)
     """
+    return _read(path, saved, request, process_group, with_quantized=False)
+
+
+def read_v2(
+    path: str | os.PathLike[str],
+    saved: Saved,
+    request: Request,
+    process_group: ProcessGroup | None,
+) -> Contents:
+    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): format 1 plus
+    block-wise quantized state, each rank reading the whole blocks around its pieces
+    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`); collective.
+
+    Example:
+        >>> # read_v2("ckpt", storage.read_keys("ckpt"), request, None)
+    """
+    return _read(path, saved, request, process_group, with_quantized=True)
+
+
+def _read(
+    path: str | os.PathLike[str],
+    saved: Saved,
+    request: Request,
+    process_group: ProcessGroup | None,
+    *,
+    with_quantized: bool,
+) -> Contents:
     sources = _model_sources(saved, request)
     shapes = request.model or {}
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
@@ -483,6 +460,16 @@ def read_v1(
                 wanted[key] = ((), meta[1], [(0, 1)])
             else:
                 wanted[key] = (owned.shape, meta[1], [(owned.piece.start, owned.piece.stop)])
+    plans = {
+        o.piece.param: (
+            quantized.reads(saved, o.name, o.shape, o.piece) if with_quantized else ([], {})
+        )
+        for o in request.owned or ()
+    }
+    for owned in request.owned or ():
+        plan, more = plans[owned.piece.param]
+        wanted.update(more)
+        objects.extend(quantized.quantized_key(owned.name, r.key) for r in plan)
     if request.ema:
         lacking = [o.name for o in request.owned or () if saved.get(ema_key(o.name)) is None]
         if lacking or EMA_N_AVERAGED not in saved:
@@ -504,9 +491,14 @@ def read_v1(
     return Contents(
         model={name: tensors[key][0].view(shapes[name][0]) for name, key in sources.items()},
         state={
-            o.piece.param: _entry(o, keys[o.piece.param], saved, read)
+            o.piece.param: {
+                **_entry(o, keys[o.piece.param], saved, read),
+                **quantized.rebuilt(
+                    o.name, plans[o.piece.param][0], tensors, values, o.piece, _shape(o)
+                ),
+            }
             for o in request.owned or ()
-            if keys[o.piece.param]
+            if keys[o.piece.param] or plans[o.piece.param][0]
         },
         param_groups=(
             [] if request.owned is None else check_groups(values["param_groups"], request.groups)
@@ -519,7 +511,7 @@ def read_v1(
     )
 
 
-READERS: dict[str, Reader] = {FORMAT: read_v1}
+READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
 """The reader of each directory format version."""
 
 
@@ -689,7 +681,9 @@ def read_train_directory(
                         f"{meta[0]}, the model's {name} {tuple(p.shape)}"
                     )
     unknown = sorted(
-        k for k in keys if k.startswith(_STATE) and (split_state_key(k) or ("", ""))[0] not in names
+        k
+        for k in keys
+        if k.startswith(STATE_PREFIX) and (split_state_key(k) or ("", ""))[0] not in names
     )
     if unknown or any(model_key(n) not in keys for n in names):
         raise CheckpointError(

@@ -6,19 +6,27 @@ is a wrapper tensor subclass of ``codes`` (one per element, 4-bit: two to a byte
 (a code table). It has no ``cat`` and no slice off a block; a piece of whole blocks, though, is
 exactly a slice of the codes and of the scales. :func:`sliced_blocks` and :func:`joined_blocks`
 cut and join such values bitwise, generic over the classes (``__tensor_flatten__`` /
-``__tensor_unflatten__``; nothing here imports torchao).
+``__tensor_unflatten__``; nothing here imports torchao); :func:`block_parts` takes one apart
+(what a sharded checkpoint stores) and :func:`from_block_parts` builds one back.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["is_blockwise", "joined_blocks", "sliced_blocks"]
+__all__ = [
+    "BlockParts",
+    "block_parts",
+    "from_block_parts",
+    "is_blockwise",
+    "joined_blocks",
+    "sliced_blocks",
+]
 
 Range = tuple[int, int]
 
@@ -46,19 +54,92 @@ def _inner(value: Tensor) -> tuple[dict[str, Tensor], Any]:
     return {n: getattr(value, n) for n in names}, ctx
 
 
-def _rebuilt(like: Tensor, inner: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
-    """A tensor of ``like``'s class from ``inner`` tensors, ``shape`` on the outside: codes of
-    one per element take the shape (packed ones stay flat), and a context entry that is
-    ``like``'s shape (4-bit keeps it there) becomes ``shape``."""
+class BlockParts(NamedTuple):
+    """A block-wise tensor taken apart (:func:`block_parts`).
+
+    Attributes:
+        cls: Its class.
+        codes: Its codes, flat (``code_bytes`` per block).
+        scale: Its scales, flat (one per block).
+        constants: Its other inner tensors by name (a code table).
+        context: Its flatten context, as a tensor of ``shape`` has it.
+        shape: The shape ``context`` speaks of.
+        block: Elements per scale.
+        code_bytes: Code entries per block (4-bit: half the block).
+    """
+
+    cls: type
+    codes: Tensor
+    scale: Tensor
+    constants: dict[str, Tensor]
+    context: list[Any]
+    shape: tuple[int, ...]
+    block: int
+    code_bytes: int
+
+
+def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockParts:
+    """The parts of the block-wise ``value`` (no copies), its context as a tensor of ``shape``
+    (default: its own) would have it: the same parts on every piece of one tensor.
+
+    Raises:
+        TypeError: ``value`` is not block-wise.
+
+    Example:
+        >>> block_parts(torch.zeros(2))
+        Traceback (most recent call last):
+        ...
+        TypeError: the value is not a block-wise quantized tensor
+    """
+    if not is_blockwise(value):
+        raise TypeError("the value is not a block-wise quantized tensor")
+    inner, ctx = _inner(value)
+    own, outer = tuple(value.shape), tuple(value.shape) if shape is None else tuple(shape)
+    codes, scale = inner.pop("codes").reshape(-1), inner.pop("scale").reshape(-1)
+    blocks = max(scale.numel(), 1)
+    return BlockParts(
+        type(value),
+        codes,
+        scale,
+        inner,
+        [outer if isinstance(c, tuple) and tuple(c) == own else c for c in ctx],
+        outer,
+        value.numel() // blocks,
+        codes.numel() // blocks,
+    )
+
+
+def from_block_parts(parts: BlockParts, shape: tuple[int, ...]) -> Tensor:
+    """A tensor of ``parts.cls`` and ``shape`` from ``parts`` (their codes and scales are its
+    elements'): codes of one per element take the shape (packed ones stay flat), and a
+    context entry that is ``parts.shape`` becomes ``shape``.
+
+    Example:
+        >>> from torchao.optim.subclass_8bit import OptimState8bit
+        >>> v = OptimState8bit.zeros((512,), signed=True, block_size=256)
+        >>> w = from_block_parts(block_parts(v, (2, 256)), (2, 256))
+        >>> type(w).__name__, tuple(w.shape), torch.equal(w.dequantize(), v.dequantize().view(2, 256))
+        ('OptimState8bit', (2, 256), True)
+    """
     numel = math.prod(shape)
-    _, ctx = like.__tensor_flatten__()  # type: ignore[attr-defined]
-    old = tuple(like.shape)
-    ctx = type(ctx)(shape if isinstance(c, tuple) and tuple(c) == old else c for c in ctx)
-    tensors = dict(inner)
-    codes = tensors["codes"]
-    tensors["codes"] = codes.reshape(shape) if codes.numel() == numel else codes.reshape(-1)
+    ctx = [shape if isinstance(c, tuple) and tuple(c) == parts.shape else c for c in parts.context]
+    codes = parts.codes
+    tensors = {
+        **parts.constants,
+        "codes": codes.reshape(shape) if codes.numel() == numel else codes.reshape(-1),
+        "scale": parts.scale.reshape(-1),
+    }
     stride = torch.empty(shape, device="meta").stride()
-    return cast(Tensor, type(like).__tensor_unflatten__(tensors, ctx, shape, stride))  # type: ignore[attr-defined]
+    return cast(Tensor, parts.cls.__tensor_unflatten__(tensors, ctx, shape, stride))  # type: ignore[attr-defined]
+
+
+def _rebuilt(like: Tensor, inner: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
+    """A tensor of ``like``'s class from ``inner`` tensors, ``shape`` on the outside."""
+    parts = block_parts(like)
+    constants = {n: t for n, t in inner.items() if n not in ("codes", "scale")}
+    return from_block_parts(
+        parts._replace(codes=inner["codes"], scale=inner["scale"], constants=constants), shape
+    )
 
 
 def _block(value: Tensor) -> int:

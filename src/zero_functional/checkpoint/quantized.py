@@ -1,0 +1,254 @@
+"""Block-wise quantized optimizer state in a sharded checkpoint: its codes and scales as flat
+items cut on its blocks, the rest as one small object, rebuilt for whatever piece a rank loads.
+
+A quantized state value (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``:
+:mod:`zero_functional.core.blockwise`) has no slice off a block, so
+:mod:`~zero_functional.checkpoint.format`'s row boxes in the parameter's shape cannot carry it.
+The value ``key`` of the parameter ``name``, of N elements in blocks of B (one fp32 scale each)
+and c code entries a block (B; 4-bit, two codes a byte: B/2), is stored as
+
+* ``quantized.<name>.<key>.codes`` (:func:`codes_key`): 1-D, N/B x c entries; a piece
+  ``[lo, hi)`` writes ``[lo/B x c, hi/B x c)`` (4-bit: ``[lo/2, hi/2)``);
+* ``quantized.<name>.<key>.scale`` (:func:`scale_key`): 1-D, N/B; the piece writes
+  ``[lo/B, hi/B)``;
+* the object ``quantized.<name>.<key>`` (:func:`quantized_key`): the class (its import path),
+  its constant inner tensors (the code table) and its flatten context (signed, dtype) as the
+  whole parameter's, so that every rank holding a piece writes the same object.
+
+B and c are read back from the items' lengths. A loading piece on the saved blocks gets the
+value rebuilt in its class, bitwise (:func:`rebuilt`); one off them (an optimizer keeping fp32
+moments, or other blocks) gets the dequantized values of its elements, which the optimizer
+converts as it converts any loaded fp32 state.
+
+Example:
+    >>> quantized_key("0.weight", "exp_avg"), codes_key("0.weight", "exp_avg")
+    ('quantized.0.weight.exp_avg', 'quantized.0.weight.exp_avg.codes')
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zero_functional.checkpoint.storage import CheckpointError
+from zero_functional.core.blockwise import BlockParts, block_parts, from_block_parts
+from zero_functional.core.partition import Piece
+
+__all__ = [
+    "PREFIX",
+    "QuantizedRead",
+    "codes_key",
+    "items",
+    "quantized_key",
+    "reads",
+    "rebuilt",
+    "scale_key",
+]
+
+PREFIX = "quantized."
+"""The prefix of quantized state's items."""
+_TRUSTED = "torchao."
+"""A saved class is imported only from this package (a checkpoint names no arbitrary code)."""
+
+Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
+Items = dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]]
+
+
+def quantized_key(name: str, key: str) -> str:
+    """The object key of the quantized state ``key`` (no dot) of the parameter ``name``.
+
+    Example:
+        >>> quantized_key("w", "exp_avg_sq")
+        'quantized.w.exp_avg_sq'
+    """
+    return f"{PREFIX}{name}.{key}"
+
+
+def codes_key(name: str, key: str) -> str:
+    """The key of its codes.
+
+    Example:
+        >>> codes_key("w", "exp_avg")
+        'quantized.w.exp_avg.codes'
+    """
+    return quantized_key(name, key) + ".codes"
+
+
+def scale_key(name: str, key: str) -> str:
+    """The key of its scales.
+
+    Example:
+        >>> scale_key("w", "exp_avg")
+        'quantized.w.exp_avg.scale'
+    """
+    return quantized_key(name, key) + ".scale"
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _blocks(name: str, key: str, numel: int, piece: Piece, block: int) -> tuple[int, int]:
+    """The piece's first block and its end, counted from the parameter's start."""
+    if numel % block or piece.start % block or (piece.stop % block and piece.stop != numel):
+        raise CheckpointError(
+            f"the quantized state {key!r} of {name} (elements [{piece.start}, {piece.stop}) of "
+            f"{numel}) is not cut on its blocks of {block}: a checkpoint stores it in whole "
+            'blocks; use partition="flat", which cuts on them, or "sorted_greedy"'
+        )
+    return piece.start // block, math.ceil(piece.stop / block)
+
+
+def items(
+    name: str, shape: tuple[int, ...], piece: Piece, key: str, value: Tensor
+) -> tuple[Items, dict[str, object]]:
+    """The tensor items and the object of the quantized ``value`` of the state ``key`` of the
+    parameter ``name`` (of ``shape``) over ``piece``: codes and scales as flat ranges.
+
+    Raises:
+        CheckpointError: The piece does not start and stop on the value's blocks.
+
+    Example:
+        >>> from torchao.optim.subclass_4bit import OptimState4bit
+        >>> v = OptimState4bit.zeros((256,), signed=True, block_size=128)
+        >>> pieces, objects = items("w", (2, 256), Piece(0, 256, 512), "exp_avg", v)
+        >>> [(k, s, r[0][:2]) for k, (s, _, r) in pieces.items()]
+        [('quantized.w.exp_avg.codes', (256,), (128, 256)), ('quantized.w.exp_avg.scale', (4,), (2, 4))]
+        >>> objects["quantized.w.exp_avg"]["class"]
+        'torchao.optim.subclass_4bit.OptimState4bit'
+    """
+    parts = block_parts(value.detach(), shape)
+    numel = math.prod(shape)
+    first, end = _blocks(name, key, numel, piece, parts.block)
+    blocks, c = numel // parts.block, parts.code_bytes
+    pieces: Items = {
+        codes_key(name, key): (
+            (blocks * c,),
+            parts.codes.dtype,
+            [(first * c, end * c, parts.codes)],
+        ),
+        scale_key(name, key): ((blocks,), parts.scale.dtype, [(first, end, parts.scale)]),
+    }
+    meta = {
+        "class": _class_path(parts.cls),
+        "constants": parts.constants,
+        "context": parts.context,
+        "shape": tuple(shape),
+    }
+    return pieces, {quantized_key(name, key): meta}
+
+
+@dataclass(frozen=True)
+class QuantizedRead:
+    """How one rank reads one quantized state value: its state key, the whole blocks
+    ``[start, stop)`` (elements) enclosing the piece, and the codes per block."""
+
+    key: str
+    start: int
+    stop: int
+    code_bytes: int
+
+
+def reads(
+    saved: Saved, name: str, shape: tuple[int, ...], piece: Piece
+) -> tuple[
+    list[QuantizedRead], dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]]
+]:
+    """What a rank reads of the parameter ``name``'s quantized state for ``piece``: one
+    :class:`QuantizedRead` per value, and the ranges to ask storage for (the whole blocks
+    around the piece).
+
+    Raises:
+        CheckpointError: Items that do not fit the parameter (another model).
+
+    Example:
+        >>> saved = {"quantized.w.m": None, "quantized.w.m.codes": ((1024,), torch.uint8),
+        ...          "quantized.w.m.scale": ((4,), torch.float32)}
+        >>> plan, wanted = reads(saved, "w", (4, 256), Piece(0, 300, 700))
+        >>> plan, sorted((k, r) for k, (_, _, r) in wanted.items())
+        ([QuantizedRead(key='m', start=256, stop=768, code_bytes=256)], [('quantized.w.m.codes', [(256, 768)]), ('quantized.w.m.scale', [(1, 3)])])
+    """
+    numel = math.prod(shape)
+    plan: list[QuantizedRead] = []
+    wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
+    head = quantized_key(name, "")
+    for obj, meta in saved.items():
+        key = obj[len(head) :]
+        if meta is not None or not obj.startswith(head) or "." in key:
+            continue
+        codes, scale = saved.get(codes_key(name, key)), saved.get(scale_key(name, key))
+        if codes is None or scale is None or not scale[0] or numel % scale[0][0]:
+            raise CheckpointError(
+                f"the quantized state {key!r} of {name} does not fit its {numel} elements "
+                f"(scales {None if scale is None else scale[0]}): another model's checkpoint"
+            )
+        blocks = scale[0][0]
+        block, c = numel // blocks, codes[0][0] // blocks
+        first, end = piece.start // block, math.ceil(piece.stop / block)
+        plan.append(QuantizedRead(key, first * block, end * block, c))
+        wanted[codes_key(name, key)] = (codes[0], codes[1], [(first * c, end * c)])
+        wanted[scale_key(name, key)] = (scale[0], scale[1], [(first, end)])
+    return plan, wanted
+
+
+def _class(path: str) -> type:
+    module, _, qualname = path.rpartition(".")
+    cls = None
+    if module.startswith(_TRUSTED):
+        cls = getattr(importlib.import_module(module), qualname, None)
+    if not isinstance(cls, type) or not issubclass(cls, Tensor):
+        raise CheckpointError(
+            f"the checkpoint's quantized state is of {path!r}, not a block-wise tensor class of "
+            f"{_TRUSTED[:-1]} (install torchao to load it)"
+        )
+    return cls
+
+
+def rebuilt(
+    name: str,
+    plan: Sequence[QuantizedRead],
+    tensors: Mapping[str, Sequence[Tensor]],
+    objects: Mapping[str, object],
+    piece: Piece,
+    shape: tuple[int, ...],
+) -> dict[str, Tensor]:
+    """The quantized state of ``piece`` of the parameter ``name`` from what was read by
+    ``plan`` (:func:`reads`), in ``shape``: each value in its saved class, bitwise, where the
+    piece is on its blocks; else its dequantized elements.
+
+    Raises:
+        CheckpointError: A class that cannot be imported.
+
+    Example:
+        >>> # rebuilt("w", plan, tensors, objects, Piece(0, 0, 1024), (4, 256))["m"]
+    """
+    out: dict[str, Tensor] = {}
+    for read in plan:
+        meta = objects[quantized_key(name, read.key)]
+        assert isinstance(meta, dict)
+        codes = tensors[codes_key(name, read.key)][0]
+        scale = tensors[scale_key(name, read.key)][0]
+        parts = BlockParts(
+            _class(str(meta["class"])),
+            codes,
+            scale,
+            dict(meta["constants"]),
+            list(meta["context"]),
+            tuple(meta["shape"]),
+            (read.stop - read.start) // max(scale.numel(), 1),
+            read.code_bytes,
+        )
+        if (read.start, read.stop) == (piece.start, piece.stop):
+            out[read.key] = from_block_parts(parts, shape)
+        else:  # off the saved blocks: the elements' values
+            whole = from_block_parts(parts, (read.stop - read.start,))
+            values: Any = whole.dequantize()
+            a = piece.start - read.start
+            out[read.key] = values.reshape(-1)[a : a + piece.stop - piece.start].reshape(shape)
+    return out
