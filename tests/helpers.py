@@ -143,3 +143,16 @@ def run_cli(argv: list[str], capsys: Any) -> tuple[int, str, str]:
         code = int(e.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def reduced_grads(zero: Any, rank: int) -> list[torch.Tensor]:
+    """The gradients this step reduced, whole on every rank: each rank's owned pieces of its
+    ``.grad`` (the only elements that hold the average), the others zero, summed; collective."""
+    full = [torch.zeros_like(p) for p in zero.param_table.params]
+    for s in zero.ownership.owned(rank):
+        grad = zero.param_table.params[s.param].grad
+        assert grad is not None
+        full[s.param].view(-1)[s.start : s.stop] = grad.reshape(-1)[s.start : s.stop]
+    for t in full:
+        dist.all_reduce(t)
+    return full

@@ -32,7 +32,7 @@ from zero_functional.hooks import (
     reduce_scatter_hook,
 )
 
-from tests.helpers import run_ranks
+from tests.helpers import reduced_grads, run_ranks
 
 ao = pytest.importorskip("torchao.optim")
 
@@ -155,19 +155,6 @@ def backward(module: nn.Module, rank: int, world: int, step: int, dtype: torch.d
     x, y = torch.randn(4 * world, 64, generator=g), torch.randn(4 * world, 4, generator=g)
     mine = slice(4 * rank, 4 * (rank + 1))
     ((module(x[mine].to(dtype)) - y[mine].to(dtype)) ** 2).mean().backward()
-
-
-def reduced_grads(zero: ZeroRedundancyOptimizer, rank: int) -> list[torch.Tensor]:
-    """The gradients this step reduced, whole on every rank: each rank's owned pieces of its
-    ``.grad`` summed over the ranks (collective)."""
-    full = [torch.zeros_like(p) for p in zero.param_table.params]
-    for s in zero.ownership.owned(rank):
-        grad = zero.param_table.params[s.param].grad
-        assert grad is not None
-        full[s.param].view(-1)[s.start : s.stop] = grad.reshape(-1)[s.start : s.stop]
-    for t in full:
-        dist.all_reduce(t)
-    return full
 
 
 def run_mode(rank: int, world: int, name: str, mode: str, partition: str) -> float:

@@ -30,7 +30,7 @@ from zero_functional.hooks import (
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import consolidated, max_diff, run_ranks
+from tests.helpers import consolidated, max_diff, reduced_grads, run_ranks
 from tests.test_muon import STEPS, TinyGPT, backward, ddp_backward, exact, recipe, split
 
 HOOKS: dict[str, Callable[..., Any]] = {
@@ -79,19 +79,6 @@ def plain_step(
     (ddp_backward if isinstance(model, DDP) else backward)(model, rank, world, step)
     for o in plain:
         o.step()
-
-
-def reduced_grads(zero: ZeroRedundancyOptimizer, rank: int) -> list[torch.Tensor]:
-    """The gradients this step reduced, whole on every rank: each rank's owned pieces of its
-    ``.grad`` (the only elements that hold the average), the others zero, summed; collective."""
-    full = [torch.zeros_like(p) for p in zero.param_table.params]
-    for s in zero.ownership.owned(rank):
-        grad = zero.param_table.params[s.param].grad
-        assert grad is not None
-        full[s.param].view(-1)[s.start : s.stop] = grad.reshape(-1)[s.start : s.stop]
-    for t in full:
-        dist.all_reduce(t)
-    return full
 
 
 @contextmanager
