@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -283,10 +284,11 @@ def test_the_ema_equals_averaged_model_bitwise_in_every_mode_at_1_and_2_ranks_an
             assert r == {"checkpoint": 0.0, "stateful": 0.0, "state_dict": 0.0}, (world_size, r)
 
 
-def test_the_ema_equals_averaged_model_within_1e_6_in_every_mode_at_3_ranks(
-    tmp_path: Path,
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_the_ema_equals_averaged_model_within_1e_6_in_every_mode_at_3_and_4_ranks(
+    tmp_path: Path, world_size: int
 ) -> None:
-    for r in run_ranks(_worker, 3, str(tmp_path), timeout_s=300):
+    for r in run_ranks(_worker, world_size, str(tmp_path), timeout_s=300):
         for case, diff in r.items():
             if case.startswith("bytes"):
                 assert abs(diff - 1.0) < 0.02, (case, diff)
