@@ -483,9 +483,9 @@ class ZeroStateful:
     ``step``, the same on every rank holding a piece) are written once.
 
     Loading builds its template from the optimizer's state, or, before its first step, from
-    the state one step of its class makes (every parameter that requires grad gets one): a
-    checkpoint saved before some parameter had state does not load (DCP names the missing
-    key). As DCP does with torch's own state dicts, ``dcp.load`` writes into the model's
+    the keys one step of its class makes (every parameter that requires grad gets them), as
+    zeros: a save before the first step writes those zeros (``step`` 0; never memory no one
+    wrote), which load as a fresh Adam's state. As DCP does with torch's own state dicts, ``dcp.load`` writes into the model's
     parameters and into the state it was given, then :meth:`load_state_dict` installs the
     optimizer state (checked against the class's own state, collective).
     """
@@ -582,14 +582,14 @@ class ZeroStateful:
                 if isinstance(v, Tensor) and is_elementwise(v, probed):
                     if fresh:
                         dtype = p.dtype if v.is_floating_point() or v.is_complex() else v.dtype
-                        flat = torch.empty(numel, dtype=dtype, device=p.device)
+                        flat = torch.zeros(numel, dtype=dtype, device=p.device)
                     else:
                         flat = v.detach().reshape(-1)
                     st = _sharded(flat, p.shape, zero.ownership.holders(k), zero)
                     self._flat[(self._names[k], key)] = (st, flat)
                     entry[key] = st
                 elif isinstance(v, Tensor):
-                    entry[key] = torch.empty_like(v) if fresh else v
+                    entry[key] = torch.zeros_like(v) if fresh else v
                 else:
                     entry[key] = None if fresh else v
             out[self._names[k]] = entry
