@@ -379,3 +379,36 @@ def test_a_rank_killed_mid_call_is_named_by_the_survivors(where: str) -> None:
         # rank 1 among the silent (a survivor slow to report under load is named with it)
         assert re.search(r"ranks? (\d+, )*1(, \d+)* did not report \(it died", message), message
         assert seconds < 20.0 + 5.0 + 5.0
+
+
+# ---------------------------------------------------------------- issue 34: what a thing is
+
+
+def test_loading_an_empty_or_foreign_directory_names_what_it_is(tmp_path: Any) -> None:
+    """Issue 34, item 11: not "corrupt" with an ``[Errno 2]`` but what the directory is."""
+    import torch.distributed.checkpoint as dcp
+
+    from zero_functional.checkpoint import CheckpointError, storage
+
+    empty, foreign, other = tmp_path / "empty", tmp_path / "foreign", tmp_path / "other"
+    empty.mkdir()
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(foreign), no_dist=True)
+    cases = {
+        empty: "is an empty directory, not a checkpoint",
+        foreign: "torch.distributed.checkpoint directory that zero_functional did not write",
+        other: r"holds no checkpoint \(no \.metadata; it holds notes\.txt\)",
+        tmp_path / "absent": "there is no checkpoint directory at",
+    }
+    for path, message in cases.items():
+        with pytest.raises(CheckpointError, match=message) as caught:
+            storage.verify(path)
+        assert "corrupt" not in str(caught.value) and "Errno" not in str(caught.value)
+
+
+def test_an_optimizer_built_before_the_process_group_names_the_trainer_order() -> None:
+    """Issue 34, item 13: building the optimizer before ``TrainingArguments`` (which
+    initializes the process group) says so."""
+    with pytest.raises(RuntimeError, match=r"after TrainingArguments\(\.\.\.\)"):
+        ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.Adam, lr=0.1)

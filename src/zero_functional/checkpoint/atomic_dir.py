@@ -30,7 +30,7 @@ import re
 import shutil
 import uuid
 
-__all__ = ["MARKER", "commit", "make_temporary", "refusal", "remove_leftovers"]
+__all__ = ["MARKER", "commit", "make_temporary", "not_a_checkpoint", "refusal", "remove_leftovers"]
 
 MARKER = ".zero_functional-save"
 """The file in every directory :func:`make_temporary` makes; it names the path saved to."""
@@ -207,3 +207,36 @@ def commit(tmp: str, path: str) -> None:
         with contextlib.suppress(OSError):  # the new one is in place; the next save retries
             shutil.rmtree(old)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def not_a_checkpoint(path: str) -> str | None:
+    """Why ``path`` is not a checkpoint to read, named for what it is (missing, a file, an empty
+    directory, a directory of something else, a DCP checkpoint written without our checksums);
+    ``None`` if it looks like one of ours (its contents are checked as they are read).
+
+    Example:
+        >>> import os, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> print(not_a_checkpoint(root))  # doctest: +ELLIPSIS
+        /... is an empty directory, not a checkpoint
+        >>> with open(os.path.join(root, ".metadata"), "wb") as f:
+        ...     _ = f.write(b"DCP")
+        >>> print(not_a_checkpoint(root))  # doctest: +ELLIPSIS
+        /... is a torch.distributed.checkpoint directory that zero_functional did not write (no .metadata.crc32): read it with torch.distributed.checkpoint.load
+    """
+    if not os.path.lexists(path):
+        return f"there is no checkpoint directory at {path}"
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a checkpoint directory"
+    names = set(os.listdir(path))
+    if not names:
+        return f"{path} is an empty directory, not a checkpoint"
+    if _METADATA not in names:
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        return f"{path} holds no checkpoint (no {_METADATA}; it holds {shown})"
+    if _METADATA + ".crc32" not in names:
+        return (
+            f"{path} is a torch.distributed.checkpoint directory that zero_functional did not "
+            f"write (no {_METADATA}.crc32): read it with torch.distributed.checkpoint.load"
+        )
+    return None

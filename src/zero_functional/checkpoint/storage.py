@@ -581,8 +581,8 @@ def dcp_parts(
 
 
 def _metadata(path: str | os.PathLike[str]) -> tuple[_ChecksummedReader, Metadata]:
-    if not os.path.isdir(os.fspath(path)):
-        raise CheckpointError(f"there is no checkpoint directory at {os.fspath(path)}")
+    if (problem := atomic_dir.not_a_checkpoint(os.fspath(path))) is not None:
+        raise CheckpointError(problem)  # named for what it is, not "corrupt"
     reader = _ChecksummedReader(os.fspath(path))
     metadata = reader.read_metadata()
     if reader._metadata_error is not None:

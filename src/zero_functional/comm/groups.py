@@ -29,7 +29,9 @@ def default_group(group: ProcessGroup | None) -> ProcessGroup:
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: call "
-            "torch.distributed.init_process_group(...) before building a ZeroRedundancyOptimizer"
+            "torch.distributed.init_process_group(...) before building a ZeroRedundancyOptimizer "
+            "(with the Hugging Face Trainer, build it after TrainingArguments(...), which "
+            "initializes the process group)"
         )
     world = dist.group.WORLD
     assert world is not None
