@@ -412,3 +412,18 @@ def test_an_optimizer_built_before_the_process_group_names_the_trainer_order() -
     initializes the process group) says so."""
     with pytest.raises(RuntimeError, match=r"after TrainingArguments\(\.\.\.\)"):
         ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.Adam, lr=0.1)
+
+
+def test_ownership_messages_stay_short_at_4096_ranks() -> None:
+    """Issue 34, item 12: a parameter split over 4,096 ranks named in <= 2 KB (it was 6.6 KB)."""
+    from zero_functional.core.ownership import flat_ownership
+
+    ownership = flat_ownership([1 << 20, 1 << 22], 4096)
+    with pytest.raises(ValueError, match=r"split across ranks \[0, 1, .* and \d+ more") as e:
+        ownership.owner(0)
+    assert len(str(e.value)) <= 2048
+    for call in (lambda: ownership.owned(4096), lambda: ownership.piece(0, 7)):
+        try:
+            call()
+        except (ValueError, KeyError, IndexError) as error:
+            assert len(str(error)) <= 2048, len(str(error))

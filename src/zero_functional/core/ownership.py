@@ -210,9 +210,11 @@ class Ownership:
         """
         held = self.holders(param)
         if len(held) != 1:
+            ranks = [r for r, _ in held][:8]  # a message stays short at any world size
+            more = f" and {len(held) - 8} more" if len(held) > 8 else ""
             raise ValueError(
-                f"parameter {param} is split across ranks {[r for r, _ in held]}; ask holders() "
-                "for its pieces (whole-tensor ownership is partition='sorted_greedy')"
+                f"parameter {param} is split across ranks {ranks}{more}; ask holders() for its pieces "
+                "(whole-tensor ownership is partition='sorted_greedy')"
             )
         return held[0][0]
 
@@ -521,11 +523,8 @@ def bucket_ownership(
             seen[k] = True
     pinned = dict(pinned or {})
     for k, rank in pinned.items():
-        if not 0 <= k < len(numels) or not 0 <= rank < world_size:
-            raise ValueError(
-                f"pinned maps parameter {k} to rank {rank}: both must be in range "
-                f"({len(numels)} parameters, {world_size} ranks)"
-            )
+        if not (0 <= k < len(numels) and 0 <= rank < world_size):
+            raise ValueError(f"pinned maps parameter {k} to rank {rank}, out of range")
     rest = [k for k in range(len(numels)) if not seen[k]]
     groups = [list(b) for b in buckets] + ([rest] if rest else [])
     per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
