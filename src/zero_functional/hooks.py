@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 from torch.amp import GradScaler
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -91,6 +91,16 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
             "ZeroRedundancyOptimizer(main_params_dtype=torch.float32), and reduce_dtype= on the "
             "hook to reduce gradients in float32"
         )
+    sparse = _sparse_modules(ddp)
+    if sparse:
+        names = ", ".join(repr(n) for n in sparse[:3]) + (" ..." if len(sparse) > 3 else "")
+        raise ValueError(
+            f"the DDP module's submodule(s) {names} (nn.Embedding or nn.EmbeddingBag with "
+            "sparse=True) give sparse gradients, and this package's hooks reduce DDP's buckets "
+            "as dense flat buffers: step after backward without a hook (DDP all-reduces "
+            "sparse gradients itself; then zero.step(), e.g. with torch.optim.SparseAdam), or "
+            "build the embeddings with sparse=False"
+        )
     ddp_params = {p for p in ddp.parameters() if p.requires_grad}
     missing = {p for p in ddp_params if p not in zero.param_table}
     if missing:
@@ -107,6 +117,18 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
             'build the optimizer with device_mesh=init_device_mesh(..., mesh_dim_names=("'
             'replicate", "shard"))'
         )
+
+
+def _sparse_modules(ddp: DistributedDataParallel) -> list[str]:
+    """The names of the DDP module's submodules that give sparse gradients, by DDP's own rule
+    (an embedding built with ``sparse=True``), trainable ones only."""
+    return [
+        name or "(the module itself)"
+        for name, m in ddp.module.named_modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+        and m.sparse
+        and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
 
 
 def _ddp_group(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> comm.ProcessGroup:
