@@ -477,3 +477,51 @@ def test_sparse_gradients_are_refused_by_the_hooks_on_every_rank_naming_why() ->
             assert "submodule(s) '0' (nn.Embedding or nn.EmbeddingBag" in message, message
             assert "dense flat buffers: step after backward without a hook" in message, message
         assert out["after backward"] <= 1e-6, out
+
+
+def test_ranks_stop_within_5_s_of_the_train_parents_death() -> None:
+    """Issue 34, item 10: SIGKILL to ``train`` (nothing runs in it) left both ranks training,
+    orphaned, ~37 s; now each rank sees its launcher's end of its pipe close and stops."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_elastic import tree
+    from tests.test_readme import ROOT, env_with_src
+
+    argv = [sys.executable, "-m", "zero_functional", "train", "--nproc", "2", "--epochs", "50"]
+    argv += ["--no-reference", "--no-progress"]
+    parent = subprocess.Popen(
+        argv, cwd=ROOT, env=env_with_src(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(tree(parent.pid)) < 3:  # the parent and its two ranks (and maybe a server)
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.2)
+        time.sleep(3)  # the ranks are training
+        ranks = [p for p in tree(parent.pid) if p != parent.pid]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        t0 = time.monotonic()
+        while any(os.path.exists(f"/proc/{p}") and "Z" not in _state(p) for p in ranks):
+            assert time.monotonic() - t0 < 5, [(p, _state(p)) for p in ranks]
+            time.sleep(0.1)
+    finally:
+        for p in [*tree(parent.pid), *ranks]:  # orphans too, where the test fails
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``Z``: exited, not yet reaped), or ``""`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""

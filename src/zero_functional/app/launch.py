@@ -68,6 +68,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Literal, TypeVar, cast
 
+from zero_functional.app.orphans import exit_when_orphaned
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "GRACE_S",
@@ -322,8 +324,8 @@ def _rank_main(
     The report goes out while the rank is still in the group: once it leaves, its peers'
     collectives fail, and their reports must not overtake the one that explains why.
     """
-    # a forked rank inherits the launcher's SIGTERM handler: SIGTERM ends a rank at once
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler: ends a rank
+    exit_when_orphaned(report)  # the launcher killed (any signal): this rank stops at once
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     code = 1
