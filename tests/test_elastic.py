@@ -28,7 +28,7 @@ def agent(port: int, checkpoint: Path, log: Path) -> subprocess.Popen[str]:
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
-        "--rdzv-conf", "last_call_timeout=3,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2",
+        "--rdzv-conf", "last_call_timeout=15,join_timeout=90,keep_alive_interval=1,keep_alive_max_attempt=2",
         "-m", "zero_functional", "train", "--epochs", "8", "--batch-size", "64",
         "--checkpoint", str(checkpoint), "--save-every", "10",
         "--no-reference", "--no-progress",
@@ -78,7 +78,9 @@ def saves(text: str) -> list[tuple[int, int]]:
 def test_an_agent_killed_mid_run_leaves_the_survivor_to_resume_and_finish(tmp_path: Any) -> None:
     port, ck = free_port(), tmp_path / "ck"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    survivor = agent(port, ck, logs[0])  # the first agent hosts the rendezvous store: it stays
+    # the first agent hosts the rendezvous store, so it is the one that stays; the first round
+    # waits last_call_timeout (15 s) for the second agent, however slowly this machine starts it
+    survivor = agent(port, ck, logs[0])
     time.sleep(3)
     doomed = agent(port, ck, logs[1])
     try:
