@@ -39,7 +39,7 @@ from zero_functional.core.plans import choose_param_gather, ownership_of, plan_m
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
-from zero_functional.shell.classes import add_group, update_costs, whole_params
+from zero_functional.shell.classes import add_group, pinned_owners
 from zero_functional.shell.join import StepJoinHook
 from zero_functional.shell.local_shard import (
     LocalShard,
@@ -210,10 +210,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return param_blocks(self.param_groups, self.optimizer_class, self._user_defaults)
 
     def _ownership_now(self) -> Ownership:
-        whole = whole_params(self.param_groups, self.optimizer_class)  # per-tensor classes'
-        costs = update_costs(self.param_groups, self.optimizer_class) if whole else None
+        # per-tensor classes' tensors whole, by cost: the placement overlap mode keeps too
+        pinned = pinned_owners(
+            self.param_groups, self.optimizer_class, self._table, self.world_size
+        )
         blocks = self.quantization_blocks
-        return ownership_of(self.partition, self._table, self.world_size, whole, costs, blocks)
+        return ownership_of(self.partition, self._table, self.world_size, pinned, blocks)
 
     def reshard(self, ownership: Ownership) -> None:
         """Move this optimizer's state to ``ownership`` (of the same parameters and world size,

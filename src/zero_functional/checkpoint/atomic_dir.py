@@ -17,7 +17,7 @@ What :func:`zero_functional.checkpoint.storage.save_pieces` does with a checkpoi
 The marker stays in the committed checkpoint (readers ignore files they do not list), so the
 previous checkpoint a crash leaves in a temporary is recognised as ours too.
 
-Nothing here imports torch: the module only moves directories.
+Nothing here imports torch: the module only moves directories (and checksums files).
 """
 
 from __future__ import annotations
@@ -29,8 +29,17 @@ import os
 import re
 import shutil
 import uuid
+import zlib
 
-__all__ = ["MARKER", "commit", "make_temporary", "not_a_checkpoint", "refusal", "remove_leftovers"]
+__all__ = [
+    "MARKER",
+    "commit",
+    "file_crc",
+    "make_temporary",
+    "not_a_checkpoint",
+    "refusal",
+    "remove_leftovers",
+]
 
 MARKER = ".zero_functional-save"
 """The file in every directory :func:`make_temporary` makes; it names the path saved to."""
@@ -240,3 +249,21 @@ def not_a_checkpoint(path: str) -> str | None:
             f"write (no {_METADATA}.crc32): read it with torch.distributed.checkpoint.load"
         )
     return None
+
+
+def file_crc(path: str) -> tuple[int, int]:
+    """A file's CRC32 and size, read 1 MiB at a time: the checkpoint index's checksum, and each
+    file of a ``shared=False`` rank's manifest.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile(delete=False) as f:
+        ...     _ = f.write(b"abc")
+        >>> file_crc(f.name)
+        (891568578, 3)
+    """
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return crc, size

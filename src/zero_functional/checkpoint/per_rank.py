@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import uuid
-import zlib
 from collections.abc import Mapping
 from typing import cast
 
@@ -45,21 +44,13 @@ MANIFEST = ".rank-{rank}-of-{world}.json"
 _MANIFEST_RE = re.compile(r"^\.rank-(\d+)-of-(\d+)\.json$")
 
 
-def _crc(path: str) -> tuple[int, int]:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    return crc, size
-
-
 def write_manifest(directory: str, save_id: str, rank: int, world_size: int) -> None:
     """Write rank ``rank``'s manifest into ``directory``: the save's id and each file there
     (but manifests and the save marker) with its size and CRC32; flushed to disk."""
     files = {}
     for name in sorted(os.listdir(directory)):
         if name != atomic_dir.MARKER and not _MANIFEST_RE.match(name):
-            crc, size = _crc(os.path.join(directory, name))
+            crc, size = atomic_dir.file_crc(os.path.join(directory, name))
             files[name] = {"size": size, "crc32": f"{crc:08x}"}
     body = {"save": save_id, "rank": rank, "world_size": world_size, "files": files}
     path = os.path.join(directory, MANIFEST.format(rank=rank, world=world_size))

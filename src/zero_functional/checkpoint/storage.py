@@ -355,17 +355,11 @@ class _ChecksummedWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         path = os.path.join(str(self.path), ".metadata")
-        crc, n = _file_crc(path)
+        crc, n = atomic_dir.file_crc(path)
         with open(path + ".crc32", "w") as f:
             f.write(f"{crc:08x} {n}\n")
             f.flush()
             os.fsync(f.fileno())
-
-
-def _file_crc(path: str) -> tuple[int, int]:
-    with open(path, "rb") as f:
-        raw = f.read()
-    return zlib.crc32(raw), len(raw)
 
 
 class _ChecksummedReader(FileSystemReader):
@@ -380,7 +374,7 @@ class _ChecksummedReader(FileSystemReader):
         try:
             with open(path + ".crc32") as f:
                 want_crc, want_n = f.read().split()
-            got_crc, got_n = _file_crc(path)
+            got_crc, got_n = atomic_dir.file_crc(path)
             if (got_crc, got_n) != (int(want_crc, 16), int(want_n)):
                 raise CheckpointCorruptError(
                     f"{path} has crc32 {got_crc:08x} ({got_n} bytes) but {want_crc} "

@@ -422,17 +422,16 @@ def ownership_of(
     partition: PartitionName,
     table: ParamTable,
     world_size: int,
-    whole: Sequence[bool] | None = None,
-    costs: Sequence[int] | None = None,
+    pinned: Mapping[int, int] | None = None,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
     """The ownership ``partition`` gives the parameters of ``table``.
 
     ``"sorted_greedy"`` is torch's whole-tensor assignment; ``"flat"`` splits each (device,
     dtype) group into even ranges whose bounds fall on :data:`FLAT_ALIGN_BYTES`, except the
-    parameters ``whole`` marks (those of a per-tensor class, with classes per group): they are
-    owned whole, placed by :func:`whole_owners` by their ``costs`` (one per parameter; the
-    element count without it). A bound inside a parameter whose optimizer quantizes its state
+    parameters ``pinned`` maps to a rank (those of a per-tensor class, with classes per group,
+    placed by :func:`whole_owners`): each is owned whole by its rank, as in overlap mode's
+    buckets (:func:`overlap_ownership`). A bound inside a parameter whose optimizer quantizes its state
     in ``blocks`` (one per parameter, :func:`~zero_functional.functional.registry.update_block`)
     falls on a block boundary counted from the parameter's start instead
     (:func:`~zero_functional.core.ownership.block_bounds`).
@@ -443,7 +442,7 @@ def ownership_of(
         >>> [(s.param, s.start, s.stop) for s in ownership_of("flat", table, 2).owned(0)]
         [(0, 0, 4)]
         >>> table = ParamTable.of([{"params": [torch.zeros(8), torch.zeros(3, 3)]}])
-        >>> ownership_of("flat", table, 2, whole=[False, True]).owned(0)
+        >>> ownership_of("flat", table, 2, pinned={1: 0}).owned(0)
         (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=9))
         >>> table = ParamTable.of([{"params": [torch.zeros(1000)]}])
         >>> ownership_of("flat", table, 3, blocks=[256]).owned(1)
@@ -453,10 +452,9 @@ def ownership_of(
         return sorted_greedy_ownership(table.group_numels(), world_size)
     align = flat_align(table)
     numels = list(table.numels)
-    if not whole or not any(whole):
+    if not pinned:
         return flat_ownership(numels, world_size, keys=table.keys, align=align, blocks=blocks)
-    split = [k for k, w in enumerate(whole) if not w]
-    kept = [k for k, w in enumerate(whole) if w]
+    split = [k for k in range(len(numels)) if k not in pinned]
     per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
     if split:
         keys = [table.keys[k] for k in split]
@@ -466,9 +464,7 @@ def ownership_of(
         )
         for rank, pieces in enumerate(sub.pieces):
             per_rank[rank].extend(Piece(split[s.param], s.start, s.stop) for s in pieces)
-    kept_costs = [costs[k] for k in kept] if costs is not None else None
-    owners = whole_owners([tuple(table.params[k].shape) for k in kept], world_size, kept_costs)
-    for k, rank in zip(kept, owners, strict=True):
+    for k, rank in pinned.items():
         per_rank[rank].append(Piece(k, 0, numels[k]))
     ranked = tuple(tuple(sorted(ps, key=lambda s: s.param)) for ps in per_rank)
     return Ownership(tuple(numels), world_size, ranked)

@@ -205,24 +205,24 @@ class LocalShard:
         """
         stepper = self.pieces_stepper()
         params, group_of = self.table.params, self.table.group_of
-        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[Any]]] = {}
-        numels: dict[int, list[int]] = {}  # each piece's whole parameter's (low-bit state)
+        # per group: pieces, gradients, states, main dtypes, and each piece's whole parameter's
+        # size (where a class decides its state on it: torchao's low-bit ones)
+        by_group: dict[int, tuple[list[Tensor], list[Tensor], list[Any], list[Any], list[int]]] = {}
         for k, grad in grads.items():
             piece = self.piece(k, "gradients")
             if grad.is_sparse:
                 raise RuntimeError(f"{self.name} does not support sparse gradients")
             p = params[k]
             view = piece_view(p, piece)
-            ps, gs, ss, ds = by_group.setdefault(group_of(k), ([], [], [], []))
+            ps, gs, ss, ds, ns = by_group.setdefault(group_of(k), ([], [], [], [], []))
             ps.append(view)
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
             ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
-            numels.setdefault(group_of(k), []).append(p.numel())
+            ns.append(p.numel())
         ties, remainders = self.remainders, self.remainders is not None
-        for g, (ps, gs, ss, ds) in sorted(by_group.items()):
-            # each piece's whole parameter's size: where a class decides on it (torchao)
-            step = functools.partial(stepper.step_pieces, numels=numels[g])
+        for g, (ps, gs, ss, ds, ns) in sorted(by_group.items()):
+            step = functools.partial(stepper.step_pieces, numels=ns)
             n = step_through_main_(
                 step, self.param_groups[g], ps, gs, ss, ds, remainders=remainders
             )
