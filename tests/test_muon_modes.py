@@ -82,7 +82,7 @@ def plain_step(
 
 
 @contextmanager
-def counted_bytes(zero: ZeroRedundancyOptimizer) -> Iterator[dict[str, float]]:
+def counted_bytes() -> Iterator[dict[str, float]]:
     """Bytes this rank moves while inside: what a reduce sends from a non-root and a broadcast
     brings to a non-root (``"moved"``), and all-reduces' payloads (``"all_reduce"``)."""
     counted = {"moved": 0.0, "all_reduce": 0.0}
@@ -138,7 +138,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         ddp, zero = in_mode(mode, "flat")
         for step in (0, 1):
             one_step(ddp, zero, rank, world, step)
-        with counted_bytes(zero) as counted:
+        with counted_bytes() as counted:
             for step in (2, 3):
                 one_step(ddp, zero, rank, world, step)
             zero.finish_param_sync()  # overlap mode's last gathers: waited for, none issued
@@ -289,7 +289,7 @@ def _three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
                 muon_exact = muon_exact and all(map(torch.equal, ours, ref_params[:n]))
             out[f"{partition} {mode}"] = (worst, muon_exact)
             if partition == "flat":
-                with counted_bytes(zero) as counted:
+                with counted_bytes() as counted:
                     one_step(ddp, zero, rank, world, STEPS)
                     zero.finish_param_sync()
                 owned = sum((s.stop - s.start) * 4 for s in zero.ownership.owned(rank))
