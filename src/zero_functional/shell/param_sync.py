@@ -6,16 +6,22 @@ views (``parameters_as_bucket_view``), starts the all-gather of the owners' upda
 (:meth:`ParamSync.start_gather`), and waits for them now or, deferred, before each read. With ``overlap_param_gather=True`` (opt-in; Megatron-LM's option of that name) ``step()``, or in
 overlap mode the backward that ran the step, returns once the all-gather of the updated
 parameters has *started*. Until it finishes, a parameter holds its previous value. This module
-owns that window and makes every read of a parameter inside it either wait or fail loudly:
+owns that window and makes every read of a parameter inside it that it can see wait or fail
+loudly:
 
-* a module's forward waits for its own parameters (and those of its ``ParameterList`` /
-  ``ParameterDict`` children, which have no forward of their own): a global forward pre-hook;
-* ``module.state_dict()`` of any module whose forward has run finishes every all-gather first
-  (a state-dict pre-hook registered on each such module the first time it runs);
-* a parameter read outside any module's forward (``F.linear(x, model.wte.weight)`` before
-  ``wte`` ran, ``module.forward(x)`` called directly) gets a gradient while still in flight:
-  its gradient hook raises, naming the parameter and :meth:`ParamSync.finish`
-  (``finish_param_sync()``), instead of training on a stale value;
+* a module's forward waits for every parameter under it (a global forward pre-hook): the
+  model's call finishes them all before its own code runs, so a parent that reads a child's
+  weight before the child runs reads it final;
+* ``state_dict()`` of any module under one whose forward has run finishes every all-gather
+  first (state-dict pre-hooks, registered on the first forward);
+* under ``torch.compile`` the hook does nothing while traced: ``torch.compile(model)``'s
+  wrapper runs it eagerly before the compiled region; ``model.compile()`` (compiled in place)
+  has no eager call, so its reads are the next case;
+* a parameter read while still in flight (outside any module's forward, before the model's
+  call; a model compiled in place) gets a gradient while in flight: its gradient hook raises,
+  naming the parameter and :meth:`ParamSync.finish` (``finish_param_sync()``), instead of
+  training on a stale value. A read before the model's call with no gradient, or followed by
+  that call before backward, is not seen: call ``finish_param_sync()`` first;
 * everything else (this package's own readers: the next ``step()``, resharding, checkpoints)
   calls :meth:`ParamSync.finish`.
 
@@ -136,6 +142,11 @@ class ParamSync:
         if not self._handles:
             # one global pre-hook: learns modules (for state_dict) and waits while in flight
             def before_forward(module: nn.Module, args: object) -> None:
+                # traced (a module called inside a compiled region): nothing to do here; the
+                # compiled module's own call ran this hook eagerly first, or nothing finished
+                # the gathers and the gradient check names the read
+                if torch.compiler.is_compiling():
+                    return
                 me = ref()
                 if me is not None:
                     me._before_forward(module)
@@ -319,11 +330,13 @@ class ParamSync:
         return f"{qualified!r} ({where}, shape {shape})" if qualified else f"{where} {shape}"
 
     def _before_forward(self, module: nn.Module) -> None:
+        # every in-flight parameter under ``module``, not just its own: its forward may read a
+        # child's weight before that child runs (the root's call finishes the whole model's)
         if module not in self._seen:
             self._learn(module)
         if not self._pending_for:
             return
-        waits = [pending for p in waited_by(module) for pending in self._pending_for.pop(p, ())]
+        waits = [pending for p in module.parameters() for pending in self._pending_for.pop(p, ())]
         if waits:
             with self._call("the parameter all-gather of step(), before a forward"):
                 for pending in waits:
@@ -333,30 +346,33 @@ class ParamSync:
 
     def _learn(self, module: nn.Module) -> None:
         """First sight of ``module``: names for its parameters (the outermost module is called
-        first, so names are the model's), and a state-dict pre-hook where it holds ours."""
-        self._seen.add(module)
-        mine = [p for p in waited_by(module) if p in self._table]
+        first, so names are the model's), and a state-dict pre-hook on it and on each module
+        under it that holds ours (a compiled forward shows only its wrapper)."""
         if not self._names and any(p in self._table for p in module.parameters()):
             self._names = {p: n for n, p in module.named_parameters() if p in self._table}
-        if mine:
-            ref = weakref.ref(self)
+        ref = weakref.ref(self)
 
-            def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-                me = ref()
-                if me is not None:
-                    me.finish()
+        def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            me = ref()
+            if me is not None:
+                me.finish()
 
-            self._handles.append(
-                module.register_state_dict_pre_hook(before_state_dict)  # type: ignore[no-untyped-call]
-            )
+        for m in module.modules():
+            if m not in self._seen:
+                self._seen.add(m)
+                if any(p in self._table for p in m.parameters()):
+                    self._handles.append(
+                        m.register_state_dict_pre_hook(before_state_dict)  # type: ignore[no-untyped-call]
+                    )
 
     def _check_not_in_flight(self, p: Tensor) -> None:
-        # a unit waited for by another module's forward may have brought p along
         if not all(pending.finished for pending in self._pending_for.get(p, ())):
             raise RuntimeError(
                 f"{self.name(p)} was read while its all-gather from the last step was still in "
-                "flight (overlap_param_gather=True): it was used outside its own module's "
-                "forward, so it held the previous value. Call zero.finish_param_sync() before "
-                "such a read (e.g. a tied weight used directly in the loss), or build the "
-                "optimizer with overlap_param_gather=False (the default)"
+                "flight (overlap_param_gather=True): no eager forward of a module holding it ran "
+                "before the read (a read outside the model's forward, or a model compiled in "
+                "place by module.compile()), so it held the previous value. Call "
+                "zero.finish_param_sync() before such a read, compile with "
+                "torch.compile(model) (its wrapper's call waits), or build the optimizer with "
+                "overlap_param_gather=False (the default)"
             )
