@@ -12,7 +12,7 @@ Variants, round-robin inside the same gloo ranks so that they share the machine'
   broadcasts: torch's 1.5x);
 * ``ours overlap <partition>``: ``hook_with_zero_step_interleaved`` (the step inside backward);
 * ``... + gather in forward``: ``overlap_param_gather=True`` (the parameter all-gather finishes
-  during the next forward, module by module).
+  when the next forward begins, after zero_grad and the batch).
 
 The transformer-shaped model (``--models transformer``: ``_common.TinyGPT``, nanoGPT's layout
 with 6 blocks of width 192, vocabulary 512, context 64, batch 8 per rank; 77 tensors, 2.9M

@@ -1,5 +1,6 @@
-"""overlap_param_gather: step() returns with the all-gather in flight; each forward waits for its
-own parameters; results equal DDP + the unsharded optimizer in every mode."""
+"""overlap_param_gather: step() returns with the all-gather in flight; each forward waits for every
+parameter under it; results equal DDP + the unsharded optimizer in every mode; each read the
+README lists waits or is named."""
 
 from __future__ import annotations
 
@@ -201,7 +202,9 @@ def _reads_worker(rank: int, world_size: int) -> dict[str, Any]:
         p.grad = torch.ones_like(p)
     zero.step()  # leaves the all-gather in flight
     sd = model.head.state_dict()  # a child's state_dict waits
-    out["state_dict waits"] = max((v - model.head.state_dict()[k]).abs().max().item() for k, v in sd.items())
+    out["state_dict waits"] = max(
+        (v - model.head.state_dict()[k]).abs().max().item() for k, v in sd.items()
+    )
     zero.step()  # in flight again
     try:
         model.head.weight.sum().backward()  # read outside any forward

@@ -74,7 +74,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             loaded rank) or ``"flat"`` (each (device, dtype) group, or DDP bucket, split evenly;
             elementwise optimizers only: :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
         overlap_param_gather: Opt-in: ``step()`` (overlap mode: backward) returns once the
-            parameter all-gather has started, and each module's forward waits for its own
+            parameter all-gather has started, and the model's next call waits for it
             (:mod:`zero_functional.shell.param_sync`). Default off: torch's contract.
         compile: ``torch.compile`` SGD, Adam and AdamW: ``None`` where it measures faster
             (nowhere on CPU), ``True`` wherever it applies, ``False`` never.

@@ -252,7 +252,7 @@ class OverlapState:
             if self._scaling():
                 self._scaled_step()
             self._update_until(len(bw.buckets))
-            # waited for now, or (overlap_param_gather) by the next forward, module by module
+            # waited for now, or (overlap_param_gather) by the next forward
             self.zero.defer_param_sync(bw.gathers)
             self._backward = _Backward()
 
