@@ -525,3 +525,71 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+# ---------------------------------------------------------------- issue 34: unfreezing
+
+
+def _ranked_steps(model: nn.Module, opt: Any, rank: int, steps: int, by_hand: bool) -> None:
+    """``steps`` steps on this rank's own batches (different on each rank), gradients averaged
+    by hand (``by_hand``) or left to DDP."""
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        if by_hand:
+            average_grads(model, 2)
+        opt.step()
+
+
+def _unfreeze_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # fine-tuning with hand-averaged gradients: a layer frozen at construction, unfrozen later
+    for partition in ("sorted_greedy", "flat"):
+        models = [make_model(), make_model()]
+        for m in models:
+            m[0].requires_grad_(False)
+        frozen = models[0][0].weight.detach().clone()
+        ours = ZeroRedundancyOptimizer(
+            models[0].parameters(), torch.optim.Adam, partition=partition, lr=0.01
+        )
+        plain = torch.optim.Adam(models[1].parameters(), lr=0.01)
+        for model, opt in zip(models, (ours, plain)):
+            _ranked_steps(model, opt, rank, 2, by_hand=True)
+            model[0].requires_grad_(True)
+            _ranked_steps(model, opt, rank, 3, by_hand=True)
+        trained = not torch.equal(frozen, models[0][0].weight)
+        out[partition] = (max_diff(*models), trained)
+    # DDP built while the layer was frozen, plain (no hook) and with reduce_scatter_hook
+    for hook in (False, True):
+        model = make_model()
+        model[0].requires_grad_(False)
+        ddp = DDP(model)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+        if hook:
+            ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+        _ranked_steps(ddp, zero, rank, 1, by_hand=False)
+        model[0].requires_grad_(True)
+        before = snapshot(model, zero)
+        try:
+            _ranked_steps(ddp, zero, rank, 1, by_hand=False)
+            out[f"ddp, hook {hook}"] = "stepped"
+        except RuntimeError as e:
+            out[f"ddp, hook {hook}"] = str(e)
+        out[f"ddp, hook {hook}, unchanged"] = unchanged(before, model, zero)
+    return out
+
+
+def test_unfreezing_trains_as_plain_adam_where_averaged_and_is_refused_naming_ddp() -> None:
+    """Issue 34, item 5: a layer unfrozen in hand-averaged fine-tuning trains as torch's class
+    lets it (equal to plain Adam); under a DDP built while it was frozen, which never averages
+    its gradients (plain, or with a hook), the step is refused on every rank, naming DDP."""
+    for out in run_ranks(_unfreeze_worker, 2, timeout_s=120):
+        for partition in ("sorted_greedy", "flat"):
+            diff, trained = out[partition]
+            assert diff <= 1e-6 and trained, (partition, out)
+        for hook in (False, True):
+            message = out[f"ddp, hook {hook}"]
+            assert "were frozen" in message and "DDP does not average" in message, message
+            assert "(3, 4)" in message and out[f"ddp, hook {hook}, unchanged"], out

@@ -37,7 +37,7 @@ from zero_functional.core.piece_state import (
 )
 from zero_functional.core.plans import choose_param_gather, ownership_of, plan_moves
 from zero_functional.functional import functional_spec, supports_group
-from zero_functional.shell.agreement import agree, agreed_inputs
+from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
 from zero_functional.shell.classes import add_group, pinned_owners
 from zero_functional.shell.join import StepJoinHook
@@ -300,8 +300,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def check_trainable(self) -> bool:
         """Whether any ``requires_grad`` changed since the ownership was built: freezing is
-        followed, unfreezing raises a RuntimeError naming the parameter (DDP never reduces it)."""
-        return self._shard.check_trainable()
+        followed, and unfreezing where the gradients are averaged (:func:`check_averaged`);
+        else (overlap mode, a DDP built before) a RuntimeError naming the parameter and DDP."""
+        changed = self._shard.check_trainable(self._overlap_with_ddp)
+        grads, params = self._shard.unchecked_grads(), self._table.params
+        check_averaged(grads, params, self.process_group, self.timeout)
+        self._shard.averaged(grads)
+        return changed
 
     def update_owned(self, grads: Mapping[int, Tensor]) -> None:
         """Update this rank's pieces with ``grads`` (global index -> the piece's gradient, any

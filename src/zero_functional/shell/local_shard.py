@@ -146,6 +146,7 @@ class LocalShard:
         self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(rank)}
         self.trainable = [p.requires_grad for p in table.params]
         self._built_trainable = list(self.trainable)
+        self._unchecked: set[int] = set()  # unfrozen, their gradients not yet compared
 
     def extended(self, ownership: Ownership, table: ParamTable) -> LocalShard:
         """This shard, its state and its stepper, over more parameters: ``table`` and an
@@ -256,16 +257,30 @@ class LocalShard:
             grads = unscaled(grads, dtypes, grad_scale)
         return loss, grads
 
-    def check_trainable(self) -> bool:
+    def check_trainable(self, ddp: bool) -> bool:
         """Whether any ``requires_grad`` changed since this shard was built (freezing is
-        followed; unfreezing a parameter built frozen raises, naming it)."""
+        followed; so is unfreezing a parameter built frozen, unless a DDP module known to the
+        optimizer reduces the gradients (``ddp``): then it raises, naming the parameter), or
+        parameters unfrozen are still to be found averaged (:meth:`unchecked_grads`)."""
         params = self.table.params
         trainable = [p.requires_grad for p in params]
         if trainable == self.trainable:
-            return False
-        check_unfrozen(self._built_trainable, trainable, [p.shape for p in params])
+            return bool(self._unchecked)
+        woke = check_unfrozen(self._built_trainable, trainable, [p.shape for p in params], ddp)
+        self._unchecked = set(woke)
         self.trainable = trainable
         return True
+
+    def unchecked_grads(self) -> dict[int, Tensor]:
+        """Global index -> the whole gradient of each parameter unfrozen since this shard was
+        built, once it has one, until :meth:`averaged`: the step compares them across ranks
+        (:func:`~zero_functional.core.checks.unaveraged`) before they train."""
+        params = self.table.params
+        return {k: g for k in sorted(self._unchecked) if (g := params[k].grad) is not None}
+
+    def averaged(self, indices: Iterable[int]) -> None:
+        """Note that the gradients of parameters ``indices`` were found averaged: they train."""
+        self._unchecked.difference_update(indices)
 
     def local_view(self) -> Optimizer | LocalView:
         """This rank's share as a local optimizer shows it (torch's ``optim`` attribute)."""
