@@ -356,8 +356,8 @@ def unfrozen_error(woke: Sequence[int], shapes: Sequence[object]) -> RuntimeErro
     """The refusal of parameters ``woke`` (global indices), frozen when DDP was built.
 
     Example:
-        >>> str(unfrozen_error([0], [(2,)]))[:40]
-        'parameter(s) 0 (2,) (global index, shap'
+        >>> str(unfrozen_error([0], [(2,)]))[:41]
+        'parameter(s) 0 (2,) (global index, shape)'
     """
     listed = ", ".join(f"{k} {tuple(cast(Sequence[int], shapes[k]))}" for k in woke[:8])
     more = f" and {len(woke) - 8} more" if len(woke) > 8 else ""
