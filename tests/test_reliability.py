@@ -20,7 +20,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional.app.launch import LaunchError
-from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
+from zero_functional.hooks import (
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    reduce_scatter_hook,
+)
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import average_grads, max_diff, run_ranks
@@ -593,3 +597,70 @@ def test_unfreezing_trains_as_plain_adam_where_averaged_and_is_refused_naming_dd
             message = out[f"ddp, hook {hook}"]
             assert "were frozen" in message and "DDP does not average" in message, message
             assert "(3, 4)" in message and out[f"ddp, hook {hook}, unchanged"], out
+
+
+# ---------------------------------------------------------------- issue 34: fp32 reduce
+
+
+def _fp32_reduce_worker(rank: int, world_size: int) -> dict[str, float]:
+    """Per mode, the largest relative difference of this rank's fp32 main pieces from a
+    reference: plain AdamW on fp32 mains, stepped with the fp32 average of the ranks' bf16
+    gradients, its bf16 model the mains rounded; with ``reduce_dtype`` fp32 and bf16."""
+    out: dict[str, float] = {}
+    for mode in ("reduce_scatter_hook", "hook_with_zero_step", "interleaved"):
+        for reduce_dtype in (torch.float32, None):
+            model, ref = make_model().to(torch.bfloat16), make_model().to(torch.bfloat16)
+            mains = [p.detach().float().clone() for p in ref.parameters()]
+            ref_opt = torch.optim.AdamW(mains, lr=1e-3, foreach=False)
+            ddp, overlap = DDP(model), mode != "reduce_scatter_hook"
+            zero = ZeroRedundancyOptimizer(
+                ddp.parameters(),
+                torch.optim.AdamW,
+                partition="flat",
+                overlap_with_ddp=overlap,
+                main_params_dtype=torch.float32,
+                lr=1e-3,
+            )
+            wrap = hook_with_zero_step if mode == "hook_with_zero_step" else None
+            wrap = hook_with_zero_step_interleaved if mode == "interleaved" else wrap
+            hook = (
+                reduce_scatter_hook(ddp, zero, reduce_dtype=reduce_dtype)
+                if wrap is None
+                else wrap(allreduce_hook, ddp, zero, reduce_dtype=reduce_dtype)
+            )
+            ddp.register_comm_hook(None, hook)
+            for step in range(4):
+                g = torch.Generator().manual_seed(100 * rank + step)
+                x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+                for m in (ddp, ref):
+                    m.zero_grad()
+                    ((m(x.bfloat16()) - y).float() ** 2).mean().backward()
+                if not overlap:
+                    zero.step()
+                for main, p in zip(mains, ref.parameters()):
+                    assert p.grad is not None
+                    main.grad = p.grad.float() / world_size
+                    torch.distributed.all_reduce(main.grad)
+                ref_opt.step()
+                with torch.no_grad():
+                    for main, p in zip(mains, ref.parameters()):
+                        p.copy_(main)
+            got = zero.main_params()
+            rel = 0.0
+            for s in zero.ownership.owned(rank):
+                p = list(model.parameters())[s.param]
+                want = mains[s.param].reshape(-1)[s.start : s.stop]
+                diff = (got[p].reshape(-1) - want).abs().max() / want.abs().max()
+                rel = max(rel, diff.item())
+            out[f"{mode}, {reduce_dtype}"] = rel
+    return out
+
+
+def test_an_fp32_reduce_updates_the_fp32_mains_from_the_fp32_average_in_every_mode() -> None:
+    """Issue 34, item 6: with ``reduce_dtype=torch.float32`` the fp32 main copies follow plain
+    AdamW stepped with the fp32 average of the ranks' gradients (not its bf16 rounding), after
+    backward with ``reduce_scatter_hook`` and in overlap mode; a bf16 reduce does not."""
+    for out in run_ranks(_fp32_reduce_worker, 2, timeout_s=120):
+        for mode in ("reduce_scatter_hook", "hook_with_zero_step", "interleaved"):
+            assert out[f"{mode}, torch.float32"] <= 1e-6, (mode, out)
+            assert out[f"{mode}, None"] > 2e-6, (mode, out)

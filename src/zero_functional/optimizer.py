@@ -318,6 +318,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._shard.update(grads)
         self._hooks.updated(self._shard, grads)
 
+    def hold_reduced(self, grads: Mapping[int, Tensor]) -> None:
+        """Hand over this rank's pieces' reduced gradients in a wider dtype than ``.grad`` (a
+        hook's ``reduce_dtype``): the next ``step()`` updates from them, not their rounding."""
+        self._shard.hold_reduced(grads)
+
     def register_update_hook(
         self, updated: Updated, resharded: Resharded | None = None
     ) -> RemovableHandle:
@@ -347,7 +352,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with self._call("clip_grad_norm_()"):
             ranks = comm.all_gather_scalar(local, self.process_group)
         total = total_norm(ranks, norm_type, error_if_nonfinite)
-        clip_(grads, total, max_norm)
+        clip_([*grads, *self._shard.reduced.values()], total, max_norm)
+        self._shard.round_reduced()
         return total
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
