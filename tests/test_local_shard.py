@@ -130,18 +130,25 @@ def test_piece_names_what_was_given_for_a_parameter_this_rank_does_not_own() -> 
         shard.update({foreign: torch.zeros(1)})
 
 
-def test_check_trainable_follows_freezing_and_names_an_unfrozen_parameter() -> None:
+def test_check_trainable_follows_freezing_and_names_an_unfrozen_parameter_under_ddp() -> None:
     params = _params()
     shard = _shards(params, _ownerships()[1], torch.optim.SGD)[0]
-    assert not shard.check_trainable()
+    assert not shard.check_trainable(ddp=True)
     params[1].requires_grad_(False)
-    assert shard.check_trainable() and not shard.check_trainable()
+    assert shard.check_trainable(ddp=True) and not shard.check_trainable(ddp=True)
     frozen = LocalShard(
         shard.ownership, 0, shard.table, shard.param_groups, shard.state, shard.stepper, "SGD"
     )
     params[1].requires_grad_(True)
     with pytest.raises(RuntimeError, match="7"):
-        frozen.check_trainable()
+        frozen.check_trainable(ddp=True)
+    # no DDP known: it trains once its gradient is found averaged (asked until then)
+    assert frozen.check_trainable(ddp=False) and frozen.trainable[1]
+    assert frozen.unchecked_grads() == {} and frozen.check_trainable(ddp=False)
+    params[1].grad = torch.ones_like(params[1])
+    assert list(frozen.unchecked_grads()) == [1]
+    frozen.averaged([1])
+    assert frozen.unchecked_grads() == {} and not frozen.check_trainable(ddp=False)
 
 
 def test_a_real_stepper_over_whole_parameters_refuses_pieces_and_steps_with_its_closure() -> None:

@@ -145,9 +145,8 @@ def test_fp32_main_pieces_match_a_single_process_fp32_reference(world_size: int)
             assert r["rel"] <= 1e-6, case
             assert r["same"], (case, "ranks hold different parameters")
             assert r["dtypes"] == (["torch.float32"] if r["owned"] else []), case
-            # reduced in fp32, overlap mode updates from the fp32 values, never rounded, once
-            # the buckets are known (the first backward all-reduces in fp32, rounded once)
-            wide = reduce_dtype is not None and mode.startswith("hook_with") and world_size > 1
+            # reduced in fp32, every mode updates from the fp32 values, never their rounding
+            wide = reduce_dtype is not None and world_size > 1
             if r["owned"]:
                 assert ("torch.float32" in r["grad_dtypes"]) == wide, case
 

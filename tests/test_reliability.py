@@ -20,7 +20,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional.app.launch import LaunchError
-from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
+from zero_functional.hooks import (
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    reduce_scatter_hook,
+)
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import average_grads, max_diff, run_ranks
@@ -525,3 +529,138 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+# ---------------------------------------------------------------- issue 34: unfreezing
+
+
+def _ranked_steps(model: nn.Module, opt: Any, rank: int, steps: int, by_hand: bool) -> None:
+    """``steps`` steps on this rank's own batches (different on each rank), gradients averaged
+    by hand (``by_hand``) or left to DDP."""
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        if by_hand:
+            average_grads(model, 2)
+        opt.step()
+
+
+def _unfreeze_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # fine-tuning with hand-averaged gradients: a layer frozen at construction, unfrozen later
+    for partition in ("sorted_greedy", "flat"):
+        models = [make_model(), make_model()]
+        for m in models:
+            m[0].requires_grad_(False)
+        frozen = models[0][0].weight.detach().clone()
+        ours = ZeroRedundancyOptimizer(
+            models[0].parameters(), torch.optim.Adam, partition=partition, lr=0.01
+        )
+        plain = torch.optim.Adam(models[1].parameters(), lr=0.01)
+        for model, opt in zip(models, (ours, plain)):
+            _ranked_steps(model, opt, rank, 2, by_hand=True)
+            model[0].requires_grad_(True)
+            _ranked_steps(model, opt, rank, 3, by_hand=True)
+        trained = not torch.equal(frozen, models[0][0].weight)
+        out[partition] = (max_diff(*models), trained)
+    # DDP built while the layer was frozen, plain (no hook) and with reduce_scatter_hook
+    for hook in (False, True):
+        model = make_model()
+        model[0].requires_grad_(False)
+        ddp = DDP(model)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+        if hook:
+            ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+        _ranked_steps(ddp, zero, rank, 1, by_hand=False)
+        model[0].requires_grad_(True)
+        before = snapshot(model, zero)
+        try:
+            _ranked_steps(ddp, zero, rank, 1, by_hand=False)
+            out[f"ddp, hook {hook}"] = "stepped"
+        except RuntimeError as e:
+            out[f"ddp, hook {hook}"] = str(e)
+        out[f"ddp, hook {hook}, unchanged"] = unchanged(before, model, zero)
+    return out
+
+
+def test_unfreezing_trains_as_plain_adam_where_averaged_and_is_refused_naming_ddp() -> None:
+    """Issue 34, item 5: a layer unfrozen in hand-averaged fine-tuning trains as torch's class
+    lets it (equal to plain Adam); under a DDP built while it was frozen, which never averages
+    its gradients (plain, or with a hook), the step is refused on every rank, naming DDP."""
+    for out in run_ranks(_unfreeze_worker, 2, timeout_s=120):
+        for partition in ("sorted_greedy", "flat"):
+            diff, trained = out[partition]
+            assert diff <= 1e-6 and trained, (partition, out)
+        for hook in (False, True):
+            message = out[f"ddp, hook {hook}"]
+            assert "were frozen" in message and "DDP does not average" in message, message
+            assert "(3, 4)" in message and out[f"ddp, hook {hook}, unchanged"], out
+
+
+# ---------------------------------------------------------------- issue 34: fp32 reduce
+
+
+def _fp32_reduce_worker(rank: int, world_size: int) -> dict[str, float]:
+    """Per mode, the largest relative difference of this rank's fp32 main pieces from a
+    reference: plain AdamW on fp32 mains, stepped with the fp32 average of the ranks' bf16
+    gradients, its bf16 model the mains rounded; with ``reduce_dtype`` fp32 and bf16."""
+    out: dict[str, float] = {}
+    for mode in ("reduce_scatter_hook", "hook_with_zero_step", "interleaved"):
+        for reduce_dtype in (torch.float32, None):
+            model, ref = make_model().to(torch.bfloat16), make_model().to(torch.bfloat16)
+            mains = [p.detach().float().clone() for p in ref.parameters()]
+            ref_opt = torch.optim.AdamW(mains, lr=1e-3, foreach=False)
+            ddp, overlap = DDP(model), mode != "reduce_scatter_hook"
+            zero = ZeroRedundancyOptimizer(
+                ddp.parameters(),
+                torch.optim.AdamW,
+                partition="flat",
+                overlap_with_ddp=overlap,
+                main_params_dtype=torch.float32,
+                lr=1e-3,
+            )
+            wrap = hook_with_zero_step if mode == "hook_with_zero_step" else None
+            wrap = hook_with_zero_step_interleaved if mode == "interleaved" else wrap
+            hook = (
+                reduce_scatter_hook(ddp, zero, reduce_dtype=reduce_dtype)
+                if wrap is None
+                else wrap(allreduce_hook, ddp, zero, reduce_dtype=reduce_dtype)
+            )
+            ddp.register_comm_hook(None, hook)
+            for step in range(4):
+                g = torch.Generator().manual_seed(100 * rank + step)
+                x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+                for m in (ddp, ref):
+                    m.zero_grad()
+                    ((m(x.bfloat16()) - y).float() ** 2).mean().backward()
+                if not overlap:
+                    zero.step()
+                for main, p in zip(mains, ref.parameters()):
+                    assert p.grad is not None
+                    main.grad = p.grad.float() / world_size
+                    torch.distributed.all_reduce(main.grad)
+                ref_opt.step()
+                with torch.no_grad():
+                    for main, p in zip(mains, ref.parameters()):
+                        p.copy_(main)
+            got = zero.main_params()
+            rel = 0.0
+            for s in zero.ownership.owned(rank):
+                p = list(model.parameters())[s.param]
+                want = mains[s.param].reshape(-1)[s.start : s.stop]
+                diff = (got[p].reshape(-1) - want).abs().max() / want.abs().max()
+                rel = max(rel, diff.item())
+            out[f"{mode}, {reduce_dtype}"] = rel
+    return out
+
+
+def test_an_fp32_reduce_updates_the_fp32_mains_from_the_fp32_average_in_every_mode() -> None:
+    """Issue 34, item 6: with ``reduce_dtype=torch.float32`` the fp32 main copies follow plain
+    AdamW stepped with the fp32 average of the ranks' gradients (not its bf16 rounding), after
+    backward with ``reduce_scatter_hook`` and in overlap mode; a bf16 reduce does not."""
+    for out in run_ranks(_fp32_reduce_worker, 2, timeout_s=120):
+        for mode in ("reduce_scatter_hook", "hook_with_zero_step", "interleaved"):
+            assert out[f"{mode}, torch.float32"] <= 1e-6, (mode, out)
+            assert out[f"{mode}, None"] > 2e-6, (mode, out)

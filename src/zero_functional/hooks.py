@@ -207,15 +207,16 @@ def _make_hook(
         name = f"backward() (hook_with_zero_step, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
             substitute = overlap.start(bucket) and (state is None or state is zero.process_group)
+            wide = None
             if substitute:
                 fut = overlap.reduce(bucket)
             elif reduce_dtype is not None and zero.world_size > 1:
-                # the buckets not known yet: all-reduce, widened
+                # the buckets not known yet: all-reduce, widened (the update reads `wide`)
                 group = overlap.grad_sync.world_group
-                fut = all_reduce_widened(bucket.buffer(), reduce_dtype, group)
+                fut, wide = all_reduce_widened(bucket.buffer(), reduce_dtype, group)
             else:
                 fut = hook(state, bucket)
-            overlap.on_bucket(bucket, fut)
+            overlap.on_bucket(bucket, fut, wide)
         return fut
 
     return _with_annotations(hook_with_zero_fn)
@@ -388,6 +389,8 @@ def reduce_scatter_hook(
         name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
             reduce = grad_sync.start(flat, indices)
+            if reduce.flat is not flat and zero.main_params_dtype is not None:  # not rounded
+                zero.hold_reduced(reduce.owned(indices, zero.ownership, zero.rank))
             pending = reduce.rounded_back()  # rounded back once, before DDP reads the bucket
             if grad_scaler is None or not grad_scaler.is_enabled():
                 return pending.future(flat)

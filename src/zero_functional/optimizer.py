@@ -37,7 +37,7 @@ from zero_functional.core.piece_state import (
 )
 from zero_functional.core.plans import choose_param_gather, ownership_of, plan_moves
 from zero_functional.functional import functional_spec, supports_group
-from zero_functional.shell.agreement import agree, agreed_inputs
+from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
 from zero_functional.shell.classes import add_group, pinned_owners
 from zero_functional.shell.join import StepJoinHook
@@ -300,8 +300,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def check_trainable(self) -> bool:
         """Whether any ``requires_grad`` changed since the ownership was built: freezing is
-        followed, unfreezing raises a RuntimeError naming the parameter (DDP never reduces it)."""
-        return self._shard.check_trainable()
+        followed, and unfreezing where the gradients are averaged (:func:`check_averaged`);
+        else (overlap mode, a DDP built before) a RuntimeError naming the parameter and DDP."""
+        changed = self._shard.check_trainable(self._overlap_with_ddp)
+        grads, params = self._shard.unchecked_grads(), self._table.params
+        check_averaged(grads, params, self.process_group, self.timeout)
+        self._shard.averaged(grads)
+        return changed
 
     def update_owned(self, grads: Mapping[int, Tensor]) -> None:
         """Update this rank's pieces with ``grads`` (global index -> the piece's gradient, any
@@ -312,6 +317,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._book.changed()
         self._shard.update(grads)
         self._hooks.updated(self._shard, grads)
+
+    def hold_reduced(self, grads: Mapping[int, Tensor]) -> None:
+        """Hand over this rank's pieces' reduced gradients in a wider dtype than ``.grad`` (a
+        hook's ``reduce_dtype``): the next ``step()`` updates from them, not their rounding."""
+        self._shard.hold_reduced(grads)
 
     def register_update_hook(
         self, updated: Updated, resharded: Resharded | None = None
@@ -342,7 +352,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with self._call("clip_grad_norm_()"):
             ranks = comm.all_gather_scalar(local, self.process_group)
         total = total_norm(ranks, norm_type, error_if_nonfinite)
-        clip_(grads, total, max_norm)
+        clip_([*grads, *self._shard.reduced.values()], total, max_norm)
+        self._shard.round_reduced()
         return total
 
     def join_hook(self, **kwargs: Any) -> JoinHook:

@@ -80,17 +80,18 @@ def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
 
 
 def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
-    """The sum (or max) of a 0-d tensor over the group, on every rank (one small all-reduce).
+    """The sum (or max) of a 0-d tensor, or elementwise of a small one, over the group, on
+    every rank (one small all-reduce).
 
     The tensor travels on :func:`collective_device`; the result comes back on ``value``'s.
     """
     device = collective_device(group, value.device)
-    t = value.detach().reshape(1).to(device, copy=True)
+    t = value.detach().reshape(-1).to(device, copy=True)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     start_one(
         lambda: dist.all_reduce(t, op=reduce_op, group=group, async_op=True), [t], group
     ).wait()
-    return t.reshape(()).to(value.device)
+    return t.reshape(value.shape).to(value.device)
 
 
 def any_rank(flags: Tensor, group: ProcessGroup) -> Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_functional import comm
@@ -20,12 +21,15 @@ from zero_functional.core.checks import (
     check_devices,
     check_inputs,
     fingerprint,
+    grad_checksums,
     param_tensors,
+    unaveraged,
+    unfrozen_error,
 )
 from zero_functional.core.main_params import check_main_params_dtype, check_remainders
 from zero_functional.functional import update_kind
 
-__all__ = ["agree", "agreed_inputs"]
+__all__ = ["agree", "agreed_inputs", "check_averaged"]
 
 CHECK_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, RuntimeError)
 """What a failed local check raises; anything else is a bug, raised where it happens."""
@@ -124,3 +128,35 @@ def agreed_inputs(
     agree("ZeroRedundancyOptimizer()", check, items, group, timeout=timeout)
     assert checked is not None  # agree raised otherwise
     return group, items, checked[1]
+
+
+def check_averaged(
+    grads: Mapping[int, Tensor],
+    params: Sequence[Tensor],
+    group: comm.ProcessGroup,
+    timeout: float | None = None,
+) -> None:
+    """Refuse on every rank, naming DDP, the parameters unfrozen since the optimizer was built
+    whose gradients ``grads`` (global index -> whole gradient) differ between ranks: no one
+    averaged them, as a DDP built while they were frozen does not. Gradients averaged by hand
+    are the same everywhere: they train, as in torch's class. One small all-reduce of float64
+    checksums (:func:`~zero_functional.core.checks.grad_checksums`), where ``grads`` is not
+    empty (on every rank alike: the step where they first have gradients) and the group has
+    more than one rank; collective then.
+
+    Example:
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> check_averaged({0: torch.ones(2)}, [torch.zeros(2)], dist.group.WORLD)
+        >>> dist.destroy_process_group()
+    """
+    if not grads or comm.group_size(group) == 1:
+        return
+    indices = sorted(grads)
+    with comm.call("step() (unfrozen parameters' gradients compared)", group, timeout=timeout):
+        checksums = grad_checksums([grads[k] for k in indices])
+        reduced = comm.all_reduce_scalar(checksums, group, op="max")
+    differ = unaveraged(indices, reduced)
+    if differ:
+        raise unfrozen_error(differ, [p.shape for p in params])

@@ -78,22 +78,24 @@ def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
 
 def all_reduce_widened(
     flat: Tensor, dtype: torch.dtype | None, group: comm.ProcessGroup
-) -> Future[Tensor]:
+) -> tuple[Future[Tensor], Tensor]:
     """DDP's average of a bucket's buffer ``flat`` over ``group``, summed in ``dtype`` and
     rounded back once: what replaces DDP's hook, with a reduce dtype, while the bucket
-    structure is not known yet.
+    structure is not known yet. Returns DDP's future and the average in ``dtype`` (final
+    once the future is), which the update reads rather than its rounding.
 
     Example:
         >>> import tempfile, torch.distributed as dist
         >>> dist.init_process_group(
         ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        >>> all_reduce_widened(torch.ones(2, dtype=torch.bfloat16), torch.float32,
-        ...                    dist.group.WORLD).wait()
-        tensor([1., 1.], dtype=torch.bfloat16)
+        >>> fut, wide = all_reduce_widened(torch.ones(2, dtype=torch.bfloat16), torch.float32,
+        ...                                dist.group.WORLD)
+        >>> fut.wait(), wide.dtype
+        (tensor([1., 1.], dtype=torch.bfloat16), torch.float32)
         >>> dist.destroy_process_group()
     """
     wide = widened(flat, dtype).div_(comm.group_size(group))
-    return comm.start_all_reduce(wide, group).copy_after(flat, wide).future(flat)
+    return comm.start_all_reduce(wide, group).copy_after(flat, wide).future(flat), wide
 
 
 def bucket_indices(table: ParamTable, params: Sequence[Tensor]) -> tuple[int, ...]:
@@ -158,6 +160,11 @@ class GradReduce:
         if self.out is not self.flat:
             self.out.copy_(self.flat)
         return self.out
+
+    def owned(self, indices: Sequence[int], ownership: Ownership, rank: int) -> dict[int, Tensor]:
+        """The reduced values of the pieces ``rank`` owns in this bucket of the parameters
+        ``indices``, in the reduce dtype (views of :attr:`flat`, final once finished)."""
+        return {k: self.flat[lo:hi] for k, lo, hi in ownership.owned_slices(indices, rank)}
 
     def rounded_back(self) -> comm.Pending:
         """Stepping after backward: the collectives to wait for (or to make DDP's future of),

@@ -146,6 +146,8 @@ class LocalShard:
         self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(rank)}
         self.trainable = [p.requires_grad for p in table.params]
         self._built_trainable = list(self.trainable)
+        self._unchecked: set[int] = set()  # unfrozen, their gradients not yet compared
+        self.reduced: dict[int, Tensor] = {}  # a hook's reduce_dtype values: hold_reduced
 
     def extended(self, ownership: Ownership, table: ParamTable) -> LocalShard:
         """This shard, its state and its stepper, over more parameters: ``table`` and an
@@ -178,13 +180,26 @@ class LocalShard:
         return piece
 
     def grads(self) -> dict[int, Tensor]:
-        """Global index -> the gradient of this rank's piece, where the parameter has one."""
-        params = self.table.params
-        return {
-            k: piece_view(grad, piece)
-            for k, piece in self.pieces.items()
-            if (grad := params[k].grad) is not None
-        }
+        """Global index -> the gradient of this rank's piece, where the parameter has one: the
+        value held by :meth:`hold_reduced` while ``.grad``'s piece is its rounding, else that."""
+        params, out = self.table.params, {}
+        for k, piece in self.pieces.items():
+            if (grad := params[k].grad) is not None:
+                out[k] = view = piece_view(grad, piece)
+                wide = self.reduced.pop(k, None)  # dropped where .grad changed since
+                if wide is not None and torch.equal(wide.to(view.dtype).view_as(view), view):
+                    out[k] = self.reduced[k] = wide.view_as(view)
+        return out
+
+    def hold_reduced(self, grads: Mapping[int, Tensor]) -> None:
+        """Hold pieces' reduced gradients wider than ``.grad``, for the next step: :meth:`grads`."""
+        self.reduced.update(grads)
+
+    def round_reduced(self) -> None:
+        """Write the held values, rounded, into ``.grad``'s pieces (after clipping scaled both)."""
+        for k, wide in self.reduced.items():  # those grads() found current, as clipping asks
+            if (grad := self.table.params[k].grad) is not None:
+                (view := piece_view(grad, self.pieces[k])).copy_(wide.view_as(view))
 
     def pieces_stepper(self) -> Stepper:
         """The stepper, which runs on pieces; a RuntimeError where it is a
@@ -250,22 +265,34 @@ class LocalShard:
             with torch.enable_grad():
                 loss = closure()
         grads = self.grads()
+        self.reduced = {}  # used once: the next backward's reduction holds its own
         if grad_scale is not None:
             params = self.table.params
             dtypes = {k: main_dtype_for(params[k].dtype, self.main_params_dtype) for k in grads}
             grads = unscaled(grads, dtypes, grad_scale)
         return loss, grads
 
-    def check_trainable(self) -> bool:
-        """Whether any ``requires_grad`` changed since this shard was built (freezing is
-        followed; unfreezing a parameter built frozen raises, naming it)."""
+    def check_trainable(self, ddp: bool) -> bool:
+        """Whether ``requires_grad`` changed since the last call, or unfrozen parameters are yet
+        to be found averaged (:meth:`unchecked_grads`); ``ddp``: unfreezing raises, naming it."""
         params = self.table.params
         trainable = [p.requires_grad for p in params]
         if trainable == self.trainable:
-            return False
-        check_unfrozen(self._built_trainable, trainable, [p.shape for p in params])
+            return bool(self._unchecked)
+        woke = check_unfrozen(self._built_trainable, trainable, [p.shape for p in params], ddp)
+        self._unchecked = set(woke)
         self.trainable = trainable
         return True
+
+    def unchecked_grads(self) -> dict[int, Tensor]:
+        """Global index -> the whole gradient of each parameter unfrozen since this shard was
+        built that has one, until :meth:`averaged`: the step compares them across ranks."""
+        params = self.table.params
+        return {k: g for k in sorted(self._unchecked) if (g := params[k].grad) is not None}
+
+    def averaged(self, indices: Iterable[int]) -> None:
+        """Note that the gradients of parameters ``indices`` were found averaged: they train."""
+        self._unchecked.difference_update(indices)
 
     def local_view(self) -> Optimizer | LocalView:
         """This rank's share as a local optimizer shows it (torch's ``optim`` attribute)."""

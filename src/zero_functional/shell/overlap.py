@@ -60,6 +60,7 @@ class _Bucket:
     future: Future[Any] | None = None  # what DDP waits on: ours, or the user's hook's
     reduce: GradReduce | None = None  # set when reduced onto its owners (by GradSync)
     flat: Tensor | None = None  # its reduced gradients, once REDUCED
+    wide: Tensor | None = None  # the user hook's average in the reduce dtype, if any
 
     def ready(self) -> bool:
         """Whether its reduction is done (waiting for it would not block)."""
@@ -79,6 +80,7 @@ class _Bucket:
                 assert self.future is not None
                 value = self.future.wait()
                 self.flat = value if isinstance(value, Tensor) else value[0]
+                self.flat = self.flat if self.wide is None else self.wide  # not its rounding
             self.status = BucketStatus.REDUCED
         return self.flat
 
@@ -236,10 +238,12 @@ class OverlapState:
         # set once the bucket is updated (_update), with the reduced values
         return Future(devices=[out.device] if out.device.type == "cuda" else None)
 
-    def on_bucket(self, bucket: GradBucket, fut: Future[Any]) -> None:
-        """Record the bucket's future; update finished buckets (the last bucket: all of them)."""
+    def on_bucket(self, bucket: GradBucket, fut: Future[Any], wide: Tensor | None = None) -> None:
+        """Record the bucket's future (and ``wide``: its average in the reduce dtype, which
+        the update reads); update finished buckets (the last bucket: all of them)."""
         bw, i = self._backward, bucket.index()
         bw.buckets[i].future, bw.buckets[i].status = fut, BucketStatus.REDUCING
+        bw.buckets[i].wide = wide
         if self.interleaved and not bw.deferred and not self._scaling() and not self.find_unused:
             # buckets whose reduction is done, in order; without a twin group, one bucket
             # behind whatever it takes (its reduction has had one bucket's backward to finish)
