@@ -7,6 +7,7 @@ parameter all-gather); the functions here execute those plans and call nothing b
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from zero_functional.comm.groups import (
     group_size,
     is_nccl,
 )
+from zero_functional.comm.exchange import exchanges, start_exchange
 from zero_functional.comm.pending import Pending, hold, issue, start_one
 from zero_functional.core.param_table import buffer_key
 from zero_functional.core.plans import COALESCE_BELOW, sync_plan
@@ -56,9 +58,11 @@ def start_reduce(
 
     ``runs`` are ``(start, stop, rank)`` stretches covering the buffer
     (:meth:`~zero_functional.core.ownership.Ownership.runs`). With ``chunk`` (the runs are the even split ``[r * chunk, (r + 1) * chunk)``), one
-    ``reduce_scatter_single`` over the buffer padded to ``chunk * world_size``; otherwise one
-    reduce per run (grouped on NCCL). Afterwards each rank's runs hold the sums; other elements
-    are undefined.
+    ``reduce_scatter_single`` over the buffer padded to ``chunk * world_size``; otherwise, on
+    gloo (a CPU buffer), one all-to-all that sends each run to its rank once
+    (:func:`~zero_functional.comm.exchange.start_exchange`: gloo's own reduce sends more), and
+    on NCCL one reduce per run, grouped. Afterwards each rank's runs hold the sums; other
+    elements are undefined.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -71,6 +75,8 @@ def start_reduce(
         >>> dist.destroy_process_group()
     """
     if chunk is None:
+        if exchanges(group, buffer):
+            return start_exchange(buffer, runs, group)
         return issue("reduce", [(buffer[a:b], rank) for a, b, rank in runs], group)
     world, me = group_size(group), group_rank(group)
     source = padded(buffer, chunk * world)
@@ -337,4 +343,20 @@ def reduce_to_owners(
         for t in tensors:
             t.div_(world)
     calls = [(t, r) for t, r in zip(tensors, owners) if t.numel()]
-    issue("reduce", calls, group).wait()
+    if not calls or not exchanges(group, calls[0][0]):
+        issue("reduce", calls, group).wait()
+        return
+    # gloo: one all-to-all per (device, dtype), over the tensors laid end to end
+    groups: dict[object, list[tuple[Tensor, int]]] = {}
+    for t, r in calls:
+        groups.setdefault(buffer_key(t), []).append((t, r))
+    for members in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t, _ in members])
+        ends = list(itertools.accumulate(t.numel() for t, _ in members))
+        runs = [(end - t.numel(), end, r) for end, (t, r) in zip(ends, members)]
+        start_exchange(flat, runs, group).wait()
+        me = group_rank(group)
+        with torch.no_grad():
+            for (a, b, r), (t, _) in zip(runs, members):
+                if r == me:
+                    t.copy_(flat[a:b].view_as(t))

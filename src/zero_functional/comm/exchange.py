@@ -1,0 +1,83 @@
+"""Gradients summed onto their owners through one all-to-all: the reduce at its byte floor.
+
+Summing each stretch of a buffer onto the rank that owns it needs each rank to send every other
+rank that rank's stretches once: ``S - owned`` bytes per rank, ``(N - 1) S`` in all, the floor
+of a reduce-scatter. gloo's own ``reduce`` and ``reduce_scatter`` send more (measured on a
+loopback shaped to 2 Gbit/s, 32 MB: a reduce per owner 2.2x that floor at 2 ranks and 1.2x at 4,
+``reduce_scatter_tensor`` 2.4x and 2.1x; ``benchmarks/bench_collectives.py --link 2gbit``).
+gloo's all-to-all sends each rank's stretches straight to their owner over its point-to-point
+pairs, which is that floor; the owner then adds what arrived in rank order, so the sum is the
+same whichever rank owns it. It is one collective with a future, issued in order like the rest.
+NCCL keeps its native reduce (grouped) and reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl
+from zero_functional.comm.pending import Pending, start_one
+from zero_functional.core.plans import exchange_splits
+
+
+def exchanges(group: ProcessGroup, buffer: Tensor) -> bool:
+    """Whether a reduce onto owners of ``buffer`` over ``group`` goes through
+    :func:`start_exchange` (a CPU buffer on a backend other than NCCL, more than one rank)."""
+    return not is_nccl(group) and buffer.device.type == "cpu" and group_size(group) > 1
+
+
+def start_exchange(
+    buffer: Tensor, runs: Sequence[tuple[int, int, int]], group: ProcessGroup
+) -> Pending:
+    """Start summing each run of the 1-D ``buffer`` onto its rank through one all-to-all.
+
+    Afterwards (``wait()``, or the future DDP waits on) each rank's runs hold the sum of every
+    rank's values, added in rank order; the other elements keep this rank's values. Each rank
+    sends only the runs of other ranks, once.
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> t = torch.arange(3.0)
+        >>> start_exchange(t, [(0, 3, 0)], dist.group.WORLD).wait()
+        >>> t
+        tensor([0., 1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    world, me = group_size(group), group_rank(group)
+    splits, order = exchange_splits(runs, world)
+    if buffer.numel() == 0:
+        return Pending([])
+    in_place = all(a == b for (_, a), (b, _) in zip(order, order[1:])) and (
+        not order or (order[0][0] == 0 and order[-1][1] == buffer.numel())
+    )
+    source = buffer if in_place else torch.cat([buffer[a:b] for a, b in order])
+    mine = splits[me]
+    received = torch.empty(world * mine, dtype=buffer.dtype, device=buffer.device)
+    spans = [(a, b) for a, b, rank in runs if rank == me and b > a]
+
+    def add_up() -> None:
+        if not mine:
+            return
+        rows = received.view(world, mine)
+        total = rows[0]
+        for r in range(1, world):
+            total.add_(rows[r])
+        offset = 0
+        for a, b in spans:
+            buffer[a:b].copy_(total[offset : offset + b - a])
+            offset += b - a
+
+    def issue() -> object:
+        # looked up when called, so that any wrapper installed over it (a byte counter) runs
+        return dist.all_to_all_single(
+            received, source, [mine] * world, list(splits), group=group, async_op=True
+        )
+
+    made = [received] if source is buffer else [received, source]
+    return start_one(issue, made, group, [add_up])  # type: ignore[arg-type]
