@@ -525,3 +525,82 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+# ---------------------------------------------------------------- issue 34: two jobs, one path
+
+
+def _job(path: str, value: float, mode: str, made: Any, go: Any, out: Any) -> None:
+    """One job of its own (one process, no process group) saving ``value`` to ``path``; the
+    second job (``made`` given) pauses once its temporary exists until the first has saved."""
+    from zero_functional import checkpoint
+    from zero_functional.checkpoint import atomic_dir
+
+    if made is not None:
+        make = atomic_dir.make_temporary
+
+        def made_then_wait(target: str) -> str:
+            tmp = make(target)
+            made.put(tmp)
+            go.wait(60)
+            return tmp
+
+        atomic_dir.make_temporary = made_then_wait  # type: ignore[assignment]
+    store = f"file://{path}-job-{value}"  # this job's own process group, of one rank
+    torch.distributed.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    try:
+        handle = checkpoint.save(
+            path, model=model, blocking=mode != "background", shared=mode != "shared=False"
+        )
+        if handle is not None:
+            handle.wait()
+        out.put("saved")
+    except checkpoint.CheckpointError as e:
+        out.put(str(e))
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background", "shared=False"])
+def test_two_jobs_saving_to_one_path_keep_their_temporaries_and_the_loser_says_so(
+    tmp_path: Any, mode: str
+) -> None:
+    """Issue 34, item 4: job A saves while job B's save to the same path is in progress. A's
+    cleanup removed B's temporary (and B's commit then replaced A's checkpoint with what was
+    left, or removed it); now B's temporary is its own, B fails naming A's save, and the
+    checkpoint there is A's, complete."""
+    import multiprocessing
+    import os
+
+    from zero_functional import checkpoint
+
+    from tests.helpers import PRELOAD
+
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # as run_ranks: torch imported once
+    ctx = multiprocessing.get_context("forkserver")
+    path = str(tmp_path / "ckpt")
+    made, go, out_a, out_b = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Queue()
+    b = ctx.Process(target=_job, args=(path, 2.0, mode, made, go, out_b))
+    b.start()
+    try:
+        tmp_b = made.get(timeout=60)
+        a = ctx.Process(target=_job, args=(path, 1.0, "blocking", None, None, out_a))
+        a.start()
+        assert out_a.get(timeout=60) == "saved"
+        a.join(30)
+        assert os.path.isdir(tmp_b), "job A's cleanup removed job B's save in progress"
+        go.set()
+        message = out_b.get(timeout=60)
+        b.join(30)
+    finally:
+        go.set()
+        b.join(5)
+        if b.is_alive():
+            b.kill()
+    assert "another save committed" in message and "two jobs are saving to one" in message
+    assert re.search(r"\(save [0-9a-f]{12} by process \d+ on ", message), message
+    assert len(message) <= 2048, len(message)
+    model = nn.Linear(3, 2)
+    checkpoint.load(path, model=model)
+    assert bool((model.weight == 1.0).all()), model.weight

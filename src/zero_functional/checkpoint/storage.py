@@ -31,7 +31,6 @@ import io
 import itertools
 import math
 import os
-import shutil
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any, cast
@@ -502,7 +501,7 @@ def save_pieces(
             )
     except CheckpointError:
         if comm.rank_or_zero(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            atomic_dir.discard(tmp)
         raise
     mine = commit(tmp, target) if comm.rank_or_zero(process_group) == 0 else None
     error = comm.broadcast_object(mine, process_group)  # every rank returns after the commit
