@@ -48,6 +48,7 @@ __all__ = [
     "file_crc",
     "make_temporary",
     "not_a_checkpoint",
+    "os_error",
     "refusal",
     "release",
     "remove_leftovers",
@@ -394,3 +395,32 @@ def file_crc(path: str) -> tuple[int, int]:
         while chunk := f.read(1 << 20):
             crc, size = zlib.crc32(chunk, crc), size + len(chunk)
     return crc, size
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The :class:`OSError` a failed write raised, ``error`` itself or one it was raised while
+    handling; ``None`` if there is none.
+
+    ``torch.save`` into a file whose disk is full raises ``RuntimeError: [enforce fail at
+    inline_container.cc:672] unexpected pos 704 vs 598`` while handling the file's ``[Errno
+    28] No space left on device``: that is the one to name.
+
+    Example:
+        >>> import errno
+        >>> try:
+        ...     try:
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ...     except OSError:
+        ...         raise RuntimeError("unexpected pos 704 vs 598")
+        ... except RuntimeError as e:
+        ...     print(os_error(e))
+        [Errno 28] No space left on device
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

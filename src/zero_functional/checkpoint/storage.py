@@ -317,8 +317,8 @@ class _ChecksummedWriter(FileSystemWriter):
         file = os.path.join(str(self.path), name)
         try:
             results = self._write_items(file, name, plan, planner)
-        except OSError as e:
-            raise CheckpointError(f"cannot write {file}: {e}") from e
+        except (OSError, RuntimeError) as e:  # torch.save's zip writer hides an OSError
+            raise CheckpointError(f"cannot write {file}: {atomic_dir.os_error(e) or e}") from e
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
