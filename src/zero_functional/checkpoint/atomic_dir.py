@@ -127,6 +127,9 @@ def refusal(path: str) -> str | None:
 def make_temporary(path: str) -> str:
     """Create ``<path>.tmp-<12 hex digits>`` (and missing parents), marked as a save to ``path``.
 
+    This process holds it (a ``flock`` on its marker, which no other save's cleanup removes)
+    until :func:`commit`, :func:`discard` or :func:`release`.
+
     Returns:
         The temporary directory's path.
 
