@@ -17,6 +17,7 @@ from zero_functional.checkpoint.atomic_dir import (
     commit,
     make_temporary,
     refusal,
+    release,
     remove_leftovers,
 )
 
@@ -27,6 +28,8 @@ def listing(root: Path) -> dict[str, str]:
     for p in sorted(root.rglob("*")):
         key = str(p.relative_to(root))
         out[key] = "->" if p.is_symlink() else "/" if p.is_dir() else p.read_text()
+        if p.name == MARKER:  # its first line names the path; the second, the save
+            out[key] = out[key].split("\n")[0] + "\n"
     return out
 
 
@@ -82,7 +85,10 @@ def test_leftovers_of_killed_saves_are_removed_and_nothing_else_is(
     a_checkpoint(ckpt, "first")
     killed = [make_temporary(str(ckpt)) for _ in range(2)]  # saves killed before their commit
     old = tmp_path / "ckpt.old-0123abcd"  # killed between the two renames: the previous one
-    os.rename(make_temporary(str(ckpt)), old)
+    killed_between = make_temporary(str(ckpt))
+    for tmp in [*killed, killed_between]:  # a killed process's locks are gone
+        release(tmp)
+    os.rename(killed_between, old)
     # look-alikes that are not ours: a file, a directory without the marker, one whose marker
     # names another path, a marked directory of another name
     (tmp_path / "ckpt.tmp-0123456789ab").write_text("a user's file")

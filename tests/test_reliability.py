@@ -8,7 +8,9 @@ after. The command line's cases live in ``test_cli.py`` and ``test_launch.py``.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
 from typing import Any
 
 import pytest
@@ -664,3 +666,168 @@ def test_an_fp32_reduce_updates_the_fp32_mains_from_the_fp32_average_in_every_mo
         for mode in ("reduce_scatter_hook", "hook_with_zero_step", "interleaved"):
             assert out[f"{mode}, torch.float32"] <= 1e-6, (mode, out)
             assert out[f"{mode}, None"] > 2e-6, (mode, out)
+
+
+# ---------------------------------------------------------------- issue 34: two jobs, one path
+
+
+def _job(path: str, value: float, mode: str, made: Any, go: Any, out: Any) -> None:
+    """One job of its own (one process, no process group) saving ``value`` to ``path``; the
+    second job (``made`` given) pauses once its temporary exists until the first has saved."""
+    from zero_functional import checkpoint
+    from zero_functional.checkpoint import atomic_dir
+
+    if made is not None:
+        make = atomic_dir.make_temporary
+
+        def made_then_wait(target: str) -> str:
+            tmp = make(target)
+            made.put(tmp)
+            go.wait(60)
+            return tmp
+
+        atomic_dir.make_temporary = made_then_wait  # type: ignore[assignment]
+    store = f"file://{path}-job-{value}"  # this job's own process group, of one rank
+    torch.distributed.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    try:
+        handle = checkpoint.save(
+            path, model=model, blocking=mode != "background", shared=mode != "shared=False"
+        )
+        if handle is not None:
+            handle.wait()
+        out.put("saved")
+    except checkpoint.CheckpointError as e:
+        out.put(str(e))
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background", "shared=False"])
+def test_two_jobs_saving_to_one_path_keep_their_temporaries_and_the_loser_says_so(
+    tmp_path: Any, mode: str
+) -> None:
+    """Issue 34, item 4: job A saves while job B's save to the same path is in progress. A's
+    cleanup removed B's temporary (and B's commit then replaced A's checkpoint with what was
+    left, or removed it); now B's temporary is its own, B fails naming A's save, and the
+    checkpoint there is A's, complete."""
+    import multiprocessing
+
+    from zero_functional import checkpoint
+
+    from tests.helpers import PRELOAD
+
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # as run_ranks: torch imported once
+    ctx = multiprocessing.get_context("forkserver")
+    path = str(tmp_path / "ckpt")
+    made, go, out_a, out_b = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Queue()
+    b = ctx.Process(target=_job, args=(path, 2.0, mode, made, go, out_b))
+    b.start()
+    try:
+        tmp_b = made.get(timeout=60)
+        a = ctx.Process(target=_job, args=(path, 1.0, "blocking", None, None, out_a))
+        a.start()
+        assert out_a.get(timeout=60) == "saved"
+        a.join(30)
+        assert os.path.isdir(tmp_b), "job A's cleanup removed job B's save in progress"
+        go.set()
+        message = out_b.get(timeout=60)
+        b.join(30)
+    finally:
+        go.set()
+        b.join(5)
+        if b.is_alive():
+            b.kill()
+    assert "another save committed" in message and "two jobs are saving to one" in message
+    assert re.search(r"\(save [0-9a-f]{12} by process \d+ on ", message), message
+    assert len(message) <= 2048, len(message)
+    model = nn.Linear(3, 2)
+    checkpoint.load(path, model=model)
+    assert bool((model.weight == 1.0).all()), model.weight
+
+
+# ---------------------------------------------------------------- issue 34: a full disk
+
+FULL_DISK_SCRIPT = """
+import sys
+
+from tests.helpers import run_ranks
+from zero_functional.app import cli, train
+
+train.run_ranks = run_ranks  # ranks forked from a server with torch imported: seconds less
+
+if __name__ == "__main__":
+    sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+FULL_DISK_SAVE_SCRIPT = """
+import sys
+
+import torch
+
+from zero_functional.checkpoint import CheckpointError, storage
+
+try:  # 80 KB into 64 KiB: the disk fills inside torch.save's zip writer
+    storage.save_pieces(sys.argv[1], {"w": ((20000,), torch.float32, [(0, 20000, torch.ones(20000))])}, {}, None)
+except CheckpointError as e:
+    print(e)
+"""
+
+
+def _on_a_full_disk(tmp_path: Any, script: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``argv`` (``{disk}`` replaced) in a user and mount namespace of its
+    own, ``tmp_path / "disk"`` a 64 KiB tmpfs there; skip where no such namespace is allowed."""
+    import sys
+
+    from tests.test_readme import ROOT, env_with_src
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = f"mount -t tmpfs -o size=64k tmpfs {disk}"
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", mount], capture_output=True, text=True)
+    if probe.returncode != 0:  # no user namespaces here: nothing to fill without root
+        pytest.skip(f"cannot mount a small tmpfs: {probe.stderr.strip()}")
+    (tmp_path / "script.py").write_text(script)
+    env = env_with_src()
+    env["PYTHONPATH"] += os.pathsep + str(ROOT)  # a script may import tests.helpers
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f'{mount} && exec "$0" "$@"', sys.executable]
+        + [str(tmp_path / "script.py"), *(a.format(disk=disk) for a in argv)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_full_disk_is_named_by_the_save_not_torchs_zip_writer(tmp_path: Any) -> None:
+    """Issue 34, item 8, the Python API: the save named torch.save's ``[enforce fail at
+    inline_container.cc:672] unexpected pos 704 vs 598``, raised while handling the ENOSPC."""
+    done = _on_a_full_disk(tmp_path, FULL_DISK_SAVE_SCRIPT, "{disk}/ckpt")
+    message = done.stdout.strip()
+    assert "[Errno 28] No space left on device" in message and "enforce" not in message, (
+        message,
+        done.stderr[-2000:],
+    )
+    assert re.search(r"rank 0: cannot write \S+/disk/ckpt\.tmp-[0-9a-f]{12}/__0_0\.distcp", message)
+
+
+def test_a_full_disk_during_train_checkpoint_is_one_line_naming_it(tmp_path: Any) -> None:
+    """Issue 34, item 8: ``train --checkpoint`` on a 64 KiB tmpfs printed 30 lines ending in
+    ``[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598``; now one line names
+    the rank, no space left on device, the file and the checkpoint."""
+    argv = ["train", "--nproc", "2", "--epochs", "1", "--save-every", "1", "--hidden", "64"]
+    argv += ["--no-progress", "--no-reference", "--checkpoint", "{disk}/ckpt"]
+    done = _on_a_full_disk(tmp_path, FULL_DISK_SCRIPT, *argv)
+    disk = tmp_path / "disk"
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert re.fullmatch(
+        rf"zero-functional train: rank [01]: no space left on device writing {disk}/ckpt\.tmp-"
+        rf"[0-9a-f]{{12}}/__[01]_0\.distcp; {disk}/ckpt is unchanged: free space there or pass "
+        "another --checkpoint",
+        lines[0],
+    ), lines[0]

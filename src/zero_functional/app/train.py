@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.app.cluster import ClusterRank, elastic_resume
+from zero_functional.app.disk_full import disk_full
 from zero_functional.app.launch import (
     TERM_GRACE_S,
     LaunchError,
@@ -652,6 +653,9 @@ def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
         )
         return 128 + signal.SIGINT
     except LaunchError as e:
+        if (full := disk_full(e, cfg.checkpoint)) is not None:  # not 30 lines of tracebacks
+            print(f"zero-functional train: {full}", file=sys.stderr)
+            return 1
         lines = str(e).splitlines()
         if e.failures[0].reason.startswith("gave no result"):
             lines[0] += "; raise --timeout if the job is just slow"

@@ -6,13 +6,19 @@ What :func:`zero_functional.checkpoint.storage.save_pieces` does with a checkpoi
    ``.metadata``, or the marker below); a file, a link or a directory of something else is
    refused, untouched.
 2. :func:`make_temporary`: ``<path>.tmp-<12 hex digits>``, holding a marker file that names
-   ``path``; the checkpoint is written there.
+   ``path`` and this save (an id, the process and host); the checkpoint is written there. The
+   process holds an exclusive ``flock`` on the marker until the save ends: the temporary is
+   its own.
 3. :func:`commit`: the temporary is swapped onto ``path`` (Linux
    ``renameat2(RENAME_EXCHANGE)``, else two renames) and the previous one removed: a crash at
-   any moment leaves ``path`` either the previous checkpoint or the new one.
+   any moment leaves ``path`` either the previous checkpoint or the new one. Commits to one
+   directory take turns (a ``flock`` on the parent), and a save that finds ``path`` committed
+   by another save since it began loses: it raises :class:`SaveRaceError` naming that save,
+   and the checkpoint there, complete, stays.
 4. :func:`remove_leftovers`: what saves killed before their commit left beside ``path`` is
-   removed, but only directories with a temporary's name *and* the marker naming ``path``: a
-   user's file or directory of a similar name is never touched.
+   removed, but only directories with a temporary's name *and* the marker naming ``path``
+   *and* no live process holding the marker's lock: a user's file or directory of a similar
+   name, and another job's save in progress, are never touched.
 
 The marker stays in the committed checkpoint (readers ignore files they do not list), so the
 previous checkpoint a crash leaves in a temporary is recognised as ours too.
@@ -25,19 +31,26 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import os
 import re
 import shutil
+import socket
 import uuid
 import zlib
+from collections.abc import Iterator
 
 __all__ = [
     "MARKER",
+    "SaveRaceError",
     "commit",
+    "discard",
     "file_crc",
     "make_temporary",
     "not_a_checkpoint",
+    "os_error",
     "refusal",
+    "release",
     "remove_leftovers",
 ]
 
@@ -48,7 +61,32 @@ _METADATA = ".metadata"  # what every checkpoint directory holds (DCP's index)
 
 
 def _marker_text(path: str) -> str:
+    """The marker's first line; a second names the save (markers before it had none)."""
     return f"zero_functional.checkpoint.atomic_dir: a save to {os.path.abspath(path)}\n"
+
+
+class SaveRaceError(FileExistsError):
+    """Another save committed the path while this one was writing (two jobs saving to one
+    directory); the checkpoint there is that save's, and this one's is not committed."""
+
+
+_HELD: dict[str, tuple[int, str | None]] = {}
+"""This process's temporaries: the locked marker's descriptor, and the marker of the checkpoint
+that was at the path when the save began (``None``: none there, or one without a marker)."""
+
+
+def _read_marker(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _who(marker: str | None) -> str:
+    """The save a marker names, for a message."""
+    lines = (marker or "").splitlines()
+    return lines[1] if len(lines) > 1 else "a save of an earlier version"
 
 
 def refusal(path: str) -> str | None:
@@ -89,6 +127,9 @@ def refusal(path: str) -> str | None:
 def make_temporary(path: str) -> str:
     """Create ``<path>.tmp-<12 hex digits>`` (and missing parents), marked as a save to ``path``.
 
+    This process holds it (a ``flock`` on its marker, which no other save's cleanup removes)
+    until :func:`commit`, :func:`discard` or :func:`release`.
+
     Returns:
         The temporary directory's path.
 
@@ -100,22 +141,69 @@ def make_temporary(path: str) -> str:
     """
     target = os.path.abspath(path)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"
+    save = uuid.uuid4().hex[:12]
+    tmp = f"{target}.tmp-{save}"
+    before = _read_marker(target) if _ours(target, target) else None
     os.mkdir(tmp)
-    with open(os.path.join(tmp, MARKER), "w") as f:
-        f.write(_marker_text(target))
+    fd = os.open(os.path.join(tmp, MARKER), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    # locked before it names the path: a cleaner that recognises it finds it locked
+    with contextlib.suppress(OSError):  # no locks on this file system: see _in_use
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    who = f"save {save} by process {os.getpid()} on {socket.gethostname()}"
+    os.write(fd, (_marker_text(target) + who + "\n").encode())
+    _HELD[tmp] = (fd, before)
     return tmp
+
+
+def release(tmp: str) -> None:
+    """End this process's hold on its temporary ``tmp`` (what stays is a leftover that the
+    next save removes); nothing if it holds none.
+
+    Example:
+        >>> import os, tempfile
+        >>> ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> release(make_temporary(ckpt)); [n[:9] for n in remove_leftovers(ckpt)]
+        ['ckpt.tmp-']
+    """
+    held = _HELD.pop(tmp, None)
+    if held is not None:
+        os.close(held[0])  # and with it the lock
+
+
+def discard(tmp: str) -> None:
+    """Remove this process's temporary ``tmp`` (a failed save's) and end its hold on it.
+
+    Example:
+        >>> import os, tempfile
+        >>> ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> discard(make_temporary(ckpt)); os.listdir(os.path.dirname(ckpt))
+        []
+    """
+    shutil.rmtree(tmp, ignore_errors=True)
+    release(tmp)
 
 
 def _ours(directory: str, path: str) -> bool:
     """Whether ``directory`` is a real directory holding the marker of a save to ``path``."""
     if os.path.islink(directory) or not os.path.isdir(directory):
         return False
+    return (_read_marker(directory) or "").startswith(_marker_text(path))
+
+
+def _in_use(directory: str) -> bool:
+    """Whether a live process holds the lock on ``directory``'s marker: a save in progress.
+    Where the file system has no locks, every temporary counts as in use (never removed)."""
     try:
-        with open(os.path.join(directory, MARKER)) as f:
-            return f.read() == _marker_text(path)
-    except (OSError, UnicodeDecodeError):
+        fd = os.open(os.path.join(directory, MARKER), os.O_RDWR)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def remove_leftovers(path: str) -> list[str]:
@@ -123,17 +211,19 @@ def remove_leftovers(path: str) -> list[str]:
 
     A leftover is a directory named ``<name>.tmp-<hex>`` (a save killed before its commit, or
     after it with the previous checkpoint not yet removed) or ``<name>.old-<hex>`` (the same
-    on a system without an atomic swap) that holds the marker naming ``path``. Anything else
-    is left alone, whatever its name. Best effort: what cannot be removed stays.
+    on a system without an atomic swap) that holds the marker naming ``path``, unless a live
+    process holds its marker's lock (another job's save in progress). Anything else is left
+    alone, whatever its name. Best effort: what cannot be removed stays.
 
     Example:
         >>> import os, tempfile
         >>> root = tempfile.mkdtemp()
         >>> ckpt = os.path.join(root, "ckpt")
-        >>> _ = make_temporary(ckpt)                         # a save killed mid-write
+        >>> live = make_temporary(ckpt)                      # a save in progress: kept
+        >>> release(make_temporary(ckpt))                    # a save killed mid-write
         >>> os.mkdir(os.path.join(root, "ckpt.tmp-0123456789ab"))  # no marker: not ours
-        >>> [name[:9] for name in remove_leftovers(ckpt)], sorted(os.listdir(root))
-        (['ckpt.tmp-'], ['ckpt.tmp-0123456789ab'])
+        >>> [name[:9] for name in remove_leftovers(ckpt)], len(os.listdir(root))
+        (['ckpt.tmp-'], 2)
     """
     target = os.path.abspath(path)
     parent, name = os.path.split(target)
@@ -145,7 +235,7 @@ def remove_leftovers(path: str) -> list[str]:
         return []
     for entry in entries:
         full = os.path.join(parent, entry)
-        if pattern.fullmatch(entry) and _ours(full, target):
+        if pattern.fullmatch(entry) and _ours(full, target) and not _in_use(full):
             shutil.rmtree(full, ignore_errors=True)
             if not os.path.lexists(full):
                 removed.append(entry)
@@ -185,10 +275,26 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _turn(parent: str) -> Iterator[None]:
+    """Commits into ``parent`` one at a time (a ``flock`` on it; none where unsupported)."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
 def commit(tmp: str, path: str) -> None:
     """Put the directory ``tmp`` at ``path`` atomically and remove what was there.
 
+    Whatever happens, this process's hold on ``tmp`` ends (:func:`release`).
+
     Raises:
+        SaveRaceError: Another save committed ``path`` since ``tmp`` was made (nothing is
+            moved; the message names that save).
         OSError: ``path`` became something :func:`refusal` refuses since the save began
             (nothing is moved), or a rename failed.
 
@@ -199,23 +305,48 @@ def commit(tmp: str, path: str) -> None:
         ...     commit(make_temporary(ckpt), ckpt)
         >>> os.listdir(os.path.dirname(ckpt)), os.listdir(ckpt)
         (['ckpt'], ['.zero_functional-save'])
+        >>> first, second = make_temporary(ckpt), make_temporary(ckpt)  # two jobs at once
+        >>> commit(first, ckpt); commit(second, ckpt)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        zero_functional.checkpoint.atomic_dir.SaveRaceError: another save committed /.../ckpt while this one was writing (save ... by process ... on ...); ...
     """
-    reason = refusal(path)
-    if reason is not None:  # it changed under the save: never swap a user's file away
-        raise FileExistsError(reason)
+    try:
+        old = _swap(tmp, path)
+    finally:
+        release(tmp)
+    if old is not None:
+        with contextlib.suppress(OSError):  # the new one is in place; the next save retries
+            shutil.rmtree(old)
+
+
+def _swap(tmp: str, path: str) -> str | None:
+    """:func:`commit`'s swap, in turn; where the previous checkpoint now is, if any."""
     _fsync_dir(tmp)
-    if not os.path.lexists(path):
-        os.rename(tmp, path)  # readers see no checkpoint, then the whole new one
-    else:
-        if _exchange(tmp, path):
+    parent = os.path.dirname(os.path.abspath(path))
+    with _turn(parent):
+        reason = refusal(path)
+        if reason is not None:  # it changed under the save: never swap a user's file away
+            raise FileExistsError(reason)
+        now, held = _read_marker(path) if _ours(path, path) else None, _HELD.get(tmp)
+        if now is not None and held is not None and now != held[1]:
+            raise SaveRaceError(
+                f"another save committed {os.path.abspath(path)} while this one was writing "
+                f"({_who(now)}); the checkpoint there is that save's, complete, and this one "
+                f"({_who(_read_marker(tmp))}) is not committed: two jobs are saving to one "
+                "directory; give each its own"
+            )
+        old: str | None = None
+        if not os.path.lexists(path):
+            os.rename(tmp, path)  # readers see no checkpoint, then the whole new one
+        elif _exchange(tmp, path):
             old = tmp  # now the previous checkpoint
         else:  # two renames: a crash between them leaves the previous one at <path>.old-*
             old = f"{path}.old-{uuid.uuid4().hex[:8]}"
             os.rename(path, old)
             os.rename(tmp, path)
-        with contextlib.suppress(OSError):  # the new one is in place; the next save retries
-            shutil.rmtree(old)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        _fsync_dir(parent)
+    return old
 
 
 def not_a_checkpoint(path: str) -> str | None:
@@ -267,3 +398,32 @@ def file_crc(path: str) -> tuple[int, int]:
         while chunk := f.read(1 << 20):
             crc, size = zlib.crc32(chunk, crc), size + len(chunk)
     return crc, size
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The :class:`OSError` a failed write raised, ``error`` itself or one it was raised while
+    handling; ``None`` if there is none.
+
+    ``torch.save`` into a file whose disk is full raises ``RuntimeError: [enforce fail at
+    inline_container.cc:672] unexpected pos 704 vs 598`` while handling the file's ``[Errno
+    28] No space left on device``: that is the one to name.
+
+    Example:
+        >>> import errno
+        >>> try:
+        ...     try:
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ...     except OSError:
+        ...         raise RuntimeError("unexpected pos 704 vs 598")
+        ... except RuntimeError as e:
+        ...     print(os_error(e))
+        [Errno 28] No space left on device
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -46,7 +45,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from zero_functional import comm
-from zero_functional.checkpoint import storage
+from zero_functional.checkpoint import atomic_dir, storage
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.core._validate import by_rank
 
@@ -202,6 +201,7 @@ def _fail(job: _Job, message: str) -> CheckpointError:
     """Rank 0's verdict, left in the temporary for the other ranks' threads to read."""
     message = f"checkpoint save to {job.target} failed: {message}"
     _put(os.path.join(job.tmp, _FAILED), message)
+    atomic_dir.release(job.tmp)  # rank 0's hold; the next save removes what is left
     return CheckpointError(message)
 
 
@@ -392,7 +392,7 @@ def start(
         plan, metadata = _plan(owned, planner, writer, process_group)
     except CheckpointError:
         if comm.rank_or_zero(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            atomic_dir.discard(tmp)
         raise
     rank = comm.rank_or_zero(process_group)
     world = comm.group_size(comm.default_group(process_group)) if dist.is_initialized() else 1

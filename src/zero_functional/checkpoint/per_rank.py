@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Mapping
 from typing import cast
@@ -151,7 +150,7 @@ def save_pieces(
         owners.setdefault(where, r)
     if problems:
         if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+            atomic_dir.discard(tmp)
         raise CheckpointError("checkpoint save refused, nothing written: " + by_rank(problems))
     save_id = cast(str, comm.broadcast_object(uuid.uuid4().hex, process_group))
     planner, writer = storage.dcp_parts(tmp, pieces, max_box_numel)
@@ -169,5 +168,5 @@ def save_pieces(
     )
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
-        shutil.rmtree(tmp, ignore_errors=True)
+        atomic_dir.discard(tmp)
         raise CheckpointError("checkpoint save failed: " + by_rank(failed))

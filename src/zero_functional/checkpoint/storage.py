@@ -31,7 +31,6 @@ import io
 import itertools
 import math
 import os
-import shutil
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any, cast
@@ -318,8 +317,8 @@ class _ChecksummedWriter(FileSystemWriter):
         file = os.path.join(str(self.path), name)
         try:
             results = self._write_items(file, name, plan, planner)
-        except OSError as e:
-            raise CheckpointError(f"cannot write {file}: {e}") from e
+        except (OSError, RuntimeError) as e:  # torch.save's zip writer hides an OSError
+            raise CheckpointError(f"cannot write {file}: {atomic_dir.os_error(e) or e}") from e
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -502,7 +501,7 @@ def save_pieces(
             )
     except CheckpointError:
         if comm.rank_or_zero(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            atomic_dir.discard(tmp)
         raise
     mine = commit(tmp, target) if comm.rank_or_zero(process_group) == 0 else None
     error = comm.broadcast_object(mine, process_group)  # every rank returns after the commit
