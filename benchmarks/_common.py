@@ -8,6 +8,7 @@ actually ran, not computed from a formula.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import statistics
@@ -22,17 +23,27 @@ from torch import Tensor, nn
 from zero_functional.app.launch import run_ranks
 from zero_functional.core.plans import bytes_sent
 
-__all__ = ["ByteCounter", "TinyGPT", "gpt_batch", "median_ms", "mlp", "run_ranks", "torch_step"]
+__all__ = [
+    "ByteCounter",
+    "TinyGPT",
+    "add_link_argument",
+    "gpt_batch",
+    "median_ms",
+    "mlp",
+    "run_ranks",
+    "torch_step",
+]
 
 WIDTH = 1000
 
 
-def mlp(numel: int, *, relu: bool = True) -> nn.Module:
-    """``numel // 1e6`` layers of Linear(1000, 1000) (+ ReLU), seeded: the benchmark model."""
+def mlp(numel: int, *, relu: bool = True, width: int = WIDTH) -> nn.Module:
+    """``numel // width**2`` layers of Linear(width, width) (+ ReLU), seeded: the benchmark
+    model (8 x Linear(1000, 1000) at 8M; ``--width 512 --numel 2097152``: 8 x Linear(512, 512))."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(max(1, numel // (WIDTH * WIDTH))):
-        layers.append(nn.Linear(WIDTH, WIDTH))
+    for _ in range(max(1, numel // (width * width))):
+        layers.append(nn.Linear(width, width))
         if relu:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
@@ -113,6 +124,17 @@ def torch_step(
     return cls(ps, **kw).step
 
 
+def add_link_argument(ap: argparse.ArgumentParser) -> None:
+    """``--link RATE``: run the script on the loopback of a private network namespace shaped to
+    RATE (:mod:`zero_functional.app.link`), where bytes cost what they cost on a network."""
+    ap.add_argument(
+        "--link",
+        metavar="RATE",
+        help="re-run on a loopback shaped to RATE (tc's syntax: 2gbit, 10gbit) in a private "
+        "network namespace (unshare -rn); rows then show each variant's byte floor",
+    )
+
+
 def median_ms(times_s: list[float]) -> float:
     return statistics.median(times_s) * 1e3
 
@@ -127,6 +149,7 @@ _OPS: dict[str, tuple[str, Callable[[Any, int], int]]] = {
     "all_gather_into_tensor": ("all_gather", lambda t, n: t.numel() * t.element_size()),
     "reduce_scatter_single": ("reduce_scatter", lambda t, n: t.numel() * t.element_size()),
     "reduce_scatter_tensor": ("reduce_scatter", lambda t, n: t.numel() * t.element_size()),
+    "all_to_all_single": ("all_to_all", lambda t, n: t.numel() * t.element_size()),
 }
 # which positional argument holds S's tensor: the output of the gathers, the input of the scatters
 _ARG = {"all_gather": 1, "all_gather_single": 0, "all_gather_into_tensor": 0}
@@ -163,6 +186,16 @@ class ByteCounter:
             def counted(*args: Any, **kwargs: Any) -> Any:
                 bound = signature.bind(*args, **kwargs).arguments
                 n = dist.get_world_size(bound.get("group"))
+                if name == "all_to_all_single":  # what this rank sends: the others' splits
+                    splits = bound.get("input_split_sizes")
+                    source = bound["input"]
+                    me = dist.get_rank(bound.get("group"))
+                    elements = sum(splits) - splits[me] if splits else source.numel() * (n - 1) // n
+                    self.sent += elements * source.element_size()
+                    self.calls += 1
+                    covered = source.numel() * source.element_size()  # the S of a reduce-scatter
+                    self.buffers["all_to_all"] = self.buffers.get("all_to_all", 0) + covered
+                    return fn(*args, **kwargs)
                 tensor = list(bound.values())[position]
                 self.sent += bytes_sent(op, size(tensor, n), n)
                 self.calls += 1

@@ -38,8 +38,13 @@ this machine avoids (on gloo, DDP's all-reduce moves the same bytes as a reduce-
 all-gather; a ZeRO that sends them as a reduce and a broadcast per owner pays the
 ``reduce + broadcast per owner`` piece instead, printed beside it).
 
+With ``--link RATE`` the script re-runs on a loopback shaped to RATE
+(:mod:`zero_functional.app.link`), where bytes cost what they cost on a network, and each row
+also shows its byte floor: the bytes every rank sends in one iteration (counted), together,
+divided by the rate. ``--width 512 --numel 2097152`` is the 8 x Linear(512, 512) MLP of issue 33.
+
     python benchmarks/bench_iteration.py [--world-sizes 2 4] [--rounds 10] [--models mlp transformer]
-        [--json out.json]
+        [--width 1000] [--link 2gbit] [--json out.json]
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import ByteCounter, TinyGPT, gpt_batch, median_ms, mlp, run_ranks
+from _common import ByteCounter, TinyGPT, add_link_argument, gpt_batch, median_ms, mlp, run_ranks
+from zero_functional import comm
+from zero_functional.app.link import byte_floor_ms, run_shaped
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
@@ -113,14 +120,17 @@ def torch_best(optimizer: str) -> str:
     return "torch zero best" if optimizer.startswith("adam") else f"torch zero best ({optimizer})"
 
 
+WIDTH = {"width": 1000}  # the MLP's (--width), set in each rank from its arguments
+
+
 def _model(model: str, numel: int) -> nn.Module:
-    return TinyGPT() if model == "transformer" else mlp(numel)
+    return TinyGPT() if model == "transformer" else mlp(numel, width=WIDTH["width"])
 
 
 def _inputs(model: str, rank: int) -> Tensor:
     if model == "transformer":
         return gpt_batch(rank)
-    return torch.randn(32, 1000, generator=torch.Generator().manual_seed(rank))
+    return torch.randn(32, WIDTH["width"], generator=torch.Generator().manual_seed(rank))
 
 
 def _loss(module: nn.Module, x: Tensor) -> Tensor:
@@ -202,14 +212,19 @@ def _floors(
         for w in [dist.all_reduce(b, async_op=True) for b in buckets]:
             w.wait()
 
-    def reduce_broadcast() -> None:
-        for op in (dist.reduce, dist.broadcast):
-            works = []
+    group = dist.group.WORLD
+    assert group is not None
+
+    def reduce_broadcast() -> None:  # through the package's comm: on gloo an all-to-all
+        for start in (comm.start_reduce, comm.start_broadcast):
+            pending = []
             for b in buckets:
-                for owner, piece in enumerate(b.tensor_split(world_size)):
-                    works.append(op(piece, owner, async_op=True))
-            for w in works:
-                w.wait()
+                cuts = [len(t) for t in b.tensor_split(world_size)]
+                ends = [sum(cuts[: r + 1]) for r in range(world_size)]
+                runs = [(end - cut, end, r) for r, (cut, end) in enumerate(zip(cuts, ends))]
+                pending.append(start(b, runs, group))
+            for p in pending:
+                p.wait()
 
     compute()  # .grad exists for Adam
     return {
@@ -229,9 +244,16 @@ def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
 
 
 def _worker(
-    rank: int, world_size: int, model: str, numel: int, rounds: int, optimizers: list[str]
+    rank: int,
+    world_size: int,
+    model: str,
+    numel: int,
+    rounds: int,
+    optimizers: list[str],
+    width: int = 1000,
 ) -> dict[str, Any]:
     torch.set_num_threads(max(1, 2 // world_size))
+    WIDTH["width"] = width
     x = _inputs(model, rank)
     pairs = variants(model, optimizers)
     built = {name: _build(o, name, model, numel, counting=False) for o, name in pairs}
@@ -279,12 +301,20 @@ def _report(
     """Print one world size's table; its rows for ``--json``."""
     pairs = variants(model, args.optimizers)
     n_params = sum(p.numel() for p in _model(model, args.numel).parameters())
-    label = f"{n_params / 1e6:.0f}M MLP" if model == "mlp" else f"{n_params / 1e6:.1f}M transformer"
+    layers = f"{WIDTH['width']}-wide " if WIDTH["width"] != 1000 else ""
+    label = (
+        f"{n_params / 1e6:.1f}M {layers}MLP"
+        if model == "mlp"
+        else f"{n_params / 1e6:.1f}M transformer"
+    )
+    if args.link:
+        label += f" on {args.link}"
     rows = []
     print(f"\n== {label}, world size {ws}, median of {args.rounds} rounds")
+    floor_head = f"{'floor ms':>10}{'x floor':>9}" if args.link else ""
     print(
         f"{'variant':<38}{'iter ms':>9}{'x ddp':>8}{'x torch best':>14}"
-        f"{'MB sent/rank':>14}{'x ddp bytes':>13}{'max|dp| vs ddp':>16}"
+        f"{'MB sent/rank':>14}{'x ddp bytes':>13}{'max|dp| vs ddp':>16}{floor_head}"
     )
     for o, name in pairs:
         ms = max(r["ms"][name] for r in results)  # the slowest rank
@@ -293,20 +323,25 @@ def _report(
         mb = max(r["sent"][name] for r in results)
         ddp_mb = max(r["sent"][baseline(o)] for r in results)
         diff = max(r["diff"][name] for r in results)
+        row: dict[str, Any] = {
+            "benchmark": f"iteration ({label})",
+            "world_size": ws,
+            "variant": name,
+            "ms": ms,
+            "vs_torch_best": ms / best,
+            "vs_ddp": ms / base,
+            "mb_sent": mb / 1e6,
+        }
+        floor_cols = ""
+        if args.link:  # every rank's counted bytes, together, over the one shared link
+            floor = byte_floor_ms(sum(r["sent"][name] for r in results), args.link)
+            row.update(floor_ms=floor, vs_floor=ms / floor)
+            floor_cols = f"{floor:>10.1f}{ms / floor:>8.2f}x"
         print(
             f"{name:<38}{ms:>9.1f}{ms / base:>7.2f}x{ms / best:>13.2f}x"
-            f"{mb / 1e6:>14.1f}{mb / ddp_mb:>12.2f}x{diff:>16.1e}"
+            f"{mb / 1e6:>14.1f}{mb / ddp_mb:>12.2f}x{diff:>16.1e}{floor_cols}"
         )
-        rows.append(
-            {
-                "benchmark": f"iteration ({label})",
-                "world_size": ws,
-                "variant": name,
-                "ms": ms,
-                "vs_torch_best": ms / best,
-                "mb_sent": mb / 1e6,
-            }
-        )
+        rows.append(row)
     first = pairs[0][0]
     if not first.startswith("adam"):
         return rows
@@ -371,13 +406,24 @@ def main() -> None:
         default=["adam", "rmsprop", "adagrad"],
         help="the MLP's: Adam gets every variant; the others plain DDP, torch's best and ours",
     )
+    ap.add_argument("--width", type=int, default=1000, help="the MLP's layer width (1000)")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
+    add_link_argument(ap)
     args = ap.parse_args()
+    run_shaped(args.link)
+    WIDTH["width"] = args.width
     rows = []
     for model in args.models:
         for ws in args.world_sizes:
             results = run_ranks(
-                _worker, ws, model, args.numel, args.rounds, args.optimizers, timeout_s=1800
+                _worker,
+                ws,
+                model,
+                args.numel,
+                args.rounds,
+                args.optimizers,
+                args.width,
+                timeout_s=1800,
             )
             rows += _report(model, ws, results, args)
     if args.json:

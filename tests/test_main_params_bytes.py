@@ -28,6 +28,7 @@ BF16 = torch.bfloat16
 # reduce-scatter, the tensor of the others
 COUNTED = {
     "reduce": ("gradients", 0),
+    "all_to_all_single": ("gradients", 1),  # gloo's reduce onto owners (comm.exchange)
     "reduce_scatter_tensor": ("gradients", 1),
     "reduce_scatter_single": ("gradients", 1),
     "broadcast": ("parameters", 0),

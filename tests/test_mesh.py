@@ -286,13 +286,19 @@ def _traffic_worker(rank: int, world: int, shape: tuple[int, int]) -> dict[str, 
     )
     ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
     counted = {"within": 0.0, "across": 0.0}
-    originals = {name: getattr(dist, name) for name in ("reduce", "broadcast", "all_reduce")}
+    names = ("reduce", "broadcast", "all_reduce", "all_to_all_single")
+    originals = {name: getattr(dist, name) for name in names}
 
     def counting(name: str) -> Any:
         def inner(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             nbytes = tensor.numel() * tensor.element_size()
             group = kwargs.get("group")
-            if name == "all_reduce" and group is zero.replicate_group:
+            if name == "all_to_all_single" and group is zero.shard_group:
+                # gloo's reduce onto owners (comm.exchange): the splits for the other ranks
+                splits = args[2]
+                sent = sum(splits) - splits[dist.get_rank(group)]
+                counted["within"] += sent * args[0].element_size()
+            elif name == "all_reduce" and group is zero.replicate_group:
                 counted["across"] += 2 * nbytes * (replicas - 1) / replicas
             elif name in ("reduce", "broadcast") and group is zero.shard_group:
                 if args[0] != dist.get_rank():  # the root: dst of a reduce, src of a broadcast

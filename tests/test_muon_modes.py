@@ -83,15 +83,21 @@ def plain_step(
 
 @contextmanager
 def counted_bytes() -> Iterator[dict[str, float]]:
-    """Bytes this rank moves while inside: what a reduce sends from a non-root and a broadcast
-    brings to a non-root (``"moved"``), and all-reduces' payloads (``"all_reduce"``)."""
+    """Bytes this rank moves while inside: what a reduce or an all-to-all sends from a non-root
+    and a broadcast brings to a non-root (``"moved"``), and all-reduces' payloads
+    (``"all_reduce"``)."""
     counted = {"moved": 0.0, "all_reduce": 0.0}
-    originals = {name: getattr(dist, name) for name in ("reduce", "broadcast", "all_reduce")}
+    names = ("reduce", "broadcast", "all_reduce", "all_to_all_single")
+    originals = {name: getattr(dist, name) for name in names}
 
     def counting(name: str) -> Any:
         def inner(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             nbytes = tensor.numel() * tensor.element_size()
-            if name == "all_reduce":
+            if name == "all_to_all_single":  # gloo's reduce onto owners (comm.exchange)
+                splits = args[2]
+                sent = sum(splits) - splits[dist.get_rank(kwargs.get("group"))]
+                counted["moved"] += sent * args[0].element_size()
+            elif name == "all_reduce":
                 counted["all_reduce"] += nbytes
             elif args[0] != dist.get_rank():  # the root: dst of a reduce, src of a broadcast
                 counted["moved"] += nbytes

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zero_functional.comm.exchange import exchanges, start_exchange
 from zero_functional.comm.groups import (
     ProcessGroup,
     Work,
@@ -22,7 +23,6 @@ from zero_functional.comm.groups import (
     group_size,
     is_nccl,
 )
-from zero_functional.comm.exchange import exchanges, start_exchange
 from zero_functional.comm.pending import Pending, hold, issue, start_one
 from zero_functional.core.param_table import buffer_key
 from zero_functional.core.plans import COALESCE_BELOW, sync_plan

@@ -6,8 +6,9 @@ of a reduce-scatter. gloo's own ``reduce`` and ``reduce_scatter`` send more (mea
 loopback shaped to 2 Gbit/s, 32 MB: a reduce per owner 2.2x that floor at 2 ranks and 1.2x at 4,
 ``reduce_scatter_tensor`` 2.4x and 2.1x; ``benchmarks/bench_collectives.py --link 2gbit``).
 gloo's all-to-all sends each rank's stretches straight to their owner over its point-to-point
-pairs, which is that floor; the owner then adds what arrived in rank order, so the sum is the
-same whichever rank owns it. It is one collective with a future, issued in order like the rest.
+pairs, which is that floor; the owner then adds what arrived onto its own values, in rank
+order (only the owner computes a sum, so after the broadcast every rank holds the same bits).
+It is one collective with a future, issued in order like the rest.
 NCCL keeps its native reduce (grouped) and reduce-scatter.
 """
 
@@ -36,7 +37,8 @@ def start_exchange(
     """Start summing each run of the 1-D ``buffer`` onto its rank through one all-to-all.
 
     Afterwards (``wait()``, or the future DDP waits on) each rank's runs hold the sum of every
-    rank's values, added in rank order; the other elements keep this rank's values. Each rank
+    rank's values: its own, plus the others' in rank order; the other elements keep this
+    rank's values. Each rank
     sends only the runs of other ranks, once.
 
     Example:
@@ -62,15 +64,15 @@ def start_exchange(
     spans = [(a, b) for a, b, rank in runs if rank == me and b > a]
 
     def add_up() -> None:
+        # onto this rank's own values (in place, no copy), the others' in rank order
         if not mine:
             return
         rows = received.view(world, mine)
-        total = rows[0]
-        for r in range(1, world):
-            total.add_(rows[r])
         offset = 0
         for a, b in spans:
-            buffer[a:b].copy_(total[offset : offset + b - a])
+            for r in range(world):
+                if r != me:
+                    buffer[a:b].add_(rows[r, offset : offset + b - a])
             offset += b - a
 
     def issue() -> object:

@@ -1,0 +1,127 @@
+"""The reduce onto owners on gloo (issue 33): one all-to-all at the byte floor; each owner adds
+the others' values onto its own in rank order."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zero_functional import comm
+from zero_functional.core.plans import exchange_splits
+
+from tests.helpers import run_ranks
+
+
+def _values(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
+
+
+def _random_runs(seed: int, numel: int, world: int) -> list[tuple[int, int, int]]:
+    """Runs covering ``[0, numel)``, owners interleaved, some empty ranks, seeded."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, numel), 6))
+    bounds = [0, *cuts, numel]
+    return [(a, b, rng.randrange(world)) for a, b in zip(bounds, bounds[1:])]
+
+
+def _exchange_worker(rank: int, world: int) -> dict[str, Any]:
+    sent: list[int] = []
+    original = dist.all_to_all_single
+
+    def counted(output: Any, input: Any, out_splits: Any, in_splits: Any, **kw: Any) -> Any:
+        sent.append((sum(in_splits) - in_splits[rank]) * input.element_size())
+        return original(output, input, out_splits, in_splits, **kw)
+
+    reduces: list[int] = []
+    original_reduce = dist.reduce
+
+    def reduce(*args: Any, **kw: Any) -> Any:
+        reduces.append(1)
+        return original_reduce(*args, **kw)
+
+    dist.all_to_all_single, dist.reduce = counted, reduce  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    group = dist.group.WORLD
+    try:
+        numel = 1000
+        cases = {
+            "even": [(r * numel // world, (r + 1) * numel // world, r) for r in range(world)],
+            "interleaved": _random_runs(7, numel, world),
+            "one owner": [(0, numel, world - 1)],
+        }
+        for name, runs in cases.items():
+            for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                sent.clear()
+                buffer = _values(rank, numel, dtype)
+                comm.start_reduce(buffer, runs, group).wait()
+                expected = _values(rank, numel, dtype)  # its own, then the others in rank order
+                for r in range(world):
+                    if r != rank:
+                        expected.add_(_values(r, numel, dtype))
+                owned = [(a, b) for a, b, r in runs if r == rank]
+                out[f"{name} {dtype}"] = all(
+                    torch.equal(buffer[a:b], expected[a:b]) for a, b in owned
+                )
+                owned_numel = sum(b - a for a, b in owned)
+                out[f"{name} {dtype} bytes"] = (
+                    sum(sent),
+                    (numel - owned_numel) * buffer.element_size(),
+                )
+        # the functional API: tensors of two dtypes onto their owners, averaged
+        tensors = [_values(rank, n, d) for n, d in ((5, torch.float32), (7, torch.float64))]
+        tensors += [_values(rank + 9, 3, torch.float32)]
+        owners = [world - 1, 0, 1 % world]
+        comm.reduce_to_owners(tensors, owners, group)
+        fine = True
+        for i, (t, owner) in enumerate(zip(tensors, owners)):
+            if owner != rank:
+                continue
+            seeds = [r + (9 if i == 2 else 0) for r in range(world)]
+            each = [_values(s, t.numel(), t.dtype) / world for s in seeds]
+            fine &= bool(torch.allclose(t, sum(each), rtol=0, atol=1e-6))
+        out["reduce_to_owners"] = fine
+        out["gloo reduces"] = len(reduces)
+    finally:
+        dist.all_to_all_single, dist.reduce = original, original_reduce  # type: ignore[assignment]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_reduce_onto_owners_is_one_all_to_all_at_the_byte_floor(world: int) -> None:
+    """Each owner's runs hold its values plus the others' in rank order (bitwise, fp32, bf16 and
+    fp64, even, interleaved and one-owner runs); each rank sends exactly the elements it does
+    not own, once; gloo's own reduce is never called."""
+    for out in run_ranks(_exchange_worker, world, timeout_s=120):
+        for key, value in out.items():
+            if key.endswith("bytes"):
+                assert value[0] == value[1], (key, value)
+            elif key == "gloo reduces":
+                assert value == 0
+            else:
+                assert value is True, key
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=12),
+    st.integers(1, 4),
+)
+def test_exchange_splits_send_every_element_once_grouped_by_owner(
+    pieces: list[tuple[int, int]], world: int
+) -> None:
+    runs, start = [], 0
+    for length, rank in pieces:
+        runs.append((start, start + length, rank % world))
+        start += length
+    splits, order = exchange_splits(runs, world)
+    assert sum(splits) == start
+    assert sorted(order) == sorted((a, b) for a, b, _ in runs)
+    ranks = [r for _, _, r in sorted(runs, key=lambda run: run[2])]
+    assert ranks == sorted(ranks)  # stretches grouped by owner, in rank order
+    for r in range(world):
+        assert splits[r] == sum(b - a for a, b, q in runs if q == r)
