@@ -874,3 +874,50 @@ def test_lbfgs_is_refused_over_several_ranks_on_every_rank_and_runs_alone() -> N
         assert "LBFGS is registered as 'closure' and cannot be sharded over 2 ranks" in message
         assert "call the closure a different number of times" in message, message
         assert out["alone"] == 0.0, out
+
+
+def test_a_stopped_rank_is_named_as_the_one_that_stopped_reporting_within_30_s() -> None:
+    """Issue 34, item 10: a SIGSTOPped rank was caught only at ``--timeout`` (600 s), and rank 0
+    was blamed; now the launcher sees rank 1's process stopped and names it within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.test_elastic import tree
+    from tests.test_readme import ROOT, env_with_src
+
+    argv = [sys.executable, "-m", "zero_functional", "train", "--nproc", "2", "--epochs", "50"]
+    argv += ["--no-reference", "--no-progress"]
+    parent = subprocess.Popen(
+        argv, cwd=ROOT, env=env_with_src(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+    def ranks() -> list[int]:  # the spawned ranks, in the order they started (not the tracker)
+        children = [p for p in tree(parent.pid) if _state(p) and p != parent.pid]
+        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in children}
+        return sorted(p for p, c in cmdlines.items() if b"spawn_main" in c)
+
+    stopped: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks()) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.2)
+        time.sleep(1)  # the ranks are training
+        stopped = ranks()[1:]
+        os.kill(stopped[0], signal.SIGSTOP)
+        out, _ = parent.communicate(timeout=30)  # was: --timeout's 600 s
+        text = out.decode(errors="replace")
+        assert parent.returncode == 1, text
+        assert "rank 1 stopped reporting: its process was stopped" in text, text
+        assert "rank 0 was stopped after rank 1 failed" in text, text
+    finally:
+        for p in [*tree(parent.pid), *stopped]:  # SIGKILL ends a stopped process too
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        parent.wait(timeout=10)
