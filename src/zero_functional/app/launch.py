@@ -15,6 +15,9 @@ How each rank's end is seen:
 * It dies without reporting (a signal, ``os._exit``, a crash in C++): the launcher sees the
   process end and names the rank and how it died, e.g. ``rank 1 was killed by signal
   SIGKILL``.
+* It is stopped (SIGSTOP): neither reports nor dies, while its peers wait in their collectives.
+  Seen stopped for :data:`~zero_functional.app.rank_state.STOPPED_S`, it is named as the rank
+  that ``stopped reporting`` (:mod:`~zero_functional.app.rank_state`), long before ``timeout_s``.
 * It returns, then cannot leave its process group (its collectives broke, e.g. one timed out):
   it reports why, with the :class:`~zero_functional.comm.CollectiveError` s it raised even if
   its own code caught them, and the launcher names them.
@@ -69,6 +72,7 @@ from multiprocessing.process import BaseProcess
 from typing import Literal, TypeVar, cast
 
 from zero_functional.app.orphans import exit_when_orphaned
+from zero_functional.app.rank_state import StoppedRanks, describe_exit, format_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -97,6 +101,9 @@ GRACE_S = 1.0
 REAP_S = 5.0
 """Seconds to reap a rank whose files are closed (it is exiting) before its exit code is read."""
 
+POLL_S = 1.0
+"""Seconds between the launcher's looks at whether a rank's process is stopped (SIGSTOP)."""
+
 SETTLE_S = 0.25
 """Seconds the launcher waits, after the first rank that raised, for a death behind it."""
 
@@ -108,34 +115,6 @@ TERM_GRACE_S = 2.0
 
 
 # ----------------------------------------------------------------------------- pure pieces
-
-
-def format_seconds(seconds: float) -> str:
-    """A duration for a message: whole seconds from 10 s on, three digits below.
-
-    Example:
-        >>> format_seconds(600.0), format_seconds(12.7), format_seconds(0.5), format_seconds(1.25)
-        ('600 s', '13 s', '0.5 s', '1.25 s')
-    """
-    if seconds >= 10:
-        return f"{seconds:.0f} s"
-    return f"{seconds:.3g} s"
-
-
-def describe_exit(exitcode: int) -> str:
-    """How a process ended, from ``multiprocessing.Process.exitcode``.
-
-    Example:
-        >>> describe_exit(-9), describe_exit(3), describe_exit(0)
-        ('was killed by signal SIGKILL', 'exited with code 3', 'exited with code 0')
-    """
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = str(-exitcode)
-        return f"was killed by signal {name}"
-    return f"exited with code {exitcode}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,9 +507,12 @@ def _read(r: _Rank) -> tuple[bool, object, float] | None:
 
 
 def _poll(
-    running: Sequence[_Rank], raised: list[tuple[float, RankFailure]], died: list[RankFailure]
+    running: Sequence[_Rank],
+    raised: list[tuple[float, RankFailure]],
+    died: list[RankFailure],
+    stops: StoppedRanks,
 ) -> None:
-    """Take in what the running ranks have reported, and which of them have ended."""
+    """Take in what the running ranks have reported, which have ended, which are stopped."""
     for r in running:
         if r.state != "running":
             continue
@@ -549,6 +531,9 @@ def _poll(
         elif code is not None:
             r.state = "failed"
             died.append(RankFailure(r.rank, describe_exit(code)))
+        elif (stopped := stops.reason(r.rank, r.process.pid)) is not None:
+            r.state = "failed"  # SIGSTOP: it neither reports nor dies, while its peers wait
+            died.append(RankFailure(r.rank, stopped))
 
 
 def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[RankFailure]:
@@ -556,6 +541,7 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[R
     deadline = time.monotonic() + timeout_s
     stop_at = deadline
     failures: list[RankFailure] = []
+    stops = StoppedRanks()
     while True:
         running = [r for r in ranks if r.state == "running"]
         left = stop_at - time.monotonic()
@@ -563,10 +549,10 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[R
             break
         handles: list[object] = [r.process.sentinel for r in running]
         handles += [r.conn for r in running if r.conn is not None]
-        connection.wait(handles, timeout=left)  # type: ignore[arg-type]
+        connection.wait(handles, timeout=min(left, POLL_S))  # type: ignore[arg-type]
         raised: list[tuple[float, RankFailure]] = []
         died: list[RankFailure] = []
-        _poll(running, raised, died)
+        _poll(running, raised, died, stops)
         first = next((f for f in failures if f.primary), None)
         if first is None and raised and not died:
             # A peer's death can reach a survivor (a reset connection) before the dead process
@@ -574,7 +560,7 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[R
             still = [r for r in running if r.state == "running"]
             if still:
                 connection.wait([r.process.sentinel for r in still], timeout=SETTLE_S)
-                _poll(still, raised, died)
+                _poll(still, raised, died, stops)
         if raised or died:
             failures += _mark(died, [f for _, f in sorted(raised)], first)
             if first is None:

@@ -35,6 +35,7 @@ __all__ = [
     "check_unfrozen",
     "check_params",
     "check_update_kind",
+    "check_world_size",
     "fingerprint",
     "grad_checksums",
     "group_class",
@@ -248,7 +249,8 @@ def check_update_kind(optimizer_class: type, partition: str, overlap: bool) -> N
         raise ValueError(
             f"{name} is registered as 'closure': its step re-evaluates the model through a "
             "closure, which cannot run inside DDP's backward. Use overlap_with_ddp=False and "
-            "call step(closure), or an optimizer without a closure"
+            "call step(closure) at world size 1 (see check_world_size), or an optimizer "
+            "without a closure"
         )
     if partition == "flat" and kind != "elementwise":
         raise ValueError(
@@ -256,6 +258,38 @@ def check_update_kind(optimizer_class: type, partition: str, overlap: bool) -> N
             "tensors, which partition='flat' splits across ranks. Use partition='sorted_greedy', "
             "or, if its update is elementwise, declare it with "
             f"zero_functional.functional.register_optimizer({name}, 'elementwise')"
+        )
+
+
+def check_world_size(optimizer_class: type, world_size: int) -> None:
+    """Whether ``optimizer_class`` can be sharded over ``world_size`` ranks: a ``"closure"``
+    class (LBFGS) runs at world size 1 only.
+
+    Sharded, each rank's instance would see only its own tensors: its search direction and line
+    search would be its own (not DDP + LBFGS's, which steps every rank along one direction over
+    all parameters), and the ranks would call the closure different numbers of times, so the
+    collectives in it (DDP's backward) would not pair up and hang.
+
+    Raises:
+        ValueError: A closure class over more than one rank, naming why and what to use.
+
+    Example:
+        >>> check_world_size(torch.optim.LBFGS, 1)
+        >>> check_world_size(torch.optim.LBFGS, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: LBFGS is registered as 'closure' and cannot be sharded over 2 ranks: ...
+    """
+    if world_size > 1 and update_kind(optimizer_class) == "closure":
+        name = optimizer_class.__name__
+        raise ValueError(
+            f"{name} is registered as 'closure' and cannot be sharded over {world_size} ranks: "
+            f"each rank would run its own {name} on its own parameters (its own direction and "
+            "line search, not DDP + "
+            f"{name}'s over all of them) and call the closure a different number of times, "
+            "so the collectives in it would not pair up. Step torch.optim."
+            f"{name} itself on every rank (its state is small), or use an optimizer without a "
+            "closure; at world size 1 ZeroRedundancyOptimizer runs it as the plain class"
         )
 
 

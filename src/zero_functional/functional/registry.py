@@ -337,8 +337,9 @@ OPTIMIZER_KINDS: dict[type, UpdateKind] = {
   ``partition="flat"`` and on the pieces of DDP buckets in overlap mode;
 * ``"per_tensor"``: the update reads a whole tensor (Adafactor's row and column factors): it needs
   whole-tensor ownership (``partition="sorted_greedy"``);
-* ``"closure"``: ``step`` re-evaluates the model through a closure (LBFGS): whole tensors, and
-  never inside backward.
+* ``"closure"``: ``step`` re-evaluates the model through a closure (LBFGS): whole tensors,
+  never inside backward, and at world size 1 only (sharded, each rank would run its own search
+  on its own tensors and call the closure a different number of times).
 
 A class not listed counts as ``"per_tensor"``, the safe assumption.
 

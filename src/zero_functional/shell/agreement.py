@@ -20,6 +20,7 @@ from zero_functional.core.checks import (
     agreement_verdict,
     check_devices,
     check_inputs,
+    check_world_size,
     fingerprint,
     grad_checksums,
     param_tensors,
@@ -85,7 +86,8 @@ def agreed_inputs(
 
     :func:`~zero_functional.core.checks.check_inputs`, ``main_params_dtype``'s and
     ``store_param_remainders``' (:mod:`~zero_functional.core.main_params`), then that
-    every parameter is on a device the group's backend moves, then :func:`agree`. Without a process group there is no one to tell:
+    every parameter is on a device the group's backend moves and that the class can be sharded
+    over the group (:func:`~zero_functional.core.checks.check_world_size`), then :func:`agree`. Without a process group there is no one to tell:
     the arguments' own error comes first, else the missing group's.
 
     Returns:
@@ -124,6 +126,7 @@ def agreed_inputs(
         if problem is not None:
             raise problem
         check_devices(param_tensors(items), backend)
+        check_world_size(cast(type, optimizer_class), comm.group_size(group))
 
     agree("ZeroRedundancyOptimizer()", check, items, group, timeout=timeout)
     assert checked is not None  # agree raised otherwise

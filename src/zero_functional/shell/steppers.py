@@ -13,8 +13,8 @@ dicts belong to the shell (``ZeroRedundancyOptimizer.state``); a stepper keeps n
 * :class:`ByClassStepper`: with a class per parameter group, each group through its class's
   stepper (one of the two above).
 * :class:`RealStepper`: torch's own arrangement, one instance over this rank's whole parameters,
-  for whole-tensor ownership outside overlap mode: closures (LBFGS) and step keyword arguments
-  pass through, exactly as in ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+  for whole-tensor ownership outside overlap mode: closures (LBFGS, at world size 1) and step
+  keyword arguments pass through, exactly as in ``torch.distributed.optim.ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
