@@ -42,6 +42,7 @@ from zero_functional.app.cli_args import (
     positive_float,
 )
 from zero_functional.app.cluster import ClusterError, ClusterRank, cluster_rank
+from zero_functional.app.link import rate_bits, run_shaped
 from zero_functional.app.plan_cmd import add_plan_parser, cmd_plan
 from zero_functional.app.plan_format import (
     DTYPE_BYTES,
@@ -305,6 +306,24 @@ def format_bench(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py")
+"""The benchmarks ``bench --link`` runs: those that measure what bytes cost."""
+
+
+def link_rate(text: str) -> str:
+    """An argparse type: a ``tc`` rate such as ``2gbit`` (:func:`~.link.rate_bits`).
+
+    Example:
+        >>> link_rate("10gbit")
+        '10gbit'
+    """
+    try:
+        rate_bits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     bench_dir = Path(args.dir) if args.dir else _benchmarks_dir()
     scripts = sorted(p for p in bench_dir.glob("bench_*.py")) if bench_dir.is_dir() else []
@@ -313,9 +332,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             "bench",
             f"no benchmarks/bench_*.py under {bench_dir}; run from a source checkout or pass --dir",
         )
+    if args.link:  # the scripts that measure bytes on a link (issue 33)
+        scripts = [s for s in scripts if s.name in LINK_SCRIPTS]
     if args.list:
         print("\n".join(str(s) for s in scripts))
         return 0
+    run_shaped(args.link)  # re-runs this command on the shaped link, or returns there
     world_sizes = args.world_sizes or ([2] if args.quick else None)
     rounds = args.rounds or (3 if args.quick else None)
     numel = args.numel or (2_000_000 if args.quick else None)
@@ -326,6 +348,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         forwarded += ["--rounds", str(rounds)]
     if numel:
         forwarded += ["--numel", str(numel)]
+    if args.link:
+        forwarded += ["--link", args.link]
     rows: list[dict[str, object]] = []
     worst = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -506,6 +530,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--numel",
         type=int_in(1, MAX_BENCH_NUMEL, "4 GB per fp32 copy, several per rank"),
         help=f"model parameters (8,000,000; at most {MAX_BENCH_NUMEL:,})",
+    )
+    bench.add_argument(
+        "--link",
+        metavar="RATE",
+        type=link_rate,
+        help="run the link benchmarks (bench_collectives, bench_iteration) on a loopback shaped "
+        "to RATE (2gbit, 10gbit) in a private network namespace, with each row's byte floor",
     )
     bench.add_argument("--dir", help="the benchmarks directory (default: the checkout's)")
     bench.set_defaults(func=_cmd_bench)

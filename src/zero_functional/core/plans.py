@@ -96,11 +96,11 @@ def choose_collectives(
 
     The rule: a hook other than DDP's default all-reduce keeps its own reduction, and so does
     a single rank (nothing is sent); else even shards on NCCL take NCCL's reduce-scatter and
-    all-gather; everything else takes one reduce and one broadcast per owner: DDP's bytes.
-    On gloo that is the fastest way to send them (``benchmarks/bench_collectives.py``, 32 MB
-    on 2 CPU cores, x torch's all-reduce + broadcast: 1.09/1.13/0.86 at 2/3/4 ranks, where
-    gloo's reduce-scatter + all-gather takes 2.04-2.59), though at 2 and 3 ranks plain
-    all-reduce + broadcast, with 1.5x the bytes, is faster still.
+    all-gather; everything else takes a reduce onto each owner and a broadcast from it: DDP's
+    bytes. On gloo the reduce goes out as one all-to-all (:mod:`zero_functional.comm.exchange`):
+    on a link shaped to 2 Gbit/s (``benchmarks/bench_collectives.py --link 2gbit``, 32 MB) it
+    and the broadcasts each take their byte floor, where gloo's own reduce per owner takes
+    1.25-2.3x it and its reduce-scatter 2.1-2.7x.
 
     Args:
         backend: A ``torch.distributed`` backend name.
