@@ -306,7 +306,7 @@ def format_bench(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py")
+LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py", "bench_phases.py")
 """The benchmarks ``bench --link`` runs: those that measure what bytes cost."""
 
 
@@ -535,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--link",
         metavar="RATE",
         type=link_rate,
-        help="run the link benchmarks (bench_collectives, bench_iteration) on a loopback shaped "
+        help="run the link benchmarks (bench_collectives, bench_iteration, bench_phases) on a loopback shaped "
         "to RATE (2gbit, 10gbit) in a private network namespace, with each row's byte floor",
     )
     bench.add_argument("--dir", help="the benchmarks directory (default: the checkout's)")
