@@ -51,6 +51,8 @@ stress: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m zero_functional bench
+	$(BIN)/python -m zero_functional bench --link 2gbit
+	$(BIN)/python -m zero_functional bench --link 10gbit
 	$(BIN)/pytest -q -m bench tests
 
 clean:

@@ -99,3 +99,20 @@ def test_bench_collectives_on_a_shaped_link_says_so_and_shows_byte_floors(tmp_pa
         3 * reduce_floor
     )
     assert all(row["vs_floor"] > 0 for row in rows.values())
+
+
+def test_the_readmes_bench_link_line_runs_to_the_end() -> None:
+    """The README's ``zero-functional bench --link ...`` example, to its summary table, in CI."""
+    from tests.test_readme import cli_commands, run_in_subprocess
+
+    lines = [argv for argv in cli_commands("bench") if "--link" in argv]
+    assert lines, "the README shows no `zero-functional bench --link` line"
+    why = _shaping_allowed()
+    if why:
+        pytest.skip(f"network namespaces are not allowed here: {why}")
+    for argv in lines:
+        proc = run_in_subprocess(argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rate = argv[argv.index("--link") + 1]
+        assert proc.stdout.startswith(f"link: {rate} "), proc.stdout[:300]
+        assert "x floor" in proc.stdout and "== summary" in proc.stdout
