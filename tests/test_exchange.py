@@ -73,6 +73,21 @@ def _exchange_worker(rank: int, world: int) -> dict[str, Any]:
                     sum(sent),
                     (numel - owned_numel) * buffer.element_size(),
                 )
+        # three exchanges in flight at once (DDP's buckets): each its own receive buffer, the
+        # kept ones reused afterwards
+        runs = cases["interleaved"]
+        buffers = [_values(rank + 10 * k, numel, torch.float32) for k in range(3)]
+        pendings = [comm.start_reduce(b, runs, group) for b in buffers]
+        for p in pendings:
+            p.wait()
+        fine = True
+        for k, b in enumerate(buffers):
+            expected = _values(rank + 10 * k, numel, torch.float32)
+            for r in range(world):
+                if r != rank:
+                    expected.add_(_values(r + 10 * k, numel, torch.float32))
+            fine &= all(torch.equal(b[x:y], expected[x:y]) for x, y, r in runs if r == rank)
+        out["in flight together"] = fine
         # the functional API: tensors of two dtypes onto their owners, averaged
         tensors = [_values(rank, n, d) for n, d in ((5, torch.float32), (7, torch.float64))]
         tensors += [_values(rank + 9, 3, torch.float32)]

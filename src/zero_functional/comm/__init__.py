@@ -13,7 +13,8 @@ that asks for the GIL while the interpreter shuts down ends the process with ``s
 The package's modules, each with one job: :mod:`~zero_functional.comm.groups` (sizes, ranks,
 backends), :mod:`~zero_functional.comm.calls` (naming and explaining failures),
 :mod:`~zero_functional.comm.pending` (collectives in flight), :mod:`~zero_functional.comm.buckets`
-(gradients and parameters), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
+(gradients and parameters), :mod:`~zero_functional.comm.exchange` (on gloo, the reduce onto
+owners as one all-to-all), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
 import this package, never the modules.
 """
 

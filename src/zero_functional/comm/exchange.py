@@ -3,8 +3,8 @@
 Summing each stretch of a buffer onto the rank that owns it needs each rank to send every other
 rank that rank's stretches once: ``S - owned`` bytes per rank, ``(N - 1) S`` in all, the floor
 of a reduce-scatter. gloo's own ``reduce`` and ``reduce_scatter`` send more (measured on a
-loopback shaped to 2 Gbit/s, 32 MB: a reduce per owner 2.2x that floor at 2 ranks and 1.2x at 4,
-``reduce_scatter_tensor`` 2.4x and 2.1x; ``benchmarks/bench_collectives.py --link 2gbit``).
+loopback shaped to 2 Gbit/s, 32 MB, ``benchmarks/bench_collectives.py --link 2gbit``: a reduce
+per owner 2.28x that floor at 2 ranks and 1.25x at 4, ``reduce_scatter_tensor`` 2.12x and 2.03x).
 gloo's all-to-all sends each rank's stretches straight to their owner over its point-to-point
 pairs, which is that floor; the owner then adds what arrived onto its own values, in rank
 order (only the owner computes a sum, so after the broadcast every rank holds the same bits).
@@ -43,14 +43,12 @@ def _take(numel: int, like: Tensor) -> Tensor:
     (the smallest that fits) or a new one."""
     with _pool_lock:
         fits = [
-            t
-            for t in _pool
+            i
+            for i, t in enumerate(_pool)
             if t.dtype == like.dtype and t.device == like.device and t.numel() >= numel
         ]
         if fits:
-            best = min(fits, key=lambda t: t.numel())
-            _pool.remove(best)
-            return best
+            return _pool.pop(min(fits, key=lambda i: _pool[i].numel()))
     return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
