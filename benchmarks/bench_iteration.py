@@ -12,7 +12,9 @@ Variants, round-robin inside the same gloo ranks so that they share the machine'
   broadcasts: torch's 1.5x);
 * ``ours overlap <partition>``: ``hook_with_zero_step_interleaved`` (the step inside backward);
 * ``... + gather in forward``: ``overlap_param_gather=True`` (the parameter all-gather finishes
-  when the next forward begins, after zero_grad and the batch).
+  when the next forward begins, after zero_grad and the batch);
+* ``..., gloo reduce``: the same with the reduce onto owners as before issue 33, one gloo reduce
+  per owner's run instead of one all-to-all (:mod:`zero_functional.comm.exchange`).
 
 The transformer-shaped model (``--models transformer``: ``_common.TinyGPT``, nanoGPT's layout
 with 6 blocks of width 192, vocabulary 512, context 64, batch 8 per rank; 77 tensors, 2.9M
@@ -50,8 +52,10 @@ divided by the rate. ``--width 512 --numel 2097152`` is the 8 x Linear(512, 512)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +69,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _common import ByteCounter, TinyGPT, add_link_argument, gpt_batch, median_ms, mlp, run_ranks
 from zero_functional import comm
 from zero_functional.app.link import byte_floor_ms, run_shaped
+from zero_functional.comm import buckets
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
@@ -79,6 +84,8 @@ ADAM_VARIANTS = [
     "ours overlap flat",
     "ours flat + gather in forward",
     "ours overlap flat + gather in forward",
+    "ours flat, gloo reduce",
+    "ours overlap flat, gloo reduce",
 ]
 GPT_VARIANTS = [
     "ddp + fused adamw",
@@ -86,6 +93,8 @@ GPT_VARIANTS = [
     "ours default",
     "ours flat",
     "ours overlap flat",
+    "ours flat, gloo reduce",
+    "ours overlap flat, gloo reduce",
 ]
 OTHER_VARIANTS = [
     "ddp + {o}",
@@ -237,10 +246,26 @@ def _floors(
 
 
 def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
-    opt.zero_grad()
-    _loss(ddp, x).backward()
-    if "overlap" not in name:
-        opt.step()
+    with _gloo_reduce(", gloo reduce" in name):
+        opt.zero_grad()
+        _loss(ddp, x).backward()
+        if "overlap" not in name:
+            opt.step()
+
+
+@contextlib.contextmanager
+def _gloo_reduce(on: bool) -> Iterator[None]:
+    """``... , gloo reduce`` variants: the reduce onto owners as it was before issue 33, one
+    gloo reduce per owner's run instead of one all-to-all (the A/B of that change, same rounds)."""
+    if not on:
+        yield
+        return
+    original = buckets.exchanges
+    buckets.exchanges = lambda group, buffer: False
+    try:
+        yield
+    finally:
+        buckets.exchanges = original
 
 
 def _two_iterations(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
