@@ -55,6 +55,21 @@ def round_up(a: int, multiple: int) -> int:
     return ceil_div(a, multiple) * multiple
 
 
+def first_of(items: Sequence[object], shown: int = 8) -> str:
+    """``items`` as one short text at any length: the first ``shown``, then how many more
+    (what every message that names ranks, parameters or pieces says, so that it stays short
+    at any world size and model size).
+
+    Example:
+        >>> first_of(range(1270))
+        '0, 1, 2, 3, 4, 5, 6, 7 and 1262 more'
+        >>> first_of(["a", "b"])
+        'a, b'
+    """
+    named = ", ".join(str(item) for item in items[:shown])
+    return named + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
 def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": ") -> str:
     """``(rank, message)`` pairs as one short text at any world size: ranks that say the same
     thing share one entry, naming its first ``shown`` ranks and counting the rest; ``sep``
@@ -69,7 +84,7 @@ def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": "
         groups.setdefault(message, []).append(rank)
     parts = []
     for message, ranks in sorted(groups.items(), key=lambda item: item[1][0]):
-        named = ", ".join(str(r) for r in ranks[:shown])
-        more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
-        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {named}{more}{sep}{message}")
+        parts.append(
+            f"{'rank' if len(ranks) == 1 else 'ranks'} {first_of(ranks, shown)}{sep}{message}"
+        )
     return "; ".join(parts)

@@ -22,6 +22,7 @@ from zero_functional.core._validate import (
     check_align,
     check_numels,
     check_world_size,
+    first_of,
     prefix_sums,
     round_up,
 )
@@ -77,8 +78,12 @@ def sorted_greedy(
             f"initial_loads has {len(loads)} entries but world_size is {world_size}: "
             "pass one load per rank, or None to start from zero"
         )
-    if any(load < 0 for load in loads):
-        raise ValueError(f"initial_loads {loads} has a negative load: pass element counts (>= 0)")
+    negative = [r for r, load in enumerate(loads) if load < 0]
+    if negative:
+        raise ValueError(
+            f"initial_loads has a negative load at ranks {first_of(negative)} (rank "
+            f"{negative[0]}: {loads[negative[0]]}): pass element counts (>= 0)"
+        )
     # compat: torch's `_get_min_index` takes the first rank of minimal load; a heap keyed
     # (load, rank) pops exactly that rank, in O(log N) instead of torch's O(N) scan.
     heap = [(load, rank) for rank, load in enumerate(loads)]
@@ -282,7 +287,8 @@ class FlatPartition:
             for piece in rank_pieces:
                 if piece.param >= len(self.numels) or piece.stop > self.numels[piece.param]:
                     raise ValueError(
-                        f"rank {rank} has {piece}, outside the parameters {self.numels}"
+                        f"rank {rank} has {piece}, outside the {len(self.numels)} parameters "
+                        f"of sizes {first_of(self.numels)}"
                     )
                 if starts[piece.param] + piece.start != pos:
                     raise ValueError(
