@@ -9,6 +9,7 @@ rank's own bytes), and overlap mode's first backward with DDP's ``allreduce_hook
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -152,17 +153,18 @@ def _model_of(n: int) -> nn.ParameterList:
 @pytest.mark.parametrize("partition", ["flat", "sorted_greedy"])
 def test_every_failure_names_itself_in_2_kb_at_4096_ranks(partition: Any, tmp_path: Any) -> None:
     """Construction, add_param_group, load_state_dict, Ownership queries and checkpoint
-    failures of a 401-parameter model at 4,096 ranks. Before the caps, these were longer:
-    Ownership.extended 4.6 KB, an Ownership whose pieces leave a gap 18.9 KB (flat), one
-    with a piece outside its parameters 2.5 KB, checkpoint.save with another model 2.0 KB,
-    checkpoint.load into another model 13.6 KB."""
+    failures of a 451-parameter model at 4,096 ranks. Before the caps these were longer
+    (characters): an Ownership whose pieces leave a gap 68,179 (flat), checkpoint.load into
+    a model of other names 7,113, Ownership.extended 4,194, an Ownership with a piece outside
+    its parameters 2,796, checkpoint.save/load with a model lacking the optimizer's
+    parameters 2,249; owned_slices of no parameter was an IndexError."""
     from zero_functional import checkpoint
     from zero_functional.checkpoint.storage import CheckpointError
     from zero_functional.core.ownership import Ownership, flat_ownership
     from zero_functional.core.partition import Piece
     from zero_functional.core.piece_state import PARTIAL_KEY
 
-    world, me, n = 4096, 5, 400
+    world, me, n = 4096, 5, 450
     saved = tmp_path / "saved"  # a checkpoint of the model, by a one-rank job (DCP's save
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:  # needs every rank's plan, which the fake group does not gather)
@@ -298,7 +300,9 @@ def test_every_failure_names_itself_in_2_kb_at_4096_ranks(partition: Any, tmp_pa
         }
         for name, (path, m, opt, match) in failures.items():
             messages[name] = _message(
-                lambda: checkpoint.load(path, model=m, optimizer=opt), CheckpointError, match
+                functools.partial(checkpoint.load, path, model=m, optimizer=opt),
+                CheckpointError,
+                match,
             )
         messages["save with another model"] = _message(
             lambda: checkpoint.save(tmp_path / "x", model=nn.Linear(2, 2), optimizer=zero),

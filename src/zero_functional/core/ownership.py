@@ -40,7 +40,14 @@ from zero_functional.core._validate import (
     prefix_sums,
 )
 from zero_functional.core.layout import ddp_bucket_assignments
-from zero_functional.core.partition import Piece, flat, owners, sorted_greedy, sorted_greedy_groups
+from zero_functional.core.partition import (
+    Piece,
+    check_tiling,
+    flat,
+    owners,
+    sorted_greedy,
+    sorted_greedy_groups,
+)
 
 __all__ = [
     "PARTITIONS",
@@ -151,23 +158,7 @@ class Ownership:
                 holders[piece.param].append((rank, piece))
         object.__setattr__(self, "pieces", tuple(sized))
         for k, held in enumerate(holders):
-            held.sort(key=lambda rs: rs[1].start)
-            edge = 0
-            for r, piece in held:
-                if piece.start != edge or (piece.start == piece.stop and self.numels[k]):
-                    raise ValueError(
-                        f"parameter {k} ({self.numels[k]} elements) is owned as "
-                        f"{_pieces_of(held)} (rank, start, stop), and rank {r}'s piece "
-                        f"[{piece.start}, {piece.stop}) follows element {edge}: its pieces must "
-                        "tile it exactly once, without empty pieces"
-                    )
-                edge = piece.stop
-            if edge != self.numels[k] or not held or (self.numels[k] == 0 and len(held) != 1):
-                raise ValueError(
-                    f"parameter {k} ({self.numels[k]} elements) is owned as "
-                    f"{_pieces_of(held) or 'nothing'} (rank, start, stop): every "
-                    "element must have exactly one owner (a zero-size parameter one empty piece)"
-                )
+            check_tiling(k, self.numels[k], sorted(held, key=lambda rs: rs[1].start))
         object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
 
     # ---------------------------------------------------------------- queries
@@ -364,11 +355,6 @@ class Ownership:
 
 
 # -------------------------------------------------------------------- builders
-
-
-def _pieces_of(held: Sequence[tuple[int, Piece]]) -> str:
-    """``(rank, start, stop)`` of each piece in ``held``, the first few (a message's list)."""
-    return first_of([(r, s.start, s.stop) for r, s in held])
 
 
 def _from_holders(

@@ -35,6 +35,7 @@ __all__ = [
     "RankTraffic",
     "Piece",
     "balance_report",
+    "check_tiling",
     "block_bounds",
     "flat",
     "hybrid_shape",
@@ -244,6 +245,38 @@ class Piece:
 
 Segment = Piece
 """compat: :class:`Piece`'s name before a piece had one name (checkpoints may pickle it)."""
+
+
+def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> None:
+    """Raise a ValueError naming the first misfit unless ``held``, the ``(rank, piece)`` of a
+    parameter of ``numel`` elements in element order, tiles it exactly once (a zero-size
+    parameter: one empty piece). The message names the first 8 pieces, at any world size.
+
+    Example:
+        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2)), (1, Piece(0, 2, 4))])
+        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2))])
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter 0 (4 elements) is owned as (0, 0, 2) (rank, start, stop): every element must have exactly one owner (a zero-size parameter one empty piece)
+    """
+
+    def owned_as() -> str:  # only once it fails: at 4,096 ranks the pieces are many
+        return first_of([(r, s.start, s.stop) for r, s in held]) or "nothing"
+
+    edge = 0
+    for r, piece in held:
+        if piece.start != edge or (piece.start == piece.stop and numel):
+            raise ValueError(
+                f"parameter {param} ({numel} elements) is owned as {owned_as()} (rank, start, "
+                f"stop), and rank {r}'s piece [{piece.start}, {piece.stop}) follows element "
+                f"{edge}: its pieces must tile it exactly once, without empty pieces"
+            )
+        edge = piece.stop
+    if edge != numel or not held or (numel == 0 and len(held) != 1):
+        raise ValueError(
+            f"parameter {param} ({numel} elements) is owned as {owned_as()} (rank, start, stop): "
+            "every element must have exactly one owner (a zero-size parameter one empty piece)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
