@@ -9,6 +9,7 @@ rank's own bytes), and overlap mode's first backward with DDP's ``allreduce_hook
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -129,3 +130,184 @@ def test_fake_world_refuses_a_running_group_and_bad_ranks() -> None:
             with fake_world(2):
                 pass
     assert not dist.is_initialized()
+
+
+# ------------------------------------------ issue 34, item 12: every failure's message, at 4,096
+
+
+def _message(call: Any, error: type[Exception], match: str) -> str:
+    """The message ``call()`` fails with, after checking it is the failure meant."""
+    with pytest.raises(error, match=match) as caught:
+        call()
+    return str(caught.value)
+
+
+def _model_of(n: int) -> nn.ParameterList:
+    """``n`` parameters of 1,000 elements and one of 2**20 (split over about 1,000 ranks by
+    partition='flat'): message sizes that grow with the parameters or the ranks show."""
+    torch.manual_seed(0)
+    sizes = [1000] * n + [1 << 20]
+    return nn.ParameterList([nn.Parameter(torch.randn(s) * 0.01) for s in sizes])
+
+
+@pytest.mark.parametrize("partition", ["flat", "sorted_greedy"])
+def test_every_failure_names_itself_in_2_kb_at_4096_ranks(partition: Any, tmp_path: Any) -> None:
+    """Construction, add_param_group, load_state_dict, Ownership queries and checkpoint
+    failures of a 451-parameter model at 4,096 ranks. Before the caps these were longer
+    (characters): an Ownership whose pieces leave a gap 68,179 (flat), checkpoint.load into
+    a model of other names 7,113, Ownership.extended 4,194, an Ownership with a piece outside
+    its parameters 2,796, checkpoint.save/load with a model lacking the optimizer's
+    parameters 2,249; owned_slices of no parameter was an IndexError."""
+    from zero_functional import checkpoint
+    from zero_functional.checkpoint.storage import CheckpointError
+    from zero_functional.core.ownership import Ownership, flat_ownership
+    from zero_functional.core.partition import Piece
+    from zero_functional.core.piece_state import PARTIAL_KEY
+
+    world, me, n = 4096, 5, 450
+    saved = tmp_path / "saved"  # a checkpoint of the model, by a one-rank job (DCP's save
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:  # needs every rank's plan, which the fake group does not gather)
+        checkpoint.save(saved, model=_model_of(n))
+    finally:
+        dist.destroy_process_group()
+    messages: dict[str, str] = {}
+    with fake_world(world, rank=me):
+        model = _model_of(n)
+        params = list(model)
+
+        def build(ps: Any = params, cls: Any = torch.optim.AdamW, **kw: Any) -> Any:
+            return ZeroRedundancyOptimizer(ps, cls, partition=partition, **kw)
+
+        construction = {
+            "a parameter twice": (lambda: build(params + params[:1]), ValueError, "same tensor"),
+            "a bad lr": (lambda: build(lr="x"), TypeError, "must be a number"),
+            "not an optimizer class": (lambda: build(cls=int), TypeError, "optimizer_class"),
+            "no parameters": (lambda: build([]), ValueError, "empty parameter list"),
+            "a dict": (lambda: build(dict(model.named_parameters())), TypeError, "a dict"),
+            "a sparse tensor": (lambda: build([torch.zeros(3).to_sparse()]), ValueError, "sparse"),
+            "LBFGS": (lambda: build(cls=torch.optim.LBFGS), ValueError, "closure"),
+        }
+        for name, (call, error, match) in construction.items():
+            messages[name] = _message(call, error, match)
+
+        zero = build(lr=1e-3)
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        zero.step()
+        ownership = zero.ownership
+        torch_adam = torch.optim.AdamW(params, lr=1e-3)
+        torch_adam.step()
+        other = [nn.Parameter(torch.zeros(7)) for _ in params]
+        other_adam = torch.optim.AdamW(other, lr=1e-3)
+        for p in other:
+            p.grad = torch.ones_like(p)
+        other_adam.step()
+        extra_key = torch_adam.state_dict()
+        extra_key["state"][10**6] = {}
+        partial = {**torch_adam.state_dict(), PARTIAL_KEY: True}
+        no_params = {"state": {}, "param_groups": [{"params": [0], "lr": 1e-3}]}
+        wrong = {"params": [1, 2]}
+        split = max(range(n + 1), key=lambda k: len(ownership.holders(k)))
+        held = ownership.holders(split)
+        dropped = held[len(held) // 2][0]  # a rank whose piece of `split` goes missing
+        gap = tuple(
+            tuple(s for s in ownership.owned(r) if r != dropped or s.param != split)
+            for r in range(world)
+        )
+        outside = ((Piece(10**6, 0, 1),),) + ownership.pieces[1:]
+        queries = {
+            "add_param_group duplicates": (
+                lambda: zero.add_param_group({"params": params[:50]}),
+                ValueError,
+                "more than one parameter group",
+            ),
+            "add_param_group non-tensors": (
+                lambda: zero.add_param_group(wrong),
+                TypeError,
+                "not a Tensor",
+            ),
+            "unconsolidated state_dict": (zero.state_dict, RuntimeError, "consolidat"),
+            "another model's state": (
+                lambda: zero.load_state_dict(other_adam.state_dict()),
+                ValueError,
+                "belongs to another model",
+            ),
+            "a partial state dict": (lambda: zero.load_state_dict(partial), ValueError, "partial"),
+            "not a state dict": (lambda: zero.load_state_dict({"x": 1}), ValueError, "'state'"),
+            "too few parameters": (
+                lambda: zero.load_state_dict(no_params),
+                ValueError,
+                "another model",
+            ),
+            "a state no group lists": (
+                lambda: zero.load_state_dict(extra_key),
+                ValueError,
+                "no group lists",
+            ),
+            "owner of no parameter": (lambda: ownership.owner(10**6), ValueError, "not one of"),
+            "owned by no rank": (lambda: ownership.owned(world), ValueError, "not a rank"),
+            "piece of no rank": (lambda: ownership.piece(-1, 0), ValueError, "not a rank"),
+            "runs of no parameter": (lambda: ownership.runs([10**6]), ValueError, "not one of"),
+            "slices of no parameter": (
+                lambda: ownership.owned_slices([10**6], 0),
+                ValueError,
+                "not one of",
+            ),
+            "extended across worlds": (
+                lambda: ownership.extended(flat_ownership([7] * (n + 2), 8)),
+                ValueError,
+                "cannot extend",
+            ),
+            "transfers to other parameters": (
+                lambda: ownership.transfers(flat_ownership([7], world)),
+                ValueError,
+                "cannot move state",
+            ),
+            "reshard to other parameters": (
+                lambda: zero.reshard(flat_ownership([7] * n, world)),
+                ValueError,
+                "parameter",
+            ),
+            "an ownership with a gap": (
+                lambda: Ownership(ownership.numels, world, gap),
+                ValueError,
+                "tile it|exactly one owner",
+            ),
+            "a piece outside": (
+                lambda: Ownership(ownership.numels, world, outside),
+                ValueError,
+                "outside",
+            ),
+        }
+        if partition == "flat":
+            queries["owner of a split parameter"] = (
+                lambda: ownership.owner(split),
+                ValueError,
+                "split across ranks",
+            )
+        for name, (call, error, match) in queries.items():
+            messages[name] = _message(call, error, match)
+
+        (tmp_path / "empty").mkdir()
+        renamed = nn.Module()
+        renamed.w = nn.ParameterList(params)  # the same tensors under other names
+        failures = {
+            "no such checkpoint": (tmp_path / "absent", model, zero, "no checkpoint directory"),
+            "an empty directory": (tmp_path / "empty", model, zero, "empty directory"),
+            "another model": (saved, renamed, zero, "does not fit the model"),
+            "not the optimizer's model": (saved, nn.Linear(2, 2), zero, "not parameters of"),
+        }
+        for name, (path, m, opt, match) in failures.items():
+            messages[name] = _message(
+                functools.partial(checkpoint.load, path, model=m, optimizer=opt),
+                CheckpointError,
+                match,
+            )
+        messages["save with another model"] = _message(
+            lambda: checkpoint.save(tmp_path / "x", model=nn.Linear(2, 2), optimizer=zero),
+            CheckpointError,
+            "not parameters of",
+        )
+    too_long = {name: len(text) for name, text in messages.items() if len(text) > MESSAGE_LIMIT}
+    assert not too_long, too_long

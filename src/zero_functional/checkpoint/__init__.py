@@ -67,6 +67,7 @@ from zero_functional.checkpoint.format import (
     optimizer_state_dict,
 )
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
+from zero_functional.core._validate import first_of
 from zero_functional.core.checks import group_class
 from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import flat_range_boxes
@@ -117,7 +118,8 @@ def _names(model: nn.Module | None, optimizer: Optimizer) -> list[str]:
     missing = [i for i, p in enumerate(params) if p not in name_of]
     if missing:
         raise CheckpointError(
-            f"the optimizer's parameters {missing} are not parameters of the model: pass the "
+            f"the optimizer's parameters {first_of(missing)} (of {len(params)}) are not "
+            "parameters of the model: pass the "
             "model the optimizer was built from"
         )
     return [name_of[p] for p in params]

@@ -63,6 +63,7 @@ from zero_functional.checkpoint.keys import (
 )
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
+from zero_functional.core._validate import first_of
 from zero_functional.core.blockwise import is_blockwise
 from zero_functional.core.main_params import MAIN_KEY
 from zero_functional.core.partition import Piece
@@ -326,8 +327,8 @@ def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
     unexpected = sorted(names_saved - set(request.model))
     if request.strict and (missing or unexpected):
         raise CheckpointError(
-            f"the checkpoint does not fit the model: it lacks {missing} and has {unexpected} "
-            "in excess (pass strict=False to load the tensors both have)"
+            f"the checkpoint does not fit the model: it lacks [{first_of(missing)}] and has "
+            f"[{first_of(unexpected)}] in excess (pass strict=False to load the tensors both have)"
         )
     return {
         name: _model_source(saved, name, dtype)
@@ -474,7 +475,8 @@ def _read(
         lacking = [o.name for o in request.owned or () if saved.get(ema_key(o.name)) is None]
         if lacking or EMA_N_AVERAGED not in saved:
             raise CheckpointError(
-                f"{os.fspath(path)} holds no EMA of {lacking or 'any parameter'}: it was saved "
+                f"{os.fspath(path)} holds no EMA of {first_of(lacking) or 'any parameter'}: it was "
+                "saved "
                 "without ema=; load it without ema="
             )
         objects.append(EMA_N_AVERAGED)

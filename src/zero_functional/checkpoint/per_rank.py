@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir, storage
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
-from zero_functional.core._validate import by_rank
+from zero_functional.core._validate import by_rank, first_of
 
 __all__ = ["MANIFEST", "check_parts", "save_pieces", "write_manifest"]
 
@@ -83,15 +83,20 @@ def check_parts(path: str | os.PathLike[str]) -> None:
     if len(worlds) > 1 or len(saves) > 1:
         raise CheckpointError(
             f"the checkpoint in {directory} mixes parts of different saves (manifests of "
-            f"{len(saves)} saves, world sizes {sorted(worlds)}): merge the directories of one save"
+            f"{len(saves)} saves, world sizes {first_of(sorted(worlds))}): merge the "
+            "directories of one save"
         )
     (world,) = worlds
     missing = [r for r in range(world) if r not in found]
     if missing:
-        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        whose = (
+            f"rank {missing[0]}'s part"
+            if len(missing) == 1
+            else f"ranks {first_of(missing)}'s parts"
+        )
         raise CheckpointError(
-            f"the checkpoint in {directory} is missing rank {shown}'s part (ranks 0-{world - 1} "
-            f"of {world} saved it with shared=False): merge every rank's directory into it"
+            f"the checkpoint in {directory} is missing {whose} (ranks 0-{world - 1} of {world} "
+            "saved it with shared=False): merge every rank's directory into it"
         )
     for rank, (_, body) in sorted(found.items()):
         for name, info in cast(Mapping[str, Mapping[str, object]], body["files"]).items():

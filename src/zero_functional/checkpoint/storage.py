@@ -73,7 +73,7 @@ from torch.futures import Future
 
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir
-from zero_functional.core._validate import by_rank
+from zero_functional.core._validate import by_rank, first_of
 from zero_functional.core.ownership import Box, flat_range_boxes
 
 __all__ = [
@@ -233,7 +233,7 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         errors: list[str] = []
         missing = [k for k in [*self._objects, *self._wanted] if k not in saved]
         if missing:
-            errors.append(f"it has no {missing}")
+            errors.append(f"it has no {first_of(missing)}")
         for k in self._objects:
             if k in saved and not isinstance(saved[k], BytesStorageMetadata):
                 errors.append(f"{k!r} is a tensor there, not an object")

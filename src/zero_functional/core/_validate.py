@@ -55,21 +55,49 @@ def round_up(a: int, multiple: int) -> int:
     return ceil_div(a, multiple) * multiple
 
 
+def first_of(items: Sequence[object], shown: int = 8) -> str:
+    """``items`` as one short text at any length: the first ``shown``, then how many more
+    (what every message that names ranks, parameters or pieces says, so that it stays short
+    at any world size and model size).
+
+    Example:
+        >>> first_of(range(1270))
+        '0, 1, 2, 3, 4, 5, 6, 7 and 1262 more'
+        >>> first_of(["a", "b"])
+        'a, b'
+    """
+    named = ", ".join(str(item) for item in items[:shown])
+    return named + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+MESSAGES_SHOWN = 3
+MESSAGE_CHARS = 500
+
+
 def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": ") -> str:
     """``(rank, message)`` pairs as one short text at any world size: ranks that say the same
     thing share one entry, naming its first ``shown`` ranks and counting the rest; ``sep``
-    goes between the ranks and what they say.
+    goes between the ranks and what they say. The first ``MESSAGES_SHOWN`` different
+    messages are shown, each cut at ``MESSAGE_CHARS`` characters; the rest are counted.
 
     Example:
         >>> by_rank([(r, "timed out") for r in range(1, 1024)] + [(0, "bad key")])
         'rank 0: bad key; ranks 1, 2, 3, 4 and 1019 more: timed out'
+        >>> by_rank([(r, f"cannot write part {r}") for r in range(4096)])[-60:]
+        'cannot write part 2; and 4093 more ranks with other messages'
     """
     groups: dict[str, list[int]] = {}
     for rank, message in sorted(messages):
         groups.setdefault(message, []).append(rank)
     parts = []
-    for message, ranks in sorted(groups.items(), key=lambda item: item[1][0]):
-        named = ", ".join(str(r) for r in ranks[:shown])
-        more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
-        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {named}{more}{sep}{message}")
+    ordered = sorted(groups.items(), key=lambda item: item[1][0])
+    for message, ranks in ordered[:MESSAGES_SHOWN]:
+        if len(message) > MESSAGE_CHARS:
+            message = message[:MESSAGE_CHARS] + "... (cut)"
+        parts.append(
+            f"{'rank' if len(ranks) == 1 else 'ranks'} {first_of(ranks, shown)}{sep}{message}"
+        )
+    rest = sum(len(ranks) for _, ranks in ordered[MESSAGES_SHOWN:])
+    if rest:
+        parts.append(f"and {rest} more {'rank' if rest == 1 else 'ranks'} with other messages")
     return "; ".join(parts)

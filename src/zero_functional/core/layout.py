@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zero_functional.core._validate import check_align, check_numels, check_world_size, round_up
+from zero_functional.core._validate import (
+    check_align,
+    check_numels,
+    check_world_size,
+    first_of,
+    round_up,
+)
 
 __all__ = [
     "BucketAssignment",
@@ -109,7 +115,8 @@ def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Te
         )
     if tuple(t.numel() for t in tensors) != layout.numels:
         raise ValueError(
-            f"tensor sizes {[t.numel() for t in tensors]} do not match the layout's {list(layout.numels)}"
+            f"tensor sizes {first_of([t.numel() for t in tensors])} do not match the layout's "
+            f"{first_of(layout.numels)}"
         )
     buffer = torch.zeros(layout.size, dtype=tensors[0].dtype, device=tensors[0].device)
     for t, off in zip(tensors, layout.offsets):
@@ -225,7 +232,9 @@ def ddp_bucket_assignments(
                 "pass bucket.parameters() sizes for each bucket"
             )
         if any(n < 0 for n in numels):
-            raise ValueError(f"DDP bucket {b} has a negative size {list(numels)}: pass p.numel()")
+            raise ValueError(
+                f"DDP bucket {b} has a negative size among {first_of(numels)}: pass p.numel()"
+            )
     per_rank: list[list[BucketAssignment]] = [[] for _ in range(world_size)]
     if not shard_buckets:
         for b, numels in enumerate(bucket_numels):

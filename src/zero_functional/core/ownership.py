@@ -32,9 +32,22 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from zero_functional.core._validate import check_numels, check_rank, check_world_size, prefix_sums
+from zero_functional.core._validate import (
+    check_numels,
+    check_rank,
+    check_world_size,
+    first_of,
+    prefix_sums,
+)
 from zero_functional.core.layout import ddp_bucket_assignments
-from zero_functional.core.partition import Piece, flat, owners, sorted_greedy, sorted_greedy_groups
+from zero_functional.core.partition import (
+    Piece,
+    check_tiling,
+    flat,
+    owners,
+    sorted_greedy,
+    sorted_greedy_groups,
+)
 
 __all__ = [
     "PARTITIONS",
@@ -126,7 +139,8 @@ class Ownership:
             for piece in rank_pieces:
                 if not 0 <= piece.param < n or piece.stop > self.numels[piece.param]:
                     raise ValueError(
-                        f"rank {rank} owns {piece}, outside the {n} parameters of sizes {self.numels}"
+                        f"rank {rank} owns {piece}, outside the {n} parameters of sizes "
+                        f"{first_of(self.numels)}"
                     )
                 if piece.param_numel not in (None, self.numels[piece.param]):
                     raise ValueError(
@@ -144,22 +158,7 @@ class Ownership:
                 holders[piece.param].append((rank, piece))
         object.__setattr__(self, "pieces", tuple(sized))
         for k, held in enumerate(holders):
-            held.sort(key=lambda rs: rs[1].start)
-            edge = 0
-            for _, piece in held:
-                if piece.start != edge or (piece.start == piece.stop and self.numels[k]):
-                    raise ValueError(
-                        f"parameter {k} ({self.numels[k]} elements) is owned as "
-                        f"{[(r, s.start, s.stop) for r, s in held]} (rank, start, stop): its "
-                        "pieces must tile it exactly once, without empty pieces"
-                    )
-                edge = piece.stop
-            if edge != self.numels[k] or not held or (self.numels[k] == 0 and len(held) != 1):
-                raise ValueError(
-                    f"parameter {k} ({self.numels[k]} elements) is owned as "
-                    f"{[(r, s.start, s.stop) for r, s in held]} (rank, start, stop): every "
-                    "element must have exactly one owner (a zero-size parameter one empty piece)"
-                )
+            check_tiling(k, self.numels[k], sorted(held, key=lambda rs: rs[1].start))
         object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
 
     # ---------------------------------------------------------------- queries
@@ -210,10 +209,9 @@ class Ownership:
         """
         held = self.holders(param)
         if len(held) != 1:
-            ranks = [r for r, _ in held][:8]  # a message stays short at any world size
-            more = f" and {len(held) - 8} more" if len(held) > 8 else ""
             raise ValueError(
-                f"parameter {param} is split across ranks {ranks}{more}; ask holders() for its pieces "
+                f"parameter {param} is split across ranks {first_of([r for r, _ in held])}; ask "
+                "holders() for its pieces "
                 "(whole-tensor ownership is partition='sorted_greedy')"
             )
         return held[0][0]
@@ -251,11 +249,12 @@ class Ownership:
             ((1, 0, 3), (0, 8, 9))
         """
         check_rank(rank, self.world_size)
+        held = [self.holders(k) for k in order]  # first: names a parameter out of range
         starts = prefix_sums([self.numels[k] for k in order])
         return tuple(
             (k, base + piece.start, base + piece.stop)
-            for k, base in zip(order, starts)
-            for r, piece in self.holders(k)
+            for k, base, pieces in zip(order, starts, held)
+            for r, piece in pieces
             if r == rank
         )
 
@@ -277,9 +276,10 @@ class Ownership:
         n = len(self.numels)
         if new.world_size != self.world_size or new.numels[:n] != self.numels:
             raise ValueError(
-                f"cannot extend an ownership of {self.numels} over {self.world_size} ranks to "
-                f"one of {new.numels} over {new.world_size}: pass one over these parameters "
-                "and more, at the same world size"
+                f"cannot extend an ownership of {len(self.numels)} parameters of sizes "
+                f"{first_of(self.numels)} over {self.world_size} ranks to one of "
+                f"{len(new.numels)} of sizes {first_of(new.numels)} over {new.world_size}: pass "
+                "one over these parameters and more, at the same world size"
             )
         return Ownership(
             new.numels,

@@ -22,6 +22,7 @@ from zero_functional.core._validate import (
     check_align,
     check_numels,
     check_world_size,
+    first_of,
     prefix_sums,
     round_up,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "RankTraffic",
     "Piece",
     "balance_report",
+    "check_tiling",
     "block_bounds",
     "flat",
     "hybrid_shape",
@@ -77,8 +79,12 @@ def sorted_greedy(
             f"initial_loads has {len(loads)} entries but world_size is {world_size}: "
             "pass one load per rank, or None to start from zero"
         )
-    if any(load < 0 for load in loads):
-        raise ValueError(f"initial_loads {loads} has a negative load: pass element counts (>= 0)")
+    negative = [r for r, load in enumerate(loads) if load < 0]
+    if negative:
+        raise ValueError(
+            f"initial_loads has a negative load at ranks {first_of(negative)} (rank "
+            f"{negative[0]}: {loads[negative[0]]}): pass element counts (>= 0)"
+        )
     # compat: torch's `_get_min_index` takes the first rank of minimal load; a heap keyed
     # (load, rank) pops exactly that rank, in O(log N) instead of torch's O(N) scan.
     heap = [(load, rank) for rank, load in enumerate(loads)]
@@ -241,6 +247,38 @@ Segment = Piece
 """compat: :class:`Piece`'s name before a piece had one name (checkpoints may pickle it)."""
 
 
+def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> None:
+    """Raise a ValueError naming the first misfit unless ``held``, the ``(rank, piece)`` of a
+    parameter of ``numel`` elements in element order, tiles it exactly once (a zero-size
+    parameter: one empty piece). The message names the first 8 pieces, at any world size.
+
+    Example:
+        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2)), (1, Piece(0, 2, 4))])
+        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2))])
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter 0 (4 elements) is owned as (0, 0, 2) (rank, start, stop): every element must have exactly one owner (a zero-size parameter one empty piece)
+    """
+
+    def owned_as() -> str:  # only once it fails: at 4,096 ranks the pieces are many
+        return first_of([(r, s.start, s.stop) for r, s in held]) or "nothing"
+
+    edge = 0
+    for r, piece in held:
+        if piece.start != edge or (piece.start == piece.stop and numel):
+            raise ValueError(
+                f"parameter {param} ({numel} elements) is owned as {owned_as()} (rank, start, "
+                f"stop), and rank {r}'s piece [{piece.start}, {piece.stop}) follows element "
+                f"{edge}: its pieces must tile it exactly once, without empty pieces"
+            )
+        edge = piece.stop
+    if edge != numel or not held or (numel == 0 and len(held) != 1):
+        raise ValueError(
+            f"parameter {param} ({numel} elements) is owned as {owned_as()} (rank, start, stop): "
+            "every element must have exactly one owner (a zero-size parameter one empty piece)"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class FlatPartition:
     """An even split of the concatenation of all parameters into contiguous per-rank ranges."""
@@ -282,7 +320,8 @@ class FlatPartition:
             for piece in rank_pieces:
                 if piece.param >= len(self.numels) or piece.stop > self.numels[piece.param]:
                     raise ValueError(
-                        f"rank {rank} has {piece}, outside the parameters {self.numels}"
+                        f"rank {rank} has {piece}, outside the {len(self.numels)} parameters "
+                        f"of sizes {first_of(self.numels)}"
                     )
                 if starts[piece.param] + piece.start != pos:
                     raise ValueError(

@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from zero_functional.core._validate import prefix_sums
+from zero_functional.core._validate import first_of, prefix_sums
 from zero_functional.core.blockwise import is_blockwise, joined_blocks, sliced_blocks
 from zero_functional.core.param_table import ParamTable
 from zero_functional.functional.registry import GROUP_CLASS_KEY
@@ -158,9 +158,11 @@ def join_states(
     """
     if not parts:
         raise ValueError("join_states needs at least one part")
-    for ((_, b), _), ((c, _), _) in zip(parts, parts[1:]):
-        if b != c:
-            raise ValueError(f"ranges {[r for r, _ in parts]} are not contiguous and in order")
+    for (before, _), (after, _) in zip(parts, parts[1:]):
+        if before[1] != after[0]:
+            raise ValueError(
+                f"ranges {before} and {after} (of {len(parts)}) are not contiguous and in order"
+            )
     keys = set(parts[0][1])
     for r, s in parts[1:]:
         if set(s) != keys:
@@ -180,7 +182,8 @@ def join_states(
             if not all(blockwise):
                 raise ValueError(
                     f"the pieces of {key!r} are quantized for some ranges and not for others "
-                    f"({[r for r, _ in parts]}): a parameter's state is quantized whole or not"
+                    f"({first_of([r for r, _ in parts])}): a parameter's state is quantized "
+                    "whole or not"
                 )
             whole = tuple(shape) if shape is not None else (sum(sizes),)
             out[key] = joined_blocks(key, cast(list[Tensor], values), whole)

@@ -32,6 +32,7 @@ from typing import NamedTuple, overload
 import torch
 from torch import Tensor
 
+from zero_functional.core._validate import first_of
 from zero_functional.core.ownership import Ownership, piece_view, whole_ownership
 from zero_functional.core.partition import Piece, owners
 from zero_functional.functional import FunctionalOptimizer, State
@@ -59,8 +60,10 @@ def _ownership(ownership: OwnershipLike, params: Sequence[Tensor]) -> Ownership:
     if isinstance(ownership, Ownership):
         if ownership.numels != tuple(p.numel() for p in params):
             raise ValueError(
-                f"the ownership was built for parameter sizes {ownership.numels}, these are "
-                f"{tuple(p.numel() for p in params)}: build it from these parameters, in order"
+                f"the ownership was built for parameter sizes {first_of(ownership.numels)} "
+                f"({len(ownership.numels)} parameters), these are "
+                f"{first_of([p.numel() for p in params])} ({len(params)}): build it from these "
+                "parameters, in order"
             )
         return ownership
     numels = [p.numel() for p in params]

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from zero_functional import comm
+from zero_functional.core._validate import first_of
 from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import Ownership, Transfer, piece_view
 from zero_functional.core.partition import Piece
@@ -380,7 +381,7 @@ class ShardedEMA:
         """
         lacking = sorted(set(self._averages) - set(pieces))
         if lacking:
-            raise ValueError(f"no EMA values for the owned parameters {lacking}")
+            raise ValueError(f"no EMA values for the owned parameters {first_of(lacking)}")
         with torch.no_grad():
             for k, average in self._averages.items():
                 average.copy_(pieces[k].reshape(-1))
