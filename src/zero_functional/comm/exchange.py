@@ -25,7 +25,6 @@ from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is
 from zero_functional.comm.pending import Pending, start_one
 from zero_functional.core.plans import exchange_splits
 
-
 POOL_BUFFERS = 2
 """Receive buffers kept between exchanges (each at most the largest one's size: a DDP bucket).
 
