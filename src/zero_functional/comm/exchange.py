@@ -25,8 +25,9 @@ from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is
 from zero_functional.comm.pending import Pending, start_one
 from zero_functional.core.plans import exchange_splits
 
-POOL_BUFFERS = 2
-"""Receive buffers kept between exchanges (each at most the largest one's size: a DDP bucket).
+POOL_BUFFERS = 4
+"""Receive buffers kept between exchanges, the largest (each a DDP bucket's size at most: DDP's
+default buckets of an 8M-parameter model are three, whose buffers then all come back).
 
 A fresh receive buffer costs more than the exchange's own copies: on the 2-core CPU machine, a
 25 MB bucket at 2 ranks took 39.9 ms through the all-to-all into a new buffer and 21.1 ms into a
