@@ -100,7 +100,7 @@ def choose_collectives(
     bytes. On gloo the reduce goes out as one all-to-all (:mod:`zero_functional.comm.exchange`):
     on a link shaped to 2 Gbit/s (``benchmarks/bench_collectives.py --link 2gbit``, 32 MB) it
     and the broadcasts each take their byte floor, where gloo's own reduce per owner takes
-    1.25-2.3x it and its reduce-scatter 2.1-2.7x.
+    1.25-2.3x it and its reduce-scatter 2.0-2.1x.
 
     Args:
         backend: A ``torch.distributed`` backend name.
