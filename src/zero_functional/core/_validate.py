@@ -71,14 +71,17 @@ def first_of(items: Sequence[object], shown: int = 8) -> str:
 
 
 MESSAGES_SHOWN = 3
-MESSAGE_CHARS = 500
+MESSAGE_CHARS = 1500
+"""What the different messages shown share, in characters: one message may use all of it, three
+a third each (a message naming two long paths stays whole; 4,096 different ones stay <= 2 KB)."""
 
 
 def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": ") -> str:
     """``(rank, message)`` pairs as one short text at any world size: ranks that say the same
     thing share one entry, naming its first ``shown`` ranks and counting the rest; ``sep``
     goes between the ranks and what they say. The first ``MESSAGES_SHOWN`` different
-    messages are shown, each cut at ``MESSAGE_CHARS`` characters; the rest are counted.
+    messages are shown, sharing ``MESSAGE_CHARS`` characters (each cut at its share); the rest
+    are counted.
 
     Example:
         >>> by_rank([(r, "timed out") for r in range(1, 1024)] + [(0, "bad key")])
@@ -91,9 +94,10 @@ def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": "
         groups.setdefault(message, []).append(rank)
     parts = []
     ordered = sorted(groups.items(), key=lambda item: item[1][0])
+    share = MESSAGE_CHARS // min(len(ordered), MESSAGES_SHOWN) if ordered else MESSAGE_CHARS
     for message, ranks in ordered[:MESSAGES_SHOWN]:
-        if len(message) > MESSAGE_CHARS:
-            message = message[:MESSAGE_CHARS] + "... (cut)"
+        if len(message) > share:
+            message = message[:share] + "... (cut)"
         parts.append(
             f"{'rank' if len(ranks) == 1 else 'ranks'} {first_of(ranks, shown)}{sep}{message}"
         )
