@@ -156,3 +156,10 @@ def reduced_grads(zero: Any, rank: int) -> list[torch.Tensor]:
     for t in full:
         dist.all_reduce(t)
     return full
+
+
+def all_to_all_sent(input: torch.Tensor, input_splits: Iterable[int], group: Any = None) -> int:
+    """Bytes this rank sends in ``dist.all_to_all_single(out, input, out_splits, input_splits,
+    group=group)`` (gloo's reduce onto owners, ``comm.exchange``): every split but its own."""
+    splits = list(input_splits)
+    return (sum(splits) - splits[dist.get_rank(group)]) * input.element_size()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from zero_functional import comm
 from zero_functional.core.plans import exchange_splits
 
-from tests.helpers import run_ranks
+from tests.helpers import all_to_all_sent, run_ranks
 
 
 def _values(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _exchange_worker(rank: int, world: int) -> dict[str, Any]:
     original = dist.all_to_all_single
 
     def counted(output: Any, input: Any, out_splits: Any, in_splits: Any, **kw: Any) -> Any:
-        sent.append((sum(in_splits) - in_splits[rank]) * input.element_size())
+        sent.append(all_to_all_sent(input, in_splits, kw.get("group")))
         return original(output, input, out_splits, in_splits, **kw)
 
     reduces: list[int] = []

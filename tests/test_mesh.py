@@ -23,6 +23,7 @@ from zero_functional.hooks import (
 )
 
 from tests.helpers import (
+    all_to_all_sent,
     average_grads,
     consolidated,
     local_batch,
@@ -294,10 +295,7 @@ def _traffic_worker(rank: int, world: int, shape: tuple[int, int]) -> dict[str, 
             nbytes = tensor.numel() * tensor.element_size()
             group = kwargs.get("group")
             if name == "all_to_all_single" and group is zero.shard_group:
-                # gloo's reduce onto owners (comm.exchange): the splits for the other ranks
-                splits = args[2]
-                sent = sum(splits) - splits[dist.get_rank(group)]
-                counted["within"] += sent * args[0].element_size()
+                counted["within"] += all_to_all_sent(args[0], args[2], group)
             elif name == "all_reduce" and group is zero.replicate_group:
                 counted["across"] += 2 * nbytes * (replicas - 1) / replicas
             elif name in ("reduce", "broadcast") and group is zero.shard_group:

@@ -30,7 +30,7 @@ from zero_functional.hooks import (
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import consolidated, max_diff, reduced_grads, run_ranks
+from tests.helpers import all_to_all_sent, consolidated, max_diff, reduced_grads, run_ranks
 from tests.test_muon import STEPS, TinyGPT, backward, ddp_backward, exact, recipe, split
 
 HOOKS: dict[str, Callable[..., Any]] = {
@@ -94,9 +94,7 @@ def counted_bytes() -> Iterator[dict[str, float]]:
         def inner(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             nbytes = tensor.numel() * tensor.element_size()
             if name == "all_to_all_single":  # gloo's reduce onto owners (comm.exchange)
-                splits = args[2]
-                sent = sum(splits) - splits[dist.get_rank(kwargs.get("group"))]
-                counted["moved"] += sent * args[0].element_size()
+                counted["moved"] += all_to_all_sent(args[0], args[2], kwargs.get("group"))
             elif name == "all_reduce":
                 counted["all_reduce"] += nbytes
             elif args[0] != dist.get_rank():  # the root: dst of a reduce, src of a broadcast

@@ -38,6 +38,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional import comm
+from zero_functional.core._validate import first_of
 from zero_functional.core.ownership import Run
 from zero_functional.core.plans import COLLECTIVES, Collectives, choose_collectives
 from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -93,7 +94,7 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
         )
     sparse = _sparse_modules(ddp)
     if sparse:
-        names = ", ".join(repr(n) for n in sparse[:3]) + (" ..." if len(sparse) > 3 else "")
+        names = first_of([repr(n) for n in sparse])
         raise ValueError(
             f"the DDP module's submodule(s) {names} (nn.Embedding or nn.EmbeddingBag with "
             "sparse=True) give sparse gradients, and this package's hooks reduce DDP's buckets "

@@ -90,9 +90,9 @@ def start_exchange(
     splits, order = exchange_splits(runs, world)
     if buffer.numel() == 0:
         return Pending([])
-    in_place = all(a == b for (_, a), (b, _) in zip(order, order[1:])) and (
-        not order or (order[0][0] == 0 and order[-1][1] == buffer.numel())
-    )
+    # the runs cover the buffer in its order: sending in rank order needs no copy when the
+    # owners already come in rank order
+    in_place = order == tuple((a, b) for a, b, _ in runs)
     source = buffer if in_place else torch.cat([buffer[a:b] for a, b in order])
     mine = splits[me]
     kept = _take(world * mine, buffer)
