@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import inspect
 import statistics
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -211,3 +213,24 @@ class ByteCounter:
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+
+
+def status_mib(field: str) -> float:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def start_peak() -> float:
+    """Reset the peak resident set to the current one (Linux) and return the current one (MiB).
+
+    Large allocations are mmapped (glibc's threshold lowered to 1 MiB, as
+    ``MALLOC_MMAP_THRESHOLD_=1048576`` would), so a freed tensor leaves the resident set at once
+    and the peak counts what is live, not what the heap kept from earlier.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    return status_mib("VmRSS")

@@ -14,7 +14,10 @@ Variants, round-robin inside the same gloo ranks so that they share the machine'
 * ``... + gather in forward``: ``overlap_param_gather=True`` (the parameter all-gather finishes
   when the next forward begins, after zero_grad and the batch);
 * ``..., gloo reduce``: the same with the reduce onto owners as before issue 33, one gloo reduce
-  per owner's run instead of one all-to-all (:mod:`zero_functional.comm.exchange`).
+  per owner's run instead of one all-to-all (:mod:`zero_functional.comm.exchange`);
+* ``..., at the hooks``: overlap mode with each bucket updated and gathered by the autograd
+  thread at a later bucket's hook, as before the update thread
+  (:func:`zero_functional.shell.overlap.threaded`).
 
 The transformer-shaped model (``--models transformer``: ``_common.TinyGPT``, nanoGPT's layout
 with 6 blocks of width 192, vocabulary 512, context 64, batch 8 per rank; 77 tensors, 2.9M
@@ -66,12 +69,23 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import ByteCounter, TinyGPT, add_link_argument, gpt_batch, median_ms, mlp, run_ranks
+from _common import (
+    ByteCounter,
+    TinyGPT,
+    add_link_argument,
+    gpt_batch,
+    median_ms,
+    mlp,
+    run_ranks,
+    start_peak,
+    status_mib,
+)
 from zero_functional import comm
 from zero_functional.app.link import byte_floor_ms, run_shaped
 from zero_functional.comm import buckets
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.shell import overlap
 
 ADAM_VARIANTS = [
     "ddp + fused adam",
@@ -86,6 +100,7 @@ ADAM_VARIANTS = [
     "ours overlap flat + gather in forward",
     "ours flat, gloo reduce",
     "ours overlap flat, gloo reduce",
+    "ours overlap flat, at the hooks",
 ]
 GPT_VARIANTS = [
     "ddp + fused adamw",
@@ -95,6 +110,7 @@ GPT_VARIANTS = [
     "ours overlap flat",
     "ours flat, gloo reduce",
     "ours overlap flat, gloo reduce",
+    "ours overlap flat, at the hooks",
 ]
 OTHER_VARIANTS = [
     "ddp + {o}",
@@ -246,7 +262,7 @@ def _floors(
 
 
 def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
-    with _gloo_reduce(", gloo reduce" in name):
+    with _gloo_reduce(", gloo reduce" in name), _at_the_hooks(", at the hooks" in name):
         opt.zero_grad()
         _loss(ddp, x).backward()
         if "overlap" not in name:
@@ -266,6 +282,20 @@ def _gloo_reduce(on: bool) -> Iterator[None]:
         yield
     finally:
         buckets.exchanges = original
+
+
+@contextlib.contextmanager
+def _at_the_hooks(on: bool) -> Iterator[None]:
+    """``..., at the hooks`` variants: overlap mode without its update thread (the A/B)."""
+    if not on:
+        yield
+        return
+    original = overlap.threaded
+    overlap.threaded = lambda buffer: False
+    try:
+        yield
+    finally:
+        overlap.threaded = original
 
 
 def _two_iterations(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
@@ -330,6 +360,60 @@ def _worker(
         del ddp, opt
     ms = {k: median_ms(v) / (2 if k in built_names else 1) for k, v in times.items()}
     return {"ms": ms, "sent": sent, "diff": diff}
+
+
+def _memory_worker(
+    rank: int, world_size: int, model: str, numel: int, optimizer: str, name: str, width: int
+) -> tuple[float, float]:
+    """Peak resident-set growth (MiB) over building one variant and running four iterations
+    (its parameter all-gather finished), after a warm-up of the process group's buffers; and
+    over the last two of them (the steady state)."""
+    torch.set_num_threads(max(1, 2 // world_size))
+    WIDTH["width"] = width
+    x = _inputs(model, rank)
+    warm = DDP(nn.Linear(4, 4))
+    warm(torch.ones(2, 4)).sum().backward()
+    dist.barrier()
+    del warm
+    before = start_peak()
+    ddp, opt = _build(optimizer, name, model, numel, counting=False)
+    _two_iterations(name, ddp, opt, x)  # DDP's rebuilt buckets, overlap mode's adoption
+    warm = status_mib("VmHWM") - before
+    Path("/proc/self/clear_refs").write_text("5")  # the peak of what follows, from here
+    _two_iterations(name, ddp, opt, x)
+    return max(warm, status_mib("VmHWM") - before), status_mib("VmHWM") - before
+
+
+def _memory(model: str, ws: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--memory``: each variant's peak in ranks of its own; printed against torch's best."""
+    pairs = variants(model, args.optimizers)
+    peak, steady = {}, {}
+    for o, name in pairs:
+        got = run_ranks(_memory_worker, ws, model, args.numel, o, name, args.width, timeout_s=600)
+        peak[name], steady[name] = max(g[0] for g in got), max(g[1] for g in got)
+    print(
+        f"{'peak MiB/rank (ranks of its own)':<38}{'all':>9}{'x torch best':>14}"
+        f"{'steady':>9}{'x torch best':>14}"
+    )
+    rows = []
+    for o, name in pairs:
+        best, best_steady = peak[torch_best(o)], steady[torch_best(o)]
+        print(
+            f"  {name:<36}{peak[name]:>9.1f}{peak[name] / best:>13.3f}x"
+            f"{steady[name]:>9.1f}{steady[name] / best_steady:>13.3f}x"
+        )
+        rows.append(
+            {
+                "benchmark": f"iteration peak ({model})",
+                "world_size": ws,
+                "variant": name,
+                "peak_mib": peak[name],
+                "vs_torch_best": peak[name] / best,
+                "steady_peak_mib": steady[name],
+                "steady_vs_torch_best": steady[name] / best_steady,
+            }
+        )
+    return rows
 
 
 def _report(
@@ -449,6 +533,11 @@ def main() -> None:
     )
     ap.add_argument("--width", type=int, help="the MLP's layer width (1000; with --link 512)")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="also each variant's peak memory per rank over four iterations, in ranks of its own",
+    )
     add_link_argument(ap)
     args = ap.parse_args()
     run_shaped(args.link)
@@ -471,6 +560,8 @@ def main() -> None:
                 timeout_s=1800,
             )
             rows += _report(model, ws, results, args)
+            if args.memory:
+                rows += _memory(model, ws, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

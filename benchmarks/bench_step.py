@@ -26,8 +26,6 @@ fullest rank.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import statistics
 import time
@@ -38,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-from _common import TinyGPT, mlp, run_ranks
+from _common import TinyGPT, mlp, run_ranks, start_peak, status_mib
 from zero_functional.core.ownership import piece_view
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
@@ -75,27 +73,6 @@ def _state_bytes(opt: Any) -> int:
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
-
-
-def _status_mib(field: str) -> float:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _start_peak() -> float:
-    """Reset the peak resident set to the current one (Linux) and return the current one (MiB).
-
-    Large allocations are mmapped (glibc's threshold lowered to 1 MiB, as
-    ``MALLOC_MMAP_THRESHOLD_=1048576`` would), so a freed tensor leaves the resident set at once
-    and the peak counts what is live, not what the heap kept from earlier.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    return _status_mib("VmRSS")
 
 
 def _worker(rank: int, world_size: int, model: str, numel: int, rounds: int) -> dict[str, Any]:
@@ -160,13 +137,13 @@ def _memory_worker(rank: int, world_size: int, model: str, numel: int, variant: 
     m = _model(model, numel)
     for p in m.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    before = _start_peak()
+    before = start_peak()
     opt = cls(m.parameters(), _cls(model), lr=1e-4, **kw)
     for _ in range(4):
         opt.step()
     if hasattr(opt, "finish_param_sync"):
         opt.finish_param_sync()
-    return _status_mib("VmHWM") - before
+    return status_mib("VmHWM") - before
 
 
 def _report(model: str, ws: int, args: argparse.Namespace) -> list[dict[str, Any]]:

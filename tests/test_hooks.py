@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from zero_functional.hooks import (
     overlap_state,
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.shell import overlap
 
 from tests.helpers import run_ranks
 
@@ -384,3 +386,115 @@ def _custom_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[to
 def test_hooks_default_to_reduce_broadcast_for_allreduce_hook_only() -> None:
     for picked in run_ranks(_policy_worker, 2, timeout_s=60):
         assert picked == ["reduce+broadcast", "allreduce+broadcast"]
+
+
+class _WaitFor(torch.autograd.Function):
+    """The identity, whose backward waits (up to ``timeout`` s) until a tensor of ``watched``
+    has changed on this rank, and records in ``seen`` whether one did: whether this rank's
+    pieces of the buckets after it in backward were updated while backward was still going on
+    (the rest arrives with the all-gather, written when it is waited for)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, watched: list[torch.Tensor], seen: list[bool], timeout: float
+    ) -> torch.Tensor:
+        ctx.watched, ctx.seen, ctx.timeout = watched, seen, timeout
+        ctx.before = [w.detach().clone() for w in watched]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        deadline = time.monotonic() + ctx.timeout
+        changed = False
+        while not changed and time.monotonic() < deadline:
+            changed = any(not torch.equal(w, b) for w, b in zip(ctx.watched, ctx.before))
+            time.sleep(0.001)
+        ctx.seen.append(changed)
+        return grad, None, None, None
+
+
+class _Waiting(nn.Module):
+    """``first`` -> tanh -> (wait until ``last`` has changed, in backward) -> ``last``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(6, 16), nn.Linear(16, 2)
+        self.seen: list[bool] = []
+        self.timeout = 0.0  # not armed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        if self.timeout:
+            h = _WaitFor.apply(h, list(self.last.parameters()), self.seen, self.timeout)
+        return self.last(h)
+
+
+def _update_thread_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for threaded in (True, False):
+        torch.manual_seed(0)
+        model, ref_model = _Waiting(), _Waiting()
+        ref_model.load_state_dict(model.state_dict())
+        ddp, ref = DDP(model, bucket_cap_mb=1e-4), DDP(ref_model, bucket_cap_mb=1e-4)
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, partition="flat", lr=0.01
+        )
+        ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        original = overlap.threaded
+        overlap.threaded = (lambda buffer: False) if not threaded else original
+        try:
+            for step in range(5):
+                # armed once DDP's buckets are rebuilt and adopted (the third backward on)
+                model.timeout = 2.0 if step >= 3 else 0.0
+                x, y = _batch(rank, step)
+                zero.zero_grad()
+                ((ddp(x) - y) ** 2).mean().backward()
+                ref_opt.zero_grad()
+                ((ref(x) - y) ** 2).mean().backward()
+                ref_opt.step()
+                zero.finish_param_sync()
+        finally:
+            overlap.threaded = original
+        out[f"seen {threaded}"] = model.seen
+        out[f"diff {threaded}"] = max(
+            (a - b).abs().max().item() for a, b in zip(model.parameters(), ref_model.parameters())
+        )
+    # an error in the update thread is raised by backward, on the autograd thread
+    torch.manual_seed(0)
+    ddp = DDP(_Waiting(), bucket_cap_mb=1e-4)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, partition="flat", lr=0.01
+    )
+    ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    armed = [False]
+
+    def failing(values: Any) -> None:
+        if armed[0]:
+            raise ValueError("an update hook failed")
+
+    zero.register_update_hook(failing)
+    for step in range(3):
+        x, y = _batch(rank, step)
+        ((ddp(x) - y) ** 2).mean().backward()
+        zero.finish_param_sync()
+    armed[0] = True
+    x, y = _batch(rank, 3)
+    try:
+        ((ddp(x) - y) ** 2).mean().backward()
+        out["error"] = ""
+    except Exception as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_interleaved_updates_each_bucket_during_backward_on_a_thread() -> None:
+    # On the CPU a bucket is updated and gathered as soon as its reduction is done, while
+    # backward goes on (issue 33: DDP's first bucket, then one large one, left it for the end).
+    # Without the thread (the autograd thread at a later bucket's hook) the layer before the
+    # last one waits in vain; the training is the same either way.
+    for out in run_ranks(_update_thread_worker, 2, timeout_s=120):
+        assert out["seen True"] == [True, True], out
+        assert out["seen False"] == [False, False], out
+        assert out["diff True"] < ATOL and out["diff False"] < ATOL, out
+        assert "an update hook failed" in out["error"], out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,38 +27,62 @@ from zero_functional.comm.pending import Pending, start_one
 from zero_functional.core.plans import exchange_splits
 
 POOL_BUFFERS = 4
-"""Receive buffers kept between exchanges, the largest (each a DDP bucket's size at most: DDP's
-default buckets of an 8M-parameter model are three, whose buffers then all come back).
+"""Receive buffers kept between exchanges, for a later exchange of the same size (the last
+ones given back: DDP's buckets come back in the same sizes every backward, three for the
+default buckets of an 8M-parameter model).
 
 A fresh receive buffer costs more than the exchange's own copies: on the 2-core CPU machine, a
 25 MB bucket at 2 ranks took 39.9 ms through the all-to-all into a new buffer and 21.1 ms into a
 reused one (glibc returning freed buffers, as the benchmarks run it: every page faulted again),
-where gloo's reduce per owner took 41.1 ms."""
+where gloo's reduce per owner took 41.1 ms. Only a buffer of the very size asked for is reused:
+handing out any larger one that fits kept, at 2 ranks, a 30 MiB buffer for a bucket of which a
+rank owns nothing, and the next bucket allocated its own (61 MiB kept, not 30)."""
 
-_pool: list[Tensor] = []
-_pool_lock = threading.Lock()  # given back on the backend's thread (a future's callback)
+STALE_PASSES = 2 * POOL_BUFFERS
+"""A kept buffer passed over by this many takes in a row (a size no bucket has any more: DDP
+rebuilt its buckets after the first backward) is let go."""
+
+_pool: list[list[Any]] = []  # [buffer, takes that passed it over since it was given]
+_pool_lock = threading.Lock()
 
 
 def _take(numel: int, like: Tensor) -> Tensor:
-    """A 1-D buffer of at least ``numel`` elements of ``like``'s dtype and device: a kept one
-    (the smallest that fits) or a new one."""
+    """A 1-D buffer of ``numel`` elements of ``like``'s dtype and device: a kept one of that
+    size, or a new one."""
+    if numel == 0:
+        return like.new_empty(0)
+    found: Tensor | None = None
     with _pool_lock:
-        fits = [
-            i
-            for i, t in enumerate(_pool)
-            if t.dtype == like.dtype and t.device == like.device and t.numel() >= numel
-        ]
-        if fits:
-            return _pool.pop(min(fits, key=lambda i: _pool[i].numel()))
+        for i, (t, _) in enumerate(_pool):
+            if t.numel() == numel and t.dtype == like.dtype and t.device == like.device:
+                found = _pool.pop(i)[0]
+                break
+        for entry in _pool:  # passed over by this take
+            entry[1] += 1
+        _pool[:] = [entry for entry in _pool if entry[1] < STALE_PASSES]
+    if found is not None:
+        return found
     return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
 def _give(buffer: Tensor) -> None:
-    """Keep ``buffer`` for a later exchange (the largest :data:`POOL_BUFFERS` are kept)."""
+    """Keep ``buffer`` for a later exchange of its size (the last :data:`POOL_BUFFERS` given)."""
+    if buffer.numel() == 0:
+        return
     with _pool_lock:
-        _pool.append(buffer)
-        _pool.sort(key=lambda t: t.numel(), reverse=True)
-        del _pool[POOL_BUFFERS:]
+        _pool.append([buffer, 0])
+        del _pool[:-POOL_BUFFERS]
+
+
+def kept_bytes() -> int:
+    """The bytes of the receive buffers kept for later exchanges (held between steps).
+
+    Example:
+        >>> kept_bytes() >= 0
+        True
+    """
+    with _pool_lock:
+        return sum(t.numel() * t.element_size() for t, _ in _pool)
 
 
 def exchanges(group: ProcessGroup, buffer: Tensor) -> bool:
@@ -90,31 +115,49 @@ def start_exchange(
     splits, order = exchange_splits(runs, world)
     if buffer.numel() == 0:
         return Pending([])
-    # the runs cover the buffer in its order: sending in rank order needs no copy when the
-    # owners already come in rank order
-    in_place = order == tuple((a, b) for a, b, _ in runs)
-    source = buffer if in_place else torch.cat([buffer[a:b] for a, b in order])
     mine = splits[me]
-    kept = _take(world * mine, buffer)
-    received = kept[: world * mine]
+    others = [(a, b) for a, b, rank in sorted(runs, key=lambda run: run[2]) if rank != me]
+    # The stretches go out grouped by owner, in rank order. This rank's own need not travel
+    # (nor take a slot of the receive buffer) where the others' are one stretch of the
+    # buffer: at 2 ranks always, and for the first and last rank when the owners come in rank
+    # order. Otherwise, with the owners in rank order, the whole buffer goes out as it is
+    # (this rank's own run to itself: no copy); else the others' stretches are copied out.
+    joined = all(b == c for (_, b), (c, _) in zip(others, others[1:]))
+    copied = False
+    if joined:  # (none: this rank owns the whole buffer and only receives)
+        source, skip = buffer[others[0][0] : others[-1][1]] if others else buffer[:0], True
+    elif order == tuple((a, b) for a, b, _ in runs):
+        source, skip = buffer, False
+    else:
+        source, skip, copied = (
+            torch.cat([buffer[a:b] for a, b in others] or [buffer[:0]]),
+            True,
+            True,
+        )
+    senders = [r for r in range(world) if not (skip and r == me)]
+    kept = _take(len(senders) * mine, buffer)
+    received = kept[: len(senders) * mine]
     spans = [(a, b) for a, b, rank in runs if rank == me and b > a]
 
     def add_up() -> None:
         # onto this rank's own values (in place, no copy), the others' in rank order
-        rows = received.view(world, mine)
+        rows = received.view(len(senders), mine)
         offset = 0
         for a, b in spans:
-            for r in range(world):
+            for row, r in enumerate(senders):
                 if r != me:
-                    buffer[a:b].add_(rows[r, offset : offset + b - a])
+                    buffer[a:b].add_(rows[row, offset : offset + b - a])
             offset += b - a
         _give(kept)
+
+    send_splits = [0 if skip and r == me else splits[r] for r in range(world)]
+    receive_splits = [0 if skip and r == me else mine for r in range(world)]
 
     def issue() -> object:
         # looked up when called, so that any wrapper installed over it (a byte counter) runs
         return dist.all_to_all_single(
-            received, source, [mine] * world, list(splits), group=group, async_op=True
+            received, source, receive_splits, send_splits, group=group, async_op=True
         )
 
-    made = [received] if source is buffer else [received, source]
+    made = [received, source] if copied else [received]
     return start_one(issue, made, group, [add_up])  # type: ignore[arg-type]
