@@ -12,6 +12,7 @@ its owners is :class:`~zero_functional.shell.grad_sync.GradSync`'s, as under
 from __future__ import annotations
 
 import enum
+import functools
 import queue
 import threading
 import weakref
@@ -319,7 +320,7 @@ class OverlapState:
             if self.nonblocking and threaded(bucket.buffer()):
                 # each bucket as soon as its reduction is done, by a thread (see _Updater)
                 if bw.updater is None:
-                    bw.updater = _Updater(lambda j, bw=bw: self._update(j, bw=bw))
+                    bw.updater = _Updater(functools.partial(self._update, bw=bw))
                 bw.updater.put(i)
             else:
                 # buckets whose reduction is done, in order; without a twin group, one bucket
