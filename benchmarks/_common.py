@@ -195,7 +195,10 @@ class ByteCounter:
                     elements = sum(splits) - splits[me] if splits else source.numel() * (n - 1) // n
                     self.sent += elements * source.element_size()
                     self.calls += 1
-                    covered = source.numel() * source.element_size()  # the S of a reduce-scatter
+                    # the S of a reduce-scatter: the others' stretches sent, plus this rank's
+                    # own (received from each of the others, or sent to itself)
+                    own = max(bound.get("output_split_sizes") or [0])
+                    covered = (elements + own) * source.element_size()
                     self.buffers["all_to_all"] = self.buffers.get("all_to_all", 0) + covered
                     return fn(*args, **kwargs)
                 tensor = list(bound.values())[position]

@@ -1,5 +1,5 @@
-"""The reduce onto owners on gloo (issue 33): one all-to-all at the byte floor; each owner adds
-the others' values onto its own in rank order."""
+"""The reduce onto owners on gloo (issue 33): all-to-alls at the byte floor, in chunks of a
+bounded window; each owner adds the others' values onto its own in rank order."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_functional import comm
-from zero_functional.core.plans import exchange_splits
+from zero_functional.comm import exchange
+from zero_functional.core.exchange_plan import exchange_chunks, exchange_splits
 
 from tests.helpers import all_to_all_sent, run_ranks
 
@@ -55,11 +56,18 @@ def _exchange_worker(rank: int, world: int) -> dict[str, Any]:
             "interleaved": _random_runs(7, numel, world),
             "one owner": [(0, numel, world - 1)],
         }
-        for name, runs in cases.items():
+        # a window of 64 bytes: 8 to 32 elements per owner per chunk, dozens of chunks, by an
+        # exchanger's thread (the rest here, on this thread)
+        chunked = {f"{name}, 64-byte window": runs for name, runs in cases.items()}
+        exchange.WINDOW_BYTES = 64
+        exchanger = comm.Exchanger(group)
+        for name, runs in [*cases.items(), *chunked.items()]:
+            exchange.WINDOW_BYTES = 64 if "window" in name else 1 << 20
             for dtype in (torch.float32, torch.bfloat16, torch.float64):
                 sent.clear()
                 buffer = _values(rank, numel, dtype)
-                comm.start_reduce(buffer, runs, group).wait()
+                by = exchanger if "window" in name else None
+                comm.start_reduce(buffer, runs, group, exchanger=by).wait()
                 expected = _values(rank, numel, dtype)  # its own, then the others in rank order
                 for r in range(world):
                     if r != rank:
@@ -73,11 +81,13 @@ def _exchange_worker(rank: int, world: int) -> dict[str, Any]:
                     sum(sent),
                     (numel - owned_numel) * buffer.element_size(),
                 )
-        # three exchanges in flight at once (DDP's buckets): each its own receive buffer, the
-        # kept ones reused afterwards
+        # the windows held: per dtype two received and at most two sent, each within its 64 bytes
+        out["windows"] = 0 < exchanger.held_bytes() <= 3 * 4 * 64
+        # three exchanges in flight at once (DDP's buckets), chunked: done in the order given
+        exchange.WINDOW_BYTES = 256
         runs = cases["interleaved"]
         buffers = [_values(rank + 10 * k, numel, torch.float32) for k in range(3)]
-        pendings = [comm.start_reduce(b, runs, group) for b in buffers]
+        pendings = [comm.start_reduce(b, runs, group, exchanger=exchanger) for b in buffers]
         for p in pendings:
             p.wait()
         fine = True
@@ -103,15 +113,17 @@ def _exchange_worker(rank: int, world: int) -> dict[str, Any]:
         out["reduce_to_owners"] = fine
         out["gloo reduces"] = len(reduces)
     finally:
+        exchange.WINDOW_BYTES = 1 << 20
         dist.all_to_all_single, dist.reduce = original, original_reduce  # type: ignore[assignment]
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_the_reduce_onto_owners_is_one_all_to_all_at_the_byte_floor(world: int) -> None:
+def test_the_reduce_onto_owners_is_all_to_alls_at_the_byte_floor(world: int) -> None:
     """Each owner's runs hold its values plus the others' in rank order (bitwise, fp32, bf16 and
-    fp64, even, interleaved and one-owner runs); each rank sends exactly the elements it does
-    not own, once; gloo's own reduce is never called."""
+    fp64, even, interleaved and one-owner runs, in one chunk or dozens); each rank sends exactly
+    the elements it does not own, once; the windows stay within their bound; gloo's own reduce
+    is never called."""
     for out in run_ranks(_exchange_worker, world, timeout_s=120):
         for key, value in out.items():
             if key.endswith("bytes"):
@@ -140,3 +152,28 @@ def test_exchange_splits_send_every_element_once_grouped_by_owner(
     assert ranks == sorted(ranks)  # stretches grouped by owner, in rank order
     for r in range(world):
         assert splits[r] == sum(b - a for a, b, q in runs if q == r)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=12),
+    st.integers(1, 4),
+    st.integers(1, 9),
+)
+def test_exchange_chunks_carry_each_owners_elements_once_in_order_within_the_window(
+    pieces: list[tuple[int, int]], world: int, per_owner: int
+) -> None:
+    runs, at = [], 0
+    for length, rank in pieces:
+        runs.append((at, at + length, rank % world))
+        at += length
+    chunks = exchange_chunks(runs, world, per_owner)
+    splits, _ = exchange_splits(runs, world)
+    assert len(chunks) == -(-max(splits) // per_owner)
+    for r in range(world):
+        mine = [i for a, b, owner in runs if owner == r for i in range(a, b)]
+        carried = [i for chunk in chunks for a, b in chunk[r] for i in range(a, b)]
+        assert carried == mine  # every element once, in buffer order
+        sizes = [sum(b - a for a, b in chunk[r]) for chunk in chunks]
+        assert all(size <= per_owner for size in sizes)
+        # full chunks first: chunk c carries elements [c * per_owner, ...) of the owner's
+        assert all(size == per_owner for size in sizes[: len(mine) // per_owner])

@@ -41,7 +41,13 @@ COUNTED = {
 def _counted(moved: dict[str, int], half: str, arg: int, fn: Callable[..., Any]) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t = args[arg]
-        moved[half] = moved.get(half, 0) + t.numel() * t.element_size()
+        covered = t.numel() * t.element_size()
+        if fn.__name__ == "all_to_all_single":  # the others' stretches sent, plus this rank's
+            # own, which arrive from each of the others (2 ranks: the received, once)
+            received = args[0]
+            others = dist.get_world_size(kwargs.get("group")) - 1
+            covered += received.numel() * received.element_size() // others
+        moved[half] = moved.get(half, 0) + covered
         return fn(*args, **kwargs)
 
     return wrapper

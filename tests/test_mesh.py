@@ -294,7 +294,8 @@ def _traffic_worker(rank: int, world: int, shape: tuple[int, int]) -> dict[str, 
         def inner(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             nbytes = tensor.numel() * tensor.element_size()
             group = kwargs.get("group")
-            if name == "all_to_all_single" and group is zero.shard_group:
+            if name == "all_to_all_single" and _ranks(group) == _ranks(zero.shard_group):
+                # the reduce onto owners, on the exchanger's twin of the shard group
                 counted["within"] += all_to_all_sent(args[0], args[2], group)
             elif name == "all_reduce" and group is zero.replicate_group:
                 counted["across"] += 2 * nbytes * (replicas - 1) / replicas
@@ -317,6 +318,10 @@ def _traffic_worker(rank: int, world: int, shape: tuple[int, int]) -> dict[str, 
         setattr(dist, name, fn)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return {**counted, "bytes": float(total)}
+
+
+def _ranks(group: Any) -> list[int]:
+    return list(dist.get_process_group_ranks(group))
 
 
 def _join_worker(rank: int, world: int) -> bool:

@@ -40,6 +40,7 @@ from zero_functional.comm.buckets import (
     unflatten_into,
 )
 from zero_functional.comm.calls import REPORT_GRACE_S, CollectiveError, call, failures
+from zero_functional.comm.exchange import Exchanger, exchanges
 from zero_functional.comm.groups import (
     MESH_DIMS,
     ProcessGroup,
@@ -73,6 +74,8 @@ from zero_functional.comm.small import (
 from zero_functional.core.plans import COALESCE_BELOW
 
 __all__ = [
+    "Exchanger",
+    "exchanges",
     "COALESCE_BELOW",
     "CollectiveError",
     "REPORT_GRACE_S",

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zero_functional.comm.exchange import exchanges, start_exchange
+from zero_functional.comm.exchange import Exchanger, exchanges, start_exchange
 from zero_functional.comm.groups import (
     ProcessGroup,
     Work,
@@ -53,16 +53,19 @@ def start_reduce(
     group: ProcessGroup,
     *,
     chunk: int | None = None,
+    exchanger: Exchanger | None = None,
 ) -> Pending:
     """Start the reduce-scatter of a 1-D ``buffer``: each run summed onto its rank.
 
     ``runs`` are ``(start, stop, rank)`` stretches covering the buffer
     (:meth:`~zero_functional.core.ownership.Ownership.runs`). With ``chunk`` (the runs are the even split ``[r * chunk, (r + 1) * chunk)``), one
     ``reduce_scatter_single`` over the buffer padded to ``chunk * world_size``; otherwise, on
-    gloo (a CPU buffer), one all-to-all that sends each run to its rank once
+    gloo (a CPU buffer), all-to-alls that send each run to its rank once, in bounded chunks
     (:func:`~zero_functional.comm.exchange.start_exchange`: gloo's own reduce sends more), and
-    on NCCL one reduce per run, grouped. Afterwards each rank's runs hold the sums; other
-    elements are undefined.
+    on NCCL one reduce per run, grouped. On gloo ``exchanger`` (an
+    :class:`~zero_functional.comm.exchange.Exchanger` over ``group``) does the exchange while
+    the caller goes on; without one it is done before this returns. Afterwards each rank's runs
+    hold the sums; other elements are undefined.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -76,7 +79,7 @@ def start_reduce(
     """
     if chunk is None:
         if exchanges(group, buffer):
-            return start_exchange(buffer, runs, group)
+            return start_exchange(buffer, runs, group, exchanger)
         return issue("reduce", [(buffer[a:b], rank) for a, b, rank in runs], group)
     world, me = group_size(group), group_rank(group)
     source = padded(buffer, chunk * world)

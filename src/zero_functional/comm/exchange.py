@@ -1,4 +1,5 @@
-"""Gradients summed onto their owners through one all-to-all: the reduce at its byte floor.
+"""Gradients summed onto their owners through all-to-alls: the reduce at its byte floor, in a
+bounded window of memory.
 
 Summing each stretch of a buffer onto the rank that owns it needs each rank to send every other
 rank that rank's stretches once: ``S - owned`` bytes per rank, ``(N - 1) S`` in all, the floor
@@ -8,81 +9,212 @@ per owner 2.28x that floor at 2 ranks and 1.25x at 4, ``reduce_scatter_tensor`` 
 gloo's all-to-all sends each rank's stretches straight to their owner over its point-to-point
 pairs, which is that floor; the owner then adds what arrived onto its own values, in rank
 order (only the owner computes a sum, so after the broadcast every rank holds the same bits).
-It is one collective with a future, issued in order like the rest.
-NCCL keeps its native reduce (grouped) and reduce-scatter.
+
+What arrives must be held before it is added. Received in one all-to-all, that is up to the
+bucket's size per bucket in flight (the 8M MLP's peak at 1.24x / 1.61x torch's best at 2 / 4
+ranks, where gloo's reduce stays at 1.04x). So a bucket is exchanged in chunks of at most
+:data:`WINDOW_BYTES` received (:func:`~zero_functional.core.exchange_plan.exchange_chunks`), two in
+flight, through windows kept for the purpose: a thread (:class:`Exchanger`, one per optimizer's
+gradient reduction) issues them on a twin group of its own, adds each chunk while the next
+travels, and completes the bucket's work. Only that thread issues the twin's collectives, in the order the buckets
+were given, which is the same on every rank. NCCL keeps its native reduce (grouped) and
+reduce-scatter.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+import weakref
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.futures import Future
 
-from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl
-from zero_functional.comm.pending import Pending, start_one
-from zero_functional.core.plans import exchange_splits
+from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl, twin_group
+from zero_functional.comm.pending import Pending, hold, settle
+from zero_functional.core.exchange_plan import exchange_chunks
 
-POOL_BUFFERS = 4
-"""Receive buffers kept between exchanges, for a later exchange of the same size (the last
-ones given back: DDP's buckets come back in the same sizes every backward, three for the
-default buckets of an 8M-parameter model).
-
-A fresh receive buffer costs more than the exchange's own copies: on the 2-core CPU machine, a
-25 MB bucket at 2 ranks took 39.9 ms through the all-to-all into a new buffer and 21.1 ms into a
-reused one (glibc returning freed buffers, as the benchmarks run it: every page faulted again),
-where gloo's reduce per owner took 41.1 ms. Only a buffer of the very size asked for is reused:
-handing out any larger one that fits kept, at 2 ranks, a 30 MiB buffer for a bucket of which a
-rank owns nothing, and the next bucket allocated its own (61 MiB kept, not 30)."""
-
-STALE_PASSES = 2 * POOL_BUFFERS
-"""A kept buffer passed over by this many takes in a row (a size no bucket has any more: DDP
-rebuilt its buckets after the first backward) is let go."""
-
-_pool: list[list[Any]] = []  # [buffer, takes that passed it over since it was given]
-_pool_lock = threading.Lock()
+WINDOW_BYTES = 1 << 20
+"""The most one chunk of an exchange receives (two chunks are in flight, so twice this is
+held, and as much again for what is sent where a rank's peers' stretches are not one stretch of
+the buffer). 1 MiB is 0.8% of the 8M MLP's peak per rank under torch's best ZeRO; on a link of
+2 Gbit/s a chunk takes about 4 ms, against about 0.1 ms of a collective's own cost."""
 
 
-def _take(numel: int, like: Tensor) -> Tensor:
-    """A 1-D buffer of ``numel`` elements of ``like``'s dtype and device: a kept one of that
-    size, or a new one."""
-    if numel == 0:
-        return like.new_empty(0)
-    found: Tensor | None = None
-    with _pool_lock:
-        for i, (t, _) in enumerate(_pool):
-            if t.numel() == numel and t.dtype == like.dtype and t.device == like.device:
-                found = _pool.pop(i)[0]
-                break
-        for entry in _pool:  # passed over by this take
-            entry[1] += 1
-        _pool[:] = [entry for entry in _pool if entry[1] < STALE_PASSES]
-    if found is not None:
-        return found
-    return torch.empty(numel, dtype=like.dtype, device=like.device)
+class _Job:
+    """One buffer's exchange, done by an :class:`Exchanger`'s thread: the work the caller
+    waits on (``wait``, ``is_completed``, ``get_future``, as a backend's work)."""
+
+    def __init__(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+        self.buffer, self.runs = buffer, list(runs)
+        self._done = threading.Event()
+        self._future: Future[None] = Future()
+        self._error: BaseException | None = None
+
+    def finish(self, error: BaseException | None) -> None:
+        """Called by the exchanger: the sums are in place (or ``error`` stopped it)."""
+        self._error = error
+        self.buffer = torch.empty(0)  # the caller's buffer is the caller's again
+        self._done.set()
+        if error is None:
+            self._future.set_result(None)
+        else:
+            self._future.set_exception(error)  # type: ignore[arg-type]  # (torch's stub)
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError(f"the exchange timed out after {timeout}")
+        if self._error is not None:
+            raise RuntimeError(f"the exchange failed: {self._error}") from self._error
+        return True
+
+    def get_future(self) -> Future[None]:
+        return self._future
 
 
-def _give(buffer: Tensor) -> None:
-    """Keep ``buffer`` for a later exchange of its size (the last :data:`POOL_BUFFERS` given)."""
-    if buffer.numel() == 0:
-        return
-    with _pool_lock:
-        _pool.append([buffer, 0])
-        del _pool[:-POOL_BUFFERS]
+class _Windows:
+    """The windows one thread's exchanges go through, kept between chunks and buffers."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
+
+    def get(self, like: Tensor, slot: int, numel: int) -> Tensor:
+        """A window of ``numel`` elements of ``like``'s kind (``slot`` 0/1: received, 2/3: sent)."""
+        key = (like.dtype, like.device, slot)
+        kept = self.kept.get(key)
+        if kept is None or kept.numel() < numel:
+            per = max(numel, WINDOW_BYTES // like.element_size())
+            kept = self.kept[key] = torch.empty(per, dtype=like.dtype, device=like.device)
+        return kept[:numel]
 
 
-def kept_bytes() -> int:
-    """The bytes of the receive buffers kept for later exchanges (held between steps).
+def _exchange(
+    buffer: Tensor, runs: Sequence[tuple[int, int, int]], group: ProcessGroup, windows: _Windows
+) -> None:
+    """Sum ``buffer``'s runs onto their owners over ``group``, chunk by chunk (blocking)."""
+    world, me = group_size(group), group_rank(group)
+    per_owner = max(1, WINDOW_BYTES // (buffer.element_size() * (world - 1)))
+    in_flight: list[list[Any]] = []
+    for c, chunk in enumerate(exchange_chunks(runs, world, per_owner)):
+        sizes = [sum(b - a for a, b in part) for part in chunk]
+        others = [(a, b) for r in range(world) if r != me for a, b in chunk[r]]
+        if not others:
+            source = buffer[:0]
+        elif all(b == a2 for (_, b), (a2, _) in zip(others, others[1:])):
+            source = buffer[others[0][0] : others[-1][1]]  # one stretch: sent as it is
+        else:
+            source = windows.get(buffer, 2 + c % 2, sum(b - a for a, b in others))
+            torch.cat([buffer[a:b] for a, b in others], out=source)
+        received = windows.get(buffer, c % 2, (world - 1) * sizes[me])
+        held = hold([source, received], group)
+        # looked up when called, so that any wrapper installed over it (a byte counter) runs
+        work = dist.all_to_all_single(
+            received,
+            source,
+            [0 if r == me else sizes[me] for r in range(world)],
+            [0 if r == me else sizes[r] for r in range(world)],
+            group=group,
+            async_op=True,
+        )
+        in_flight.append([work, received, chunk[me], held])
+        del work  # held by in_flight only: _add drops it before it settles
+        if len(in_flight) == 2:  # the previous chunk is added while this one travels
+            _add(buffer, in_flight.pop(0), world)
+    while in_flight:
+        _add(buffer, in_flight.pop(0), world)
+
+
+def _add(buffer: Tensor, entry: list[Any], world: int) -> None:
+    """Wait for one chunk (``[work, received, this rank's stretches, held]``), then add what the
+    others sent onto this rank's own values, in rank order (the same order, so the same bits, as
+    one all-to-all for the whole)."""
+    entry[0].wait()
+    entry[0] = None  # the work holds the windows until it is gone
+    _, received, mine, held = entry
+    settle(held)  # gloo's thread lets go of the windows before they are used again
+    size = sum(b - a for a, b in mine)
+    rows = received.view(world - 1, size) if size else received
+    offset = 0
+    for a, b in mine:
+        for row in range(world - 1):
+            buffer[a:b].add_(rows[row, offset : offset + b - a])
+        offset += b - a
+
+
+def _serve(
+    todo: queue.SimpleQueue[_Job | None], twin: ProcessGroup, threads: int, windows: _Windows
+) -> None:
+    """An :class:`Exchanger`'s thread: the jobs in the order given, until ``None``."""
+    torch.set_num_threads(threads)  # else as many OpenMP threads as cores, spinning
+    with torch.no_grad():
+        while (job := todo.get()) is not None:
+            try:
+                _exchange(job.buffer, job.runs, twin, windows)
+            except BaseException as e:  # raised by the job's wait, on the caller's thread
+                job.finish(e)
+            else:
+                job.finish(None)
+            del job
+
+
+class Exchanger:
+    """Exchanges started on one process group, done by a thread of their own, in order.
+
+    The thread issues the all-to-alls on a twin of ``group``
+    (:func:`~zero_functional.comm.groups.twin_group`; made here, a collective over ``group``'s
+    ranks), which only it uses, in the order the buffers were given: the same on every rank,
+    as every collective's. The caller's thread goes on (DDP's backward) and waits on the
+    :class:`~zero_functional.comm.pending.Pending` it was given. Where no twin can be made
+    (torch < 2.1) each exchange runs at once on the caller's thread. The thread ends when the
+    exchanger is dropped (an optimizer's gradient reduction owns one).
 
     Example:
-        >>> kept_bytes() >= 0
-        True
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group(
+        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> t = torch.arange(3.0)
+        >>> Exchanger(dist.group.WORLD).start(t, [(0, 3, 0)]).wait()
+        >>> t
+        tensor([0., 1., 2.])
+        >>> dist.destroy_process_group()
     """
-    with _pool_lock:
-        return sum(t.numel() * t.element_size() for t, _ in _pool)
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.world = group_size(group)
+        self.twin = twin_group(group) if self.world > 1 else None
+        self.windows = _Windows()
+        self._todo: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        if self.twin is not None:
+            # the thread holds what it needs, not this object, which ends it when dropped
+            args = (self._todo, self.twin, torch.get_num_threads(), self.windows)
+            threading.Thread(target=_serve, args=args, name="zero-exchange", daemon=True).start()
+            weakref.finalize(self, self._todo.put, None)
+
+    def start(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> Pending:
+        """Start summing each run of the 1-D ``buffer`` onto its rank (:func:`start_exchange`);
+        the buffer must not change until the result is waited for."""
+        if buffer.numel() == 0 or self.world == 1:
+            return Pending([])
+        if self.twin is None:
+            with torch.no_grad():
+                _exchange(buffer, runs, self.group, self.windows)
+            return Pending([])
+        job = _Job(buffer, runs)
+        self._todo.put(job)
+        return Pending([job])  # type: ignore[list-item]
+
+    def held_bytes(self) -> int:
+        """The bytes of the windows kept (at most ``4 x`` :data:`WINDOW_BYTES` per dtype)."""
+        return sum(t.numel() * t.element_size() for t in self.windows.kept.values())
 
 
 def exchanges(group: ProcessGroup, buffer: Tensor) -> bool:
@@ -92,14 +224,18 @@ def exchanges(group: ProcessGroup, buffer: Tensor) -> bool:
 
 
 def start_exchange(
-    buffer: Tensor, runs: Sequence[tuple[int, int, int]], group: ProcessGroup
+    buffer: Tensor,
+    runs: Sequence[tuple[int, int, int]],
+    group: ProcessGroup,
+    exchanger: Exchanger | None = None,
 ) -> Pending:
-    """Start summing each run of the 1-D ``buffer`` onto its rank through one all-to-all.
+    """Start summing each run of the 1-D ``buffer`` onto its rank through all-to-alls.
 
     Afterwards (``wait()``, or the future DDP waits on) each rank's runs hold the sum of every
     rank's values: its own, plus the others' in rank order; the other elements keep this
-    rank's values. Each rank
-    sends only the runs of other ranks, once.
+    rank's values. Each rank sends only the runs of other ranks, once, in chunks of at most
+    :data:`WINDOW_BYTES` received. With ``exchanger`` (one made over ``group``) its thread does
+    this while the caller goes on; without, it is done here, before this returns.
 
     Example:
         >>> import tempfile, torch.distributed as dist
@@ -111,53 +247,11 @@ def start_exchange(
         tensor([0., 1., 2.])
         >>> dist.destroy_process_group()
     """
-    world, me = group_size(group), group_rank(group)
-    splits, order = exchange_splits(runs, world)
-    if buffer.numel() == 0:
-        return Pending([])
-    mine = splits[me]
-    others = [(a, b) for a, b, rank in sorted(runs, key=lambda run: run[2]) if rank != me]
-    # The stretches go out grouped by owner, in rank order. This rank's own need not travel
-    # (nor take a slot of the receive buffer) where the others' are one stretch of the
-    # buffer: at 2 ranks always, and for the first and last rank when the owners come in rank
-    # order. Otherwise, with the owners in rank order, the whole buffer goes out as it is
-    # (this rank's own run to itself: no copy); else the others' stretches are copied out.
-    joined = all(b == c for (_, b), (c, _) in zip(others, others[1:]))
-    copied = False
-    if joined:  # (none: this rank owns the whole buffer and only receives)
-        source, skip = buffer[others[0][0] : others[-1][1]] if others else buffer[:0], True
-    elif order == tuple((a, b) for a, b, _ in runs):
-        source, skip = buffer, False
-    else:
-        source, skip, copied = (
-            torch.cat([buffer[a:b] for a, b in others] or [buffer[:0]]),
-            True,
-            True,
-        )
-    senders = [r for r in range(world) if not (skip and r == me)]
-    kept = _take(len(senders) * mine, buffer)
-    received = kept[: len(senders) * mine]
-    spans = [(a, b) for a, b, rank in runs if rank == me and b > a]
-
-    def add_up() -> None:
-        # onto this rank's own values (in place, no copy), the others' in rank order
-        rows = received.view(len(senders), mine)
-        offset = 0
-        for a, b in spans:
-            for row, r in enumerate(senders):
-                if r != me:
-                    buffer[a:b].add_(rows[row, offset : offset + b - a])
-            offset += b - a
-        _give(kept)
-
-    send_splits = [0 if skip and r == me else splits[r] for r in range(world)]
-    receive_splits = [0 if skip and r == me else mine for r in range(world)]
-
-    def issue() -> object:
-        # looked up when called, so that any wrapper installed over it (a byte counter) runs
-        return dist.all_to_all_single(
-            received, source, receive_splits, send_splits, group=group, async_op=True
-        )
-
-    made = [received, source] if copied else [received]
-    return start_one(issue, made, group, [add_up])  # type: ignore[arg-type]
+    if exchanger is not None:
+        if exchanger.group is not group:
+            raise ValueError("the exchanger given was made over another process group")
+        return exchanger.start(buffer, runs)
+    if buffer.numel() and group_size(group) > 1:
+        with torch.no_grad():
+            _exchange(buffer, runs, group, _Windows())
+    return Pending([])

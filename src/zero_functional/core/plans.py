@@ -38,7 +38,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from zero_functional.core._validate import check_rank, check_world_size
+from zero_functional.core._validate import check_world_size
 from zero_functional.core.cost import cost_greedy
 from zero_functional.core.ownership import (
     Ownership,
@@ -68,7 +68,6 @@ __all__ = [
     "choose_collectives",
     "choose_param_gather",
     "even_chunk",
-    "exchange_splits",
     "flat_align",
     "owned_spans",
     "ownership_for",
@@ -278,39 +277,6 @@ def buffer_plan(ownership: Ownership, order: Sequence[int], collectives: Collect
     """
     runs, chunk = buffer_runs(ownership, order, even=takes_even_shards(collectives))
     return BufferPlan(collectives, runs, chunk)
-
-
-def exchange_splits(
-    runs: Sequence[tuple[int, int, int]], world_size: int
-) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    """How a buffer's runs travel through one all-to-all onto their owners (a pure plan).
-
-    Rank ``r`` receives the elements of its runs from every rank, so what each rank sends is
-    its buffer grouped by owner: ``splits[r]`` elements for rank ``r``, taken from the
-    ``(start, stop)`` stretches of ``order`` (the runs sorted by rank, stable). Where ``order``
-    is the buffer itself (owners in rank order, one stretch each), no copy is needed.
-
-    Args:
-        runs: ``(start, stop, rank)`` stretches covering the buffer
-            (:meth:`~zero_functional.core.ownership.Ownership.runs`).
-        world_size: Ranks in the group.
-
-    Returns:
-        ``(splits, order)``: the elements each rank owns, and the stretches in send order.
-
-    Example:
-        >>> exchange_splits([(0, 4, 0), (4, 7, 1)], 2)
-        ((4, 3), ((0, 4), (4, 7)))
-        >>> exchange_splits([(0, 2, 1), (2, 5, 0), (5, 6, 1)], 3)
-        ((3, 3, 0), ((2, 5), (0, 2), (5, 6)))
-    """
-    check_world_size(world_size)
-    splits = [0] * world_size
-    for a, b, rank in runs:
-        check_rank(rank, world_size)
-        splits[rank] += b - a
-    order = tuple((a, b) for a, b, _ in sorted(runs, key=lambda run: run[2]))
-    return tuple(splits), order
 
 
 def bytes_sent(op: str, nbytes: int, world_size: int) -> float:

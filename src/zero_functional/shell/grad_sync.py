@@ -200,6 +200,7 @@ class GradSync:
         self.reduce_dtype = reduce_dtype
         self._plans: dict[tuple[int, ...], BufferPlan] = {}
         self._ownership: Ownership | None = None
+        self._exchanger: comm.Exchanger | None = None  # gloo's reduce onto owners, on a thread
 
     @property
     def zero(self) -> ZeroRedundancyOptimizer:
@@ -228,7 +229,13 @@ class GradSync:
         owners of its runs (``start_grad_sync``); finish it through the result."""
         zero, plan = self.zero, self.plan(indices)
         flat = widened(out, self.reduce_dtype).div_(self.ranks)  # as DDP's: divide, then sum
-        pending = comm.start_reduce(flat, plan.runs, zero.process_group, chunk=plan.chunk)
+        group = zero.process_group
+        if plan.chunk is None and self._exchanger is None and comm.exchanges(group, flat):
+            # made at the first bucket (a collective: every rank reaches it there)
+            self._exchanger = comm.Exchanger(group)
+        pending = comm.start_reduce(
+            flat, plan.runs, group, chunk=plan.chunk, exchanger=self._exchanger
+        )
         replicate = zero.replicate_group
         replicas = (replicate, plan.spans_of(zero.rank)) if replicate is not None else None
         return GradReduce(pending, flat, out, plan, replicas)
