@@ -7,7 +7,7 @@ can move them, round-robin inside the same gloo ranks so that they share the mac
   its updated share (what torch's class sends: 1.5x DDP's bytes); the baseline (1.00x);
 * ``DDP: all-reduce``: the gradients alone;
 * ``ours: reduce onto owners + broadcast per owner``: each share summed onto its owner through
-  ``zero_functional.comm`` (on gloo one all-to-all: :mod:`zero_functional.comm.exchange`), then
+  ``zero_functional.comm`` (on gloo all-to-alls: :mod:`zero_functional.comm.exchange`), then
   broadcast from it (DDP's bytes, what the optimizer sends on gloo), and each half alone;
 * ``reduce_scatter + all_gather (even shares)``: what the policy picks on NCCL, run on this
   backend to show why it is not picked here;

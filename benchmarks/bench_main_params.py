@@ -218,7 +218,7 @@ def _worker(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, An
 
 
 def _per_element(moved: dict[str, int], total: int) -> tuple[float, float, float]:
-    # gradients: onto their owners (on gloo one all-to-all per buffer: comm.exchange)
+    # gradients: onto their owners (on gloo all-to-alls per buffer: comm.exchange)
     grads = sum(moved.get(op, 0) for op in ("reduce", "reduce_scatter", "all_to_all"))
     params = moved.get("broadcast", 0) + moved.get("all_gather", 0)
     other = sum(moved.values()) - grads - params

@@ -14,7 +14,7 @@ The package's modules, each with one job: :mod:`~zero_functional.comm.groups` (s
 backends), :mod:`~zero_functional.comm.calls` (naming and explaining failures),
 :mod:`~zero_functional.comm.pending` (collectives in flight), :mod:`~zero_functional.comm.buckets`
 (gradients and parameters), :mod:`~zero_functional.comm.exchange` (on gloo, the reduce onto
-owners as one all-to-all), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
+owners as all-to-alls in bounded chunks), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
 import this package, never the modules.
 """
 

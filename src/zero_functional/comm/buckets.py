@@ -349,7 +349,7 @@ def reduce_to_owners(
     if not calls or not exchanges(group, calls[0][0]):
         issue("reduce", calls, group).wait()
         return
-    # gloo: one all-to-all per (device, dtype), over the tensors laid end to end
+    # gloo: one exchange per (device, dtype), over the tensors laid end to end
     groups: dict[object, list[tuple[Tensor, int]]] = {}
     for t, r in calls:
         groups.setdefault(buffer_key(t), []).append((t, r))

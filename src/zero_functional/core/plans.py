@@ -96,7 +96,7 @@ def choose_collectives(
     The rule: a hook other than DDP's default all-reduce keeps its own reduction, and so does
     a single rank (nothing is sent); else even shards on NCCL take NCCL's reduce-scatter and
     all-gather; everything else takes a reduce onto each owner and a broadcast from it: DDP's
-    bytes. On gloo the reduce goes out as one all-to-all (:mod:`zero_functional.comm.exchange`):
+    bytes. On gloo the reduce goes out as all-to-alls (:mod:`zero_functional.comm.exchange`):
     on a link shaped to 2 Gbit/s (``benchmarks/bench_collectives.py --link 2gbit``, 32 MB) it
     and the broadcasts each take their byte floor, where gloo's own reduce per owner takes
     1.25-2.3x it and its reduce-scatter 2.0-2.1x.
