@@ -177,3 +177,31 @@ def test_exchange_chunks_carry_each_owners_elements_once_in_order_within_the_win
         assert all(size <= per_owner for size in sizes)
         # full chunks first: chunk c carries elements [c * per_owner, ...) of the owner's
         assert all(size == per_owner for size in sizes[: len(mine) // per_owner])
+
+
+def _after_a_group_of_some_ranks(rank: int, world: int) -> list[float]:
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_functional.hooks import reduce_scatter_hook
+    from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+    dist.new_group([0])  # a group of rank 0 only: torch counts it among rank 0's groups alone
+    torch.manual_seed(0)
+    ddp = DDP(nn.Linear(4, 4))
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1, partition="flat")
+    ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))  # its exchanger: a twin group
+    for _ in range(2):
+        ddp(torch.ones(3, 4) * (rank + 1)).sum().backward()
+        zero.step()
+        zero.zero_grad()
+    twin = comm.twin_group(dist.group.WORLD)  # overlap mode's, made the same way
+    assert twin is not None
+    return [float(p.sum()) for p in ddp.parameters()]
+
+
+def test_twin_groups_are_made_after_a_group_of_only_some_ranks() -> None:
+    # torch names a locally synchronised group from the count of the groups a rank belongs to:
+    # after `new_group([0])` the ranks disagreed, and the first bucket's twin group hung
+    first, second = run_ranks(_after_a_group_of_some_ranks, 2, timeout_s=60)
+    assert first == second

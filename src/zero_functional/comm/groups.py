@@ -85,6 +85,13 @@ def twin_group(group: ProcessGroup) -> ProcessGroup | None:
     take part); ``None`` on a torch without local synchronisation of new groups.
     """
     ranks = [global_rank(group, r) for r in range(group_size(group))]
+    if len(ranks) == dist.get_world_size():
+        # Over the whole world every rank calls this: a plain new_group. With local
+        # synchronization torch names the group from the count of groups this rank belongs
+        # to, which differs between ranks once a group of only some of them was made (a
+        # `new_group([0])` counts on rank 0 only), and the ranks then wait for each other
+        # under different names, forever.
+        return cast(ProcessGroup, dist.new_group(ranks=ranks))
     try:
         twin = dist.new_group(ranks=ranks, use_local_synchronization=True)
     except TypeError:  # torch < 2.1: new_group would need every rank of the world
