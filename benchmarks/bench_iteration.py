@@ -262,40 +262,32 @@ def _floors(
 
 
 def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
-    with _gloo_reduce(", gloo reduce" in name), _at_the_hooks(", at the hooks" in name):
+    with _older_path(name):
         opt.zero_grad()
         _loss(ddp, x).backward()
         if "overlap" not in name:
             opt.step()
 
 
-@contextlib.contextmanager
-def _gloo_reduce(on: bool) -> Iterator[None]:
-    """``... , gloo reduce`` variants: the reduce onto owners as it was before issue 33, one
-    gloo reduce per owner's run instead of one all-to-all (the A/B of that change, same rounds)."""
-    if not on:
-        yield
-        return
-    original = buckets.exchanges
-    buckets.exchanges = lambda group, buffer: False
-    try:
-        yield
-    finally:
-        buckets.exchanges = original
+A_B: dict[str, tuple[Any, str]] = {
+    ", gloo reduce": (buckets, "exchanges"),  # the reduce onto owners before issue 33
+    ", at the hooks": (overlap, "threaded"),  # overlap mode without its update thread
+}
+"""The A/B variants (same rounds): the predicate that picks the newer path, per name tag."""
 
 
 @contextlib.contextmanager
-def _at_the_hooks(on: bool) -> Iterator[None]:
-    """``..., at the hooks`` variants: overlap mode without its update thread (the A/B)."""
-    if not on:
-        yield
-        return
-    original = overlap.threaded
-    overlap.threaded = lambda buffer: False
+def _older_path(name: str) -> Iterator[None]:
+    """While an A/B variant (:data:`A_B`) runs, its predicate answers ``False``."""
+    switched = [where for tag, where in A_B.items() if tag in name]
+    originals = [getattr(module, attr) for module, attr in switched]
+    for module, attr in switched:
+        setattr(module, attr, lambda *args: False)
     try:
         yield
     finally:
-        overlap.threaded = original
+        for (module, attr), original in zip(switched, originals):
+            setattr(module, attr, original)
 
 
 def _two_iterations(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:

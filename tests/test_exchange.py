@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from zero_functional import comm
 from zero_functional.comm import exchange
-from zero_functional.core.exchange_plan import exchange_chunks, exchange_splits
+from zero_functional.core.exchange_plan import chunk_layout, exchange_chunks
 
 from tests.helpers import all_to_all_sent, run_ranks
 
@@ -137,21 +137,29 @@ def test_the_reduce_onto_owners_is_all_to_alls_at_the_byte_floor(world: int) -> 
 @given(
     st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=12),
     st.integers(1, 4),
+    st.integers(1, 9),
 )
-def test_exchange_splits_send_every_element_once_grouped_by_owner(
-    pieces: list[tuple[int, int]], world: int
+def test_chunk_layouts_send_every_element_once_grouped_by_owner(
+    pieces: list[tuple[int, int]], world: int, per_owner: int
 ) -> None:
     runs, start = [], 0
     for length, rank in pieces:
         runs.append((start, start + length, rank % world))
         start += length
-    splits, order = exchange_splits(runs, world)
-    assert sum(splits) == start
-    assert sorted(order) == sorted((a, b) for a, b, _ in runs)
-    ranks = [r for _, _, r in sorted(runs, key=lambda run: run[2])]
-    assert ranks == sorted(ranks)  # stretches grouped by owner, in rank order
-    for r in range(world):
-        assert splits[r] == sum(b - a for a, b, q in runs if q == r)
+    chunks = exchange_chunks(runs, world, per_owner)
+    for me in range(world):
+        layouts = [chunk_layout(chunk, me) for chunk in chunks]
+        owned = [sum(b - a for a, b, q in runs if q == r) for r in range(world)]
+        for r in range(world):  # over the chunks: each owner gets its elements once
+            assert sum(lay.sends[r] for lay in layouts) == (0 if r == me else owned[r])
+            assert sum(lay.receives[r] for lay in layouts) == (0 if r == me else owned[me])
+        for lay in layouts:
+            assert sum(b - a for a, b in lay.source) == sum(lay.sends)
+            # stretches grouped by owner, in rank order; a span only where they are one stretch
+            owners = [q for a, b in lay.source for x, y, q in runs if x <= a < y]
+            assert owners == sorted(owners)
+            joined = all(b == c for (_, b), (c, _) in zip(lay.source, lay.source[1:]))
+            assert (lay.span is not None) == (bool(lay.source) and joined)
 
 
 @given(
@@ -167,7 +175,7 @@ def test_exchange_chunks_carry_each_owners_elements_once_in_order_within_the_win
         runs.append((at, at + length, rank % world))
         at += length
     chunks = exchange_chunks(runs, world, per_owner)
-    splits, _ = exchange_splits(runs, world)
+    splits = [sum(b - a for a, b, owner in runs if owner == r) for r in range(world)]
     assert len(chunks) == -(-max(splits) // per_owner)
     for r in range(world):
         mine = [i for a, b, owner in runs if owner == r for i in range(a, b)]

@@ -379,7 +379,6 @@ def reduce_scatter_hook(
         zero, collectives_for(zero.process_group, even=True), _ddp_group(ddp, zero), reduce_dtype
     )
     scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []
-    inflight: list[tuple[comm.Pending, Future[Tensor], Tensor]] = []
 
     def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         flat = bucket.buffer()
@@ -395,9 +394,9 @@ def reduce_scatter_hook(
                 zero.hold_reduced(reduce.owned(indices, zero.ownership, zero.rank))
             pending = reduce.rounded_back()  # rounded back once, before DDP reads the bucket
             if grad_scaler is None or not grad_scaler.is_enabled():
-                if flat.device.type != "cpu":
-                    return pending.future(flat)  # the device's own futures (NCCL's streams)
-                return _finished_here(inflight, pending, flat, bucket)
+                # on gloo the exchange's own thread adds the sums and completes this future
+                # (comm.exchange), not one of gloo's, which would hold back later buckets
+                return pending.future(flat)
             if bucket.index() == 0:
                 scaled.clear()
             scaled.append((flat, reduce.plan.runs, pending))
@@ -407,36 +406,3 @@ def reduce_scatter_hook(
         return pending.future(flat)
 
     return _with_annotations(reduce_scatter_fn)
-
-
-def _finished_here(
-    inflight: list[tuple[comm.Pending, Future[Tensor], Tensor]],
-    pending: comm.Pending,
-    flat: Tensor,
-    bucket: GradBucket,
-) -> Future[Tensor]:
-    """The future of a CPU bucket's reduction, completed on the autograd thread: by a later
-    bucket's hook once its reduction is done, or at the last bucket, which waits for all.
-
-    Nothing runs in a callback on one of gloo's few threads, which would hold back the
-    collectives of the buckets behind it (whole iterations of an 8M MLP: 1.06-1.09x torch's best
-    with the sums added that way, against 0.96-1.01x through gloo's reduce, unshaped); the sums
-    onto the owners are added by the exchange's own thread (:mod:`zero_functional.comm.exchange`).
-    """
-    if bucket.index() == 0:  # a new backward (one that raised may have left some behind)
-        _complete(inflight, everything=True)
-    done: Future[Tensor] = Future()
-    inflight.append((pending, done, flat))
-    _complete(inflight, everything=bucket.is_last())
-    return done
-
-
-def _complete(
-    inflight: list[tuple[comm.Pending, Future[Tensor], Tensor]], *, everything: bool
-) -> None:
-    """Finish the reductions of ``inflight`` in bucket order while they are done (all of them
-    with ``everything``) and complete their futures."""
-    while inflight and (everything or inflight[0][0].done()):
-        pending, done, flat = inflight.pop(0)
-        pending.wait()
-        done.set_result(flat)

@@ -14,7 +14,8 @@ The package's modules, each with one job: :mod:`~zero_functional.comm.groups` (s
 backends), :mod:`~zero_functional.comm.calls` (naming and explaining failures),
 :mod:`~zero_functional.comm.pending` (collectives in flight), :mod:`~zero_functional.comm.buckets`
 (gradients and parameters), :mod:`~zero_functional.comm.exchange` (on gloo, the reduce onto
-owners as all-to-alls in bounded chunks), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
+owners as all-to-alls in bounded chunks), :mod:`~zero_functional.comm.worker` (a thread that
+runs work in order), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
 import this package, never the modules.
 """
 
@@ -71,10 +72,12 @@ from zero_functional.comm.small import (
     send_object,
     to_bytes,
 )
+from zero_functional.comm.worker import InOrder
 from zero_functional.core.plans import COALESCE_BELOW
 
 __all__ = [
     "Exchanger",
+    "InOrder",
     "exchanges",
     "COALESCE_BELOW",
     "CollectiveError",

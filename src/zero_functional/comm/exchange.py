@@ -23,7 +23,7 @@ reduce-scatter.
 
 from __future__ import annotations
 
-import queue
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -37,7 +37,8 @@ from torch.futures import Future
 
 from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl, twin_group
 from zero_functional.comm.pending import Pending, hold, settle
-from zero_functional.core.exchange_plan import exchange_chunks
+from zero_functional.comm.worker import InOrder
+from zero_functional.core.exchange_plan import ChunkLayout, chunk_layout, exchange_chunks
 
 WINDOW_BYTES = 1 << 20
 """The most one chunk of an exchange receives (two chunks are in flight, so twice this is
@@ -96,6 +97,14 @@ class _Windows:
         return kept[:numel]
 
 
+@functools.lru_cache(maxsize=256)
+def _layouts(
+    runs: tuple[tuple[int, int, int], ...], world: int, me: int, per_owner: int
+) -> tuple[ChunkLayout, ...]:
+    """This rank's side of each chunk (a DDP bucket's are the same every backward: planned once)."""
+    return tuple(chunk_layout(chunk, me) for chunk in exchange_chunks(runs, world, per_owner))
+
+
 def _exchange(
     buffer: Tensor, runs: Sequence[tuple[int, int, int]], group: ProcessGroup, windows: _Windows
 ) -> None:
@@ -103,28 +112,19 @@ def _exchange(
     world, me = group_size(group), group_rank(group)
     per_owner = max(1, WINDOW_BYTES // (buffer.element_size() * (world - 1)))
     in_flight: list[list[Any]] = []
-    for c, chunk in enumerate(exchange_chunks(runs, world, per_owner)):
-        sizes = [sum(b - a for a, b in part) for part in chunk]
-        others = [(a, b) for r in range(world) if r != me for a, b in chunk[r]]
-        if not others:
-            source = buffer[:0]
-        elif all(b == a2 for (_, b), (a2, _) in zip(others, others[1:])):
-            source = buffer[others[0][0] : others[-1][1]]  # one stretch: sent as it is
+    for c, plan in enumerate(_layouts(tuple(map(tuple, runs)), world, me, per_owner)):
+        if plan.span is not None:  # the others' stretches are one stretch: sent as it is
+            source = buffer[plan.span[0] : plan.span[1]]
         else:
-            source = windows.get(buffer, 2 + c % 2, sum(b - a for a, b in others))
-            torch.cat([buffer[a:b] for a, b in others], out=source)
-        received = windows.get(buffer, c % 2, (world - 1) * sizes[me])
+            source = windows.get(buffer, 2 + c % 2, sum(plan.sends))
+            torch.cat([buffer[a:b] for a, b in plan.source] or [buffer[:0]], out=source)
+        received = windows.get(buffer, c % 2, sum(plan.receives))
         held = hold([source, received], group)
         # looked up when called, so that any wrapper installed over it (a byte counter) runs
         work = dist.all_to_all_single(
-            received,
-            source,
-            [0 if r == me else sizes[me] for r in range(world)],
-            [0 if r == me else sizes[r] for r in range(world)],
-            group=group,
-            async_op=True,
+            received, source, list(plan.receives), list(plan.sends), group=group, async_op=True
         )
-        in_flight.append([work, received, chunk[me], held])
+        in_flight.append([work, received, plan.mine, held])
         del work  # held by in_flight only: _add drops it before it settles
         if len(in_flight) == 2:  # the previous chunk is added while this one travels
             _add(buffer, in_flight.pop(0), world)
@@ -149,20 +149,14 @@ def _add(buffer: Tensor, entry: list[Any], world: int) -> None:
         offset += b - a
 
 
-def _serve(
-    todo: queue.SimpleQueue[_Job | None], twin: ProcessGroup, threads: int, windows: _Windows
-) -> None:
-    """An :class:`Exchanger`'s thread: the jobs in the order given, until ``None``."""
-    torch.set_num_threads(threads)  # else as many OpenMP threads as cores, spinning
-    with torch.no_grad():
-        while (job := todo.get()) is not None:
-            try:
-                _exchange(job.buffer, job.runs, twin, windows)
-            except BaseException as e:  # raised by the job's wait, on the caller's thread
-                job.finish(e)
-            else:
-                job.finish(None)
-            del job
+def _run(job: _Job, group: ProcessGroup, windows: _Windows) -> None:
+    """One job, on an :class:`Exchanger`'s thread; its error goes to whoever waits for it."""
+    try:
+        _exchange(job.buffer, job.runs, group, windows)
+    except BaseException as e:  # raised by the job's wait, on the caller's thread
+        job.finish(e)
+    else:
+        job.finish(None)
 
 
 class Exchanger:
@@ -192,24 +186,23 @@ class Exchanger:
         self.world = group_size(group)
         self.twin = twin_group(group) if self.world > 1 else None
         self.windows = _Windows()
-        self._todo: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._worker: InOrder | None = None
         if self.twin is not None:
-            # the thread holds what it needs, not this object, which ends it when dropped
-            args = (self._todo, self.twin, torch.get_num_threads(), self.windows)
-            threading.Thread(target=_serve, args=args, name="zero-exchange", daemon=True).start()
-            weakref.finalize(self, self._todo.put, None)
+            self._worker = InOrder("zero-exchange")
+            weakref.finalize(self, self._worker.close)  # the thread ends with this object
 
     def start(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> Pending:
         """Start summing each run of the 1-D ``buffer`` onto its rank (:func:`start_exchange`);
         the buffer must not change until the result is waited for."""
         if buffer.numel() == 0 or self.world == 1:
             return Pending([])
-        if self.twin is None:
+        if self.twin is None or self._worker is None:
             with torch.no_grad():
                 _exchange(buffer, runs, self.group, self.windows)
             return Pending([])
         job = _Job(buffer, runs)
-        self._todo.put(job)
+        # what the thread runs holds the job, the twin and the windows, not this object
+        self._worker.put(functools.partial(_run, job, self.twin, self.windows))
         return Pending([job])  # type: ignore[list-item]
 
     def held_bytes(self) -> int:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import queue
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,56 +110,48 @@ class _Bucket:
 
 
 class _Updater:
-    """A thread that updates one backward's buckets as their reductions arrive, in order.
+    """Updates one backward's buckets as their reductions arrive, in order, on a thread
+    (:class:`~zero_functional.comm.worker.InOrder`).
 
     On the CPU a bucket's reduction is done without any hook running: the next bucket may be
     the last, at the end of backward (DDP's small first bucket, then one large one), so the
     autograd thread would update and all-gather the first bucket only then, with the link
-    idle meanwhile. This thread waits for each reduction in bucket order (never on one of
+    idle meanwhile. The thread waits for each reduction in bucket order (never on one of
     gloo's threads: a work's future runs its callbacks before the work counts as completed),
     updates this rank's pieces and starts the bucket's all-gather on the twin group, while the
     autograd thread goes on with backward. Only this thread issues the twin group's
     collectives while it runs, in bucket order, so every rank issues them in the same order.
-    The autograd thread hands it buckets (:meth:`put`) and joins it (:meth:`join`) before reading
-    what it did; an error here is raised there.
+    The autograd thread hands it buckets (:meth:`put`) and joins it (:meth:`join`) before
+    reading what it did; an error here is raised there, and nothing after it is updated.
     """
 
     def __init__(self, update: Callable[[int], None]) -> None:
         self._update = update
-        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._abandoned = False
-        self._threads = torch.get_num_threads()  # per thread under OpenMP: the caller's, below
-        self._thread = threading.Thread(target=self._run, name="zero-overlap-update", daemon=True)
-        self._thread.start()
+        self._worker = comm.InOrder("zero-overlap-update")
 
-    def _run(self) -> None:
-        # A new thread would run its ops on as many OpenMP threads as cores, spinning after each
-        # (measured: backward ran 11 ms slower of 27 at 2 ranks on 2 cores), not the caller's.
-        torch.set_num_threads(self._threads)
-        with torch.no_grad():  # grad mode is per thread: the in-place updates need it off
-            while (j := self._todo.get()) is not None:
-                if self._error is None and not self._abandoned:
-                    try:
-                        self._update(j)
-                    except BaseException as e:  # raised by join(), on the autograd thread
-                        self._error = e
+    def _one(self, j: int) -> None:
+        if self._error is None and not self._abandoned:
+            try:
+                self._update(j)
+            except BaseException as e:  # raised by join(), on the autograd thread
+                self._error = e
 
     def put(self, j: int) -> None:
         """Update bucket ``j`` once its reduction is done (after every bucket put before)."""
-        self._todo.put(j)
+        self._worker.put(functools.partial(self._one, j))
 
     def join(self) -> None:
         """Wait until every bucket put is updated; raise what an update raised."""
-        self._todo.put(None)
-        self._thread.join()
+        self._worker.join()
         if self._error is not None:
             raise self._error
 
     def abandon(self) -> None:
         """Let the thread end, updating nothing more (a backward that never finished)."""
         self._abandoned = True
-        self._todo.put(None)
+        self._worker.close()
 
 
 @dataclass(slots=True)
