@@ -274,13 +274,21 @@ def _schedules_clipping_checkpoints(rank: int, world_size: int, path: str) -> di
         torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1, fused=True),
     ]
     ours_s, plain_s = schedules(zero), schedules(plain)
+    norm_errors: list[float] = []
     for step in range(STEPS // 2):
         for o in (zero, *plain):
             o.zero_grad()
         backward(model, rank, world_size, step)
         backward(ref_model, rank, world_size, step)
-        zero.clip_grad_norm_(0.5)
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        total = zero.clip_grad_norm_(0.5)
+        # the norms are the same sum of squares added in another order: they may differ in
+        # their last bits, which Muon's bf16 Newton-Schulz turns into 1e-4 (issue 42 item 0).
+        # So the norm is checked on its own (its bound below), and the reference is clipped
+        # with our total: then the updates must agree bitwise.
+        ref_params = list(ref_model.parameters())
+        ref_total = torch.nn.utils.get_total_norm([p.grad for p in ref_params])
+        norm_errors.append(abs(total.item() - ref_total.item()) / ref_total.item())
+        torch.nn.utils.clip_grads_with_norm_(ref_params, 0.5, total)
         for o in (zero, *plain):
             o.step()
         for s in (*ours_s, *plain_s):
@@ -288,6 +296,8 @@ def _schedules_clipping_checkpoints(rank: int, world_size: int, path: str) -> di
     out: dict[str, Any] = {
         "lrs": [g["lr"] for g in zero.param_groups],
         "plain lrs": [o.param_groups[0]["lr"] for o in plain],
+        "norm errors": norm_errors,
+        "elements": sum(p.numel() for p in model.parameters()),
         "max diff": max(
             (a - b).abs().max().item()
             for a, b in zip(model.parameters(), ref_model.parameters(), strict=True)
@@ -313,6 +323,11 @@ def _schedules_clipping_checkpoints(rank: int, world_size: int, path: str) -> di
 def test_muon_with_adamw_schedules_clipping_and_sharded_checkpoints(tmp_path: Any) -> None:
     for got in run_ranks(_schedules_clipping_checkpoints, 2, str(tmp_path / "ck"), timeout_s=300):
         assert got["lrs"] == got["plain lrs"] and got["lrs"][0] < 0.02, got
+        # n squares summed in any two orders differ by at most 2 (n - 1) u of their sum (u:
+        # fp32's unit roundoff), so the norms by (n - 1) u relatively, plus a few roundings
+        # (the squares, the square roots, the per-piece norms)
+        bound = (got["elements"] + 8) * torch.finfo(torch.float32).eps / 2
+        assert max(got["norm errors"]) <= bound, got
         assert got["max diff"] <= 1e-6, got
         assert got["checkpoint state"] and got["checkpoint model"], got
         assert got["checkpoint classes"] == ["torch.optim.Muon", "torch.optim.AdamW"]

@@ -105,13 +105,8 @@ def simulate(
 
     With ``shard_size``, the optimizer takes a ``(world_size / shard_size) x shard_size``
     device mesh: the rank owns its share of its shard group. ``params`` may be shared between
-    calls: a step changes only the pieces the simulated rank owns.
-
-    Example:
-        >>> params = model_params([(64, 64), (64,)])
-        >>> r = simulate(params, 1024, 1023, shard_size=8)
-        >>> r.shard_size, r.pieces, r.elements, r.state_bytes
-        (8, 2, 520, 4168)
+    calls: a step changes only the pieces the simulated rank owns. (No doctest: it starts a
+    fake world of its own; ``plan --simulate`` in ``tests/test_cli.py`` runs it.)
     """
     from zero_functional.comm.testing import fake_world
     from zero_functional.core.partition import hybrid_shape

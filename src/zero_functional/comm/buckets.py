@@ -68,14 +68,11 @@ def start_reduce(
     hold the sums; other elements are undefined.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> t = torch.arange(3.0)
-        >>> start_reduce(t, [(0, 3, 0)], dist.group.WORLD, chunk=3).wait()
+        >>> start_reduce(t, [(0, 3, 0)], group, chunk=3).wait()
         >>> t
         tensor([0., 1., 2.])
-        >>> dist.destroy_process_group()
     """
     if chunk is None:
         if exchanges(group, buffer):
@@ -111,14 +108,11 @@ def start_broadcast(
     ``chunk * world_size``); otherwise one broadcast per run (grouped on NCCL).
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> t = torch.arange(3.0)
-        >>> start_broadcast(t, [(0, 3, 0)], dist.group.WORLD).wait()
+        >>> start_broadcast(t, [(0, 3, 0)], group).wait()
         >>> t
         tensor([0., 1., 2.])
-        >>> dist.destroy_process_group()
     """
     if chunk is None:
         return issue("broadcast", [(buffer[a:b], rank) for a, b, rank in runs], group)
@@ -145,14 +139,11 @@ def start_all_reduce(buffer: Tensor, group: ProcessGroup) -> Pending:
     """Start summing ``buffer`` over the group, in place (DDP's all-reduce of a bucket).
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> t = torch.ones(2)
-        >>> start_all_reduce(t, dist.group.WORLD).wait()
+        >>> start_all_reduce(t, group).wait()
         >>> t
         tensor([1., 1.])
-        >>> dist.destroy_process_group()
     """
     return start_one(lambda: dist.all_reduce(buffer, group=group, async_op=True), [], group)
 
@@ -164,14 +155,11 @@ def start_all_reduce_spans(
     list order (one coalesced launch on NCCL): a shard's pieces across its replicas.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> t = torch.arange(4.0)
-        >>> start_all_reduce_spans(t, [(1, 3)], dist.group.WORLD).wait()
+        >>> start_all_reduce_spans(t, [(1, 3)], group).wait()
         >>> t
         tensor([0., 1., 2., 3.])
-        >>> dist.destroy_process_group()
     """
     pieces = [buffer[a:b] for a, b in spans if b > a]
     held = hold(pieces, group)  # views made here: kept until the backend lets go (issue 20)
@@ -206,14 +194,11 @@ def start_gather_units(
     (:func:`~zero_functional.core.plans.sync_plan`); the tensors are final after ``wait()``.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> ps = [torch.zeros(2), torch.ones(3)]
-        >>> start_gather_units([(ps, 0, True)], dist.group.WORLD).wait()
+        >>> start_gather_units([(ps, 0, True)], group).wait()
         >>> ps[1]
         tensor([1., 1., 1.])
-        >>> dist.destroy_process_group()
     """
     me = group_rank(group)
     calls: list[tuple[Tensor, int]] = []
@@ -247,15 +232,12 @@ def start_sync_params(
     (:func:`~zero_functional.core.ownership.piece_view`).
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> ps = [torch.zeros(2), torch.ones(3)]
-        >>> pending = start_sync_params(ps, [0, 0], dist.group.WORLD)
+        >>> pending = start_sync_params(ps, [0, 0], group)
         >>> pending.wait()
         >>> ps[1]
         tensor([1., 1., 1.])
-        >>> dist.destroy_process_group()
     """
     plan = sync_plan(
         owners,
@@ -298,9 +280,7 @@ def sync_params(
         coalesce_below: Size under which tensors are packed rather than sent alone.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> ps = [torch.full((2,), 3.0)]
         >>> sync_params(ps, [0])
         >>> ps[0]
@@ -309,7 +289,6 @@ def sync_params(
         Traceback (most recent call last):
         ...
         ValueError: got 1 tensors but 2 owners; pass one per tensor
-        >>> dist.destroy_process_group()
     """
     group = default_group(group)
     start_sync_params(params, owners, group, coalesce_below=coalesce_below).wait()
@@ -327,14 +306,11 @@ def reduce_to_owners(
     :func:`sync_params` over the same pieces: together they send what one all-reduce sends.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> gs = [torch.ones(3)]
         >>> reduce_to_owners(gs, [0])
         >>> gs[0]
         tensor([1., 1., 1.])
-        >>> dist.destroy_process_group()
     """
     if len(tensors) != len(owners):
         raise ValueError(

@@ -171,14 +171,11 @@ class Exchanger:
     exchanger is dropped (an optimizer's gradient reduction owns one).
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> t = torch.arange(3.0)
-        >>> Exchanger(dist.group.WORLD).start(t, [(0, 3, 0)]).wait()
+        >>> Exchanger(group).start(t, [(0, 3, 0)]).wait()
         >>> t
         tensor([0., 1., 2.])
-        >>> dist.destroy_process_group()
     """
 
     def __init__(self, group: ProcessGroup) -> None:
@@ -231,14 +228,11 @@ def start_exchange(
     this while the caller goes on; without, it is done here, before this returns.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> t = torch.arange(3.0)
-        >>> start_exchange(t, [(0, 3, 0)], dist.group.WORLD).wait()
+        >>> start_exchange(t, [(0, 3, 0)], group).wait()
         >>> t
         tensor([0., 1., 2.])
-        >>> dist.destroy_process_group()
     """
     if exchanger is not None:
         if exchanger.group is not group:

@@ -48,15 +48,12 @@ def agree(
     (with one of ``errors``) or the ranks' ``items`` (parameters or groups) differ; collective.
 
     Example:
-        >>> import tempfile, torch, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        >>> agree("example()", lambda: None, [torch.zeros(2)], dist.group.WORLD)
-        >>> agree("example()", lambda: int("x"), [], dist.group.WORLD)
+        >>> import torch, torch.distributed as dist
+        >>> agree("example()", lambda: None, [torch.zeros(2)], group)
+        >>> agree("example()", lambda: int("x"), [], group)
         Traceback (most recent call last):
         ...
         ValueError: invalid literal for int() with base 10: 'x'
-        >>> dist.destroy_process_group()
     """
     problem: Exception | None = None
     try:
@@ -148,11 +145,8 @@ def check_averaged(
     more than one rank; collective then.
 
     Example:
-        >>> import tempfile, torch, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        >>> check_averaged({0: torch.ones(2)}, [torch.zeros(2)], dist.group.WORLD)
-        >>> dist.destroy_process_group()
+        >>> import torch, torch.distributed as dist
+        >>> check_averaged({0: torch.ones(2)}, [torch.zeros(2)], group)
     """
     if not grads or comm.group_size(group) == 1:
         return

@@ -68,9 +68,7 @@ class ShardedEMA:
             buffers as they are now (``use_buffers=False`` keeps them so); else indices.
 
     Example:
-        >>> import tempfile, torch.distributed as dist, zero_functional as zf
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist, zero_functional as zf
         >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
         >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
         >>> ema = ShardedEMA(zero, decay=0.5, model=model)
@@ -79,7 +77,6 @@ class ShardedEMA:
         >>> with ema.swapped_into(model):  # the averaged weights, for evaluation
         ...     model.w.tolist()
         [-1.25, -1.25]
-        >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -121,9 +118,7 @@ class ShardedEMA:
         """Stop following the optimizer (its updates no longer reach this EMA).
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
@@ -133,7 +128,6 @@ class ShardedEMA:
             >>> _ = zero.step()
             >>> model.w.tolist(), ema.pieces  # the EMA did not follow
             ([-2.0, -2.0], {0: tensor([-0.5000, -0.5000])})
-            >>> dist.destroy_process_group()
         """
         self._handle.remove()
 
@@ -142,9 +136,7 @@ class ShardedEMA:
         """Global index -> this rank's averaged piece, flat (read it, do not write it).
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
@@ -152,7 +144,6 @@ class ShardedEMA:
             >>> _ = zero.step(), zero.step()
             >>> ema.pieces
             {0: tensor([-0.5000, -0.5000])}
-            >>> dist.destroy_process_group()
         """
         return dict(self._averages)
 
@@ -162,16 +153,13 @@ class ShardedEMA:
         optimizer calls it after each update (``register_update_hook``).
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> w = nn.Parameter(torch.ones(2))
             >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
             >>> ema.update_({0: torch.tensor([4.0, 2.0])})  # the first update copies
             >>> ema.update_({0: torch.tensor([0.0, 0.0])})  # later ones lerp by 1 - decay
             >>> ema.pieces, ema.n_averaged()
             ({0: tensor([2., 1.])}, 2)
-            >>> dist.destroy_process_group()
         """
         with torch.no_grad():
             groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
@@ -193,16 +181,13 @@ class ShardedEMA:
         The optimizer calls it after each change of ownership.
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
             >>> zero.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
             >>> ema.pieces  # the new parameter's average: its value, until it is updated
             {0: tensor([1., 1.]), 1: tensor([0., 0., 0.])}
-            >>> dist.destroy_process_group()
         """
         zero, rank = self.optimizer, self.optimizer.rank
         new = zero.ownership
@@ -239,9 +224,7 @@ class ShardedEMA:
         """The number of updates averaged (the most any parameter has had); collective.
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
@@ -249,7 +232,6 @@ class ShardedEMA:
             >>> _ = zero.step(), zero.step()
             >>> ema.n_averaged()
             2
-            >>> dist.destroy_process_group()
         """
         zero = self.optimizer
         local = torch.tensor(max(self._counts.values(), default=0), dtype=torch.float64)
@@ -260,15 +242,12 @@ class ShardedEMA:
         """Each of the optimizer's parameters' name in the model (its index without one).
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
             >>> ema.names(), ShardedEMA(zero).names()
             (['w'], ['0'])
-            >>> dist.destroy_process_group()
         """
         params = self.optimizer.param_table.params
         if self.model is None:
@@ -284,9 +263,7 @@ class ShardedEMA:
         pieces are gathered to every rank).
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
@@ -296,7 +273,6 @@ class ShardedEMA:
             {'module.w': tensor([-0.5000, -0.5000]), 'n_averaged': tensor(2)}
             >>> torch.optim.swa_utils.AveragedModel(model).load_state_dict(ema.state_dict())
             <All keys matched successfully>
-            >>> dist.destroy_process_group()
         """
         zero = self.optimizer
         params = zero.param_table.params
@@ -330,9 +306,7 @@ class ShardedEMA:
             ValueError: A parameter's average has another number of elements.
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
@@ -342,7 +316,6 @@ class ShardedEMA:
             >>> ema.load_state_dict(reference.state_dict())
             >>> ema.pieces, ema.n_averaged()
             ({0: tensor([1., 1.])}, 1)
-            >>> dist.destroy_process_group()
         """
         params, names = self.optimizer.param_table.params, self.names()
         keys = {k: MODULE_PREFIX + names[k] for k in self._averages}
@@ -369,15 +342,12 @@ class ShardedEMA:
         when an owned parameter lacks its piece).
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> w = nn.Parameter(torch.ones(2))
             >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
             >>> ema.load_pieces({0: torch.tensor([3.0, 4.0])}, n_averaged=7)
             >>> ema.pieces, ema.n_averaged()
             ({0: tensor([3., 4.])}, 7)
-            >>> dist.destroy_process_group()
         """
         lacking = sorted(set(self._averages) - set(pieces))
         if lacking:
@@ -396,9 +366,7 @@ class ShardedEMA:
             ValueError: ``model`` does not hold the optimizer's parameters.
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
             >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
             >>> ema = ShardedEMA(zero, decay=0.5, model=model)
@@ -409,7 +377,6 @@ class ShardedEMA:
             [-0.5, -0.5]
             >>> model.w.tolist()  # the training weights, bitwise
             [-1.0, -1.0]
-            >>> dist.destroy_process_group()
         """
         zero = self.optimizer
         params = zero.param_table.params
@@ -439,14 +406,11 @@ class ShardedEMA:
         """This rank's EMA bytes and the optimizer's elements (for ``bytes / (elements / N)``).
 
         Example:
-            >>> import tempfile, torch.distributed as dist, zero_functional as zf
-            >>> dist.init_process_group(
-            ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+            >>> import torch.distributed as dist, zero_functional as zf
             >>> w = nn.Parameter(torch.ones(2))
             >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
             >>> ema.memory()  # 2 fp32 averages of 2 elements on the only rank
             (8, 2)
-            >>> dist.destroy_process_group()
         """
         own = sum(t.numel() * t.element_size() for t in self._averages.values())
         return own, sum(math.prod(p.shape) for p in self.optimizer.param_table.params)

@@ -53,12 +53,9 @@ def collectives_for(
     size). ``even``: the ownership may split buffers evenly.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        >>> collectives_for(dist.group.WORLD, even=True)
+        >>> import torch.distributed as dist
+        >>> collectives_for(group, even=True)
         'allreduce+broadcast'
-        >>> dist.destroy_process_group()
     """
     return choose_collectives(
         comm.backend(group), comm.group_size(group), hook_is_allreduce, even=even
@@ -85,14 +82,11 @@ def all_reduce_widened(
     once the future is), which the update reads rather than its rounding.
 
     Example:
-        >>> import tempfile, torch.distributed as dist
-        >>> dist.init_process_group(
-        ...     "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
         >>> fut, wide = all_reduce_widened(torch.ones(2, dtype=torch.bfloat16), torch.float32,
-        ...                                dist.group.WORLD)
+        ...                                group)
         >>> fut.wait(), wide.dtype
         (tensor([1., 1.], dtype=torch.bfloat16), torch.float32)
-        >>> dist.destroy_process_group()
     """
     wide = widened(flat, dtype).div_(comm.group_size(group))
     return comm.start_all_reduce(wide, group).copy_after(flat, wide).future(flat), wide
