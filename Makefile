@@ -20,8 +20,8 @@ demo: $(STAMP)
 	$(BIN)/python -m zero_functional demo
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check src tests property_tests benchmarks
-	$(BIN)/ruff check src tests property_tests benchmarks
+	$(BIN)/ruff format --check conftest.py src tests property_tests benchmarks
+	$(BIN)/ruff check conftest.py src tests property_tests benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src
