@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "optimizer": 4,
     "hooks": 4,
     "checkpoint": 5,
+    "ema": 5,
     "integrations": 5,
     "app": 6,
     "__init__": 7,  # the package's lazy re-exports: the public surface, above everything

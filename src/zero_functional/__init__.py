@@ -57,7 +57,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "reduce_scatter_hook",
     ),
     "zero_functional.optimizer": ("ZeroRedundancyOptimizer",),
-    "zero_functional.shell.ema": ("ShardedEMA",),
+    "zero_functional.ema": ("ShardedEMA",),
     "zero_functional.core.ownership": (
         "Ownership",
         "bucket_ownership",

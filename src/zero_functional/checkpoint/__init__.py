@@ -77,7 +77,7 @@ from zero_functional.core.piece_state import is_elementwise
 from zero_functional.functional import update_kind
 from zero_functional.functional.registry import update_block
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.shell.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
+from zero_functional.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.shell.steppers import hyperparameters, probe_state
 
 __all__ = [
@@ -284,7 +284,7 @@ def save(
         process_group: The ranks without an optimizer to take it from (default: the world).
         max_chunk_numel: No stored chunk has more elements: the memory a save needs beyond
             what the rank already holds.
-        ema: A :class:`~zero_functional.shell.ema.ShardedEMA` of ``optimizer``: each rank
+        ema: A :class:`~zero_functional.ema.ShardedEMA` of ``optimizer``: each rank
             writes its pieces' averages.
         blocking: ``False`` returns once the state is copied (to pinned host memory from a
             GPU) and the save planned, with a :class:`SaveHandle` (``.wait()``, ``.done()``);
@@ -403,7 +403,7 @@ def load(
             rank reads its pieces), or a plain ``torch.optim`` optimizer (every rank reads all).
         process_group: The ranks without an optimizer to take it from (default: the world).
         strict: Refuse model tensors the checkpoint lacks or has in excess.
-        ema: The :class:`~zero_functional.shell.ema.ShardedEMA` of ``optimizer`` to fill (each
+        ema: The :class:`~zero_functional.ema.ShardedEMA` of ``optimizer`` to fill (each
             rank reads its pieces' averages; a checkpoint saved without one is refused).
 
     Returns:
@@ -655,7 +655,7 @@ def stateful(
         model: The model (a ``DistributedDataParallel`` or the module inside it).
         optimizer: The :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` over its
             parameters.
-        ema: Its :class:`~zero_functional.shell.ema.ShardedEMA`, saved under ``"ema"`` in
+        ema: Its :class:`~zero_functional.ema.ShardedEMA`, saved under ``"ema"`` in
             ``AveragedModel``'s layout, each average sharded as the state is.
 
     Raises:

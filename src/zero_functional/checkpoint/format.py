@@ -10,7 +10,7 @@ partition:
 * ``state.<parameter name>.<key>`` (:func:`state_key`): the optimizer state, an elementwise value
   in its parameter's shape, a 0-d tensor (Adam's ``step``) as a 0-d tensor, anything else as an
   object;
-* ``ema.<parameter name>`` (:func:`ema_key`): a :class:`~zero_functional.shell.ema.ShardedEMA`'s
+* ``ema.<parameter name>`` (:func:`ema_key`): a :class:`~zero_functional.ema.ShardedEMA`'s
   average of the parameter, in its shape, with the object ``ema_n_averaged``, where one was saved;
 * the objects ``param_groups`` (each group's hyperparameters and its parameters' names),
   ``extra`` (the caller's) and ``format`` (this version's name).

@@ -496,7 +496,7 @@ Resharded = Callable[[Ownership], None]
 
 class UpdateHooks:
     """The callbacks an optimizer runs after it updates this rank's pieces and after its
-    ownership changes (what :class:`~zero_functional.shell.ema.ShardedEMA` follows).
+    ownership changes (what :class:`~zero_functional.ema.ShardedEMA` follows).
 
     Example:
         >>> hooks = UpdateHooks()
