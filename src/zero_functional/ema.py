@@ -249,13 +249,7 @@ class ShardedEMA:
             >>> ema.names(), ShardedEMA(zero).names()
             (['w'], ['0'])
         """
-        params = self.optimizer.param_table.params
-        if self.model is None:
-            return [str(k) for k in range(len(params))]
-        name_of: dict[Tensor, str] = {}
-        for name, p in _module(self.model).named_parameters():
-            name_of.setdefault(p, name)
-        return [name_of.get(p, str(k)) for k, p in enumerate(params)]
+        return self.optimizer.param_table.names(self.model, strict=False)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole EMA in ``AveragedModel``'s layout (``"module.<name>"`` for each parameter

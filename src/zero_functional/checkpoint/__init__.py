@@ -67,17 +67,16 @@ from zero_functional.checkpoint.format import (
     optimizer_state_dict,
 )
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
-from zero_functional.core._validate import first_of
 from zero_functional.core.checks import group_class
 from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import flat_range_boxes
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
+from zero_functional.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.functional import update_kind
 from zero_functional.functional.registry import update_block
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.shell.steppers import hyperparameters, probe_state
 
 __all__ = [
@@ -109,20 +108,15 @@ def _params(optimizer: Optimizer) -> list[Tensor]:
 
 def _names(model: nn.Module | None, optimizer: Optimizer) -> list[str]:
     """Each of the optimizer's parameters' name in the model (its index without a model)."""
-    params = _params(optimizer)
-    if model is None:
-        return [str(i) for i in range(len(params))]
-    name_of: dict[Tensor, str] = {}
-    for name, p in _module(model).named_parameters():
-        name_of.setdefault(p, name)
-    missing = [i for i, p in enumerate(params) if p not in name_of]
-    if missing:
-        raise CheckpointError(
-            f"the optimizer's parameters {first_of(missing)} (of {len(params)}) are not "
-            "parameters of the model: pass the "
-            "model the optimizer was built from"
-        )
-    return [name_of[p] for p in params]
+    table = (
+        optimizer.param_table
+        if isinstance(optimizer, ZeroRedundancyOptimizer)
+        else ParamTable.of(optimizer.param_groups)
+    )
+    try:
+        return table.names(model)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _group_names(optimizer: Optimizer, names: list[str]) -> list[list[str]]:

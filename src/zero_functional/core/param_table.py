@@ -23,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from torch import Tensor
+from torch import Tensor, nn
+
+from zero_functional.core._validate import first_of
 
 __all__ = ["BufferKey", "ParamTable", "buffer_key"]
 
@@ -130,6 +132,35 @@ class ParamTable:
             1
         """
         return self._group_of[k]
+
+    def names(self, model: nn.Module | None, *, strict: bool = True) -> list[str]:
+        """Each parameter's name in ``model`` (in the module a DDP wraps; a tied weight by its
+        first name), by global index: the one place parameters get their model's names. Without
+        a model, or (``strict=False``) for a parameter not in it, its index.
+
+        Raises:
+            ValueError: ``strict`` and parameters that are not ``model``'s, named by index.
+
+        Example:
+            >>> import torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> table = ParamTable.of([{"params": [model.bias, model.weight]}])
+            >>> table.names(model), table.names(None)
+            (['bias', 'weight'], ['0', '1'])
+        """
+        if model is None:
+            return [str(k) for k in range(len(self.params))]
+        inner = getattr(model, "module", None)
+        name_of: dict[Tensor, str] = {}
+        for name, p in (inner if isinstance(inner, nn.Module) else model).named_parameters():
+            name_of.setdefault(p, name)
+        missing = [k for k, p in enumerate(self.params) if p not in name_of]
+        if missing and strict:
+            raise ValueError(
+                f"the optimizer's parameters {first_of(missing)} (of {len(self.params)}) are not "
+                "parameters of the model: pass the model the optimizer was built from"
+            )
+        return [name_of.get(p, str(k)) for k, p in enumerate(self.params)]
 
     @property
     def keys(self) -> tuple[BufferKey, ...]:
