@@ -33,6 +33,7 @@ from zero_functional.core.ownership import Ownership, Transfer, piece_view
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import (
+    Consolidation,
     Range,
     StateSchema,
     check_shard_state,
@@ -134,36 +135,30 @@ class LocalShard:
         main_params_dtype: torch.dtype | None = None,
         remainders: RemainderTies | None = None,
     ) -> None:
-        self.ownership = ownership
-        self.rank = rank
-        self.table = table
-        self.param_groups = param_groups
-        self.state = state
-        self.stepper = stepper
+        self.rank, self.table, self.param_groups, self.state = rank, table, param_groups, state
         self.name = name
         self.main_params_dtype = main_params_dtype
         self.remainders = remainders
-        self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(rank)}
-        self.trainable = [p.requires_grad for p in table.params]
+        self.hooks = UpdateHooks()
+        self.book = Consolidation()  # so that state_dict() needs no collective
+        self.adopt(ownership, stepper)
+
+    def adopt(self, ownership: Ownership, stepper: Stepper | RealStepper) -> None:
+        """Own the pieces ``ownership`` gives this rank, stepped by ``stepper`` (the state
+        moved already: :meth:`incoming`)."""
+        self.ownership, self.stepper = ownership, stepper
+        self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(self.rank)}
+        self.trainable = [p.requires_grad for p in self.table.params]
         self._built_trainable = list(self.trainable)
         self._unchecked: set[int] = set()  # unfrozen, their gradients not yet compared
         self.reduced: dict[int, Tensor] = {}  # a hook's reduce_dtype values: hold_reduced
 
-    def extended(self, ownership: Ownership, table: ParamTable) -> LocalShard:
-        """This shard, its state and its stepper, over more parameters: ``table`` and an
-        ownership :meth:`~zero_functional.core.ownership.Ownership.extended` to them (what
+    def extend(self, ownership: Ownership, table: ParamTable) -> None:
+        """Cover more parameters: ``table``, and an ownership
+        :meth:`~zero_functional.core.ownership.Ownership.extended` to them (what
         ``add_param_group`` reshards from)."""
-        return LocalShard(
-            ownership,
-            self.rank,
-            table,
-            self.param_groups,
-            self.state,
-            self.stepper,
-            self.name,
-            self.main_params_dtype,
-            self.remainders,
-        )
+        self.table = table
+        self.adopt(ownership, self.stepper)
 
     def piece(self, k: Hashable, what: str) -> Piece:
         """The piece of parameter ``k`` this rank owns.
@@ -235,6 +230,7 @@ class LocalShard:
             ss.append(self.state[p])
             ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
             ns.append(p.numel())
+        self.book.changed()
         ties, remainders = self.remainders, self.remainders is not None
         for g, (ps, gs, ss, ds, ns) in sorted(by_group.items()):
             step = functools.partial(stepper.step_pieces, numels=ns)
@@ -243,6 +239,7 @@ class LocalShard:
             )
             if ties is not None and n is not None:
                 ties.add(n)
+        self.hooks.updated(self, grads)
 
     def local_step(
         self,
@@ -259,7 +256,9 @@ class LocalShard:
         optimizer with main copies) in each piece's main dtype, where fp16 would underflow.
         """
         if isinstance(self.stepper, RealStepper):
-            return self.stepper.step(self.param_groups, closure, **kwargs), None
+            loss = self.stepper.step(self.param_groups, closure, **kwargs)
+            self.hooks.updated(self, self.grads())
+            return loss, None
         loss = None
         if closure is not None:
             with torch.enable_grad():
