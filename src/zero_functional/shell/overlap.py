@@ -236,6 +236,11 @@ class OverlapState:
         """The strategy the buckets are reduced and gathered with."""
         return self.buckets.collectives
 
+    @property
+    def gather_group(self) -> comm.ProcessGroup:
+        """The group the parameter all-gathers run on (a twin where ``nonblocking``)."""
+        return self.buckets.wire.gather_group
+
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
 
