@@ -50,13 +50,7 @@ from zero_functional.shell.classes import add_group, pinned_owners
 from zero_functional.shell.join import StepJoinHook
 from zero_functional.shell.local_shard import LocalShard, RemainderTies, Resharded, Updated
 from zero_functional.shell.param_window import InFlight, ParamWindow
-from zero_functional.shell.steppers import (
-    LocalView,
-    RealStepper,
-    Stepper,
-    choose_stepper,
-    state_schemas,
-)
+from zero_functional.shell.steppers import LocalView, Stepper, choose_stepper, state_schemas
 
 __all__ = ["PARTIAL_KEY", "ZeroRedundancyOptimizer", "not_consolidated_message"]
 
@@ -220,7 +214,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (rebuilt when a group is added)."""
         return self._table
 
-    def _stepper(self, ownership: Ownership) -> Stepper | RealStepper:
+    def _stepper(self, ownership: Ownership) -> Stepper:
         """How this rank steps its pieces under ``ownership`` (:func:`.steppers.choose_stepper`)."""
         owned = {s.param for s in ownership.owned(self.rank)}
         main = self._main_params_dtype

@@ -47,11 +47,9 @@ from zero_functional.functional.registry import GROUP_CLASS_KEY
 from zero_functional.shell.amp import unscaled
 from zero_functional.shell.steppers import (
     LocalView,
-    RealStepper,
     Stepper,
     converted_state,
     loaded_group,
-    runs_functional,
     saved_group,
 )
 
@@ -130,7 +128,7 @@ class LocalShard:
         table: ParamTable,
         param_groups: list[dict[str, Any]],
         state: MutableMapping[Tensor, Any],
-        stepper: Stepper | RealStepper,
+        stepper: Stepper,
         name: str,
         main_params_dtype: torch.dtype | None = None,
         remainders: RemainderTies | None = None,
@@ -143,7 +141,7 @@ class LocalShard:
         self.book = Consolidation()  # so that state_dict() needs no collective
         self.adopt(ownership, stepper)
 
-    def adopt(self, ownership: Ownership, stepper: Stepper | RealStepper) -> None:
+    def adopt(self, ownership: Ownership, stepper: Stepper) -> None:
         """Own the pieces ``ownership`` gives this rank, stepped by ``stepper`` (the state
         moved already: :meth:`incoming`)."""
         self.ownership, self.stepper = ownership, stepper
@@ -197,9 +195,9 @@ class LocalShard:
                 (view := piece_view(grad, self.pieces[k])).copy_(wide.view_as(view))
 
     def pieces_stepper(self) -> Stepper:
-        """The stepper, which runs on pieces; a RuntimeError where it is a
-        :class:`~zero_functional.shell.steppers.RealStepper` (whole parameters, ``step()`` only)."""
-        if isinstance(self.stepper, RealStepper):
+        """The stepper, which runs on pieces; a RuntimeError where it steps whole parameters
+        (``step()`` only)."""
+        if self.stepper.whole:
             raise RuntimeError(
                 "update_owned needs an optimizer that runs on pieces; this one runs "
                 f"{self.name} over whole parameters: call step()"
@@ -249,14 +247,14 @@ class LocalShard:
     ) -> tuple[float | None, dict[int, Tensor] | None]:
         """This rank's part of ``step()`` before the parameter sync, and the closure's loss.
 
-        A :class:`~zero_functional.shell.steppers.RealStepper` steps its whole parameters now
+        A stepper of whole parameters (:class:`~.steppers.WholeParamStepper`) steps them now
         (``closure`` and ``kwargs`` reach the class's ``step``) and no gradients come back;
         otherwise the closure runs and the gradients of the pieces come back, for the sync to
         :meth:`update` in its order: divided by ``grad_scale`` (a GradScaler's, handed to an
         optimizer with main copies) in each piece's main dtype, where fp16 would underflow.
         """
-        if isinstance(self.stepper, RealStepper):
-            loss = self.stepper.step(self.param_groups, closure, **kwargs)
+        if self.stepper.whole:
+            loss = self.stepper.step_whole(self.param_groups, closure, **kwargs)
             self.hooks.updated(self, self.grads())
             return loss, None
         loss = None
@@ -295,7 +293,7 @@ class LocalShard:
 
     def local_view(self) -> Optimizer | LocalView:
         """This rank's share as a local optimizer shows it (torch's ``optim`` attribute)."""
-        if isinstance(self.stepper, RealStepper):
+        if self.stepper.whole and self.stepper.local is not None:
             return self.stepper.local
         return LocalView.of(self.param_groups, self.pieces, self.state)
 
@@ -410,7 +408,7 @@ class LocalShard:
         self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, object], copy: bool
     ) -> dict[str, object]:
         """``p``'s state with each value where it lives (:func:`~.state_dict.placed`)."""
-        fp32_step = runs_functional(self.stepper, group) or bool(
+        fp32_step = self.stepper.for_group(group).functional or bool(
             group.get("fused") or group.get("capturable")
         )
         dtype = main_dtype_for(p.dtype, self.main_params_dtype)
@@ -437,7 +435,7 @@ class LocalShard:
             # a group's class is this optimizer's (checked): a saved name never adds one
             loaded = loaded_group(self.stepper, g, s)
             g.update({k: v for k, v in loaded.items() if k != GROUP_CLASS_KEY})
-        self.state.clear()  # in place: a RealStepper's instance shares this mapping
+        self.state.clear()  # in place: a whole-parameter instance shares this mapping
         self.state.update(new)
 
     def outgoing(self, plan: ReshardPlan, old: Ownership) -> PieceStates:
