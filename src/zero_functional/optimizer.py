@@ -49,7 +49,7 @@ from zero_functional.shell.bucket_sync import BucketSync, step_syncs
 from zero_functional.shell.classes import add_group, pinned_owners
 from zero_functional.shell.join import StepJoinHook
 from zero_functional.shell.local_shard import LocalShard, RemainderTies, Resharded, Updated
-from zero_functional.shell.param_window import InFlight, ParamWindow
+from zero_functional.shell.param_window import ParamWindow
 from zero_functional.shell.steppers import LocalView, Stepper, choose_stepper, state_schemas
 
 __all__ = ["PARTIAL_KEY", "ZeroRedundancyOptimizer", "not_consolidated_message"]
@@ -381,11 +381,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (``values``: global index -> the piece's new value, flat, its main copy where there is
         one; read-only), and ``resharded(old)`` on every rank after the ownership changes."""
         return self._shard.hooks.register(updated, resharded)
-
-    def defer_param_sync(self, units: Sequence[InFlight]) -> None:
-        """Hand over parameter all-gathers in flight (a pending collective and the parameters
-        it writes): :meth:`~zero_functional.shell.param_window.ParamWindow.defer`."""
-        self._window.defer(units)
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers ``overlap_param_gather`` left in flight: before a
