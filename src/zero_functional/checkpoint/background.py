@@ -1,28 +1,20 @@
 """Checkpoints written behind training: copy and plan now, on the caller's thread; write later,
-in a thread of this process that does file I/O only.
+in a thread of this process that does file I/O only (``checkpoint.save(..., blocking=False)``).
 
-:func:`start` is what ``checkpoint.save(..., blocking=False)`` runs, in three steps:
+1. **Copy.** Every tensor is copied before :func:`start` returns (the next step mutates the
+   state in place): a CUDA tensor to pinned host memory (``non_blocking``; the thread waits for
+   the copy's event), any other to a fresh CPU tensor; the objects are deep-copied.
+2. **Plan, collectively**, on the caller's thread: the refusal and the temporary
+   (:class:`~zero_functional.checkpoint.storage.AtomicSave`), then DCP's plan exchange. The
+   thread never issues a collective on the training's group.
+3. **Write, then commit through files.** Each rank's thread writes its data file, then
+   ``.zero_functional-rank-<r>`` (its write results or its error). Rank 0's thread waits for
+   every rank's, writes the index and commits; the others wait to see their results file in the
+   committed directory, or ``.zero_functional-failed`` (rank 0's verdict) in the temporary.
 
-1. **Copy.** Every tensor to write is copied before :func:`start` returns: the next optimizer
-   step mutates the parameters and the optimizer state in place, and a forward the model's
-   buffers, so nothing a checkpoint holds can be read later. A CUDA tensor goes to pinned host
-   memory (``non_blocking``, ordered before any later kernel of the stream, which the thread
-   waits for), any other to a fresh CPU tensor; the objects (groups, ``extra``) are deep-copied.
-2. **Plan, collectively.** The refusal of foreign targets and the temporary directory
-   (:func:`~zero_functional.checkpoint.storage.temporary`), then DCP's plan exchange (every
-   rank's plan gathered, checked and deduplicated by rank 0, handed back), all on the caller's
-   thread: the background thread never issues a collective on the training's group.
-3. **Write, then commit through files.** Each rank's thread writes its data file (checksummed,
-   synced) and then ``.zero_functional-rank-<r>``, its write results or its error, written
-   whole (to a ``.part`` renamed into place). Rank 0's thread waits for every rank's, writes
-   the index and swaps the directory in (:func:`~zero_functional.checkpoint.storage.commit`);
-   the other ranks' threads wait to see their own results file in the committed directory, or
-   ``.zero_functional-failed`` in the temporary (rank 0's verdict, naming each rank and file).
-
-A process killed at any moment leaves the previous checkpoint in place and a marked temporary
-that no ``load`` accepts (it has no index) and the next save removes. One save is in flight per
-process: each save first waits for the previous one (:func:`settle`) and raises, on every rank,
-an error of it that :meth:`SaveHandle.wait` has not reported.
+A process killed at any moment leaves the previous checkpoint and a temporary that no ``load``
+accepts and the next save removes. One save is in flight per process: each save first waits for
+the previous one (:func:`settle`) and raises, on every rank, an error nobody was told of.
 """
 
 from __future__ import annotations
@@ -87,8 +79,7 @@ class _Job:
 
     rank: int
     world_size: int
-    target: str
-    tmp: str
+    save: storage.AtomicSave
     planner: SavePlanner
     writer: FileSystemWriter
     plan: SavePlan
@@ -97,10 +88,8 @@ class _Job:
 
 
 _STAGED: dict[tuple[str, int, int], Tensor] = {}
-"""The host copies of the last background save, by (key, start, stop): the next one copies into
-them (fresh pages and pinned allocations cost more than the copy); one copy of this rank's
-share stays allocated between saves, as with ``torch.distributed.checkpoint.async_save``'s
-cached staging."""
+"""The last save's host copies, by (key, start, stop), which the next one copies into (a fresh
+pinned allocation costs more than the copy), as DCP's ``async_save`` caches its staging."""
 
 
 def _host(key: tuple[str, int, int], t: Tensor) -> Tensor:
@@ -182,15 +171,13 @@ def _write(job: _Job) -> None:
     """A rank's thread: its data file, its results file; rank 0 commits, the others wait."""
     for event in job.copied:
         event.synchronize()
-    mine = _results_file(job.tmp, job.rank)
+    tmp, target = job.save.tmp, job.save.target
     try:
         results = job.writer.write_data(job.plan, job.planner).value()
     except Exception as e:
-        _put(mine, (job.tmp, None, str(e)))  # rank 0 names the rank
-        raise CheckpointError(
-            f"checkpoint save to {job.target} failed: rank {job.rank}: {e}"
-        ) from e
-    _put(mine, (job.tmp, results, None))
+        _put(_results_file(tmp, job.rank), (tmp, None, str(e)))  # rank 0 names the rank
+        raise CheckpointError(f"checkpoint save to {target} failed: rank {job.rank}: {e}") from e
+    _put(_results_file(tmp, job.rank), (tmp, results, None))
     if job.rank == 0:
         _commit(job)
     else:
@@ -199,21 +186,21 @@ def _write(job: _Job) -> None:
 
 def _fail(job: _Job, message: str) -> CheckpointError:
     """Rank 0's verdict, left in the temporary for the other ranks' threads to read."""
-    message = f"checkpoint save to {job.target} failed: {message}"
-    _put(os.path.join(job.tmp, _FAILED), message)
-    atomic_dir.release(job.tmp)  # rank 0's hold; the next save removes what is left
+    message = f"checkpoint save to {job.save.target} failed: {message}"
+    _put(os.path.join(job.save.tmp, _FAILED), message)
+    atomic_dir.release(job.save.tmp)  # rank 0's hold; the next save removes what is left
     return CheckpointError(message)
 
 
 def _commit(job: _Job) -> None:
-    """Rank 0: every rank's results, then the index and the swap."""
+    """Rank 0: every rank's results, then the index and the commit."""
     results: dict[int, list[WriteResult]] = {}
     errors: list[tuple[int, str]] = []
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     waiting = set(range(job.world_size))
     while waiting:
         for r in sorted(waiting):
-            got = _get(_results_file(job.tmp, r))
+            got = _get(_results_file(job.save.tmp, r))
             if got is not None:
                 waiting.discard(r)
                 if got[2] is not None:
@@ -222,7 +209,10 @@ def _commit(job: _Job) -> None:
                     results[r] = got[1]
         if waiting and time.monotonic() > deadline:
             errors += [
-                (r, f"wrote no {_results_file(job.tmp, r)} within {RENDEZVOUS_TIMEOUT_S:.0f} s")
+                (
+                    r,
+                    f"wrote no {_results_file(job.save.tmp, r)} within {RENDEZVOUS_TIMEOUT_S:.0f} s",
+                )
                 for r in sorted(waiting)
             ]
             break
@@ -234,26 +224,27 @@ def _commit(job: _Job) -> None:
     try:
         job.writer.finish(job.metadata, [results[r] for r in range(job.world_size)])
     except OSError as e:
-        raise _fail(job, f"rank 0: cannot write {os.path.join(job.tmp, '.metadata')}: {e}") from e
-    error = storage.commit(job.tmp, job.target)
-    if error is not None:
+        index = os.path.join(job.save.tmp, ".metadata")
+        raise _fail(job, f"rank 0: cannot write {index}: {e}") from e
+    if (error := job.save.commit()) is not None:
         raise _fail(job, f"rank 0: {error}")
 
 
 def _await_commit(job: _Job) -> None:
     """Another rank: until its results file is in the committed directory, or rank 0 failed."""
+    tmp, target = job.save.tmp, job.save.target
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     while True:
-        failed = _get(os.path.join(job.tmp, _FAILED))
+        failed = _get(os.path.join(tmp, _FAILED))
         if failed is not None:
             raise CheckpointError(str(failed))
-        committed = _get(_results_file(job.target, job.rank))
-        if committed is not None and committed[0] == job.tmp:
+        committed = _get(_results_file(target, job.rank))
+        if committed is not None and committed[0] == tmp:
             return
         if time.monotonic() > deadline:
             raise CheckpointError(
-                f"rank {job.rank}: rank 0 did not commit {job.target} within "
-                f"{RENDEZVOUS_TIMEOUT_S:.0f} s (its files are in {job.tmp})"
+                f"rank {job.rank}: rank 0 did not commit {target} within "
+                f"{RENDEZVOUS_TIMEOUT_S:.0f} s (its files are in {tmp})"
             )
         time.sleep(_POLL_S)
 
@@ -271,7 +262,7 @@ class SaveHandle:
     """
 
     def __init__(self, job: _Job) -> None:
-        self.path = job.target
+        self.path = job.save.target
         self._rank = job.rank
         self._error: CheckpointError | None = None
         self._reported = False
@@ -287,7 +278,7 @@ class SaveHandle:
             self._error = e
         except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
             self._error = CheckpointError(
-                f"checkpoint save to {job.target} failed: rank {job.rank}: {type(e).__name__}: {e}"
+                f"checkpoint save to {self.path} failed: rank {job.rank}: {type(e).__name__}: {e}"
             )
 
     def done(self) -> bool:
@@ -386,17 +377,12 @@ def start(
     settle(process_group)
     copied, events = _copy(pieces)
     owned = copy.deepcopy(dict(objects))
-    target, tmp = storage.temporary(path, process_group)
-    planner, writer = storage.dcp_parts(tmp, copied, max_box_numel)
-    try:
+    with storage.AtomicSave(path, process_group) as save:
+        planner, writer = storage.dcp_parts(save.tmp, copied, max_box_numel)
         plan, metadata = _plan(owned, planner, writer, process_group)
-    except CheckpointError:
-        if comm.rank_or_zero(process_group) == 0:
-            atomic_dir.discard(tmp)
-        raise
+        save.hand_off()  # the thread commits; the ranks agree through files
     rank = comm.rank_or_zero(process_group)
     world = comm.group_size(comm.default_group(process_group)) if dist.is_initialized() else 1
-    job = _Job(rank, world, target, tmp, planner, writer, plan, metadata, events)
-    handle = SaveHandle(job)
+    handle = SaveHandle(_Job(rank, world, save, planner, writer, plan, metadata, events))
     _IN_FLIGHT.append(handle)
     return handle

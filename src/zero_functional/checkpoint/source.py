@@ -1,0 +1,168 @@
+"""What a checkpoint asks of its optimizer: one adapter over ours or a plain ``torch.optim``.
+
+A :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` holds each rank's pieces of the
+state; a plain ``torch.optim`` optimizer holds all of it, the same on every rank, which rank 0
+writes and every rank reads. :func:`source` asks which, once; save, load and
+:class:`~zero_functional.checkpoint.stateful.ZeroStateful` ask the :class:`Source` it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from zero_functional import comm
+from zero_functional.checkpoint.storage import CheckpointError
+from zero_functional.comm import ProcessGroup
+from zero_functional.core.checks import group_class
+from zero_functional.core.main_params import main_dtype_for
+from zero_functional.core.ownership import Ownership
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece
+from zero_functional.functional.registry import update_block
+from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["Source", "module_of", "source"]
+
+State = dict[int, dict[str, Any]]
+"""Optimizer state by global parameter index."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """An optimizer as a checkpoint sees it, now (build one per save or load).
+
+    Attributes:
+        optimizer: The optimizer (its ``param_groups`` and ``defaults``).
+        table: Its parameters: global index order, the groups' spans, the model's names.
+        group: The ranks that save and load it together.
+        rank: This rank in ``group``.
+        pieces: What this rank reads, by global index: its own pieces (ours), every
+            parameter whole (a plain optimizer).
+        writes: Whether this rank writes its pieces (ours: every rank; a plain one: rank 0).
+        classes: Each group's optimizer class.
+        main_dtype: The dtype of the main copies of narrower parameters (``None``: none).
+        ownership: Who holds which pieces (``None``: a plain optimizer, not sharded).
+        replicate_group: A ``device_mesh``'s replicas of the shards (the first one writes).
+        state: This rank's pieces' state.
+        install: Install the state of this rank's pieces and the groups' hyperparameters
+            (collective for ours; checked before anything changes).
+        finish: Wait for the parameters' all-gathers in flight (ours), before they are read.
+    """
+
+    optimizer: Optimizer
+    table: ParamTable
+    group: ProcessGroup | None
+    rank: int
+    pieces: dict[int, Piece]
+    writes: bool
+    classes: tuple[type[Optimizer], ...]
+    main_dtype: torch.dtype | None
+    ownership: Ownership | None
+    replicate_group: ProcessGroup | None
+    state: Callable[[], State]
+    install: Callable[[State, list[dict[str, Any]]], None]
+    finish: Callable[[], None]
+
+    def names(self, model: nn.Module | None) -> list[str]:
+        """Each parameter's name in ``model`` (its index without one), by global index.
+
+        Raises:
+            CheckpointError: Parameters that are not the model's.
+        """
+        try:
+            return self.table.names(model)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+
+    def group_names(self, names: list[str]) -> list[list[str]]:
+        """Each group's parameters' names."""
+        return [names[a : a + n] for a, n in self.table.spans]
+
+    def keeps_main(self, k: int) -> bool:
+        """Whether the optimizer keeps a main copy of parameter ``k`` (in a wider dtype)."""
+        return main_dtype_for(self.table.params[k].dtype, self.main_dtype) is not None
+
+    def blockwise(self) -> str | None:
+        """The name of the first group class that quantizes its state in blocks (torchao's
+        low-bit AdamWs), else ``None``: the same on every rank."""
+        for cls, g in zip(self.classes, self.optimizer.param_groups):
+            if update_block(cls, {**self.optimizer.defaults, **g}) > 1:
+                return cls.__name__
+        return None
+
+
+def source(optimizer: Optimizer, process_group: ProcessGroup | None = None) -> Source:
+    """``optimizer`` as a checkpoint sees it; ``process_group`` for a plain one (ours has its
+    own).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> plain = source(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> plain.pieces[1], plain.writes, plain.ownership is None, plain.names(model)
+        (Piece(param=1, start=0, stop=1), True, True, ['weight', 'bias'])
+    """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # the one place that asks
+        return _sharded(optimizer)
+    table = ParamTable.of(optimizer.param_groups)
+    rank = comm.rank_or_zero(process_group)
+
+    def install(state: State, groups: list[dict[str, Any]]) -> None:
+        indexed = [{**g, "params": list(range(a, a + n))} for g, (a, n) in zip(groups, table.spans)]
+        optimizer.load_state_dict({"state": state, "param_groups": indexed})
+
+    return Source(
+        optimizer,
+        table,
+        process_group,
+        rank,
+        {k: Piece(k, 0, p.numel(), param_numel=p.numel()) for k, p in enumerate(table.params)},
+        rank == 0,
+        (type(optimizer),) * len(table.spans),
+        None,
+        None,
+        None,
+        lambda: {
+            k: optimizer.state[p] for k, p in enumerate(table.params) if optimizer.state.get(p)
+        },
+        install,
+        lambda: None,
+    )
+
+
+def _sharded(zero: ZeroRedundancyOptimizer) -> Source:
+    def install(state: State, groups: list[dict[str, Any]]) -> None:
+        zero.finish_param_sync()
+        zero.load_shard_state(state, groups, copy=False)
+
+    return Source(
+        zero,
+        zero.param_table,
+        zero.process_group,
+        zero.rank,
+        {s.param: s for s in zero.ownership.owned(zero.rank)},
+        True,
+        tuple(group_class(g, zero.optimizer_class) for g in zero.param_groups),
+        zero.main_params_dtype,
+        zero.ownership,
+        zero.replicate_group,
+        lambda: {k: state for k, (_, state) in zero.shard_state().items()},
+        install,
+        zero.finish_param_sync,
+    )
+
+
+def module_of(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wraps, else ``model`` itself.
+
+    Example:
+        >>> module_of(torch.nn.Linear(2, 1))
+        Linear(in_features=2, out_features=1, bias=True)
+    """
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
