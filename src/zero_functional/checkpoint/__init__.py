@@ -154,9 +154,8 @@ def save(
 ) -> SaveHandle | None:
     """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``.
 
-    Collective: call it on every rank. Atomic: the directory is replaced only once every rank
-    has written, so a crash mid-save leaves the previous checkpoint readable. A save still
-    writing in the background is waited for first, never interleaved.
+    Collective. Atomic: the directory is replaced once every rank has written, so a crash
+    mid-save leaves the previous checkpoint. A save writing in the background is waited for.
 
     Args:
         path: The checkpoint directory.
@@ -168,16 +167,15 @@ def save(
         process_group: The ranks without an optimizer to take it from (default: the world).
         max_chunk_numel: No stored chunk has more elements: the memory a save needs beyond
             what the rank already holds.
-        ema: A :class:`~zero_functional.ema.ShardedEMA` of ``optimizer``: each rank
-            writes its pieces' averages.
+        ema: A :class:`~zero_functional.ema.ShardedEMA` of ``optimizer``: each rank writes
+            its pieces' averages.
         blocking: ``False`` returns once the state is copied (to pinned host memory from a
-            GPU) and the save planned, with a :class:`SaveHandle` (``.wait()``, ``.done()``);
-            a thread writes and commits behind training, with every guarantee above. Not
-            with an optimizer sharded over a ``device_mesh``.
+            GPU) and the save planned, with a :class:`SaveHandle`; a thread writes and commits
+            behind training, with every guarantee above. Not over a ``device_mesh``.
         shared: ``False`` when the ranks share no file system (Ray Train, pods): ``path`` is
-            this rank's own directory, where it writes only its files, its manifest and its
-            own commit (:mod:`~zero_functional.checkpoint.per_rank`); ``load`` reads the
-            ranks' directories merged into one. Blocking, and not over a ``device_mesh``.
+            this rank's own directory, with its files, manifest and commit
+            (:mod:`~zero_functional.checkpoint.per_rank`); ``load`` reads the ranks'
+            directories merged into one. Blocking, and not over a ``device_mesh``.
 
     Returns:
         ``None`` when blocking; else the write's :class:`SaveHandle`, whose ``wait()`` raises
@@ -187,8 +185,11 @@ def save(
         CheckpointError: On every rank, naming each rank's cause; ``path`` is untouched.
 
     Example:
-        >>> # zero_functional.checkpoint.save("ckpt", model=ddp, optimizer=zero, extra={"epoch": 3})
-        >>> # handle = zero_functional.checkpoint.save("ckpt", ..., blocking=False); handle.wait()
+        >>> import tempfile
+        >>> path, model = tempfile.mkdtemp() + "/ckpt", torch.nn.Linear(2, 1)
+        >>> save(path, model=model, extra={"epoch": 3})
+        >>> load(path, model=model)
+        {'epoch': 3}
     """
     if model is None and optimizer is None:
         raise ValueError("save needs a model, an optimizer or both")
@@ -260,9 +261,9 @@ def load(
 ) -> Any:
     """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its extra.
 
-    Collective. Works at any world size and under either partition: each rank reads only the
-    boxes of optimizer state its pieces need. Everything is checked (keys, shapes, dtypes,
-    checksums, the optimizer's state against its class) before anything changes.
+    Collective, at any world size and under either partition: each rank reads only the boxes
+    of optimizer state its pieces need. Everything (keys, shapes, dtypes, checksums, the state
+    against the optimizer's class) is checked before anything changes.
 
     Args:
         path: The checkpoint directory.

@@ -1,20 +1,15 @@
-"""Checkpoints written behind training: copy and plan now, on the caller's thread; write later,
-in a thread of this process that does file I/O only (``checkpoint.save(..., blocking=False)``).
+"""Checkpoints written behind training (``checkpoint.save(..., blocking=False)``): copy and plan
+now, on the caller's thread; write later, in a thread that does file I/O only.
 
-1. **Copy.** Every tensor is copied before :func:`start` returns (the next step mutates the
-   state in place): a CUDA tensor to pinned host memory (``non_blocking``; the thread waits for
-   the copy's event), any other to a fresh CPU tensor; the objects are deep-copied.
-2. **Plan, collectively**, on the caller's thread: the refusal and the temporary
-   (:class:`~zero_functional.checkpoint.storage.AtomicSave`), then DCP's plan exchange. The
-   thread never issues a collective on the training's group.
-3. **Write, then commit through files.** Each rank's thread writes its data file, then
-   ``.zero_functional-rank-<r>`` (its write results or its error). Rank 0's thread waits for
-   every rank's, writes the index and commits; the others wait to see their results file in the
-   committed directory, or ``.zero_functional-failed`` (rank 0's verdict) in the temporary.
-
-A process killed at any moment leaves the previous checkpoint and a temporary that no ``load``
-accepts and the next save removes. One save is in flight per process: each save first waits for
-the previous one (:func:`settle`) and raises, on every rank, an error nobody was told of.
+:func:`start` copies every tensor (a CUDA one to pinned host memory, waited for by the thread)
+and the objects, since the next step changes them in place; enters the
+:class:`~zero_functional.checkpoint.storage.AtomicSave` and exchanges DCP's plans, on the
+caller's thread (the thread never issues a collective). Each rank's thread writes its data
+file, then ``.zero_functional-rank-<r>`` (its results or its error); rank 0's waits for every
+rank's, writes the index and commits; the others wait for their file in the committed directory
+or ``.zero_functional-failed`` (rank 0's verdict) in the temporary. A process killed at any
+moment leaves the previous checkpoint. One save is in flight per process: the next waits for it
+(:func:`settle`) and raises, on every rank, an error of it nobody was told of.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ from torch import Tensor
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
 
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir, storage
@@ -49,6 +43,9 @@ others) before it gives up, naming the ranks it did not hear from; what a dead p
 
 _POLL_S = 0.01
 _FAILED = ".zero_functional-failed"
+_STAGED: dict[tuple[str, int, int], Tensor] = {}
+"""The last save's host copies, by (key, start, stop), which the next one copies into (a fresh
+pinned allocation costs more than the copy), as DCP's ``async_save`` caches its staging."""
 
 
 def _results_file(directory: str, rank: int) -> str:
@@ -87,20 +84,6 @@ class _Job:
     copied: list[torch.cuda.Event]  # recorded after the copies to pinned memory
 
 
-_STAGED: dict[tuple[str, int, int], Tensor] = {}
-"""The last save's host copies, by (key, start, stop), which the next one copies into (a fresh
-pinned allocation costs more than the copy), as DCP's ``async_save`` caches its staging."""
-
-
-def _host(key: tuple[str, int, int], t: Tensor) -> Tensor:
-    """A host buffer for ``t``: last save's for the same range when it fits, else a new one."""
-    old = _STAGED.get(key)
-    pinned = t.is_cuda
-    if old is not None and (old.shape, old.dtype, old.is_pinned()) == (t.shape, t.dtype, pinned):
-        return old
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
-
-
 def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
     """Each range's tensor copied off the training's hands, and the events that say when the
     device copies have landed. Call it with no write in flight: it reuses the last one's."""
@@ -110,9 +93,11 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
     for key, (shape, dtype, ranges) in pieces.items():
         copies = []
         for start, stop, t in ranges:
-            t = t.detach()
-            host = staged[key, start, stop] = _host((key, start, stop), t)
-            host.copy_(t, non_blocking=t.is_cuda)
+            t, host = t.detach(), _STAGED.get((key, start, stop))
+            kind = (t.shape, t.dtype, t.is_cuda)  # pinned for a device copy
+            if host is None or (host.shape, host.dtype, host.is_pinned()) != kind:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            staged[key, start, stop] = host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda:
                 devices.add(t.device)
             copies.append((start, stop, host))
@@ -194,38 +179,28 @@ def _fail(job: _Job, message: str) -> CheckpointError:
 
 def _commit(job: _Job) -> None:
     """Rank 0: every rank's results, then the index and the commit."""
-    results: dict[int, list[WriteResult]] = {}
-    errors: list[tuple[int, str]] = []
+    tmp, results, errors = job.save.tmp, {}, []  # results: each rank's DCP WriteResults
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     waiting = set(range(job.world_size))
-    while waiting:
+    while waiting and time.monotonic() <= deadline:
         for r in sorted(waiting):
-            got = _get(_results_file(job.save.tmp, r))
-            if got is not None:
+            if (got := _get(_results_file(tmp, r))) is not None:
                 waiting.discard(r)
-                if got[2] is not None:
-                    errors.append((r, got[2]))
-                else:
+                if got[2] is None:
                     results[r] = got[1]
-        if waiting and time.monotonic() > deadline:
-            errors += [
-                (
-                    r,
-                    f"wrote no {_results_file(job.save.tmp, r)} within {RENDEZVOUS_TIMEOUT_S:.0f} s",
-                )
-                for r in sorted(waiting)
-            ]
-            break
+                else:
+                    errors.append((r, got[2]))
         if waiting:
             time.sleep(_POLL_S)
+    late = f"within {RENDEZVOUS_TIMEOUT_S:.0f} s"
+    errors += [(r, f"wrote no {_results_file(tmp, r)} {late}") for r in sorted(waiting)]
     if errors:
         raise _fail(job, by_rank(sorted(errors)))
     assert job.metadata is not None
     try:
         job.writer.finish(job.metadata, [results[r] for r in range(job.world_size)])
     except OSError as e:
-        index = os.path.join(job.save.tmp, ".metadata")
-        raise _fail(job, f"rank 0: cannot write {index}: {e}") from e
+        raise _fail(job, f"rank 0: cannot write {os.path.join(tmp, '.metadata')}: {e}") from e
     if (error := job.save.commit()) is not None:
         raise _fail(job, f"rank 0: {error}")
 
@@ -250,8 +225,7 @@ def _await_commit(job: _Job) -> None:
 
 
 class SaveHandle:
-    """A checkpoint being written behind training; ``checkpoint.save(..., blocking=False)``
-    returns one.
+    """A checkpoint being written behind training (what ``save(..., blocking=False)`` returns).
 
     Example:
         >>> import tempfile, torch, zero_functional.checkpoint as ckpt
@@ -282,11 +256,7 @@ class SaveHandle:
             )
 
     def done(self) -> bool:
-        """Whether the write has ended: committed (on every rank) or failed.
-
-        Example:
-            >>> # while not handle.done(): train_one_step()
-        """
+        """Whether the write has ended: committed (on every rank) or failed."""
         return not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -299,10 +269,6 @@ class SaveHandle:
             CheckpointError: The write failed, naming each failed rank and its file; the
                 previous checkpoint at the path is untouched.
             TimeoutError: ``timeout`` passed with the write still running.
-
-        Example:
-            >>> # handle = checkpoint.save("ckpt", model=ddp, optimizer=zero, blocking=False)
-            >>> # handle.wait()
         """
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -318,10 +284,8 @@ _IN_FLIGHT: list[SaveHandle] = []  # this process's save in flight: at most one
 def settle(process_group: dist.ProcessGroup | None) -> None:
     """Wait for this process's save in flight, if any; collective when there was one.
 
-    Raises, on every rank, an error of it that no rank's :meth:`SaveHandle.wait` reported.
-
     Raises:
-        CheckpointError: The previous background save failed and nobody was told.
+        CheckpointError: On every rank: it failed and no rank's :meth:`SaveHandle.wait` said so.
 
     Example:
         >>> settle(None)  # nothing in flight: returns at once
@@ -351,16 +315,6 @@ def start(
 ) -> SaveHandle:
     """Copy ``pieces`` and ``objects``, plan their save to ``path``, and write them behind
     training; collective, as :func:`~zero_functional.checkpoint.storage.save_pieces`.
-
-    Args:
-        path: The checkpoint directory; replaced as a whole once every rank has written.
-        pieces: What this rank holds (:data:`~zero_functional.checkpoint.storage.Pieces`).
-        objects: Small picklable values (identical on every rank that passes one).
-        process_group: The ranks that save together (default: the world).
-        max_box_numel: No stored chunk is larger.
-
-    Returns:
-        The write's handle.
 
     Raises:
         CheckpointError: On every rank, before anything is written: a refused ``path``, a

@@ -50,7 +50,7 @@ from zero_functional.checkpoint.keys import (
     split_state_key,
     state_key,
 )
-from zero_functional.checkpoint.storage import CheckpointError, Pieces, Wanted
+from zero_functional.checkpoint.storage import CheckpointError, Pieces, Saved, Wanted
 from zero_functional.comm import ProcessGroup
 from zero_functional.core._validate import first_of
 from zero_functional.core.blockwise import is_blockwise
@@ -264,8 +264,6 @@ class Contents:
     ema_n_averaged: int = 0
 
 
-Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
-"""A checkpoint's keys: ``(shape, dtype)`` for a tensor, ``None`` for an object."""
 Read = tuple[Mapping[str, list[Tensor]], Mapping[str, object]]
 """What storage read: per key, its tensors (one per range); per object key, its value."""
 Reader = Callable[[str | os.PathLike[str], Saved, Request, ProcessGroup | None], Contents]

@@ -1,13 +1,10 @@
-"""Checkpoints without a shared file system: each rank writes its own files into its own directory.
+"""Checkpoints without a shared file system (``save(..., shared=False)``: Ray Train, pods).
 
-Under Ray Train, a Kubernetes job or any launcher whose nodes share no disk, each rank saves with
-``checkpoint.save(its_own_directory, ..., shared=False)``: it writes only its files there (DCP's
-``__<rank>_0.distcp``, and on rank 0 the index ``.metadata``, every name unique to its rank),
-then its own manifest :data:`MANIFEST` (the save's id, its rank, the world size, each of its
-files' size and CRC32) and commits its own directory atomically
-(:mod:`~zero_functional.checkpoint.atomic_dir`). Merging the ranks' directories (Ray Train does
-it when each worker reports its directory) gives one directory that ``checkpoint.load`` reads at
-any world size; :func:`check_parts` first checks that every rank's part of one save is there.
+Each rank writes into its own directory only its own files (DCP's names are unique to a rank;
+rank 0 adds the index), then its manifest :data:`MANIFEST` (the save's id, its rank, the world
+size, each file's size and CRC32), and commits it. The ranks' directories merged into one (Ray
+Train does it) are a checkpoint ``load`` reads at any world size, once :func:`check_parts` has
+found every rank's part of one save there.
 
 Example:
     >>> import os, tempfile
@@ -35,8 +32,6 @@ from zero_functional.checkpoint import atomic_dir, storage
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.core._validate import first_of
 
-__all__ = ["MANIFEST", "check_parts", "save_pieces", "write_manifest"]
-
 MANIFEST = ".rank-{rank}-of-{world}.json"
 """Each rank's manifest in a ``shared=False`` checkpoint."""
 _MANIFEST_RE = re.compile(r"^\.rank-(\d+)-of-(\d+)\.json$")
@@ -60,9 +55,8 @@ def write_manifest(directory: str, save_id: str, rank: int, world_size: int) -> 
 
 def check_parts(path: str | os.PathLike[str]) -> None:
     """Raise a :class:`~zero_functional.checkpoint.storage.CheckpointError` unless the
-    ``shared=False`` checkpoint at ``path`` holds every rank's part of one save (each manifest
-    present, one save id, each listed file there with its size); nothing for a checkpoint
-    saved on a shared file system (no manifests)."""
+    ``shared=False`` checkpoint at ``path`` holds every rank's part of one save (every
+    manifest, one save id, each listed file of its size); nothing where there are no manifests."""
     directory = os.fspath(path)
     if not os.path.isdir(directory):
         return  # the reader names a missing directory

@@ -35,39 +35,45 @@ State = dict[int, dict[str, Any]]
 
 @dataclass(frozen=True)
 class Source:
-    """An optimizer as a checkpoint sees it, now (build one per save or load).
+    """An optimizer as a checkpoint sees it, now (one per save or load).
 
     Attributes:
-        optimizer: The optimizer (its ``param_groups`` and ``defaults``).
+        optimizer: The optimizer (its ``param_groups``, ``defaults``).
         table: Its parameters: global index order, the groups' spans, the model's names.
         group: The ranks that save and load it together.
-        rank: This rank in ``group``.
-        pieces: What this rank reads, by global index: its own pieces (ours), every
-            parameter whole (a plain optimizer).
-        writes: Whether this rank writes its pieces (ours: every rank; a plain one: rank 0).
+        pieces: What this rank reads, by global index: its own pieces (ours), every parameter
+            whole (a plain optimizer).
         classes: Each group's optimizer class.
-        main_dtype: The dtype of the main copies of narrower parameters (``None``: none).
-        ownership: Who holds which pieces (``None``: a plain optimizer, not sharded).
-        replicate_group: A ``device_mesh``'s replicas of the shards (the first one writes).
-        state: This rank's pieces' state.
-        install: Install the state of this rank's pieces and the groups' hyperparameters
-            (collective for ours; checked before anything changes).
-        finish: Wait for the parameters' all-gathers in flight (ours), before they are read.
+        state: This rank's pieces' state, by global index.
+        install: Install that state and the groups' hyperparameters (checked first;
+            collective for ours).
+        finish: Wait for the parameters' all-gathers in flight (ours) before they are read.
+        ownership: Who holds which pieces; ``None`` for a plain optimizer.
+        main_dtype: The dtype of the main copies of narrower parameters (ours; else ``None``).
+        replicate_group: A ``device_mesh``'s replicas, of which the first one writes (ours).
     """
 
     optimizer: Optimizer
     table: ParamTable
     group: ProcessGroup | None
-    rank: int
     pieces: dict[int, Piece]
-    writes: bool
     classes: tuple[type[Optimizer], ...]
-    main_dtype: torch.dtype | None
-    ownership: Ownership | None
-    replicate_group: ProcessGroup | None
     state: Callable[[], State]
     install: Callable[[State, list[dict[str, Any]]], None]
     finish: Callable[[], None]
+    ownership: Ownership | None = None
+    main_dtype: torch.dtype | None = None
+    replicate_group: ProcessGroup | None = None
+
+    @property
+    def rank(self) -> int:
+        """This rank in :attr:`group`."""
+        return comm.rank_or_zero(self.group)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its pieces: every rank of ours, rank 0 of a plain one."""
+        return self.ownership is not None or self.rank == 0
 
     def names(self, model: nn.Module | None) -> list[str]:
         """Each parameter's name in ``model`` (its index without one), by global index.
@@ -98,8 +104,7 @@ class Source:
 
 
 def source(optimizer: Optimizer, process_group: ProcessGroup | None = None) -> Source:
-    """``optimizer`` as a checkpoint sees it; ``process_group`` for a plain one (ours has its
-    own).
+    """``optimizer`` as a checkpoint sees it (``process_group``: a plain one's ranks).
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -109,27 +114,19 @@ def source(optimizer: Optimizer, process_group: ProcessGroup | None = None) -> S
     """
     if isinstance(optimizer, ZeroRedundancyOptimizer):  # the one place that asks
         return _sharded(optimizer)
-    table = ParamTable.of(optimizer.param_groups)
-    rank = comm.rank_or_zero(process_group)
+    table, state = ParamTable.of(optimizer.param_groups), optimizer.state
 
-    def install(state: State, groups: list[dict[str, Any]]) -> None:
+    def install(loaded: State, groups: list[dict[str, Any]]) -> None:
         indexed = [{**g, "params": list(range(a, a + n))} for g, (a, n) in zip(groups, table.spans)]
-        optimizer.load_state_dict({"state": state, "param_groups": indexed})
+        optimizer.load_state_dict({"state": loaded, "param_groups": indexed})
 
     return Source(
         optimizer,
         table,
         process_group,
-        rank,
         {k: Piece(k, 0, p.numel(), param_numel=p.numel()) for k, p in enumerate(table.params)},
-        rank == 0,
         (type(optimizer),) * len(table.spans),
-        None,
-        None,
-        None,
-        lambda: {
-            k: optimizer.state[p] for k, p in enumerate(table.params) if optimizer.state.get(p)
-        },
+        lambda: {k: state[p] for k, p in enumerate(table.params) if state.get(p)},
         install,
         lambda: None,
     )
@@ -144,16 +141,14 @@ def _sharded(zero: ZeroRedundancyOptimizer) -> Source:
         zero,
         zero.param_table,
         zero.process_group,
-        zero.rank,
         {s.param: s for s in zero.ownership.owned(zero.rank)},
-        True,
         tuple(group_class(g, zero.optimizer_class) for g in zero.param_groups),
-        zero.main_params_dtype,
-        zero.ownership,
-        zero.replicate_group,
         lambda: {k: state for k, (_, state) in zero.shard_state().items()},
         install,
         zero.finish_param_sync,
+        zero.ownership,
+        zero.main_params_dtype,
+        zero.replicate_group,
     )
 
 

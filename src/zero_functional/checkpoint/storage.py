@@ -64,6 +64,8 @@ Pieces = Mapping[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int,
 """Per key: the global shape, the dtype, and the ``(start, stop, 1-D tensor)`` ranges held."""
 Wanted = Mapping[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int]]]]
 """Per key: the global shape, the dtype, and the ``(start, stop)`` ranges to read."""
+Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
+"""A checkpoint's keys: ``(shape, dtype)`` for a tensor, ``None`` for an object."""
 
 DEFAULT_MAX_BOX_NUMEL = 1 << 22
 """No stored chunk holds more elements: what bounds memory while saving (one chunk at a time)
@@ -637,9 +639,7 @@ def read_objects(path: str | os.PathLike[str], keys: Sequence[str]) -> dict[str,
     return {i.fqn: torch.load(io.BytesIO(raw), weights_only=True) for i, raw in items}
 
 
-def read_keys(
-    path: str | os.PathLike[str],
-) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+def read_keys(path: str | os.PathLike[str]) -> Saved:
     """The keys of a checkpoint: ``(shape, dtype)`` for tensors, ``None`` for objects (local).
 
     Raises:
