@@ -1,16 +1,13 @@
 """Sharded checkpoints: each rank writes what it owns, any world size reads what it will own.
 
-:func:`save` and :func:`load` are collective. A checkpoint is a directory in *model space* (the
-model's tensors, and the optimizer state in each parameter's own shape, keyed by name), so it
-depends on neither the world size nor the partition (:mod:`~zero_functional.checkpoint.format`
-says what is stored under which key). Each rank writes the pieces its optimizer owns, of the
-parameters and their state, and rank 0 the model's other tensors; every rank reads the whole
-model and, of the state, only the boxes its pieces under the new ownership need. A per-parameter
-scalar (Adam's ``step``) is written once; a plain ``torch.optim`` optimizer's state is written
-by rank 0 and read by all. No byte of state goes through the process group. A checkpoint that
-does not fit, or whose bytes are not what was written (a checksum per item), is a
-:class:`~zero_functional.checkpoint.storage.CheckpointError` on every rank, with the model and
-the optimizer untouched.
+A checkpoint is a directory in *model space* (the model's tensors, and the optimizer state in
+each parameter's shape, keyed by name: :mod:`~zero_functional.checkpoint.format`), independent
+of the world size and the partition. Each rank writes its pieces of the parameters and their
+state (a plain ``torch.optim`` optimizer's: rank 0), rank 0 the model's other tensors; each
+reads the whole model and only the boxes of state its pieces need. No byte of state goes
+through the process group. A checkpoint that does not fit, or whose bytes are not what was
+written, is a :class:`~zero_functional.checkpoint.storage.CheckpointError` on every rank, with
+the model and the optimizer untouched.
 
 To load one into a plain, unsharded optimizer::
 
@@ -35,8 +32,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.checkpoint import background, per_rank
 from zero_functional.checkpoint import format as checkpoint_format
+from zero_functional.checkpoint import per_rank
 from zero_functional.checkpoint.background import SaveHandle
 from zero_functional.checkpoint.format import (
     FORMAT,
@@ -97,7 +94,7 @@ def _snapshot(
     return Snapshot(held, others, groups, extra, n_averaged, blockwise)
 
 
-def _first_replica_writes(write: Callable[[], None], replicate: ProcessGroup) -> None:
+def _first_replica_writes(write: Callable[[], object], replicate: ProcessGroup) -> None:
     """Hybrid sharding: the first replica writes each element once; the others wait for its
     verdict, so that every rank returns (or raises) when the checkpoint is committed."""
     failure: CheckpointError | None = None
@@ -201,33 +198,25 @@ def save(
     group = process_group if src is None else src.group
     snapshot = _snapshot(model, src, extra, comm.rank_or_zero(group), ema)
     replicate = None if src is None else src.replicate_group
-    if not shared:
-        if not blocking or replicate is not None:
-            raise ValueError(
-                "save(shared=False) is blocking and takes no optimizer sharded over a "
-                "device_mesh: pass blocking=True, or save to a shared directory"
-            )
-        background.settle(group)
-        pieces, objects = checkpoint_format.layout(snapshot)
-        per_rank.save_pieces(path, pieces, objects, group, max_box_numel=max_chunk_numel)
-        return None
-    if not blocking:
-        if replicate is not None:
-            raise ValueError(
-                "save(blocking=False) does not take an optimizer sharded over a device_mesh: "
-                "its replicas wait for the first one's verdict; save with blocking=True"
-            )
-        return checkpoint_format.write(
-            path, snapshot, group, max_box_numel=max_chunk_numel, blocking=False
+    if not shared and (not blocking or replicate is not None):
+        raise ValueError(
+            "save(shared=False) is blocking and takes no optimizer sharded over a "
+            "device_mesh: pass blocking=True, or save to a shared directory"
+        )
+    if not blocking and replicate is not None:
+        raise ValueError(
+            "save(blocking=False) does not take an optimizer sharded over a device_mesh: "
+            "its replicas wait for the first one's verdict; save with blocking=True"
         )
 
-    def write() -> None:
-        checkpoint_format.write(path, snapshot, group, max_box_numel=max_chunk_numel)
+    def write() -> SaveHandle | None:
+        return checkpoint_format.write(
+            path, snapshot, group, max_box_numel=max_chunk_numel, blocking=blocking, shared=shared
+        )
 
     if replicate is None:
-        write()
-    else:
-        _first_replica_writes(write, replicate)
+        return write()
+    _first_replica_writes(write, replicate)
     return None
 
 

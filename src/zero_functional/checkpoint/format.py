@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor, nn
 
-from zero_functional.checkpoint import background, quantized, storage
+from zero_functional.checkpoint import background, per_rank, quantized, storage
 from zero_functional.checkpoint.keys import (
     MODEL_PREFIX,
     STATE_PREFIX,
@@ -194,14 +194,12 @@ def write(
     *,
     max_box_numel: int,
     blocking: bool = True,
+    shared: bool = True,
 ) -> background.SaveHandle | None:
-    """Write every rank's snapshot to the directory ``path``; collective. A save in flight is
-    waited for first (:func:`~zero_functional.checkpoint.background.settle`).
-
-    Args:
-        path, snapshot, process_group, max_box_numel: Where, what, who, the largest chunk.
-        blocking: Return once committed (``None``); else once the state is copied, with the
-            handle of the write (:func:`~zero_functional.checkpoint.background.start`).
+    """Write every rank's snapshot to the directory ``path``, after a save in flight; collective.
+    ``blocking=False`` returns once the state is copied, with the write's handle
+    (:mod:`~zero_functional.checkpoint.background`); ``shared=False`` writes into each rank's
+    own directory (:mod:`~zero_functional.checkpoint.per_rank`).
 
     Raises:
         CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
@@ -217,7 +215,8 @@ def write(
     if not blocking:
         return background.start(path, pieces, objects, process_group, max_box_numel=max_box_numel)
     background.settle(process_group)
-    storage.save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
+    save_pieces = storage.save_pieces if shared else per_rank.save_pieces
+    save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
     return None
 
 

@@ -1,10 +1,6 @@
-"""A model and its ZeRO optimizer as one ``torch.distributed.checkpoint`` ``Stateful``.
-
-:func:`stateful` (torchtitan's style, next to other ``Stateful`` objects) gives a state dict in
-the layout of torch's ``get_state_dict`` whose optimizer state is each rank's pieces as a
-``ShardedTensor``: DCP writes each rank's share and reshards it at load, at any world size and
-under either partition.
-"""
+"""A model and its ZeRO optimizer as one ``torch.distributed.checkpoint`` ``Stateful``
+(torchtitan's style): DCP writes each rank's pieces of the state, as ``ShardedTensor`` s, and
+reshards them at load, at any world size and under either partition."""
 
 from __future__ import annotations
 
@@ -76,14 +72,12 @@ class ZeroStateful:
          "optimizer": {"state": {name: {"exp_avg": ShardedTensor, "step": tensor, ...}},
                        "param_groups": [{"lr": ..., "params": [name, ...]}, ...]}}
 
-    Each elementwise state value is a ``ShardedTensor`` in its parameter's shape whose local
-    shards are this rank's pieces (as row-major boxes): DCP writes every element once, by its
-    owner, and reads into each rank's pieces under the loading optimizer's ownership.
-    Per-parameter values (Adam's ``step``) are written once. Before the first step the template
-    is the keys one step of the group's class makes, as zeros (``step`` 0; never memory nobody
-    wrote), which load as a fresh optimizer's state. As with torch's own state dicts,
-    ``dcp.load`` writes into the model's parameters and into the state it was given; then
-    :meth:`load_state_dict` installs the optimizer state (checked, collective).
+    An elementwise value is a ``ShardedTensor`` in its parameter's shape whose local shards
+    are this rank's pieces (row-major boxes): each element is written once, by its owner, and
+    read into the loading rank's pieces. Before the first step the template is the keys one
+    step of the group's class makes, as zeros (``step`` 0), which load as a fresh optimizer's.
+    ``dcp.load`` writes into the model and the state given; :meth:`load_state_dict` installs
+    the optimizer state (checked, collective).
     """
 
     def __init__(
@@ -229,17 +223,9 @@ class ZeroStateful:
 def stateful(
     model: nn.Module, optimizer: ZeroRedundancyOptimizer, ema: ShardedEMA | None = None
 ) -> ZeroStateful:
-    """A ``torch.distributed.checkpoint`` ``Stateful`` of ``model`` and its ZeRO ``optimizer``.
-
-    Each rank writes its share of the optimizer state; any world size and either partition
-    loads it (see :class:`ZeroStateful`). Call ``dcp.save``/``dcp.load`` on every rank.
-
-    Args:
-        model: The model (a ``DistributedDataParallel`` or the module inside it).
-        optimizer: The :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` over its
-            parameters.
-        ema: Its :class:`~zero_functional.ema.ShardedEMA`, saved under ``"ema"`` in
-            ``AveragedModel``'s layout, each average sharded as the state is.
+    """A ``torch.distributed.checkpoint`` ``Stateful`` of ``model`` (or the DDP around it) and
+    its ZeRO ``optimizer`` (:class:`ZeroStateful`), with its ``ema`` under ``"ema"`` in
+    ``AveragedModel``'s layout; ``dcp.save``/``dcp.load`` it on every rank.
 
     Raises:
         TypeError: ``optimizer`` is not a ZeroRedundancyOptimizer.
@@ -248,8 +234,9 @@ def stateful(
         CheckpointError: Its parameters are not the model's.
 
     Example:
-        >>> # import torch.distributed.checkpoint as dcp
-        >>> # dcp.save({"app": stateful(ddp, zero)}, checkpoint_id="ckpt/step-100")
-        >>> # dcp.load({"app": stateful(ddp, zero)}, checkpoint_id="ckpt/step-100")
+        >>> import tempfile, torch.distributed.checkpoint as dcp, zero_functional as zf
+        >>> model = torch.nn.Linear(2, 1)
+        >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam)
+        >>> _ = dcp.save({"app": stateful(model, zero)}, checkpoint_id=tempfile.mkdtemp())
     """
     return ZeroStateful(model, optimizer, ema)

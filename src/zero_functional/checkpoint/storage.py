@@ -590,8 +590,8 @@ def save_pieces(
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
         >>> save_pieces(path, {"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, {"n": 1})
-        >>> read_keys(path)
-        {'n': None, 'w': ((2,), torch.float32)}
+        >>> read_keys(path), read_objects(path, ["n"]), verify(path)
+        ({'n': None, 'w': ((2,), torch.float32)}, {'n': 1}, 2)
     """
     with AtomicSave(path, process_group) as save:
         write_dcp(save.tmp, pieces, objects, process_group, max_box_numel)
@@ -662,9 +662,8 @@ def load_pieces(
 ) -> tuple[dict[str, list[Tensor]], dict[str, object]]:
     """Read the ranges this rank wants, and objects, from the checkpoint at ``path``; collective.
 
-    Only the saved chunks that overlap the ranges are read, each checked before it is used.
-    Every check (keys, shapes, dtypes, coverage, checksums) fails on every rank, before the
-    values come back in fresh tensors: nothing the caller owns has changed.
+    Only the saved chunks that overlap the ranges are read; every check (keys, shapes, dtypes,
+    coverage, checksums) fails on every rank before anything the caller owns changes.
 
     Returns:
         Per key, one fresh 1-D CPU tensor per wanted range; per object key, its value.
