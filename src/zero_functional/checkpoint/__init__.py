@@ -248,7 +248,8 @@ def load(
     strict: bool = True,
     ema: ShardedEMA | None = None,
 ) -> Any:
-    """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its extra.
+    """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its
+    ``extra``.
 
     Collective, at any world size and under either partition: each rank reads only the boxes
     of optimizer state its pieces need. Everything (keys, shapes, dtypes, checksums, the state
@@ -262,10 +263,7 @@ def load(
         process_group: The ranks without an optimizer to take it from (default: the world).
         strict: Refuse model tensors the checkpoint lacks or has in excess.
         ema: The :class:`~zero_functional.ema.ShardedEMA` of ``optimizer`` to fill (each
-            rank reads its pieces' averages; a checkpoint saved without one is refused).
-
-    Returns:
-        The ``extra`` given to :func:`save`.
+            rank its pieces' averages).
 
     Raises:
         CheckpointError: On every rank, naming the cause; model and optimizer unchanged.

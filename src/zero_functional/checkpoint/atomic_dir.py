@@ -41,8 +41,8 @@ class SaveRaceError(FileExistsError):
 
 
 _HELD: dict[str, tuple[int, str | None]] = {}
-"""This process's temporaries: the locked marker's descriptor, and the marker of the checkpoint
-that was at the path when the save began (``None``: none there, or one without a marker)."""
+"""This process's temporaries: the locked marker's descriptor, and the marker at the path when
+the save began (``None``: none)."""
 
 
 def _read_marker(directory: str) -> str | None:
@@ -307,7 +307,7 @@ def _swap(tmp: str, path: str) -> str | None:
 
 def not_a_checkpoint(path: str) -> str | None:
     """Why ``path`` is not a checkpoint to read, named for what it is; ``None`` if it looks
-    like one of ours (its contents are checked as they are read).
+    like one of ours.
 
     Example:
         >>> import os, tempfile

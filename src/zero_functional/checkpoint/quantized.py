@@ -1,17 +1,14 @@
 """Block-wise quantized optimizer state in a sharded checkpoint: codes and scales as flat items
 cut on the blocks, the rest as one small object, rebuilt for whatever piece a rank loads.
 
-A quantized value (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``:
-:mod:`zero_functional.core.blockwise`) has no slice off a block, so the row boxes of
-:mod:`~zero_functional.checkpoint.format` cannot carry it. The value ``key`` of the parameter
-``name``, of N elements in blocks of B (one fp32 scale each) and c code entries a block (B;
-4-bit: B/2), is ``<prefix>.codes`` (N/B x c entries; a piece ``[lo, hi)`` writes
-``[lo/B x c, hi/B x c)``), ``<prefix>.scale`` (N/B; ``[lo/B, hi/B)``) and the object
-``<prefix>`` (the class's import path, its constant inner tensors, its flatten context and the
-whole parameter's shape, the same on every rank), where ``<prefix>`` is
-``quantized.<name>.<key>``. B and c are read back from the lengths. A loading piece on the saved
-blocks gets the value rebuilt bitwise (:func:`rebuilt`); one off them gets its elements'
-dequantized values, which the optimizer converts as any loaded fp32 state.
+A quantized value (torchao's ``OptimState8bit``, ``4bit``, ``Fp8``) has no slice off a block,
+so row boxes cannot carry it. The value ``key`` of the parameter ``name``, of N elements in
+blocks of B (one fp32 scale each) and c code entries a block (4-bit: B/2), is
+``quantized.<name>.<key>.codes`` (N/B x c entries; a piece ``[lo, hi)`` writes ``[lo/B x c,
+hi/B x c)``), ``.scale`` (N/B; ``[lo/B, hi/B)``) and the object ``quantized.<name>.<key>`` (the
+class's import path, its constant inner tensors, its flatten context, the parameter's shape).
+A loading piece on the saved blocks gets the value rebuilt bitwise (:func:`rebuilt`); one off
+them, its elements' dequantized values, which the optimizer converts as loaded fp32 state.
 
 Example:
     >>> quantized_key("0.weight", "exp_avg"), codes_key("w", "m"), scale_key("w", "m")

@@ -1,9 +1,8 @@
 """What a checkpoint asks of its optimizer: one adapter over ours or a plain ``torch.optim``.
 
-A :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` holds each rank's pieces of the
-state; a plain ``torch.optim`` optimizer holds all of it, the same on every rank, which rank 0
-writes and every rank reads. :func:`source` asks which, once; save, load and
-:class:`~zero_functional.checkpoint.stateful.ZeroStateful` ask the :class:`Source` it returns.
+Ours holds each rank's pieces of the state; a plain optimizer holds all of it, the same on
+every rank (rank 0 writes it, every rank reads it). :func:`source` asks which, once; save, load
+and :class:`~zero_functional.checkpoint.stateful.ZeroStateful` ask the :class:`Source`.
 """
 
 from __future__ import annotations
@@ -35,22 +34,12 @@ State = dict[int, dict[str, Any]]
 
 @dataclass(frozen=True)
 class Source:
-    """An optimizer as a checkpoint sees it, now (one per save or load).
-
-    Attributes:
-        optimizer: The optimizer (its ``param_groups``, ``defaults``).
-        table: Its parameters: global index order, the groups' spans, the model's names.
-        group: The ranks that save and load it together.
-        pieces: What this rank reads, by global index: its own pieces (ours), every parameter
-            whole (a plain optimizer).
-        classes: Each group's optimizer class.
-        state: This rank's pieces' state, by global index.
-        install: Install that state and the groups' hyperparameters (checked first;
-            collective for ours).
-        finish: Wait for the parameters' all-gathers in flight (ours) before they are read.
-        ownership: Who holds which pieces; ``None`` for a plain optimizer.
-        main_dtype: The dtype of the main copies of narrower parameters (ours; else ``None``).
-        replicate_group: A ``device_mesh``'s replicas, of which the first one writes (ours).
+    """An optimizer as a checkpoint sees it, now (one per save or load): its parameters
+    (``table``), the ranks that save and load it (``group``), the pieces this rank reads (ours:
+    its own; a plain one: every parameter whole), each group's class, their ``state()``, how
+    to ``install`` what was read (checked first; collective for ours), and ``finish()`` (wait
+    for the parameters' all-gathers in flight). Only ours has an ``ownership``, main copies
+    (``main_dtype``) and a ``device_mesh``'s ``replicate_group`` (whose first replica writes).
     """
 
     optimizer: Optimizer

@@ -56,7 +56,7 @@ def _sharded(
     )
 
 
-def _flat(value: ShardedTensor) -> Tensor:
+def _piece_of(value: ShardedTensor) -> Tensor:
     """This rank's shards of ``value``, concatenated: its piece, flat."""
     return torch.cat([s.tensor.reshape(-1) for s in value.local_shards()])
 
@@ -203,7 +203,7 @@ class ZeroStateful:
                 if isinstance(v, ShardedTensor):
                     made = self._flat.get((name, key))
                     # the buffer DCP read into, through the shards' views
-                    flat = made[1] if made is not None and made[0] is v else _flat(v)
+                    flat = made[1] if made is not None and made[0] is v else _piece_of(v)
                     values[key] = flat.view(p.shape) if piece.is_whole else flat
                 else:
                     values[key] = v
@@ -213,7 +213,7 @@ class ZeroStateful:
         if self.ema is not None:
             saved_ema = state_dict["ema"]
             averages = {
-                index[key[len(MODULE_PREFIX) :]]: _flat(v)
+                index[key[len(MODULE_PREFIX) :]]: _piece_of(v)
                 for key, v in saved_ema.items()
                 if isinstance(v, ShardedTensor)
             }
