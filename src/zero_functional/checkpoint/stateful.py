@@ -17,6 +17,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 from torch.distributed._shard.sharded_tensor.shard import Shard
+from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.checkpoint.keys import check_groups
@@ -83,8 +84,8 @@ class ZeroStateful:
     def __init__(
         self, model: nn.Module, optimizer: ZeroRedundancyOptimizer, ema: ShardedEMA | None = None
     ) -> None:
-        src = source(optimizer)
-        if src.ownership is None:
+        src = source(optimizer) if isinstance(optimizer, Optimizer) else None
+        if src is None or src.ownership is None:
             raise TypeError(
                 f"stateful() takes a zero_functional ZeroRedundancyOptimizer, got "
                 f"{type(optimizer).__name__}: for a plain torch.optim optimizer use "
