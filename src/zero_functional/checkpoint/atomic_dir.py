@@ -1,29 +1,13 @@
 """Replace a directory atomically: write a marked temporary beside it, swap it in, clean up after.
 
-What :func:`zero_functional.checkpoint.storage.save_pieces` does with a checkpoint, in four steps:
-
-1. :func:`refusal`: ``path`` must be absent, an empty directory or a checkpoint (it holds a
-   ``.metadata``, or the marker below); a file, a link or a directory of something else is
-   refused, untouched.
-2. :func:`make_temporary`: ``<path>.tmp-<12 hex digits>``, holding a marker file that names
-   ``path`` and this save (an id, the process and host); the checkpoint is written there. The
-   process holds an exclusive ``flock`` on the marker until the save ends: the temporary is
-   its own.
-3. :func:`commit`: the temporary is swapped onto ``path`` (Linux
-   ``renameat2(RENAME_EXCHANGE)``, else two renames) and the previous one removed: a crash at
-   any moment leaves ``path`` either the previous checkpoint or the new one. Commits to one
-   directory take turns (a ``flock`` on the parent), and a save that finds ``path`` committed
-   by another save since it began loses: it raises :class:`SaveRaceError` naming that save,
-   and the checkpoint there, complete, stays.
-4. :func:`remove_leftovers`: what saves killed before their commit left beside ``path`` is
-   removed, but only directories with a temporary's name *and* the marker naming ``path``
-   *and* no live process holding the marker's lock: a user's file or directory of a similar
-   name, and another job's save in progress, are never touched.
-
-The marker stays in the committed checkpoint (readers ignore files they do not list), so the
-previous checkpoint a crash leaves in a temporary is recognised as ours too.
-
-Nothing here imports torch: the module only moves directories (and checksums files).
+The steps of a save (:class:`~zero_functional.checkpoint.storage.AtomicSave` runs them):
+:func:`refusal` (a file, a link or a directory of something else is never replaced),
+:func:`make_temporary` (``<path>.tmp-<hex>`` with a marker naming the path and the save, held
+under a ``flock`` while the save lives), :func:`commit` (an atomic swap: a crash at any moment
+leaves the previous checkpoint or the new one; commits to one directory take turns, and a save
+that finds another's commit since it began loses with :class:`SaveRaceError`) and
+:func:`remove_leftovers` (only temporaries marked for the path and held by no live process).
+The marker stays in the committed checkpoint (readers ignore it). No torch here.
 """
 
 from __future__ import annotations
@@ -39,20 +23,6 @@ import socket
 import uuid
 import zlib
 from collections.abc import Iterator
-
-__all__ = [
-    "MARKER",
-    "SaveRaceError",
-    "commit",
-    "discard",
-    "file_crc",
-    "make_temporary",
-    "not_a_checkpoint",
-    "os_error",
-    "refusal",
-    "release",
-    "remove_leftovers",
-]
 
 MARKER = ".zero_functional-save"
 """The file in every directory :func:`make_temporary` makes; it names the path saved to."""
@@ -71,8 +41,8 @@ class SaveRaceError(FileExistsError):
 
 
 _HELD: dict[str, tuple[int, str | None]] = {}
-"""This process's temporaries: the locked marker's descriptor, and the marker of the checkpoint
-that was at the path when the save began (``None``: none there, or one without a marker)."""
+"""This process's temporaries: the locked marker's descriptor, and the marker at the path when
+the save began (``None``: none)."""
 
 
 def _read_marker(directory: str) -> str | None:
@@ -125,13 +95,9 @@ def refusal(path: str) -> str | None:
 
 
 def make_temporary(path: str) -> str:
-    """Create ``<path>.tmp-<12 hex digits>`` (and missing parents), marked as a save to ``path``.
-
-    This process holds it (a ``flock`` on its marker, which no other save's cleanup removes)
-    until :func:`commit`, :func:`discard` or :func:`release`.
-
-    Returns:
-        The temporary directory's path.
+    """Create ``<path>.tmp-<12 hex digits>`` (and missing parents), marked as a save to
+    ``path``, which this process holds (no other save's cleanup removes it) until
+    :func:`commit`, :func:`discard` or :func:`release`; its path.
 
     Example:
         >>> import os, tempfile
@@ -156,8 +122,7 @@ def make_temporary(path: str) -> str:
 
 
 def release(tmp: str) -> None:
-    """End this process's hold on its temporary ``tmp`` (what stays is a leftover that the
-    next save removes); nothing if it holds none.
+    """End this process's hold on its temporary ``tmp``: what stays is a leftover.
 
     Example:
         >>> import os, tempfile
@@ -209,11 +174,9 @@ def _in_use(directory: str) -> bool:
 def remove_leftovers(path: str) -> list[str]:
     """Remove what earlier saves to ``path`` left beside it; the names removed, sorted.
 
-    A leftover is a directory named ``<name>.tmp-<hex>`` (a save killed before its commit, or
-    after it with the previous checkpoint not yet removed) or ``<name>.old-<hex>`` (the same
-    on a system without an atomic swap) that holds the marker naming ``path``, unless a live
-    process holds its marker's lock (another job's save in progress). Anything else is left
-    alone, whatever its name. Best effort: what cannot be removed stays.
+    A leftover is a directory ``<name>.tmp-<hex>`` or ``<name>.old-<hex>`` (a save killed
+    before or during its commit) holding the marker naming ``path``, whose lock no live process
+    holds (another job's save in progress); anything else stays, whatever its name.
 
     Example:
         >>> import os, tempfile
@@ -255,16 +218,10 @@ def _exchange(a: str, b: str) -> bool:
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    return (
-        int(renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)) == 0
-    )
+    fd, name = ctypes.c_int, ctypes.c_char_p
+    renameat2.argtypes = [fd, name, fd, name, ctypes.c_uint]
+    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return int(done) == 0
 
 
 def _fsync_dir(path: str) -> None:
@@ -288,9 +245,8 @@ def _turn(parent: str) -> Iterator[None]:
 
 
 def commit(tmp: str, path: str) -> None:
-    """Put the directory ``tmp`` at ``path`` atomically and remove what was there.
-
-    Whatever happens, this process's hold on ``tmp`` ends (:func:`release`).
+    """Put the directory ``tmp`` at ``path`` atomically and remove what was there; the hold
+    on ``tmp`` ends whatever happens.
 
     Raises:
         SaveRaceError: Another save committed ``path`` since ``tmp`` was made (nothing is
@@ -350,9 +306,8 @@ def _swap(tmp: str, path: str) -> str | None:
 
 
 def not_a_checkpoint(path: str) -> str | None:
-    """Why ``path`` is not a checkpoint to read, named for what it is (missing, a file, an empty
-    directory, a directory of something else, a DCP checkpoint written without our checksums);
-    ``None`` if it looks like one of ours (its contents are checked as they are read).
+    """Why ``path`` is not a checkpoint to read, named for what it is; ``None`` if it looks
+    like one of ours.
 
     Example:
         >>> import os, tempfile
@@ -383,8 +338,7 @@ def not_a_checkpoint(path: str) -> str | None:
 
 
 def file_crc(path: str) -> tuple[int, int]:
-    """A file's CRC32 and size, read 1 MiB at a time: the checkpoint index's checksum, and each
-    file of a ``shared=False`` rank's manifest.
+    """A file's CRC32 and size, read 1 MiB at a time.
 
     Example:
         >>> import tempfile
@@ -402,11 +356,8 @@ def file_crc(path: str) -> tuple[int, int]:
 
 def os_error(error: BaseException) -> OSError | None:
     """The :class:`OSError` a failed write raised, ``error`` itself or one it was raised while
-    handling; ``None`` if there is none.
-
-    ``torch.save`` into a file whose disk is full raises ``RuntimeError: [enforce fail at
-    inline_container.cc:672] unexpected pos 704 vs 598`` while handling the file's ``[Errno
-    28] No space left on device``: that is the one to name.
+    handling (``torch.save`` on a full disk raises ``unexpected pos ...`` while handling
+    ``No space left on device``); ``None`` if there is none.
 
     Example:
         >>> import errno

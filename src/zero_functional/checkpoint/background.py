@@ -1,28 +1,15 @@
-"""Checkpoints written behind training: copy and plan now, on the caller's thread; write later,
-in a thread of this process that does file I/O only.
+"""Checkpoints written behind training (``checkpoint.save(..., blocking=False)``): copy and plan
+now, on the caller's thread; write later, in a thread that does file I/O only.
 
-:func:`start` is what ``checkpoint.save(..., blocking=False)`` runs, in three steps:
-
-1. **Copy.** Every tensor to write is copied before :func:`start` returns: the next optimizer
-   step mutates the parameters and the optimizer state in place, and a forward the model's
-   buffers, so nothing a checkpoint holds can be read later. A CUDA tensor goes to pinned host
-   memory (``non_blocking``, ordered before any later kernel of the stream, which the thread
-   waits for), any other to a fresh CPU tensor; the objects (groups, ``extra``) are deep-copied.
-2. **Plan, collectively.** The refusal of foreign targets and the temporary directory
-   (:func:`~zero_functional.checkpoint.storage.temporary`), then DCP's plan exchange (every
-   rank's plan gathered, checked and deduplicated by rank 0, handed back), all on the caller's
-   thread: the background thread never issues a collective on the training's group.
-3. **Write, then commit through files.** Each rank's thread writes its data file (checksummed,
-   synced) and then ``.zero_functional-rank-<r>``, its write results or its error, written
-   whole (to a ``.part`` renamed into place). Rank 0's thread waits for every rank's, writes
-   the index and swaps the directory in (:func:`~zero_functional.checkpoint.storage.commit`);
-   the other ranks' threads wait to see their own results file in the committed directory, or
-   ``.zero_functional-failed`` in the temporary (rank 0's verdict, naming each rank and file).
-
-A process killed at any moment leaves the previous checkpoint in place and a marked temporary
-that no ``load`` accepts (it has no index) and the next save removes. One save is in flight per
-process: each save first waits for the previous one (:func:`settle`) and raises, on every rank,
-an error of it that :meth:`SaveHandle.wait` has not reported.
+:func:`start` copies every tensor (a CUDA one to pinned host memory, waited for by the thread)
+and the objects, since the next step changes them in place; enters the
+:class:`~zero_functional.checkpoint.storage.AtomicSave` and exchanges DCP's plans, on the
+caller's thread (the thread never issues a collective). Each rank's thread writes its data
+file, then ``.zero_functional-rank-<r>`` (its results or its error); rank 0's waits for every
+rank's, writes the index and commits; the others wait for their file in the committed directory
+or ``.zero_functional-failed`` (rank 0's verdict) in the temporary. A process killed at any
+moment leaves the previous checkpoint. One save is in flight per process: the next waits for it
+(:func:`settle`) and raises, on every rank, an error of it nobody was told of.
 """
 
 from __future__ import annotations
@@ -42,7 +29,6 @@ from torch import Tensor
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
 
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir, storage
@@ -57,6 +43,9 @@ others) before it gives up, naming the ranks it did not hear from; what a dead p
 
 _POLL_S = 0.01
 _FAILED = ".zero_functional-failed"
+_STAGED: dict[tuple[str, int, int], Tensor] = {}
+"""The last save's host copies, by (key, start, stop), which the next one copies into (a fresh
+pinned allocation costs more than the copy), as DCP's ``async_save`` caches its staging."""
 
 
 def _results_file(directory: str, rank: int) -> str:
@@ -87,29 +76,12 @@ class _Job:
 
     rank: int
     world_size: int
-    target: str
-    tmp: str
+    save: storage.AtomicSave
     planner: SavePlanner
     writer: FileSystemWriter
     plan: SavePlan
     metadata: Metadata | None  # rank 0's, from the global plan
     copied: list[torch.cuda.Event]  # recorded after the copies to pinned memory
-
-
-_STAGED: dict[tuple[str, int, int], Tensor] = {}
-"""The host copies of the last background save, by (key, start, stop): the next one copies into
-them (fresh pages and pinned allocations cost more than the copy); one copy of this rank's
-share stays allocated between saves, as with ``torch.distributed.checkpoint.async_save``'s
-cached staging."""
-
-
-def _host(key: tuple[str, int, int], t: Tensor) -> Tensor:
-    """A host buffer for ``t``: last save's for the same range when it fits, else a new one."""
-    old = _STAGED.get(key)
-    pinned = t.is_cuda
-    if old is not None and (old.shape, old.dtype, old.is_pinned()) == (t.shape, t.dtype, pinned):
-        return old
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
 
 
 def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
@@ -121,9 +93,11 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
     for key, (shape, dtype, ranges) in pieces.items():
         copies = []
         for start, stop, t in ranges:
-            t = t.detach()
-            host = staged[key, start, stop] = _host((key, start, stop), t)
-            host.copy_(t, non_blocking=t.is_cuda)
+            t, host = t.detach(), _STAGED.get((key, start, stop))
+            kind = (t.shape, t.dtype, t.is_cuda)  # pinned for a device copy
+            if host is None or (host.shape, host.dtype, host.is_pinned()) != kind:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            staged[key, start, stop] = host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda:
                 devices.add(t.device)
             copies.append((start, stop, host))
@@ -182,15 +156,13 @@ def _write(job: _Job) -> None:
     """A rank's thread: its data file, its results file; rank 0 commits, the others wait."""
     for event in job.copied:
         event.synchronize()
-    mine = _results_file(job.tmp, job.rank)
+    tmp, target = job.save.tmp, job.save.target
     try:
         results = job.writer.write_data(job.plan, job.planner).value()
     except Exception as e:
-        _put(mine, (job.tmp, None, str(e)))  # rank 0 names the rank
-        raise CheckpointError(
-            f"checkpoint save to {job.target} failed: rank {job.rank}: {e}"
-        ) from e
-    _put(mine, (job.tmp, results, None))
+        _put(_results_file(tmp, job.rank), (tmp, None, str(e)))  # rank 0 names the rank
+        raise CheckpointError(f"checkpoint save to {target} failed: rank {job.rank}: {e}") from e
+    _put(_results_file(tmp, job.rank), (tmp, results, None))
     if job.rank == 0:
         _commit(job)
     else:
@@ -199,68 +171,61 @@ def _write(job: _Job) -> None:
 
 def _fail(job: _Job, message: str) -> CheckpointError:
     """Rank 0's verdict, left in the temporary for the other ranks' threads to read."""
-    message = f"checkpoint save to {job.target} failed: {message}"
-    _put(os.path.join(job.tmp, _FAILED), message)
-    atomic_dir.release(job.tmp)  # rank 0's hold; the next save removes what is left
+    message = f"checkpoint save to {job.save.target} failed: {message}"
+    _put(os.path.join(job.save.tmp, _FAILED), message)
+    atomic_dir.release(job.save.tmp)  # rank 0's hold; the next save removes what is left
     return CheckpointError(message)
 
 
 def _commit(job: _Job) -> None:
-    """Rank 0: every rank's results, then the index and the swap."""
-    results: dict[int, list[WriteResult]] = {}
-    errors: list[tuple[int, str]] = []
+    """Rank 0: every rank's results, then the index and the commit."""
+    tmp, results, errors = job.save.tmp, {}, []  # results: each rank's DCP WriteResults
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     waiting = set(range(job.world_size))
-    while waiting:
+    while waiting and time.monotonic() <= deadline:
         for r in sorted(waiting):
-            got = _get(_results_file(job.tmp, r))
-            if got is not None:
+            if (got := _get(_results_file(tmp, r))) is not None:
                 waiting.discard(r)
-                if got[2] is not None:
-                    errors.append((r, got[2]))
-                else:
+                if got[2] is None:
                     results[r] = got[1]
-        if waiting and time.monotonic() > deadline:
-            errors += [
-                (r, f"wrote no {_results_file(job.tmp, r)} within {RENDEZVOUS_TIMEOUT_S:.0f} s")
-                for r in sorted(waiting)
-            ]
-            break
+                else:
+                    errors.append((r, got[2]))
         if waiting:
             time.sleep(_POLL_S)
+    late = f"within {RENDEZVOUS_TIMEOUT_S:.0f} s"
+    errors += [(r, f"wrote no {_results_file(tmp, r)} {late}") for r in sorted(waiting)]
     if errors:
         raise _fail(job, by_rank(sorted(errors)))
     assert job.metadata is not None
     try:
         job.writer.finish(job.metadata, [results[r] for r in range(job.world_size)])
     except OSError as e:
-        raise _fail(job, f"rank 0: cannot write {os.path.join(job.tmp, '.metadata')}: {e}") from e
-    error = storage.commit(job.tmp, job.target)
-    if error is not None:
+        raise _fail(job, f"rank 0: cannot write {os.path.join(tmp, '.metadata')}: {e}") from e
+    if (error := job.save.commit()) is not None:
         raise _fail(job, f"rank 0: {error}")
 
 
 def _await_commit(job: _Job) -> None:
     """Another rank: until its results file is in the committed directory, or rank 0 failed."""
+    tmp, target = job.save.tmp, job.save.target
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     while True:
-        failed = _get(os.path.join(job.tmp, _FAILED))
+        failed = _get(os.path.join(tmp, _FAILED))
         if failed is not None:
             raise CheckpointError(str(failed))
-        committed = _get(_results_file(job.target, job.rank))
-        if committed is not None and committed[0] == job.tmp:
+        committed = _get(_results_file(target, job.rank))
+        if committed is not None and committed[0] == tmp:
             return
         if time.monotonic() > deadline:
             raise CheckpointError(
-                f"rank {job.rank}: rank 0 did not commit {job.target} within "
-                f"{RENDEZVOUS_TIMEOUT_S:.0f} s (its files are in {job.tmp})"
+                f"rank {job.rank}: rank 0 did not commit {target} within "
+                f"{RENDEZVOUS_TIMEOUT_S:.0f} s (its files are in {tmp})"
             )
         time.sleep(_POLL_S)
 
 
 class SaveHandle:
-    """A checkpoint being written behind training; ``checkpoint.save(..., blocking=False)``
-    returns one.
+    """A checkpoint being written behind training (what ``save(..., blocking=False)`` returns).
 
     Example:
         >>> import tempfile, torch, zero_functional.checkpoint as ckpt
@@ -271,7 +236,7 @@ class SaveHandle:
     """
 
     def __init__(self, job: _Job) -> None:
-        self.path = job.target
+        self.path = job.save.target
         self._rank = job.rank
         self._error: CheckpointError | None = None
         self._reported = False
@@ -287,15 +252,11 @@ class SaveHandle:
             self._error = e
         except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
             self._error = CheckpointError(
-                f"checkpoint save to {job.target} failed: rank {job.rank}: {type(e).__name__}: {e}"
+                f"checkpoint save to {self.path} failed: rank {job.rank}: {type(e).__name__}: {e}"
             )
 
     def done(self) -> bool:
-        """Whether the write has ended: committed (on every rank) or failed.
-
-        Example:
-            >>> # while not handle.done(): train_one_step()
-        """
+        """Whether the write has ended: committed (on every rank) or failed."""
         return not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -308,10 +269,6 @@ class SaveHandle:
             CheckpointError: The write failed, naming each failed rank and its file; the
                 previous checkpoint at the path is untouched.
             TimeoutError: ``timeout`` passed with the write still running.
-
-        Example:
-            >>> # handle = checkpoint.save("ckpt", model=ddp, optimizer=zero, blocking=False)
-            >>> # handle.wait()
         """
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -327,10 +284,8 @@ _IN_FLIGHT: list[SaveHandle] = []  # this process's save in flight: at most one
 def settle(process_group: dist.ProcessGroup | None) -> None:
     """Wait for this process's save in flight, if any; collective when there was one.
 
-    Raises, on every rank, an error of it that no rank's :meth:`SaveHandle.wait` reported.
-
     Raises:
-        CheckpointError: The previous background save failed and nobody was told.
+        CheckpointError: On every rank: it failed and no rank's :meth:`SaveHandle.wait` said so.
 
     Example:
         >>> settle(None)  # nothing in flight: returns at once
@@ -361,16 +316,6 @@ def start(
     """Copy ``pieces`` and ``objects``, plan their save to ``path``, and write them behind
     training; collective, as :func:`~zero_functional.checkpoint.storage.save_pieces`.
 
-    Args:
-        path: The checkpoint directory; replaced as a whole once every rank has written.
-        pieces: What this rank holds (:data:`~zero_functional.checkpoint.storage.Pieces`).
-        objects: Small picklable values (identical on every rank that passes one).
-        process_group: The ranks that save together (default: the world).
-        max_box_numel: No stored chunk is larger.
-
-    Returns:
-        The write's handle.
-
     Raises:
         CheckpointError: On every rank, before anything is written: a refused ``path``, a
             piece that does not fit, copies of one key that disagree.
@@ -386,17 +331,12 @@ def start(
     settle(process_group)
     copied, events = _copy(pieces)
     owned = copy.deepcopy(dict(objects))
-    target, tmp = storage.temporary(path, process_group)
-    planner, writer = storage.dcp_parts(tmp, copied, max_box_numel)
-    try:
+    with storage.AtomicSave(path, process_group) as save:
+        planner, writer = storage.dcp_parts(save.tmp, copied, max_box_numel)
         plan, metadata = _plan(owned, planner, writer, process_group)
-    except CheckpointError:
-        if comm.rank_or_zero(process_group) == 0:
-            atomic_dir.discard(tmp)
-        raise
+        save.hand_off()  # the thread commits; the ranks agree through files
     rank = comm.rank_or_zero(process_group)
     world = comm.group_size(comm.default_group(process_group)) if dist.is_initialized() else 1
-    job = _Job(rank, world, target, tmp, planner, writer, plan, metadata, events)
-    handle = SaveHandle(job)
+    handle = SaveHandle(_Job(rank, world, save, planner, writer, plan, metadata, events))
     _IN_FLIGHT.append(handle)
     return handle

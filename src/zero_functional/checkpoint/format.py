@@ -1,29 +1,17 @@
-"""The checkpoints' on-disk format: the keys, the version constants, the writers and one reader
-per format version.
+"""The checkpoints' on-disk format: the keys, the version constants, the writer and one reader
+per format version (:data:`READERS`).
 
-**zero_functional.checkpoint/1** (:data:`FORMAT`): a directory written through
-:mod:`zero_functional.checkpoint.storage` (``torch.distributed.checkpoint``'s format, a checksum per item,
-replaced atomically), in *model space*, so that it depends on neither the world size nor the
-partition:
-
-* ``model.<name>`` (:func:`model_key`): the model's ``state_dict()`` tensors, in their shapes;
-* ``state.<parameter name>.<key>`` (:func:`state_key`): the optimizer state, an elementwise value
-  in its parameter's shape, a 0-d tensor (Adam's ``step``) as a 0-d tensor, anything else as an
-  object;
-* ``ema.<parameter name>`` (:func:`ema_key`): a :class:`~zero_functional.ema.ShardedEMA`'s
-  average of the parameter, in its shape, with the object ``ema_n_averaged``, where one was saved;
-* the objects ``param_groups`` (each group's hyperparameters and its parameters' names),
-  ``extra`` (the caller's) and ``format`` (this version's name).
+**zero_functional.checkpoint/1** (:data:`FORMAT`): a :mod:`~zero_functional.checkpoint.storage`
+directory in *model space* (independent of the world size and the partition), with the keys of
+:mod:`~zero_functional.checkpoint.keys`: ``model.<name>`` (the model's ``state_dict()``
+tensors), ``state.<parameter name>.<key>`` (the optimizer state: an elementwise value in its
+parameter's shape, a 0-d tensor as one, anything else as an object), ``ema.<parameter name>``
+with the object ``ema_n_averaged`` (a :class:`~zero_functional.ema.ShardedEMA`'s averages), and
+the objects ``param_groups`` (hyperparameters, parameter names), ``extra`` and ``format``.
 
 **zero_functional.checkpoint/2** (:data:`FORMAT_QUANTIZED`, written when a group's class
-quantizes its state in blocks: torchao's low-bit AdamWs): checkpoint/1 plus, for each
-block-wise quantized state value, its codes and scales as flat items and one object
-(:mod:`~zero_functional.checkpoint.quantized`), read by :func:`read_v2`. The item keys are
-:mod:`~zero_functional.checkpoint.keys`' (re-exported here).
-
-:func:`layout` says which items a rank's :class:`Snapshot` becomes and :func:`write` writes them;
-:func:`read` reads what a rank's :class:`Request` needs with the reader of the version the
-checkpoint names (:data:`READERS`: :func:`read_v1`, :func:`read_v2`) and hands back :class:`Contents`.
+quantizes its state in blocks: torchao's low-bit AdamWs): checkpoint/1 plus each block-wise
+quantized value as its codes and scales (:mod:`~zero_functional.checkpoint.quantized`).
 
 **zero_functional.app.train/1** (:data:`TRAIN_FORMAT`): the demo train job's, in two layouts, both
 read by :func:`read_train`: a checkpoint/1 directory whose ``extra`` is :func:`train_extra`
@@ -38,18 +26,19 @@ A new layout is a new version: a new constant, the writer changed, a reader adde
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
 
-from zero_functional.checkpoint import background, quantized, storage
+from zero_functional.checkpoint import background, per_rank, quantized, storage
 from zero_functional.checkpoint.keys import (
     MODEL_PREFIX,
     STATE_PREFIX,
@@ -61,7 +50,7 @@ from zero_functional.checkpoint.keys import (
     split_state_key,
     state_key,
 )
-from zero_functional.checkpoint.storage import CheckpointError, Pieces
+from zero_functional.checkpoint.storage import CheckpointError, Pieces, Saved, Wanted
 from zero_functional.comm import ProcessGroup
 from zero_functional.core._validate import first_of
 from zero_functional.core.blockwise import is_blockwise
@@ -117,16 +106,9 @@ EMA_N_AVERAGED = "ema_n_averaged"
 
 @dataclass(frozen=True)
 class Held:
-    """One optimizer parameter as a rank writes it.
-
-    Attributes:
-        name: Its name in the model (or its index, without a model).
-        shape: Its shape.
-        piece: The elements this rank writes.
-        state: Its optimizer state over ``piece`` (elementwise values flat or in shape).
-        values: The parameter's own values over ``piece``, flat; ``None`` to write no model.
-        ema: Its EMA over ``piece``, flat; ``None`` to write none.
-    """
+    """One optimizer parameter as a rank writes it: its name (its index without a model), its
+    shape, the piece this rank writes, its state over the piece, and the parameter's values and
+    its EMA over the piece, flat (``None``: not written)."""
 
     name: str
     shape: tuple[int, ...]
@@ -138,11 +120,9 @@ class Held:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What one rank writes: its :class:`Held` parameters, the model's other tensors (whole,
-    one writer), the optimizer's groups (names for parameters; ``None`` without an optimizer)
-    and the caller's ``extra``; with an EMA, its number of averaged updates; whether the
-    optimizer's class may keep block-wise quantized state (the same on every rank: the
-    checkpoint is then :data:`FORMAT_QUANTIZED`)."""
+    """What one rank writes: its :class:`Held` parameters, the model's other tensors (one
+    writer), the groups (parameter names; ``None`` without an optimizer), the ``extra``, an
+    EMA's count, and whether state may be block-wise quantized (then :data:`FORMAT_QUANTIZED`)."""
 
     held: Sequence[Held]
     others: Mapping[str, Tensor]
@@ -153,8 +133,8 @@ class Snapshot:
 
 
 def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
-    """The tensor items (:data:`~zero_functional.checkpoint.storage.Pieces`) and objects of a snapshot;
-    a quantized state value as its codes and scales (:func:`~.quantized.items`).
+    """The tensor items (:data:`~zero_functional.checkpoint.storage.Pieces`) and objects of a
+    snapshot.
 
     Raises:
         CheckpointError: A quantized value in a snapshot not marked ``quantized``, or one cut
@@ -163,8 +143,8 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
     Example:
         >>> held = Held("w", (2,), Piece(0, 0, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
         >>> pieces, objects = layout(Snapshot([held], {"b": torch.zeros(3)}, None, 7))
-        >>> sorted(pieces), objects
-        (['model.b', 'model.w', 'state.w.step'], {'format': 'zero_functional.checkpoint/1', 'extra': 7})
+        >>> sorted(pieces), objects["format"]
+        (['model.b', 'model.w', 'state.w.step'], 'zero_functional.checkpoint/1')
     """
     pieces: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]] = {}
     version = FORMAT_QUANTIZED if snapshot.quantized else FORMAT
@@ -190,24 +170,20 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
                 pieces[item] = ((), value.dtype, [(0, 1, value.detach().reshape(1))])
             else:  # a whole parameter's other values (a per-tensor optimizer's lists, ...)
                 objects[item] = value
-    for held in snapshot.held:
-        if held.ema is not None:
-            flat, piece = held.ema.detach().reshape(-1), held.piece
-            pieces[ema_key(held.name)] = (held.shape, flat.dtype, [(piece.start, piece.stop, flat)])
-        if held.values is not None:
-            values, piece = held.values.detach(), held.piece
-            pieces[model_key(held.name)] = (
-                held.shape,
-                values.dtype,
-                [(piece.start, piece.stop, values)],
-            )
+        for key, t in ((ema_key(held.name), held.ema), (model_key(held.name), held.values)):
+            if t is not None:
+                flat = t.detach().reshape(-1)
+                pieces[key] = (held.shape, flat.dtype, [(start, stop, flat)])
     if snapshot.ema_n_averaged is not None:
         objects[EMA_N_AVERAGED] = snapshot.ema_n_averaged
     if snapshot.param_groups is not None:
         objects["param_groups"] = snapshot.param_groups
     for name, t in snapshot.others.items():
-        flat = t.detach().reshape(-1)
-        pieces[model_key(name)] = (tuple(t.shape), t.dtype, [(0, t.numel(), flat)])
+        pieces[model_key(name)] = (
+            tuple(t.shape),
+            t.dtype,
+            [(0, t.numel(), t.detach().reshape(-1))],
+        )
     return pieces, objects
 
 
@@ -218,26 +194,29 @@ def write(
     *,
     max_box_numel: int,
     blocking: bool = True,
+    shared: bool = True,
 ) -> background.SaveHandle | None:
-    """Write every rank's snapshot to the directory ``path`` in :data:`FORMAT`; collective.
-    A save in flight is waited for first (:func:`~zero_functional.checkpoint.background.settle`).
-
-    Args:
-        path, snapshot, process_group, max_box_numel: Where, what, who, the largest chunk.
-        blocking: Return once committed (``None``); else once the state is copied, with the
-            handle of the write (:func:`~zero_functional.checkpoint.background.start`).
+    """Write every rank's snapshot to the directory ``path``, after a save in flight; collective.
+    ``blocking=False`` returns once the state is copied, with the write's handle
+    (:mod:`~zero_functional.checkpoint.background`); ``shared=False`` writes into each rank's
+    own directory (:mod:`~zero_functional.checkpoint.per_rank`).
 
     Raises:
         CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
 
     Example:
-        >>> # write("ckpt", snapshot, None, max_box_numel=1 << 22)
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> write(path, Snapshot([], {"b": torch.zeros(3)}, None, 7), group, max_box_numel=1 << 22)
+        >>> storage.read_objects(path, ["extra"])
+        {'extra': 7}
     """
     pieces, objects = layout(snapshot)
     if not blocking:
         return background.start(path, pieces, objects, process_group, max_box_numel=max_box_numel)
     background.settle(process_group)
-    storage.save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
+    save_pieces = storage.save_pieces if shared else per_rank.save_pieces
+    save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
     return None
 
 
@@ -246,7 +225,7 @@ def write(
 
 @dataclass(frozen=True)
 class Owned:
-    """One optimizer parameter as a rank reads it: its name, shape and dtype, the elements it
+    """One optimizer parameter as a rank reads it: its name, shape and dtype, the piece it
     reads, and whether its optimizer keeps a main copy of it (in a wider dtype)."""
 
     name: str
@@ -258,10 +237,10 @@ class Owned:
 
 @dataclass(frozen=True)
 class Request:
-    """What a rank reads: the model tensors to fill (name to shape and dtype; ``None`` for no
-    model), its :class:`Owned` parameters (``None`` for no optimizer), the optimizer's groups'
-    parameter names, whether model tensors the checkpoint lacks or has in excess are
-    refused, and whether the EMA of the owned pieces is read."""
+    """What a rank reads: the model tensors to fill (name to shape and dtype; ``None``: no
+    model), its :class:`Owned` parameters (``None``: no optimizer), the groups' parameter names,
+    whether model tensors the checkpoint lacks or has in excess are refused, and whether the
+    EMA of the owned pieces is read."""
 
     model: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None
     owned: Sequence[Owned] | None
@@ -272,10 +251,9 @@ class Request:
 
 @dataclass(frozen=True)
 class Contents:
-    """What a rank read, in fresh tensors: the model tensors in their shapes (in the saved
-    dtype), each :class:`Owned` parameter's state over its piece (by ``piece.param``), the
-    checked groups (``[]`` without an optimizer) and the ``extra``; where the request asked
-    for it, the EMA of each owned piece, flat (by ``piece.param``), and its count."""
+    """What a rank read, in fresh tensors: the model tensors (in the saved dtype), each owned
+    parameter's state over its piece (by ``piece.param``), the checked groups (``[]`` without
+    an optimizer), the ``extra``; if asked, each owned piece's EMA, flat, and its count."""
 
     model: dict[str, Tensor]
     state: dict[int, dict[str, Any]]
@@ -285,24 +263,36 @@ class Contents:
     ema_n_averaged: int = 0
 
 
-Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
-"""A checkpoint's keys: ``(shape, dtype)`` for a tensor, ``None`` for an object."""
+Read = tuple[Mapping[str, list[Tensor]], Mapping[str, object]]
+"""What storage read: per key, its tensors (one per range); per object key, its value."""
 Reader = Callable[[str | os.PathLike[str], Saved, Request, ProcessGroup | None], Contents]
 """A format version's reader: the path, its keys, what to read, the ranks that read."""
+
+
+class ParamRead(NamedTuple):
+    """How one version reads one owned parameter's state: the ranges and objects it needs, and
+    its state over the piece from what was read."""
+
+    wanted: Wanted
+    objects: list[str]
+    state: Callable[[Read], dict[str, Any]]
 
 
 def read(
     path: str | os.PathLike[str], request: Request, process_group: ProcessGroup | None
 ) -> Contents:
-    """Read what ``request`` needs from the checkpoint at ``path``, by its version's reader.
-
-    Collective. The keys and the ``format`` object are read by each rank alone first.
+    """Read what ``request`` needs from the checkpoint at ``path`` with its version's reader;
+    collective (the keys and the ``format`` object are read by each rank alone first).
 
     Raises:
         CheckpointError: Not a checkpoint, a version no reader reads, or one that does not fit.
 
     Example:
-        >>> # read("ckpt", Request(model=None, owned=[], groups=[[]]), None).extra
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> write(path, Snapshot([], {}, None, "hi"), group, max_box_numel=1 << 22)
+        >>> read(path, Request(model=None, owned=None, groups=[]), group).extra
+        'hi'
     """
     saved = storage.read_keys(path)
     if "format" not in saved or saved["format"] is not None:
@@ -316,6 +306,146 @@ def read(
             f"{os.fspath(path)} has format {version!r}; this version reads {sorted(READERS)}"
         )
     return reader(path, saved, request, process_group)
+
+
+def read_v1(
+    path: str | os.PathLike[str],
+    saved: Saved,
+    request: Request,
+    process_group: ProcessGroup | None,
+) -> Contents:
+    """The reader of :data:`FORMAT` (``zero_functional.checkpoint/1``); collective.
+
+    Each rank reads the model tensors it fills, whole, and of the optimizer state only the
+    boxes its pieces cover; everything (keys, shapes, dtypes, checksums, groups) is checked
+    before a value is handed back.
+    """
+    return _read(path, saved, request, process_group, _param_v1)
+
+
+def read_v2(
+    path: str | os.PathLike[str],
+    saved: Saved,
+    request: Request,
+    process_group: ProcessGroup | None,
+) -> Contents:
+    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): checkpoint/1
+    plus block-wise quantized state, each rank reading the whole blocks around its pieces
+    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`); collective."""
+    return _read(path, saved, request, process_group, _param_v2)
+
+
+READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
+"""The reader of each directory format version."""
+
+
+def _param_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
+    """checkpoint/1's items of one parameter's state (``keys``: state key to item key)."""
+    wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
+    objects: list[str] = []
+    piece = owned.piece
+    for item in keys.values():
+        meta = saved[item]
+        if meta is None:
+            objects.append(item)
+        elif meta[0] == ():
+            wanted[item] = ((), meta[1], [(0, 1)])
+        else:
+            wanted[item] = (owned.shape, meta[1], [(piece.start, piece.stop)])
+    return ParamRead(wanted, objects, lambda read: _state_v1(saved, owned, keys, read))
+
+
+def _state_v1(saved: Saved, owned: Owned, keys: Mapping[str, str], read: Read) -> dict[str, Any]:
+    """One parameter's state over its piece (in its shape if whole) from what was read."""
+    tensors, values = read
+    piece = owned.piece
+    shape = owned.shape if piece.is_whole else (piece.numel,)
+    entry: dict[str, Any] = {}
+    for key, item in keys.items():
+        meta = saved[item]
+        if meta is None:
+            entry[key] = values[item]
+        else:
+            entry[key] = tensors[item][0].view(() if meta[0] == () else shape)
+    model = tensors.get(model_key(owned.name))
+    if entry and MAIN_KEY not in entry and owned.keeps_main and model is not None:
+        if model[0].dtype.itemsize > owned.dtype.itemsize:  # saved from a wider model (a
+            entry[MAIN_KEY] = model[0][piece.start : piece.stop].view(shape)  # plain fp32 run)
+    return entry
+
+
+def _param_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
+    """checkpoint/2's: checkpoint/1's items plus the quantized values' codes and scales."""
+    v1 = _param_v1(saved, owned, keys)
+    plan, more = quantized.reads(saved, owned.name, owned.shape, owned.piece)
+    shape = owned.shape if owned.piece.is_whole else (owned.piece.numel,)
+
+    def state(read: Read) -> dict[str, Any]:
+        rebuilt = quantized.rebuilt(owned.name, plan, *read, owned.piece, shape)
+        return {**v1.state(read), **rebuilt}
+
+    objects = v1.objects + [quantized.quantized_key(owned.name, r.key) for r in plan]
+    return ParamRead({**v1.wanted, **more}, objects, state)
+
+
+def _read(
+    path: str | os.PathLike[str],
+    saved: Saved,
+    request: Request,
+    process_group: ProcessGroup | None,
+    param: Callable[[Saved, Owned, Mapping[str, str]], ParamRead],
+) -> Contents:
+    """Read the model, the groups, the ``extra`` and the EMA, and each owned parameter's state
+    by the version's ``param`` reader."""
+    sources = _model_sources(saved, request)
+    shapes = request.model or {}
+    wanted: dict[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int]]]] = {}
+    for name, item in sources.items():
+        shape, dtype = shapes[name][0], cast(tuple[Any, torch.dtype], saved[item])[1]
+        wanted[item] = (shape, dtype, [(0, math.prod(shape))])
+    objects = ["extra"] if request.owned is None else ["extra", "param_groups"]
+    owned = list(request.owned or ())
+    index = _state_index(saved)
+    params = {}
+    for o in owned:
+        keys = {
+            k: item for k, item in index.get(o.name, {}).items() if k != MAIN_KEY or o.keeps_main
+        }
+        params[o.piece.param] = reads = param(saved, o, keys)
+        wanted.update(reads.wanted)
+        objects += reads.objects
+    if request.ema:
+        lacking = [o.name for o in owned if saved.get(ema_key(o.name)) is None]
+        if lacking or EMA_N_AVERAGED not in saved:
+            raise CheckpointError(
+                f"{os.fspath(path)} holds no EMA of {first_of(lacking) or 'any parameter'}: it "
+                "was saved without ema=; load it without ema="
+            )
+        objects.append(EMA_N_AVERAGED)
+        for o in owned:
+            dtype = cast(tuple[Any, torch.dtype], saved[ema_key(o.name)])[1]
+            wanted[ema_key(o.name)] = (o.shape, dtype, [(o.piece.start, o.piece.stop)])
+    tensors, values = storage.load_pieces(path, wanted, objects, process_group)
+    states = {k: reads.state((tensors, values)) for k, reads in params.items()}
+    return Contents(
+        model={name: tensors[item][0].view(shapes[name][0]) for name, item in sources.items()},
+        state={k: state for k, state in states.items() if state},
+        param_groups=(
+            [] if request.owned is None else check_groups(values["param_groups"], request.groups)
+        ),
+        extra=values["extra"],
+        ema={o.piece.param: tensors[ema_key(o.name)][0] for o in owned if request.ema},
+        ema_n_averaged=int(cast(int, values.get(EMA_N_AVERAGED, 0))),
+    )
+
+
+def _state_index(saved: Saved) -> dict[str, dict[str, str]]:
+    """The saved optimizer state: per parameter name, its state keys to their items' keys."""
+    out: dict[str, dict[str, str]] = {}
+    for item in saved:
+        if (split := split_state_key(item)) is not None:
+            out.setdefault(split[0], {})[split[1]] = item
+    return out
 
 
 def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
@@ -347,174 +477,6 @@ def _model_source(saved: Saved, name: str, dtype: torch.dtype) -> str:
         return key
     narrow = model_meta[1].itemsize
     return main if main_meta[1].itemsize > narrow and dtype.itemsize > narrow else key
-
-
-def _state_keys(saved: Saved, owned: Owned) -> dict[str, str]:
-    """The saved state of one parameter: its state key to its item's key."""
-    out: dict[str, str] = {}
-    for key in saved:
-        split = split_state_key(key)
-        if split is None or split[0] != owned.name:
-            continue
-        if split[1] == MAIN_KEY and not owned.keeps_main:
-            continue  # a main copy this optimizer does not keep (the model may read it)
-        out[split[1]] = key
-    return out
-
-
-def _shape(owned: Owned) -> tuple[int, ...]:
-    """The shape of an owned piece's state: the parameter's when whole, else flat."""
-    n = torch.Size(owned.shape).numel()
-    whole = owned.piece.start == 0 and owned.piece.stop == n
-    return owned.shape if whole else (owned.piece.stop - owned.piece.start,)
-
-
-def _entry(
-    owned: Owned,
-    keys: Mapping[str, str],
-    saved: Saved,
-    read: tuple[Mapping[str, list[Tensor]], Mapping[str, object]],
-) -> dict[str, Any]:
-    """One parameter's state over its piece, from what was read (in its shape if whole)."""
-    tensors, values = read
-    piece = owned.piece
-    whole = piece.start == 0 and piece.stop == torch.Size(owned.shape).numel()
-    entry: dict[str, Any] = {}
-    for name, key in keys.items():
-        meta = saved[key]
-        if meta is None:
-            entry[name] = values[key]
-        elif meta[0] == ():
-            entry[name] = tensors[key][0].reshape(())
-        else:
-            entry[name] = tensors[key][0].view(owned.shape) if whole else tensors[key][0]
-    model = tensors.get(model_key(owned.name))
-    if (
-        entry
-        and MAIN_KEY not in entry
-        and owned.keeps_main
-        and model is not None
-        and model[0].dtype.itemsize > owned.dtype.itemsize
-    ):  # saved from a wider model (a plain fp32 run): its values are the main copy
-        main = model[0][piece.start : piece.stop]
-        entry[MAIN_KEY] = main.view(owned.shape) if whole else main
-    return entry
-
-
-def read_v1(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-) -> Contents:
-    """The reader of :data:`FORMAT` (``zero_functional.checkpoint/1``); collective.
-
-    Each rank reads the whole model tensors it fills and only the boxes of optimizer state its
-    pieces cover. Everything is checked (keys, shapes, dtypes, checksums, groups) before a
-    value is handed back.
-
-    Example:
-        >>> # read_v1("ckpt", storage.read_keys("ckpt"), request, None)
-    """
-    return _read(path, saved, request, process_group, with_quantized=False)
-
-
-def read_v2(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-) -> Contents:
-    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): format 1 plus
-    block-wise quantized state, each rank reading the whole blocks around its pieces
-    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`); collective.
-
-    Example:
-        >>> # read_v2("ckpt", storage.read_keys("ckpt"), request, None)
-    """
-    return _read(path, saved, request, process_group, with_quantized=True)
-
-
-def _read(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-    *,
-    with_quantized: bool,
-) -> Contents:
-    sources = _model_sources(saved, request)
-    shapes = request.model or {}
-    wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
-    for name, source in sources.items():
-        meta, shape = saved[source], shapes[name][0]
-        assert meta is not None  # a tensor: _model_sources picks tensor keys
-        wanted[source] = (shape, meta[1], [(0, torch.Size(shape).numel())])
-    objects = ["extra"] if request.owned is None else ["extra", "param_groups"]
-    keys = {o.piece.param: _state_keys(saved, o) for o in request.owned or ()}
-    for owned in request.owned or ():
-        for key in keys[owned.piece.param].values():
-            meta = saved[key]
-            if meta is None:
-                objects.append(key)
-            elif meta[0] == ():
-                wanted[key] = ((), meta[1], [(0, 1)])
-            else:
-                wanted[key] = (owned.shape, meta[1], [(owned.piece.start, owned.piece.stop)])
-    plans = {
-        o.piece.param: (
-            quantized.reads(saved, o.name, o.shape, o.piece) if with_quantized else ([], {})
-        )
-        for o in request.owned or ()
-    }
-    for owned in request.owned or ():
-        plan, more = plans[owned.piece.param]
-        wanted.update(more)
-        objects.extend(quantized.quantized_key(owned.name, r.key) for r in plan)
-    if request.ema:
-        lacking = [o.name for o in request.owned or () if saved.get(ema_key(o.name)) is None]
-        if lacking or EMA_N_AVERAGED not in saved:
-            raise CheckpointError(
-                f"{os.fspath(path)} holds no EMA of {first_of(lacking) or 'any parameter'}: it was "
-                "saved "
-                "without ema=; load it without ema="
-            )
-        objects.append(EMA_N_AVERAGED)
-        for owned in request.owned or ():
-            meta = saved[ema_key(owned.name)]
-            assert meta is not None
-            wanted[ema_key(owned.name)] = (
-                owned.shape,
-                meta[1],
-                [(owned.piece.start, owned.piece.stop)],
-            )
-    read = storage.load_pieces(path, wanted, objects, process_group)
-    tensors, values = read
-    return Contents(
-        model={name: tensors[key][0].view(shapes[name][0]) for name, key in sources.items()},
-        state={
-            o.piece.param: {
-                **_entry(o, keys[o.piece.param], saved, read),
-                **quantized.rebuilt(
-                    o.name, plans[o.piece.param][0], tensors, values, o.piece, _shape(o)
-                ),
-            }
-            for o in request.owned or ()
-            if keys[o.piece.param] or plans[o.piece.param][0]
-        },
-        param_groups=(
-            [] if request.owned is None else check_groups(values["param_groups"], request.groups)
-        ),
-        extra=values["extra"],
-        ema={
-            o.piece.param: tensors[ema_key(o.name)][0] for o in request.owned or () if request.ema
-        },
-        ema_n_averaged=int(cast(int, values.get(EMA_N_AVERAGED, 0))),
-    )
-
-
-READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
-"""The reader of each directory format version."""
 
 
 # ------------------------------------------------------------------------------ the train job's

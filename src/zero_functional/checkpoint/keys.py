@@ -1,7 +1,13 @@
 """The keys of a checkpoint's items, and plain dicts from a ``dcp_to_torch_save`` file of one.
 
-Split out of :mod:`zero_functional.checkpoint.format` (which re-exports them): every format
-version spells its model, state and EMA items with these.
+Every format version spells its model, state and EMA items with these
+(:mod:`~zero_functional.checkpoint.format` re-exports them).
+
+Example:
+    >>> model_key("0.weight"), state_key("0.weight", "exp_avg"), ema_key("0.weight")
+    ('model.0.weight', 'state.0.weight.exp_avg', 'ema.0.weight')
+    >>> split_state_key("state.0.weight.exp_avg"), split_state_key("model.0.weight")
+    (('0.weight', 'exp_avg'), None)
 """
 
 from __future__ import annotations
@@ -11,60 +17,27 @@ from typing import Any
 
 from zero_functional.checkpoint.storage import CheckpointError
 
-__all__ = [
-    "EMA_PREFIX",
-    "MODEL_PREFIX",
-    "STATE_PREFIX",
-    "check_groups",
-    "ema_key",
-    "model_key",
-    "model_state_dict",
-    "optimizer_state_dict",
-    "split_state_key",
-    "state_key",
-]
-
 MODEL_PREFIX, STATE_PREFIX, EMA_PREFIX = "model.", "state.", "ema."
 """The prefixes of the model tensors', optimizer state's and EMA's keys."""
 
 
 def model_key(name: str) -> str:
-    """The key of the model tensor ``name``.
-
-    Example:
-        >>> model_key("0.weight")
-        'model.0.weight'
-    """
+    """The key of the model tensor ``name`` (see the module's example)."""
     return MODEL_PREFIX + name
 
 
 def state_key(name: str, key: str) -> str:
-    """The key of the optimizer state ``key`` (which has no dot) of the parameter ``name``.
-
-    Example:
-        >>> state_key("0.weight", "exp_avg")
-        'state.0.weight.exp_avg'
-    """
+    """The key of the optimizer state ``key`` (which has no dot) of the parameter ``name``."""
     return f"{STATE_PREFIX}{name}.{key}"
 
 
 def ema_key(name: str) -> str:
-    """The key of the EMA of the parameter ``name``.
-
-    Example:
-        >>> ema_key("0.weight")
-        'ema.0.weight'
-    """
+    """The key of the EMA of the parameter ``name``."""
     return EMA_PREFIX + name
 
 
 def split_state_key(key: str) -> tuple[str, str] | None:
-    """The parameter name and state key of an optimizer state item; ``None`` for another item.
-
-    Example:
-        >>> split_state_key("state.0.weight.exp_avg"), split_state_key("model.0.weight")
-        (('0.weight', 'exp_avg'), None)
-    """
+    """The parameter name and state key of an optimizer state item; ``None`` for another item."""
     if not key.startswith(STATE_PREFIX):
         return None
     name, _, rest = key[len(STATE_PREFIX) :].rpartition(".")
@@ -82,10 +55,8 @@ def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint.
-
-    Parameters are numbered as ``torch.optim`` numbers them: by position in the groups'
-    ``params`` lists, concatenated.
+    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint,
+    parameters numbered as ``torch.optim`` numbers them (the groups' lists, concatenated).
 
     Example:
         >>> flat = {"state.w.step": 3, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
@@ -93,12 +64,10 @@ def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
         {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
     """
     groups = flat["param_groups"]
-    order = [name for g in groups for name in g["params"]]
-    index = {name: i for i, name in enumerate(order)}
+    index = {name: i for i, name in enumerate(name for g in groups for name in g["params"])}
     state: dict[int, dict[str, Any]] = {}
     for key, value in flat.items():
-        split = split_state_key(key)
-        if split is not None:
+        if (split := split_state_key(key)) is not None:
             state.setdefault(index[split[0]], {})[split[1]] = value
     return {
         "state": state,

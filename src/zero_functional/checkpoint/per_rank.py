@@ -1,13 +1,10 @@
-"""Checkpoints without a shared file system: each rank writes its own files into its own directory.
+"""Checkpoints without a shared file system (``save(..., shared=False)``: Ray Train, pods).
 
-Under Ray Train, a Kubernetes job or any launcher whose nodes share no disk, each rank saves with
-``checkpoint.save(its_own_directory, ..., shared=False)``: it writes only its files there (DCP's
-``__<rank>_0.distcp``, and on rank 0 the index ``.metadata``, every name unique to its rank),
-then its own manifest :data:`MANIFEST` (the save's id, its rank, the world size, each of its
-files' size and CRC32) and commits its own directory atomically
-(:mod:`~zero_functional.checkpoint.atomic_dir`). Merging the ranks' directories (Ray Train does
-it when each worker reports its directory) gives one directory that ``checkpoint.load`` reads at
-any world size; :func:`check_parts` first checks that every rank's part of one save is there.
+Each rank writes into its own directory only its own files (DCP's names are unique to a rank;
+rank 0 adds the index), then its manifest :data:`MANIFEST` (the save's id, its rank, the world
+size, each file's size and CRC32), and commits it. The ranks' directories merged into one (Ray
+Train does it) are a checkpoint ``load`` reads at any world size, once :func:`check_parts` has
+found every rank's part of one save there.
 
 Example:
     >>> import os, tempfile
@@ -29,14 +26,11 @@ from collections.abc import Mapping
 from typing import cast
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir, storage
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
-from zero_functional.core._validate import by_rank, first_of
-
-__all__ = ["MANIFEST", "check_parts", "save_pieces", "write_manifest"]
+from zero_functional.core._validate import first_of
 
 MANIFEST = ".rank-{rank}-of-{world}.json"
 """Each rank's manifest in a ``shared=False`` checkpoint."""
@@ -61,9 +55,8 @@ def write_manifest(directory: str, save_id: str, rank: int, world_size: int) -> 
 
 def check_parts(path: str | os.PathLike[str]) -> None:
     """Raise a :class:`~zero_functional.checkpoint.storage.CheckpointError` unless the
-    ``shared=False`` checkpoint at ``path`` holds every rank's part of one save (each manifest
-    present, one save id, each listed file there with its size); nothing for a checkpoint
-    saved on a shared file system (no manifests)."""
+    ``shared=False`` checkpoint at ``path`` holds every rank's part of one save (every
+    manifest, one save id, each listed file of its size); nothing where there are no manifests."""
     directory = os.fspath(path)
     if not os.path.isdir(directory):
         return  # the reader names a missing directory
@@ -119,59 +112,16 @@ def save_pieces(
     max_box_numel: int | None,
 ) -> None:
     """:func:`~zero_functional.checkpoint.storage.save_pieces` into this rank's own directory
-    ``path`` (every rank's path differs); collective: the ranks agree on each step's verdict.
+    ``path`` (every rank's differs), with its manifest; collective (an
+    :class:`~zero_functional.checkpoint.storage.AtomicSave` of its own on each rank).
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause (a refused target, two ranks
-            given one directory, a failed write or commit); every rank's previous checkpoint at
-            its ``path`` is untouched.
+            given one directory, a failed write or commit); every rank's previous checkpoint
+            at its ``path`` is untouched.
     """
-    target = os.path.abspath(os.fspath(path))
-    rank, world = (
-        comm.rank_or_zero(process_group),
-        comm.group_size(comm.default_group(process_group)),
-    )
-    tmp, reason = "", atomic_dir.refusal(target)
-    if reason is None:
-        try:
-            tmp = atomic_dir.make_temporary(target)
-        except OSError as e:
-            reason = f"cannot create a directory beside {target} ({e}); pass a writable path"
-    verdicts = cast(
-        list[tuple[str, "str | None"]],
-        comm.all_gather_objects((target, reason), comm.default_group(process_group)),
-    )
-    owners: dict[str, int] = {}
-    problems = [(r, why) for r, (_, why) in enumerate(verdicts) if why is not None]
-    for r, (where, _) in enumerate(verdicts):
-        if where in owners:
-            problems.append(
-                (
-                    r,
-                    f"{where} is rank {owners[where]}'s directory too: with "
-                    "shared=False each rank saves into its own directory",
-                )
-            )
-        owners.setdefault(where, r)
-    if problems:
-        if tmp:
-            atomic_dir.discard(tmp)
-        raise CheckpointError("checkpoint save refused, nothing written: " + by_rank(problems))
-    save_id = cast(str, comm.broadcast_object(uuid.uuid4().hex, process_group))
-    planner, writer = storage.dcp_parts(tmp, pieces, max_box_numel)
-    try:
-        with storage.dcp_errors("save"):
-            dcp_save(
-                dict(objects), storage_writer=writer, planner=planner, process_group=process_group
-            )
-        write_manifest(tmp, save_id, rank, world)
-        error = storage.commit(tmp, target)
-    except (CheckpointError, OSError) as e:
-        error = str(e)
-    errors = cast(
-        list["str | None"], comm.all_gather_objects(error, comm.default_group(process_group))
-    )
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        atomic_dir.discard(tmp)
-        raise CheckpointError("checkpoint save failed: " + by_rank(failed))
+    world = comm.group_size(comm.default_group(process_group))
+    with storage.AtomicSave(path, process_group, own=True) as save:
+        save_id = cast(str, comm.broadcast_object(uuid.uuid4().hex, process_group))
+        storage.write_dcp(save.tmp, pieces, objects, process_group, max_box_numel)
+        write_manifest(save.tmp, save_id, comm.rank_or_zero(process_group), world)

@@ -1,28 +1,18 @@
-"""Block-wise quantized optimizer state in a sharded checkpoint: its codes and scales as flat
-items cut on its blocks, the rest as one small object, rebuilt for whatever piece a rank loads.
+"""Block-wise quantized optimizer state in a sharded checkpoint: codes and scales as flat items
+cut on the blocks, the rest as one small object, rebuilt for whatever piece a rank loads.
 
-A quantized state value (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``:
-:mod:`zero_functional.core.blockwise`) has no slice off a block, so
-:mod:`~zero_functional.checkpoint.format`'s row boxes in the parameter's shape cannot carry it.
-The value ``key`` of the parameter ``name``, of N elements in blocks of B (one fp32 scale each)
-and c code entries a block (B; 4-bit, two codes a byte: B/2), is stored as
-
-* ``quantized.<name>.<key>.codes`` (:func:`codes_key`): 1-D, N/B x c entries; a piece
-  ``[lo, hi)`` writes ``[lo/B x c, hi/B x c)`` (4-bit: ``[lo/2, hi/2)``);
-* ``quantized.<name>.<key>.scale`` (:func:`scale_key`): 1-D, N/B; the piece writes
-  ``[lo/B, hi/B)``;
-* the object ``quantized.<name>.<key>`` (:func:`quantized_key`): the class (its import path),
-  its constant inner tensors (the code table) and its flatten context (signed, dtype) as the
-  whole parameter's, so that every rank holding a piece writes the same object.
-
-B and c are read back from the items' lengths. A loading piece on the saved blocks gets the
-value rebuilt in its class, bitwise (:func:`rebuilt`); one off them (an optimizer keeping fp32
-moments, or other blocks) gets the dequantized values of its elements, which the optimizer
-converts as it converts any loaded fp32 state.
+A quantized value (torchao's ``OptimState8bit``, ``4bit``, ``Fp8``) has no slice off a block,
+so row boxes cannot carry it. The value ``key`` of the parameter ``name``, of N elements in
+blocks of B (one fp32 scale each) and c code entries a block (4-bit: B/2), is
+``quantized.<name>.<key>.codes`` (N/B x c entries; a piece ``[lo, hi)`` writes ``[lo/B x c,
+hi/B x c)``), ``.scale`` (N/B; ``[lo/B, hi/B)``) and the object ``quantized.<name>.<key>`` (the
+class's import path, its constant inner tensors, its flatten context, the parameter's shape).
+A loading piece on the saved blocks gets the value rebuilt bitwise (:func:`rebuilt`); one off
+them, its elements' dequantized values, which the optimizer converts as loaded fp32 state.
 
 Example:
-    >>> quantized_key("0.weight", "exp_avg"), codes_key("0.weight", "exp_avg")
-    ('quantized.0.weight.exp_avg', 'quantized.0.weight.exp_avg.codes')
+    >>> quantized_key("0.weight", "exp_avg"), codes_key("w", "m"), scale_key("w", "m")
+    ('quantized.0.weight.exp_avg', 'quantized.w.m.codes', 'quantized.w.m.scale')
 """
 
 from __future__ import annotations
@@ -36,57 +26,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_functional.checkpoint.storage import CheckpointError
+from zero_functional.checkpoint.storage import CheckpointError, Saved, Wanted
 from zero_functional.core.blockwise import BlockParts, block_parts, from_block_parts
 from zero_functional.core.partition import Piece
-
-__all__ = [
-    "PREFIX",
-    "QuantizedRead",
-    "codes_key",
-    "items",
-    "quantized_key",
-    "reads",
-    "rebuilt",
-    "scale_key",
-]
 
 PREFIX = "quantized."
 """The prefix of quantized state's items."""
 _TRUSTED = "torchao."
 """A saved class is imported only from this package (a checkpoint names no arbitrary code)."""
 
-Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
 Items = dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]]
 
 
 def quantized_key(name: str, key: str) -> str:
-    """The object key of the quantized state ``key`` (no dot) of the parameter ``name``.
-
-    Example:
-        >>> quantized_key("w", "exp_avg_sq")
-        'quantized.w.exp_avg_sq'
-    """
+    """The object key of the quantized state ``key`` (no dot) of the parameter ``name``."""
     return f"{PREFIX}{name}.{key}"
 
 
 def codes_key(name: str, key: str) -> str:
-    """The key of its codes.
-
-    Example:
-        >>> codes_key("w", "exp_avg")
-        'quantized.w.exp_avg.codes'
-    """
+    """The key of its codes."""
     return quantized_key(name, key) + ".codes"
 
 
 def scale_key(name: str, key: str) -> str:
-    """The key of its scales.
-
-    Example:
-        >>> scale_key("w", "exp_avg")
-        'quantized.w.exp_avg.scale'
-    """
+    """The key of its scales."""
     return quantized_key(name, key) + ".scale"
 
 
@@ -157,9 +120,7 @@ class QuantizedRead:
 
 def reads(
     saved: Saved, name: str, shape: tuple[int, ...], piece: Piece
-) -> tuple[
-    list[QuantizedRead], dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]]
-]:
+) -> tuple[list[QuantizedRead], Wanted]:
     """What a rank reads of the parameter ``name``'s quantized state for ``piece``: one
     :class:`QuantizedRead` per value, and the ranges to ask storage for (the whole blocks
     around the piece).

@@ -1,26 +1,11 @@
 """Sharded, checksummed, atomic tensor storage on ``torch.distributed.checkpoint`` (DCP).
 
-Two collective calls, independent of the optimizer: :func:`save_pieces` writes what this rank
-holds of each global tensor (flat row-major ranges, cut into the contiguous N-d boxes they
-cover, written without copies or padding) plus small objects; :func:`load_pieces` reads back the
-ranges this rank asks for, whatever ranges were saved, reading only the saved chunks that
-overlap them. Underneath:
-
-* two planners (subclasses of DCP's defaults) emit one DCP ``WriteItem`` per box and ask DCP's
-  public ``create_read_items_for_chunk_list`` for the reads; every request is checked against
-  the checkpoint's metadata (keys, shapes, dtypes, full coverage) before a byte is read;
-* a writer records a CRC32 of every item it writes in DCP's own ``.metadata`` (and one of
-  ``.metadata`` beside it); the reader checks length and CRC32 before deserialising, so a
-  flipped or truncated byte is a :class:`CheckpointCorruptError`, never NaN state;
-* the checkpoint is written to ``<path>.tmp-<id>`` and swapped onto ``<path>`` by rank 0 once
-  every rank's data is on disk (:mod:`zero_functional.checkpoint.atomic_dir`): a crash mid-save leaves the
-  previous checkpoint readable, and the next save removes what it left. A ``<path>`` that is a
-  file, a link or a directory of something else is refused before anything is written.
-
-Values several ranks write under one key (a per-parameter scalar such as Adam's ``step``, the
-same object on every rank) are written once, after the coordinator has checked the copies
-agree. Files are DCP's format: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
-and DCP's stock reader read them unchanged.
+:func:`save_pieces` writes what this rank holds of each global tensor (flat row-major ranges,
+as the N-d boxes they cover: no copies, no padding) and small objects, through
+:class:`AtomicSave`, the one save protocol; :func:`load_pieces` reads the ranges a rank asks
+for, whatever ranges were saved, after checking everything. Every item has a CRC32, so a
+flipped or truncated byte is a :class:`CheckpointCorruptError`, never NaN state. The files are
+DCP's format: its stock readers read them unchanged.
 """
 
 from __future__ import annotations
@@ -28,11 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import itertools
 import math
 import os
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, cast
 
 import torch
@@ -76,44 +60,24 @@ from zero_functional.checkpoint import atomic_dir
 from zero_functional.core._validate import by_rank, first_of
 from zero_functional.core.ownership import Box, flat_range_boxes
 
-__all__ = [
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "DEFAULT_MAX_BOX_NUMEL",
-    "Pieces",
-    "Wanted",
-    "load_pieces",
-    "read_keys",
-    "read_objects",
-    "commit",
-    "dcp_parts",
-    "save_pieces",
-    "temporary",
-    "verify",
-]
-
 Pieces = Mapping[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int, Tensor]]]]
 """Per key: the global shape, the dtype, and the ``(start, stop, 1-D tensor)`` ranges held."""
 Wanted = Mapping[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int]]]]
 """Per key: the global shape, the dtype, and the ``(start, stop)`` ranges to read."""
+Saved = Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]
+"""A checkpoint's keys: ``(shape, dtype)`` for a tensor, ``None`` for an object."""
 
 DEFAULT_MAX_BOX_NUMEL = 1 << 22
-"""No stored chunk holds more elements (16 MiB of fp32): what bounds memory while saving (one
-chunk at a time) and loading (at most two chunks beyond the output)."""
+"""No stored chunk holds more elements: what bounds memory while saving (one chunk at a time)
+and loading (at most two chunks beyond the output)."""
 
 _CRC_ATTR = "zf_crc32"  # pickled with each _StorageInfo in .metadata; stock readers ignore it
 
 
 class CheckpointError(RuntimeError, ValueError):
     """A checkpoint could not be saved, loaded or resumed from; the message names the file (or
-    each rank's cause, raised on every rank).
-
-    The library's one checkpoint error: :mod:`~zero_functional.checkpoint`,
-    :mod:`~zero_functional.checkpoint.format` (the train job's checks too) and this module raise
-    it. A ``RuntimeError`` as the
-    sharded layer's was, and a ``ValueError`` as the train job's was, so that code catching
-    either keeps working.
-    """
+    each rank's cause, raised on every rank). The library's one checkpoint error: a
+    ``RuntimeError`` and a ``ValueError``, as the two it replaced were."""
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -127,12 +91,28 @@ class CheckpointCorruptError(CheckpointError):
 class _Want:
     shape: torch.Size
     dtype: torch.dtype
-    boxes: list[Box]
-    views: list[Tensor]  # per box, a view into the fresh 1-D buffer that receives it
+    boxes: list[tuple[Box, Tensor]]  # each with its view into the fresh buffer that receives it
+
+
+def box_views(
+    shape: Sequence[int], start: int, stop: int, flat: Tensor, max_numel: int | None = None
+) -> list[tuple[Box, Tensor]]:
+    """The row-major boxes the range ``[start, stop)`` of a tensor of ``shape`` covers, each
+    with its view into ``flat`` (the range's elements; no copy).
+
+    Example:
+        >>> [(box, view.tolist()) for box, view in box_views((2, 3), 2, 5, torch.arange(3))]
+        [(((0, 2), (1, 1)), [[0]]), (((1, 0), (1, 2)), [[1, 2]])]
+    """
+    out = []
+    for box, first in flat_range_boxes(shape, start, stop, max_numel=max_numel):
+        a = first - start
+        out.append((box, flat[a : a + math.prod(box[1])].view(box[1])))
+    return out
 
 
 def _digest(obj: object) -> str:
-    if isinstance(obj, Tensor):  # its bytes: torch.save's archive costs ~1 ms a tensor
+    if isinstance(obj, Tensor):  # its bytes: cheaper than torch.save's archive
         raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         return f"{obj.dtype}{tuple(obj.shape)}:{zlib.crc32(raw.numpy().tobytes()):08x}"
     buf = io.BytesIO()
@@ -141,11 +121,8 @@ def _digest(obj: object) -> str:
 
 
 class _BoxSavePlanner(DefaultSavePlanner):
-    """DCP's save planner (objects, deduplication, validation) plus one SHARD item per box.
-
-    Checks run in ``create_local_plan``, inside DCP's exception-safe local step: a bad input on
-    one rank becomes an error on every rank instead of a hang.
-    """
+    """DCP's save planner plus one SHARD item per box; its checks run inside DCP's
+    exception-safe local step, so a bad input on one rank fails every rank, not a hang."""
 
     def __init__(self, pieces: Pieces, max_box_numel: int | None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -167,9 +144,7 @@ class _BoxSavePlanner(DefaultSavePlanner):
                         f"{key}: the piece [{start}, {stop}) is {tuple(local.shape)} {local.dtype}, "
                         f"expected ({stop - start},) {dtype}"
                     )
-                for box, first in flat_range_boxes(shape, start, stop, max_numel=self._cap):
-                    n = math.prod(box[1])
-                    boxes.append((box, local[first - start : first - start + n].view(box[1])))
+                boxes += box_views(shape, start, stop, local, self._cap)
             for (offsets, sizes), view in boxes:
                 index = MetadataIndex(key, offsets)
                 if index in self._views:
@@ -254,14 +229,16 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         for k, want in self._wanted.items():
             if not want.boxes:
                 continue
-            chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in want.boxes]
+            chunks = [
+                ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for (o, s), _ in want.boxes
+            ]
             meta = cast(TensorStorageMetadata, saved[k])
             reads = create_read_items_for_chunk_list(k, meta, chunks)
             covered = [0] * len(chunks)
             for r in reads:
                 assert r.dest_index.index is not None
                 covered[r.dest_index.index] += math.prod(r.lengths)
-            for (offsets, sizes), got in zip(want.boxes, covered):
+            for ((offsets, sizes), _), got in zip(want.boxes, covered):
                 if got != math.prod(sizes):
                     raise CheckpointCorruptError(
                         f"{k!r}: the checkpoint holds {got} of the {math.prod(sizes)} elements "
@@ -273,7 +250,7 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
         want = self._wanted.get(index.fqn)
         if want is not None and index.index is not None:
-            return want.views[index.index]
+            return want.boxes[index.index][1]
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -289,7 +266,7 @@ class _CrcStream(io.RawIOBase):
 
     def __init__(self, raw: io.BufferedWriter) -> None:
         super().__init__()
-        self.raw, self.crc, self.n = raw, 0, 0
+        self.raw, self.crc = raw, 0
 
     def writable(self) -> bool:
         return True
@@ -297,7 +274,6 @@ class _CrcStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)
-        self.n += view.nbytes
         self.raw.write(view)
         return view.nbytes
 
@@ -315,41 +291,31 @@ class _ChecksummedWriter(FileSystemWriter):
         assert plan.storage_data is not None
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         file = os.path.join(str(self.path), name)
+        results: list[WriteResult] = []
         try:
-            results = self._write_items(file, name, plan, planner)
+            with open(file, "wb") as f:
+                for item in plan.items:
+                    data, offset, stream = planner.resolve_data(item), f.tell(), _CrcStream(f)
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(cast(io.BytesIO, data).getbuffer())
+                    else:
+                        t = cast(Tensor, data).detach().cpu()
+                        if t.untyped_storage().nbytes() != t.nbytes:
+                            t = t.clone()  # torch.save writes whole storages: copy just the box
+                        torch.save(t, cast(IO[bytes], stream))
+                        del t
+                    del data
+                    info = _StorageInfo(name, offset, f.tell() - offset)
+                    setattr(info, _CRC_ATTR, stream.crc)
+                    results.append(WriteResult(item.index, info.length, info))
+                f.flush()
+                if self.sync_files:
+                    os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:  # torch.save's zip writer hides an OSError
             raise CheckpointError(f"cannot write {file}: {atomic_dir.os_error(e) or e}") from e
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
-
-    def _write_items(
-        self, file: str, name: str, plan: SavePlan, planner: SavePlanner
-    ) -> list[WriteResult]:
-        results: list[WriteResult] = []
-        with open(file, "wb") as f:
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                offset = f.tell()
-                stream = _CrcStream(f)
-                if item.type == WriteItemType.BYTE_IO:
-                    stream.write(cast(io.BytesIO, data).getbuffer())
-                else:
-                    t = cast(Tensor, data).detach().cpu()
-                    if t.untyped_storage().nbytes() != t.nbytes:
-                        t = t.clone()  # torch.save writes whole storages: copy just the box
-                    torch.save(t, cast(IO[bytes], stream))
-                    del t
-                del data
-                info = _StorageInfo(name, offset, f.tell() - offset)
-                setattr(info, _CRC_ATTR, stream.crc)
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info)
-                )
-            f.flush()
-            if self.sync_files:
-                os.fsync(f.fileno())
-        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
@@ -394,77 +360,208 @@ class _ChecksummedReader(FileSystemReader):
             raise self._metadata_error
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
-    def _bytes(self, f: io.BufferedReader, where: str, info: _StorageInfo) -> bytes:
-        f.seek(info.offset)
-        raw = f.read(info.length)
-        if len(raw) != info.length:
-            size = os.fstat(f.fileno()).st_size
-            raise CheckpointCorruptError(
-                f"{where} needs bytes [{info.offset}, {info.offset + info.length}) but the file "
-                f"has {size}: the checkpoint is truncated"
-            )
-        expected = getattr(info, _CRC_ATTR, None)
-        if expected is None:
-            raise CheckpointCorruptError(f"{where} has no recorded checksum")
-        got = zlib.crc32(raw)
-        if got != expected:
-            raise CheckpointCorruptError(
-                f"{where}, bytes [{info.offset}, {info.offset + info.length}): crc32 {got:08x} but "
-                f"{expected:08x} was recorded: the checkpoint is corrupt"
-            )
-        return raw
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
+        requests: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for relative, reqs in per_file.items():
-            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-            path = os.path.join(str(self.path), relative)
-            if not os.path.exists(path):
-                raise CheckpointCorruptError(f"the checkpoint file {path} is missing")
-            with open(path, "rb") as f:
-                for index, group in itertools.groupby(reqs, key=lambda r: r.storage_index):
-                    info = self.storage_data[index]
-                    where = f"{index.fqn} at offsets {tuple(index.offset or ())} in {relative}"
-                    raw = self._bytes(f, where, info)
-                    requests = list(group)
-                    if requests[0].type == LoadItemType.BYTE_IO:
-                        for req in requests:
-                            planner.load_bytes(req, io.BytesIO(raw))
-                        continue
-                    stored = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                    del raw
-                    for req in requests:
-                        src = stored
-                        for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                            src = src.narrow(d, o, n)
-                        dst = planner.resolve_tensor(req).detach()
-                        dst.copy_(src)
-                        planner.commit_tensor(req, dst)
-                    del stored
+            requests.setdefault(req.storage_index, []).append(req)
+        for index, raw in _checked_items(str(self.path), self.storage_data, requests):
+            if requests[index][0].type == LoadItemType.BYTE_IO:
+                for req in requests[index]:
+                    planner.load_bytes(req, io.BytesIO(raw))
+                continue
+            stored = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            del raw  # at most two chunks beyond the output: this one and the next one's bytes
+            for req in requests[index]:
+                src = stored
+                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    src = src.narrow(d, o, n)
+                dst = planner.resolve_tensor(req).detach()
+                dst.copy_(src)
+                planner.commit_tensor(req, dst)
+            del stored
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
 
-# ------------------------------------------------------------------------------ entry points
+def _checked(f: io.BufferedReader, where: str, info: _StorageInfo) -> bytes:
+    """One item's bytes, their length and CRC32 checked."""
+    f.seek(info.offset)
+    raw = f.read(info.length)
+    span = f"bytes [{info.offset}, {info.offset + info.length})"
+    if len(raw) != info.length:
+        size = os.fstat(f.fileno()).st_size
+        raise CheckpointCorruptError(
+            f"{where} needs {span} but the file has {size}: the checkpoint is truncated"
+        )
+    expected = getattr(info, _CRC_ATTR, None)
+    if expected is None:
+        raise CheckpointCorruptError(f"{where} has no recorded checksum")
+    if (got := zlib.crc32(raw)) != expected:
+        raise CheckpointCorruptError(
+            f"{where}, {span}: crc32 {got:08x} but {expected:08x} was recorded: the checkpoint "
+            "is corrupt"
+        )
+    return raw
 
 
-def _unwrap(step: str, error: CheckpointException) -> CheckpointError:
-    """DCP's CheckpointException (a BaseException) as one error naming each failed rank."""
-    failures = sorted(error.failures.items())
-    corrupt = any(isinstance(exc, CheckpointCorruptError) for _, (exc, _) in failures)
-    kind = CheckpointCorruptError if corrupt else CheckpointError
-    return kind(f"checkpoint {step} failed: " + by_rank([(r, str(e)) for r, (e, _) in failures]))
+def _checked_items(
+    root: str, storage: Mapping[MetadataIndex, _StorageInfo], indices: Iterable[MetadataIndex]
+) -> Iterator[tuple[MetadataIndex, bytes]]:
+    """The items' checked bytes, file by file in offset order (each file opened once)."""
+    by_file: dict[str, list[MetadataIndex]] = {}
+    for index in indices:
+        by_file.setdefault(storage[index].relative_path, []).append(index)
+    for relative, items in by_file.items():
+        file = os.path.join(root, relative)
+        if not os.path.exists(file):
+            raise CheckpointCorruptError(f"the checkpoint file {file} is missing")
+        with open(file, "rb") as f:
+            for index in sorted(items, key=lambda i: storage[i].offset):
+                where = f"{index.fqn} at offsets {tuple(index.offset or ())} in {relative}"
+                yield index, _checked(f, where, storage[index])
+
+
+# ------------------------------------------------------------------------------ saving
 
 
 @contextlib.contextmanager
 def dcp_errors(step: str) -> Iterator[None]:
+    """DCP's ``CheckpointException`` (a BaseException) as one error naming each failed rank."""
     try:
         yield
     except CheckpointException as e:
-        raise _unwrap(step, e) from None
+        failures = sorted(e.failures.items())
+        corrupt = any(isinstance(exc, CheckpointCorruptError) for _, (exc, _) in failures)
+        kind = CheckpointCorruptError if corrupt else CheckpointError
+        by = by_rank([(r, str(exc)) for r, (exc, _) in failures])
+        raise kind(f"checkpoint {step} failed: {by}") from None
+
+
+def dcp_parts(
+    tmp: str, pieces: Pieces, max_box_numel: int | None
+) -> tuple[SavePlanner, FileSystemWriter]:
+    """DCP's planner and writer of ``pieces`` into the directory ``tmp`` (a CRC32 per item)."""
+    writer = _ChecksummedWriter(tmp, sync_files=True, overwrite=False)
+    return _BoxSavePlanner(pieces, max_box_numel), writer
+
+
+def write_dcp(
+    tmp: str,
+    pieces: Pieces,
+    objects: Mapping[str, object],
+    process_group: dist.ProcessGroup | None,
+    max_box_numel: int | None,
+) -> None:
+    """Write every rank's ``pieces`` and ``objects`` into ``tmp`` with DCP; collective, a
+    failure raised on every rank."""
+    planner, writer = dcp_parts(tmp, pieces, max_box_numel)
+    with dcp_errors("save"):
+        dcp_save(dict(objects), storage_writer=writer, planner=planner, process_group=process_group)
+
+
+class AtomicSave:
+    """One atomic save: a marked temporary beside ``path``, written, committed, one verdict.
+
+    The shared, the per-rank (``own=True``: each rank into its own directory) and the background
+    saves all enter it. Making it refuses, on every rank and before anything is written, a
+    ``path`` that is a file, a link or a directory of something else
+    (:mod:`~zero_functional.checkpoint.atomic_dir`). Leaving the block commits what it wrote in
+    :attr:`tmp` (shared: rank 0; own: each rank) and agrees on the verdict: every rank returns
+    once the checkpoint is in place, or raises naming each rank's cause, the previous checkpoint
+    untouched. A block that fails (shared: DCP fails every rank; own: agreed) has its temporary
+    discarded; a background save :meth:`hand_off` s the commit to its thread.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> with AtomicSave(path, group) as save:
+        ...     open(os.path.join(save.tmp, "data"), "w").close()
+        >>> sorted(os.listdir(path))
+        ['.zero_functional-save', 'data']
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        process_group: dist.ProcessGroup | None,
+        *,
+        own: bool = False,
+    ) -> None:
+        self.target = os.path.abspath(os.fspath(path))
+        self.group, self.own = process_group, own
+        self.holds = own or comm.rank_or_zero(process_group) == 0  # makes tmp and commits it
+        self._handed_off = False
+        tmp, reason = self._temporary() if self.holds else ("", None)
+        if own:
+            reason = self._refusals(reason)
+        else:  # rank 0 decided for every rank
+            agreed = comm.broadcast_object((tmp, reason), process_group)
+            tmp, reason = cast(tuple[str, "str | None"], agreed)
+        if reason is not None:
+            if tmp and self.holds:
+                atomic_dir.discard(tmp)
+            raise CheckpointError(f"checkpoint save refused, nothing written: {reason}")
+        self.tmp = tmp
+
+    def _temporary(self) -> tuple[str, str | None]:
+        """The temporary this rank makes beside the target, or why it may not."""
+        if (reason := atomic_dir.refusal(self.target)) is not None:
+            return "", reason
+        try:
+            return atomic_dir.make_temporary(self.target), None
+        except OSError as e:
+            return "", f"cannot create a directory beside {self.target} ({e}); pass a writable path"
+
+    def _refusals(self, reason: str | None) -> str | None:
+        """Every rank's refusal, and ranks given one directory, as one reason (or ``None``)."""
+        seen = comm.all_gather_objects((self.target, reason), comm.default_group(self.group))
+        pairs = cast(list[tuple[str, "str | None"]], seen)
+        problems = [(r, why) for r, (_, why) in enumerate(pairs) if why is not None]
+        first: dict[str, int] = {}
+        for r, (where, _) in enumerate(pairs):
+            if first.setdefault(where, r) != r:
+                why = f"{where} is rank {first[where]}'s directory too: with shared=False each "
+                problems.append((r, why + "rank saves into its own directory"))
+        return by_rank(problems) if problems else None
+
+    def __enter__(self) -> AtomicSave:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        if self._handed_off:
+            return
+        if error is not None and not isinstance(error, (CheckpointError, OSError)):
+            return  # a crash's (a peer gone): the next save removes the temporary
+        if error is not None and not self.own:  # DCP's verdict, raised on every rank
+            if self.holds:
+                atomic_dir.discard(self.tmp)
+            return
+        failure = str(error) if error is not None else self.commit() if self.holds else None
+        if not self.own:  # rank 0's verdict: every rank returns after the commit
+            if verdict := comm.broadcast_object(failure, self.group):
+                raise CheckpointError(str(verdict))
+            return
+        failures = comm.all_gather_objects(failure, comm.default_group(self.group))
+        if failed := [(r, str(f)) for r, f in enumerate(failures) if f]:
+            atomic_dir.discard(self.tmp)
+            raise CheckpointError("checkpoint save failed: " + by_rank(failed))
+
+    def commit(self) -> str | None:
+        """Swap the written temporary onto the path and remove what earlier saves left beside
+        it (the rank that holds it); why it failed, naming both directories, or ``None``."""
+        try:
+            atomic_dir.commit(self.tmp, self.target)
+        except OSError as e:
+            return (
+                f"the checkpoint was written to {self.tmp} but could not replace {self.target}: {e}"
+            )
+        atomic_dir.remove_leftovers(self.target)  # of earlier saves killed before their commit
+        return None
+
+    def hand_off(self) -> None:
+        """Leave the commit and the verdict to the caller (a background save's thread)."""
+        self._handed_off = True
 
 
 def save_pieces(
@@ -480,130 +577,50 @@ def save_pieces(
     Args:
         path: The checkpoint directory; replaced as a whole once every rank has written.
         pieces: What this rank holds (:data:`Pieces`): a whole tensor is ``(0, numel)``; a
-            per-parameter scalar held by several ranks is the range ``(0, 1)`` on each (written
-            once, after checking the copies agree); a zero-size tensor's key is enough on one
-            rank.
+            scalar several ranks hold is ``(0, 1)`` on each (written once, the copies checked
+            to agree).
         objects: Small picklable values (identical on every rank that passes one).
         process_group: The ranks that save together (default: the world).
         max_box_numel: No stored chunk is larger: the memory a save needs beyond the state.
 
     Raises:
-        CheckpointError: On every rank, naming each rank's cause; the previous checkpoint at
-            ``path``, if any, is untouched. ``path`` a file, a symbolic link or a directory
-            that holds no checkpoint is refused before anything is written.
-    """
-    target, tmp = temporary(path, process_group)
-    planner, writer = dcp_parts(tmp, pieces, max_box_numel)
-    try:
-        with dcp_errors("save"):
-            dcp_save(
-                dict(objects), storage_writer=writer, planner=planner, process_group=process_group
-            )
-    except CheckpointError:
-        if comm.rank_or_zero(process_group) == 0:
-            atomic_dir.discard(tmp)
-        raise
-    mine = commit(tmp, target) if comm.rank_or_zero(process_group) == 0 else None
-    error = comm.broadcast_object(mine, process_group)  # every rank returns after the commit
-    if error:
-        raise CheckpointError(str(error))
-
-
-def temporary(
-    path: str | os.PathLike[str], process_group: dist.ProcessGroup | None
-) -> tuple[str, str]:
-    """The absolute target and the marked temporary a save writes into; collective.
-
-    Group rank 0 decides (:mod:`~zero_functional.checkpoint.atomic_dir`) before anything is
-    written; every rank returns the same or raises the same.
-
-    Raises:
-        CheckpointError: ``path`` is refused or no temporary can be made beside it.
+        CheckpointError: On every rank, naming each rank's cause (:class:`AtomicSave`).
 
     Example:
         >>> import os, tempfile
-        >>> target, tmp = temporary(os.path.join(tempfile.mkdtemp(), "ckpt"), None)
-        >>> os.path.basename(tmp).startswith(os.path.basename(target) + ".tmp-")
-        True
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> save_pieces(path, {"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, {"n": 1})
+        >>> read_keys(path), read_objects(path, ["n"]), verify(path)
+        ({'n': None, 'w': ((2,), torch.float32)}, {'n': 1}, 2)
     """
-    target = os.path.abspath(os.fspath(path))
-    tmp, reason = "", None
-    if comm.rank_or_zero(process_group) == 0:
-        reason = atomic_dir.refusal(target)
-        if reason is None:
-            try:
-                tmp = atomic_dir.make_temporary(target)
-            except OSError as e:
-                reason = f"cannot create a directory beside {target} ({e}); pass a writable path"
-    tmp, reason = cast(
-        tuple[str, "str | None"], comm.broadcast_object((tmp, reason), process_group)
-    )
-    if reason is not None:
-        raise CheckpointError(f"checkpoint save refused, nothing written: {reason}")
-    return target, tmp
+    with AtomicSave(path, process_group) as save:
+        write_dcp(save.tmp, pieces, objects, process_group, max_box_numel)
 
 
-def commit(tmp: str, target: str) -> str | None:
-    """Swap the written temporary onto ``target`` and remove earlier saves' leftovers (one
-    rank); why it failed, naming both directories, or ``None``.
-
-    Example:
-        >>> import os, tempfile
-        >>> target, tmp = temporary(os.path.join(tempfile.mkdtemp(), "ckpt"), None)
-        >>> commit(tmp, target), os.listdir(target)
-        (None, ['.zero_functional-save'])
-    """
-    try:
-        atomic_dir.commit(tmp, target)
-    except OSError as e:
-        return f"the checkpoint was written to {tmp} but could not replace {target}: {e}"
-    atomic_dir.remove_leftovers(target)  # of earlier saves killed before their commit
-    return None
+# ------------------------------------------------------------------------------ reading
 
 
-def dcp_parts(
-    tmp: str, pieces: Pieces, max_box_numel: int | None
-) -> tuple[SavePlanner, FileSystemWriter]:
-    """:func:`save_pieces`'s DCP planner and writer of ``pieces`` into ``tmp`` (a CRC32 per item).
-
-    Example:
-        >>> planner, writer = dcp_parts("ckpt.tmp-0", {}, None)
-    """
-    writer = _ChecksummedWriter(tmp, sync_files=True, overwrite=False)
-    return _BoxSavePlanner(pieces, max_box_numel), writer
-
-
-def _metadata(path: str | os.PathLike[str]) -> tuple[_ChecksummedReader, Metadata]:
+def _metadata(path: str | os.PathLike[str]) -> Metadata:
     if (problem := atomic_dir.not_a_checkpoint(os.fspath(path))) is not None:
         raise CheckpointError(problem)  # named for what it is, not "corrupt"
     reader = _ChecksummedReader(os.fspath(path))
     metadata = reader.read_metadata()
     if reader._metadata_error is not None:
         raise reader._metadata_error
-    return reader, metadata
+    return metadata
 
 
 def verify(path: str | os.PathLike[str]) -> int:
-    """Check every stored item's length and checksum, in this process alone; the item count.
-
-    What a launcher runs before it starts ranks on a checkpoint (it reads every byte once).
+    """Check every stored item's length and checksum, in this process alone (what a launcher
+    runs before it starts ranks on a checkpoint); the number of items.
 
     Raises:
         CheckpointError: No checkpoint at ``path``.
         CheckpointCorruptError: A missing or truncated file, a checksum that does not match.
     """
-    reader, metadata = _metadata(path)
-    by_file: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = {}
-    for index, info in metadata.storage_data.items():
-        by_file.setdefault(info.relative_path, []).append((index, info))
-    for relative, items in by_file.items():
-        file = os.path.join(os.fspath(path), relative)
-        if not os.path.exists(file):
-            raise CheckpointCorruptError(f"the checkpoint file {file} is missing")
-        with open(file, "rb") as f:
-            for index, info in sorted(items, key=lambda ii: ii[1].offset):
-                where = f"{index.fqn} at offsets {tuple(index.offset or ())} in {relative}"
-                reader._bytes(f, where, info)
+    metadata = _metadata(path)
+    for _ in _checked_items(os.fspath(path), metadata.storage_data, metadata.storage_data):
+        pass
     return len(metadata.storage_data)
 
 
@@ -614,37 +631,27 @@ def read_objects(path: str | os.PathLike[str], keys: Sequence[str]) -> dict[str,
         CheckpointError: No checkpoint, or a key it lacks or holds as a tensor.
         CheckpointCorruptError: An object's bytes are not what was written.
     """
-    reader, metadata = _metadata(path)
-    out: dict[str, object] = {}
+    metadata = _metadata(path)
     for key in keys:
-        meta = metadata.state_dict_metadata.get(key)
-        if not isinstance(meta, BytesStorageMetadata):
+        if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
             raise CheckpointError(f"the checkpoint at {os.fspath(path)} holds no object {key!r}")
-        index = MetadataIndex(key)
-        info = metadata.storage_data[index]
-        with open(os.path.join(os.fspath(path), info.relative_path), "rb") as f:
-            raw = reader._bytes(f, f"{key} in {info.relative_path}", info)
-        out[key] = torch.load(io.BytesIO(raw), weights_only=True)
-    return out
+    items = _checked_items(os.fspath(path), metadata.storage_data, map(MetadataIndex, keys))
+    return {i.fqn: torch.load(io.BytesIO(raw), weights_only=True) for i, raw in items}
 
 
-def read_keys(
-    path: str | os.PathLike[str],
-) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+def read_keys(path: str | os.PathLike[str]) -> Saved:
     """The keys of a checkpoint: ``(shape, dtype)`` for tensors, ``None`` for objects (local).
 
     Raises:
         CheckpointError: No checkpoint at ``path``.
         CheckpointCorruptError: Its index does not match its checksum.
     """
-    _, metadata = _metadata(path)
-    out: dict[str, tuple[tuple[int, ...], torch.dtype] | None] = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata):
-            out[key] = (tuple(meta.size), meta.properties.dtype)
-        else:
-            out[key] = None
-    return out
+    return {
+        key: (tuple(meta.size), meta.properties.dtype)
+        if isinstance(meta, TensorStorageMetadata)
+        else None
+        for key, meta in _metadata(path).state_dict_metadata.items()
+    }
 
 
 def load_pieces(
@@ -655,9 +662,8 @@ def load_pieces(
 ) -> tuple[dict[str, list[Tensor]], dict[str, object]]:
     """Read the ranges this rank wants, and objects, from the checkpoint at ``path``; collective.
 
-    Reads only the saved chunks that overlap the wanted ranges and checks each one's checksum
-    before using it. Every check (keys, shapes, dtypes, coverage, checksums) fails on every
-    rank, and nothing the caller owns has changed: the values come back in fresh tensors.
+    Only the saved chunks that overlap the ranges are read; every check (keys, shapes, dtypes,
+    coverage, checksums) fails on every rank before anything the caller owns changes.
 
     Returns:
         Per key, one fresh 1-D CPU tensor per wanted range; per object key, its value.
@@ -665,6 +671,13 @@ def load_pieces(
     Raises:
         CheckpointError: A key missing, of another shape or dtype, or not fully saved.
         CheckpointCorruptError: Bytes on disk that are not what was written.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> save_pieces(path, {"w": ((2, 2), torch.float32, [(0, 4, torch.arange(4.0))])}, {})
+        >>> load_pieces(path, {"w": ((2, 2), torch.float32, [(1, 3)])})
+        ({'w': [tensor([1., 2.])]}, {})
     """
     if not os.path.isdir(os.fspath(path)):
         raise CheckpointError(f"there is no checkpoint directory at {os.fspath(path)}")
@@ -672,16 +685,9 @@ def load_pieces(
     plan: dict[str, _Want] = {}
     for key, (shape_seq, dtype, ranges) in wanted.items():
         shape = torch.Size(shape_seq)
-        buffers, boxes, views = [], [], []
-        for start, stop in ranges:
-            buffer = torch.empty(stop - start, dtype=dtype)
-            buffers.append(buffer)
-            for box, first in flat_range_boxes(shape, start, stop):
-                n = math.prod(box[1])
-                boxes.append(box)
-                views.append(buffer[first - start : first - start + n].view(box[1]))
-        out[key] = buffers
-        plan[key] = _Want(shape, dtype, boxes, views)
+        out[key] = [torch.empty(stop - start, dtype=dtype) for start, stop in ranges]
+        boxes = [b for (a, z), t in zip(ranges, out[key]) for b in box_views(shape, a, z, t)]
+        plan[key] = _Want(shape, dtype, boxes)
     state: dict[str, Any] = {k: None for k in objects}
     with dcp_errors("load"):
         dcp_load(
