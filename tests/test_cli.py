@@ -187,6 +187,8 @@ def small_mlp() -> nn.Module:
         ["train", "--nproc", "4", "--shard-size", "3"],
         ["train", "--shard-size", "0"],
         ["train", "--nproc", "4", "--shard-size", "2", "--impl", "torch"],
+        ["train", "--save-every", "5"],
+        ["demo", "--grace-s", "5"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "gpt2-small", "--dtype", "int8"],
@@ -543,6 +545,37 @@ def test_help_and_argument_errors_answer_without_importing_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "torch imported: False", proc.stdout
+
+
+NEEDS_SCRIPT = """
+import sys
+from zero_functional.app.cli import main
+
+for argv in (
+    ["train", "--save-every", "5"],
+    ["demo", "--grace-s", "5", "--epochs", "2"],
+    ["train", "--dtype", "bf16", "--main-params", "fp32", "--impl", "torch"],
+):
+    print(main(argv))
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_a_flag_that_needs_another_is_refused_in_one_line_naming_it_before_torch_loads() -> None:
+    # issue 42 item 7: `train --save-every 5` was refused after 17.7 s (torch imported first), in
+    # internal names ("got 5 with checkpoint None"); `--grace-s` without --checkpoint ran
+    proc = subprocess.run(
+        [sys.executable, "-c", NEEDS_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["2", "2", "2", "torch imported: False"], proc.stdout
+    assert proc.stderr.splitlines() == [
+        "zero-functional train: error: --save-every needs --checkpoint: it saves there",
+        "zero-functional demo: error: --grace-s needs --checkpoint: SIGTERM saves there, within "
+        "S seconds",
+        "zero-functional train: error: --main-params fp32 needs --impl zero_functional: torch's "
+        "ZeroRedundancyOptimizer keeps no main copy",
+    ], proc.stderr
 
 
 def test_python_dash_m_help_exits_0() -> None:

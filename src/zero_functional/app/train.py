@@ -1,26 +1,17 @@
-"""The demo training job: an MLP on scikit-learn's handwritten digits, DDP + ZeRO, then plain DDP.
+"""The demo training job: an MLP on scikit-learn's digits, DDP + ZeRO, then plain DDP to compare.
 
-The job runs in every rank of a gloo process group, either spawned here on 127.0.0.1
-(:func:`launch`) or joined under ``torchrun`` (:func:`run_torchrun`). It trains with
-``DistributedDataParallel`` and a ``ZeroRedundancyOptimizer`` over ``torch.optim.Adam``, then, in
-the same processes and from the same seed (or the same checkpoint), with plain DDP and
-``torch.optim.Adam``, and reports whether the two runs end with the same parameters: both do
-the same arithmetic (:data:`FUSED`), so at 1 or 2 ranks they must be bitwise equal
-(:func:`parity_verdict` says why not at 3 or more).
-
-The global batch is split across ranks and each rank's loss is scaled by
-``world_size / global_batch``, so DDP's gradient average is the global batch mean exactly and a
-run resumed at another world size continues the same optimisation.
-
-Its checkpoints are :mod:`zero_functional.checkpoint` directories (or, with ``--impl torch``,
-one ``torch.save`` file); their format and the checks a resume makes are
-:mod:`zero_functional.checkpoint.format`'s.
+The job runs in every rank of a gloo group, spawned here on 127.0.0.1 (:func:`launch`) or joined
+under a cluster launcher (:func:`run_torchrun`). It trains with ``DistributedDataParallel`` and a
+``ZeroRedundancyOptimizer`` over Adam, then, from the same seed (or checkpoint), with plain DDP
+and Adam, and reports whether both end with the same parameters (:func:`parity_verdict`). Each
+rank's loss is scaled by ``world_size / global_batch``, so DDP's average is the global batch
+mean and a run resumed at another world size continues the same optimisation. Its options are
+:mod:`.train_options`', its checkpoints :mod:`.train_file`'s.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import os
 import signal
 import sys
@@ -28,7 +19,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -36,8 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zero_functional import comm
+from zero_functional.app import train_file
 from zero_functional.app.cluster import ClusterRank, elastic_resume
-from zero_functional.app.disk_full import disk_full
+from zero_functional.app.failures import disk_full
 from zero_functional.app.launch import (
     TERM_GRACE_S,
     LaunchError,
@@ -45,15 +37,13 @@ from zero_functional.app.launch import (
     process_group,
     run_ranks,
 )
-from zero_functional.app.preempt import DEFAULT_GRACE_S, EXIT_CODE, Preempted, Preemption
-from zero_functional.checkpoint import format as checkpoint_format
-from zero_functional.checkpoint.storage import CheckpointError
+from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
+from zero_functional.app.train_options import TrainConfig
 from zero_functional.core.ownership import check_partition
 from zero_functional.core.partition import hybrid_shape
 
 __all__ = [
     "CHECKPOINT_FORMAT",
-    "CheckpointError",
     "TrainConfig",
     "build_model",
     "epoch_batches",
@@ -68,100 +58,14 @@ __all__ = [
     "save_checkpoint",
 ]
 
-CHECKPOINT_FORMAT = checkpoint_format.TRAIN_FORMAT
-"""The ``format`` key of the checkpoints this job writes; others are refused on resume."""
-
-save_checkpoint = checkpoint_format.write_train_file
-"""Write a single-file checkpoint's payload atomically (a crash mid-write keeps the old file)."""
-
-Impl = Literal["zero_functional", "torch"]
+CHECKPOINT_FORMAT = train_file.TRAIN_FORMAT
+save_checkpoint = train_file.write_train_file
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a GradScaler
 
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a rank needs to run the job; picklable, so it travels to spawned ranks.
-
-    Attributes:
-        epochs: Total epochs; a resumed run continues up to this many.
-        lr: Adam's learning rate.
-        seed: Model initialisation and data order.
-        batch_size: Global batch size, split across ranks.
-        hidden: Width of the MLP's two hidden layers.
-        overlap: Run the ZeRO step inside DDP's backward (``overlap_with_ddp``).
-        checkpoint: Write a checkpoint here after every epoch, and after the step at which
-            every rank agreed to stop on SIGTERM: a sharded directory
-            (``zero_functional.checkpoint``), or with ``impl="torch"`` one consolidated file.
-        resume: Continue from this checkpoint (a directory or a file, any world size), at the
-            epoch and step it was written after.
-        impl: ``"zero_functional"`` (ours) or ``"torch"`` (``torch.distributed.optim``'s).
-        reference: Also run plain DDP + ``torch.optim.Adam`` and compare parameters.
-        progress: Show a tqdm bar on rank 0.
-        bucket_cap_mb: DDP's gradient bucket size; in overlap mode buckets are what ranks own.
-        partition: ``"flat"`` (even split; the demo's) or ``"sorted_greedy"`` (torch's whole
-            tensors); ignored by ``--impl torch``.
-        dtype: The model's dtype, ``"fp32"`` or ``"bf16"`` (inputs cast to it, loss in fp32).
-        main_params: ``"fp32"``: ours with ``main_params_dtype=torch.float32``, and the
-            reference's Adam on fp32 main weights (bf16 gradients upcast, parameters rounded).
-        shard_size: Hybrid sharding (ours only): the state sharded within groups of this many
-            consecutive ranks and replicated across the ``world_size / shard_size`` groups, a
-            ``("replicate", "shard")`` device mesh; ``None``: sharded over the whole world.
-        grace_s: With ``checkpoint``: seconds from SIGTERM to the end of the save it asks for
-            (:mod:`zero_functional.app.preempt`); past them the rank exits without it.
-    """
-
-    epochs: int = 10
-    lr: float = 1e-3
-    seed: int = 0
-    batch_size: int = 64
-    hidden: int = 128
-    overlap: bool = False
-    checkpoint: str | None = None
-    resume: str | None = None
-    impl: Impl = "zero_functional"
-    reference: bool = True
-    progress: bool = True
-    bucket_cap_mb: float = 25.0
-    partition: str = "flat"
-    dtype: str = "fp32"
-    main_params: str | None = None
-    shard_size: int | None = None
-    grace_s: float = DEFAULT_GRACE_S
-    save_every: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.save_every is not None and (self.save_every < 1 or self.checkpoint is None):
-            raise ValueError(
-                f"save_every must be >= 1 and needs a checkpoint, got {self.save_every} with "
-                f"checkpoint {self.checkpoint!r}"
-            )
-        if self.dtype not in DTYPES or self.main_params not in (None, "fp32"):
-            raise ValueError(
-                f"dtype must be one of {', '.join(DTYPES)} and main_params None or 'fp32', got "
-                f"{self.dtype!r} and {self.main_params!r}"
-            )
-        if self.epochs < 1 or self.batch_size < 1 or self.hidden < 1:
-            raise ValueError(
-                f"epochs, batch_size and hidden must be >= 1, got {self.epochs}, "
-                f"{self.batch_size}, {self.hidden}"
-            )
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr}")
-        if not (self.grace_s > 0 and math.isfinite(self.grace_s)):
-            raise ValueError(f"grace_s must be a positive number, got {self.grace_s}")
-        if not -(2**63) <= self.seed < 2**64:
-            raise ValueError(
-                f"seed must be in torch.manual_seed's range, -2**63 to 2**64-1, got {self.seed}"
-            )
-        check_partition(self.partition)
-        if self.shard_size is not None and (self.shard_size < 1 or self.impl != "zero_functional"):
-            raise ValueError(
-                f"shard_size must be >= 1 and needs impl 'zero_functional' (torch's class takes "
-                f"no device mesh), got {self.shard_size} with impl {self.impl!r}"
-            )
-
-
-# ----------------------------------------------------------------------------- pure pieces
+FUSED = False
+"""Adam's ``fused`` in both runs (and in torch's class). Torch's fused CPU kernel computes the
+last ``numel % vector width`` elements of each tensor in double, the rest in float, so ZeRO's
+pieces, which end where whole tensors do not, would round differently."""
 
 
 def format_bytes(n: float) -> str:
@@ -179,17 +83,10 @@ def format_bytes(n: float) -> str:
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
-    """The global batches of one epoch: a permutation of ``range(n)`` fixed by seed and epoch.
-
-    The last batch keeps the remainder, so every sample is seen once per epoch. The job asks
-    for one epoch's batches at a time, so the number of epochs costs no memory.
+    """The global batches of one epoch, a permutation of ``range(n)`` fixed by seed and epoch;
+    the last keeps the remainder. One epoch at a time: the number of epochs costs no memory.
 
     Example:
-        >>> [b.tolist() for b in epoch_batches(5, 2, seed=0, epoch=0)] == [
-        ...     b.tolist() for b in epoch_batches(5, 2, seed=0, epoch=0)]
-        True
-        >>> [len(b) for b in epoch_batches(5, 2, seed=0, epoch=0)]
-        [2, 2, 1]
         >>> [len(b) for b in epoch_batches(5, 2, seed=2**64 - 1, epoch=999_999)]  # any seed
         [2, 2, 1]
     """
@@ -200,40 +97,20 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
     return list(torch.tensor_split(perm, list(range(batch_size, n, batch_size))))
 
 
-FUSED = False
-"""Adam's ``fused`` in both runs (and in torch's class): torch.optim.Adam's default arithmetic,
-one float operation per element and step wherever the element sits. Torch's fused CPU kernel
-computes the last ``numel % vector width`` elements of each tensor in double and the rest in
-float, so ZeRO's pieces, which end where whole tensors do not, would round differently."""
-
-
 def parity_verdict(max_diff: float, world_size: int, reduce_on_owners: bool) -> str:
     """The verdict on the ZeRO run's parameters against the plain run's, after the same steps.
 
-    Both runs do the same arithmetic on every element (the same data, Adam's default kernel),
-    with one exception: at 3 or more ranks, ZeRO's hooks sum each gradient onto its owner (a
-    reduce) where DDP all-reduces, and gloo adds the ranks' gradients in another order for
-    each. Floating-point addition is not associative, and training amplifies a difference of one
-    rounding: on the demo's job, 2e-7 after 460 steps, 1e-3 after 1,840, so no tolerance holds
-    for every run. At 1 or 2 ranks (a sum of two is the same either way) and with torch's class
-    (which all-reduces too) the comparison is therefore exact; at 3 or more the difference is
-    reported, not judged.
-
-    Args:
-        max_diff: The largest ``|parameter difference|`` over every rank and parameter.
-        world_size: The ranks both runs used.
-        reduce_on_owners: Whether the ZeRO run reduced gradients onto owners (ours; torch's
-            class all-reduces).
+    Both runs do the same arithmetic on every element, except that at 3 or more ranks ZeRO's
+    hooks sum each gradient onto its owner (a reduce) where DDP all-reduces, and gloo adds the
+    ranks' gradients in another order for each; training amplifies that rounding, so no
+    tolerance holds for every run. At 1 or 2 ranks, and with torch's class (which all-reduces
+    too), the comparison is exact; at 3 or more the difference is reported, not judged.
 
     Example:
         >>> parity_verdict(0.0, 2, True)
         'bitwise equal'
         >>> parity_verdict(3e-8, 2, True)
         'NOT equal (max |diff| 3.0e-08, where both runs do the same arithmetic)'
-        >>> print(parity_verdict(2e-7, 3, True))  # doctest: +NORMALIZE_WHITESPACE
-        not compared bitwise (max |diff| 2.0e-07): at 3 ranks gloo sums the gradients in another
-        order for ZeRO's reduce than for DDP's all-reduce, and training amplifies the rounding;
-        1 or 2 ranks compare bitwise
     """
     if max_diff == 0:
         return "bitwise equal"
@@ -273,16 +150,7 @@ def build_model(hidden: int) -> nn.Sequential:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and check a checkpoint written by this job: a sharded directory, or an older file.
-
-    For a directory (``zero_functional.checkpoint``), every stored item's checksum is verified
-    and its model and optimizer state are checked against the MLP its own ``args`` describe;
-    the result holds ``epoch``, ``args`` and ``sharded`` (the path). For a single file (what
-    earlier versions wrote, and ``--impl torch`` writes), the zip archive's CRCs are verified and
-    the result also holds ``model`` and ``optimizer``.
-
-    Raises:
-        CheckpointError: Missing, corrupt, not this job's format, or not this job's model.
+    """Read and check a checkpoint of this job (:func:`.train_file.read_train`).
 
     Example:
         >>> load_checkpoint("no-such-checkpoint")
@@ -290,7 +158,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         ...
         zero_functional.checkpoint.storage.CheckpointError: checkpoint no-such-checkpoint does not exist
     """
-    return checkpoint_format.read_train(path, build_model)
+    return train_file.read_train(path, build_model)
 
 
 def load_digits_split() -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -310,9 +178,6 @@ def load_digits_split() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n_test = len(y) // 5
     test, train = perm[:n_test], perm[n_test:]
     return x[train], y[train], x[test], y[test]
-
-
-# ----------------------------------------------------------------------------- the job
 
 
 def _state_bytes(opt: Optimizer) -> int:
@@ -486,30 +351,12 @@ def _train(
 
 
 def _write_checkpoint(
-    cfg: TrainConfig,
-    rank: int,
-    model: nn.Module,
-    opt: Optimizer,
-    at: tuple[int, int],
-    hidden: int,
+    cfg: TrainConfig, rank: int, model: nn.Module, opt: Optimizer, at: tuple[int, int], hidden: int
 ) -> None:
     """Save after ``at``, (epochs done, steps done in the next epoch); a resume starts there."""
     assert cfg.checkpoint is not None
-    args = {**asdict(cfg), "hidden": hidden}
-    extra = {**checkpoint_format.train_extra(at[0], args), "step": at[1]}
-    if cfg.impl == "zero_functional":
-        from zero_functional import checkpoint
-
-        checkpoint.save(cfg.checkpoint, model=model, optimizer=opt, extra=extra)
-        return
-    opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
-    if rank == 0:
-        payload = {
-            **extra,
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-        }
-        save_checkpoint(cfg.checkpoint, payload)
+    extra = {**train_file.train_extra(at[0], {**asdict(cfg), "hidden": hidden}), "step": at[1]}
+    train_file.write(cfg.checkpoint, cfg.impl == "zero_functional", rank, model, opt, extra)
 
 
 def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | None]:
@@ -622,9 +469,6 @@ def _summary(
     if cfg.checkpoint is not None:
         lines.append(f"checkpoint: {cfg.checkpoint}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- launching
 
 
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
