@@ -15,6 +15,7 @@ from torch import nn
 
 import zero_functional
 from zero_functional.app import cli, train
+from zero_functional.app.plan_format import format_bytes
 
 from tests.helpers import forked_train_ranks, run_cli
 
@@ -118,7 +119,7 @@ def test_plan_with_bf16_and_fp32_main_params_prints_bytes_per_rank(
     # flat: each rank owns total / world_size; 2 B params and grads, 4 B main, 2 x 4 B state
     owned = total // 4
     assert rows[("4", "flat")] == [
-        train.format_bytes(n)
+        format_bytes(n)
         for n in (2 * total, 2 * total, 4 * owned, 8 * owned, 4 * total + 12 * owned)
     ]
     # the balance table above is unchanged by the new flags
@@ -141,7 +142,7 @@ def test_plan_bytes_without_a_main_copy_keep_the_state_in_the_parameters_dtype(
         assert code == 0, err
         owned = total // 2
         want = [param * total, param * total, main_b * owned, state * owned]
-        assert memory_rows(out)[("2", "flat")][:4] == [train.format_bytes(n) for n in want]
+        assert memory_rows(out)[("2", "flat")][:4] == [format_bytes(n) for n in want]
 
 
 TINY_TRAIN = ["train", "--nproc", "2", "--epochs", "1", "--hidden", "16", "--batch-size", "256"]
@@ -159,7 +160,7 @@ def test_train_a_bf16_model_matches_its_reference_bitwise_at_2_ranks(
     # the reference's whole state: 4 B main weights (if any) + AdamW's 2 moments per element,
     # plus a 4-byte step per tensor (6 tensors, 1,482 elements)
     per_element = 4 + 2 * 4 if main_params else 2 * 2
-    assert f"  {train.format_bytes(per_element * 1482 + 6 * 4)}  " in out.splitlines()[2]
+    assert f"  {format_bytes(per_element * 1482 + 6 * 4)}  " in out.splitlines()[2]
 
 
 def small_mlp() -> nn.Module:
@@ -718,7 +719,7 @@ def test_plan_with_shard_size_prints_state_and_bytes_within_and_across_nodes(
     assert rows["64"][1:4] == ["8", "x", "8"]
     cells = [" ".join(rows["64"][i : i + 2]) for i in range(4, 16, 2)]
     assert cells == [
-        train.format_bytes(n)
+        format_bytes(n)
         for n in (
             8 * total / 8,
             8 * 4096,  # the weight is one tensor: sorted-greedy gives it to one rank whole
@@ -765,7 +766,7 @@ def test_plan_simulate_builds_the_optimizer_as_those_ranks_would(
         assert int(pieces) == len(plan.owned(rank))
         # AdamW's 2 fp32 moments per owned element and a 4-byte step count per piece
         state = " ".join(rows[(str(rank), "flat")][6:8])
-        assert state == train.format_bytes(8 * load + 4 * int(pieces))
+        assert state == format_bytes(8 * load + 4 * int(pieces))
         assert float(rows[(str(rank), "flat")][-1]) < 10  # seconds
     assert loads[0] > 0  # (flat pieces are aligned: 4,160 elements fill the first ranks only)
     # sorted-greedy at 1,024 ranks: the weight to rank 0, the bias to rank 1, rank 1023 nothing

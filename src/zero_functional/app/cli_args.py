@@ -40,17 +40,20 @@ def shown(text: str) -> str:
 
 @dataclass(frozen=True)
 class IntIn:
-    """An argparse type: an integer from ``low`` to ``high``; past ``high`` the error says ``why``."""
+    """An argparse type: an integer from ``low`` to ``high``; past ``high`` the error says
+    ``why``. Called with ``cap=False`` (a config built in code), ``high`` holds only if ``hard``:
+    otherwise it is the command line's sanity cap."""
 
     low: int
     high: int
     why: str = ""
     span: str = ""  # how the range reads, if not "from low to high"
+    hard: bool = False
 
     def __str__(self) -> str:
         return self.span or f"{self.low:,} to {self.high:,}"
 
-    def __call__(self, text: str) -> int:
+    def __call__(self, text: str, cap: bool = True) -> int:
         span = self.span or f"from {self}"
         try:
             value = int(text)
@@ -58,7 +61,7 @@ class IntIn:
             raise argparse.ArgumentTypeError(
                 f"expected an integer {span}, got {shown(text)}"
             ) from None
-        if not self.low <= value <= self.high:
+        if value < self.low or (value > self.high and (cap or self.hard)):
             why = f" ({self.why})" if self.why and value > self.high else ""
             raise argparse.ArgumentTypeError(f"expected an integer {span}{why}, got {shown(text)}")
         return value
@@ -66,7 +69,7 @@ class IntIn:
 
 @dataclass(frozen=True)
 class PositiveFloat:
-    """An argparse type: a finite number above 0 and at most ``high`` (``why`` that bound)."""
+    """An argparse type: a finite number above 0 and, with ``cap``, at most ``high`` (``why``)."""
 
     high: float = math.inf
     why: str = ""
@@ -74,14 +77,14 @@ class PositiveFloat:
     def __str__(self) -> str:
         return "above 0" + (f", up to {self.high:,.0f}" if math.isfinite(self.high) else "")
 
-    def __call__(self, text: str) -> float:
+    def __call__(self, text: str, cap: bool = True) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"expected a positive number, got {shown(text)}")
-        if value > self.high:
+        if cap and value > self.high:
             raise argparse.ArgumentTypeError(
                 f"expected a positive number up to {self.high:,.0f} ({self.why}), got {shown(text)}"
             )

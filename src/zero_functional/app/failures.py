@@ -1,10 +1,5 @@
-"""What went wrong on the ranks, in words: the failures :func:`~.launch.run_ranks` raises, in the
-order that names the cause first, how a process ended or stopped, and a full disk in one line.
-
-A rank stopped by SIGSTOP (or SIGTSTP, SIGTTIN, SIGTTOU) neither reports nor dies while its peers
-wait: :class:`StoppedRanks` reads its state in ``/proc/<pid>/stat`` (``T``; a debugger's ``t`` is
-left alone) and names it once seen stopped for :data:`STOPPED_S` without a break, so that a job
-suspended as a whole is not taken for a failure. Without ``/proc`` (macOS) the timeout applies.
+"""What went wrong on the ranks, in words: the failures :func:`~.launch.run_ranks` raises, the
+cause first; how a process ended or was stopped (SIGSTOP); a full disk in one line.
 
 Example:
     >>> e = LaunchError([RankFailure(1, "was killed by signal SIGKILL"),
@@ -40,22 +35,14 @@ __all__ = [
     "process_state",
 ]
 
-STOPPED_S = 5.0
-"""Seconds a rank's process must be seen stopped, without a break, before it is named."""
+STOPPED_S = 5.0  # seen stopped this long without a break, a rank is named
 
 
 @dataclass(frozen=True, slots=True)
 class RankFailure:
-    """What went wrong on one rank.
-
-    Attributes:
-        rank: The rank.
-        reason: The end of a sentence that starts with ``rank N``: ``raised ValueError: boom``,
-            ``was killed by signal SIGKILL``, ``gave no result within 60 s``, ...
-        traceback: The rank's own traceback when it raised, else ``""``.
-        primary: Whether this failure came first (several if seen together); the others are
-            most likely its consequences.
-    """
+    """What went wrong on one rank: ``reason`` ends a sentence that starts with ``rank N``
+    (``was killed by signal SIGKILL``), ``traceback`` is its own if it raised, and ``primary``
+    says whether it came first (several if seen together) or is most likely a consequence."""
 
     rank: int
     reason: str
@@ -67,11 +54,8 @@ class RankFailure:
 
 
 class LaunchError(RuntimeError):
-    """One or more ranks failed; ``failures`` says which and how, the first failure first.
-
-    The message has one line per failed rank, then the traceback of each rank that raised
-    first (the later ones, usually a collective the first failure broke, are in ``failures``).
-    """
+    """One or more ranks failed; ``failures`` says which and how, the first failure first. The
+    message has a line per failed rank, then the tracebacks of the primary ones."""
 
     def __init__(
         self, failures: Sequence[RankFailure], results: Mapping[int, object] | None = None
@@ -98,11 +82,9 @@ class LaunchError(RuntimeError):
 def blame(
     died: Sequence[RankFailure], raised: Sequence[RankFailure], first: RankFailure | None
 ) -> list[RankFailure]:
-    """Failures seen together, the first marked primary and the rest its consequences.
-
-    ``raised`` is in the order the ranks raised. A rank that died without reporting comes
-    before the ranks that raised at the same moment: a dead peer breaks the others'
-    collectives, while a rank that raises reports before it leaves the group.
+    """Failures seen together (``raised`` in the order the ranks raised), the first primary and
+    the rest its consequences. A death comes before what was raised at the same moment: a dead
+    peer breaks the others' collectives, a rank that raises reports before it leaves.
 
     Example:
         >>> [str(f) for f in blame([], [RankFailure(1, "raised A"), RankFailure(0, "raised B")], None)]
@@ -176,7 +158,9 @@ def process_state(pid: int) -> str:
 
 
 class StoppedRanks:
-    """Since when each rank's process has been seen stopped (see the module doc).
+    """Since when each rank's process has been seen stopped (``T`` in ``/proc/<pid>/stat``; a
+    debugger's ``t`` is left alone), naming it after ``after_s`` without a break, so that a job
+    suspended as a whole is not taken for a failure. Without ``/proc`` the timeout applies.
 
     Example:
         >>> watch = StoppedRanks(after_s=5.0, state=lambda pid: "T")
@@ -216,8 +200,8 @@ _NO_SPACE = re.compile(
 
 
 def disk_full(error: LaunchError, checkpoint: str | None) -> str | None:
-    """One line naming the rank that found no space left on device, the file it was writing
-    and the checkpoint (instead of a traceback per rank); ``None`` if no failure says ENOSPC.
+    """One line naming the rank that found no space left on device, its file and the
+    checkpoint, instead of a traceback per rank; ``None`` if no failure says ENOSPC.
 
     Example:
         >>> e = LaunchError([RankFailure(0, "raised CheckpointError: checkpoint save failed: "

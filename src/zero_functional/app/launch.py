@@ -1,22 +1,14 @@
 """The one launcher: start N ranks of a gloo group on 127.0.0.1, run a function on each, collect
-the results (``zero-functional train``, the tests, the benchmarks and the notebooks use it).
+the results (``train``, the tests, the benchmarks and the notebooks all use :func:`run_ranks`).
 
-:func:`run_ranks` picks a free port, starts ``world_size`` processes (spawned by default), joins
-each to a process group with a timeout, runs ``fn(rank, world_size, *args)`` and returns the
-values in rank order. A rank's result, or its traceback, comes back pickled over its own pipe;
-a rank that dies, is stopped (SIGSTOP) or hangs past ``timeout_s`` is seen and named
-(:mod:`.failures`). After the first failure the others get :data:`GRACE_S` to report, then are
-killed: nobody waits for the group's timeout. SIGTERM to the launcher stops every rank first
-(SIGTERM, ``term_grace_s``, SIGKILL), then raises :class:`Terminated`; a rank whose launcher dies
-by any signal kills itself (:func:`exit_when_orphaned`).
-
-A rank that succeeded waits in a barrier for the others, destroys the group, and ends with
-``os._exit``, as a forked child does: a spawned child would finalize the interpreter with gloo's
-threads still running, which can abort it (``torch.distributed.nn.functional``, imported after
-``init_process_group``, binds ``group.WORLD`` as a default argument and keeps the group alive), so
-each rank imports that module before it joins. The ranks start with ``TORCH_CPP_LOG_LEVEL=ERROR``
-unless it is set: a dead peer makes c10d log an 18-line C++ stack that the launcher's line names
-better.
+A rank's result or traceback comes back pickled over its own pipe; a rank that dies, is stopped
+or hangs is named (:mod:`.failures`); after the first failure the others get :data:`GRACE_S` to
+report, then are killed. SIGTERM to the launcher stops every rank first, then raises
+:class:`Terminated`; a rank whose launcher dies kills itself (:func:`exit_when_orphaned`).
+A rank leaves with ``os._exit`` after a barrier: finalizing a spawned interpreter with gloo's
+threads alive can abort it (``torch.distributed.nn.functional`` binds ``group.WORLD`` as a
+default argument, so each rank imports it before it joins). Ranks start with
+``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a dead peer makes c10d log a C++ stack.
 """
 
 from __future__ import annotations
@@ -68,22 +60,14 @@ __all__ = [
 R = TypeVar("R")
 StartMethod = Literal["spawn", "fork", "forkserver"]
 
-DEFAULT_TIMEOUT_S = 120.0
-"""Seconds :func:`run_ranks` waits for every rank's result before it kills the rest."""
-GRACE_S = 1.0
-"""Seconds the other ranks get to report after the first failure, before they are killed."""
-REAP_S = 5.0
-"""Seconds to reap a rank whose files are closed (it is exiting) before its exit code is read."""
-POLL_S = 1.0
-"""Seconds between the launcher's looks at whether a rank's process is stopped (SIGSTOP)."""
-SETTLE_S = 0.25
-"""Seconds the launcher waits, after the first rank that raised, for a death behind it."""
-EXIT_WAIT_S = 30.0
-"""Seconds a rank that returned gets to leave its process group and exit."""
-TERM_GRACE_S = 2.0
-"""Seconds a rank being stopped gets between SIGTERM and SIGKILL."""
-CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
-"""What the ranks' environment gets unless it sets them already (see the module doc)."""
+DEFAULT_TIMEOUT_S = 120.0  # run_ranks's wait for every rank's result
+GRACE_S = 1.0  # the others' time to report after the first failure, before they are killed
+REAP_S = 5.0  # to reap a rank whose files are closed (it is exiting) before its code is read
+POLL_S = 1.0  # between looks at whether a rank's process is stopped (SIGSTOP)
+SETTLE_S = 0.25  # after the first rank that raised, for a death behind it to show
+EXIT_WAIT_S = 30.0  # for a rank that returned to leave its group and exit
+TERM_GRACE_S = 2.0  # between SIGTERM and SIGKILL to a rank being stopped
+CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # set for the ranks unless set (module doc)
 
 
 class Terminated(SystemExit):
@@ -158,7 +142,7 @@ def process_group(
 
 
 class _Reported(Exception):
-    """``fn`` raised and the launcher has its traceback: leave the group without the barrier."""
+    """``fn`` raised and the launcher has its traceback: leave without the barrier."""
 
 
 def _failure(t: float) -> bytes:
@@ -184,11 +168,9 @@ def _rank_main(
     args: tuple[object, ...],
     report: Connection,
 ) -> None:
-    """The body of each rank's process; ends the process with ``os._exit``.
-
-    The report goes out while the rank is still in the group: once it leaves, its peers'
-    collectives fail, and their reports must not overtake the one that explains why.
-    """
+    """The body of each rank's process, ended with ``os._exit``. The report goes out while the
+    rank is still in the group: the reports of peers whose collectives fail once it leaves must
+    not overtake the one that explains why."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler: ends a rank
     exit_when_orphaned(report)  # the launcher killed (any signal): this rank stops at once
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -237,8 +219,8 @@ class _Rank:
 
 
 class _SigtermGuard:
-    """While it is armed, SIGTERM raises :class:`Terminated` in the main thread; disarmed (the
-    ranks are being stopped), a SIGTERM is only noted, for the launcher to raise after."""
+    """Armed, SIGTERM raises :class:`Terminated` in the main thread; disarmed (the ranks are
+    being stopped), it is only noted, for the launcher to raise after."""
 
     def __init__(self, ranks: Sequence[_Rank]) -> None:
         self.ranks = ranks
@@ -284,20 +266,18 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the values in rank order.
 
     Args:
-        fn: What every rank runs in its group; importable (top-level) for ``"spawn"``.
+        fn: Run in every rank's group; a module's top-level function for ``"spawn"``.
         world_size: The number of ranks.
-        *args: Passed to ``fn`` after ``rank`` and ``world_size``; picklable for ``"spawn"``.
+        *args: Passed after ``rank`` and ``world_size``; picklable for ``"spawn"``.
         timeout_s: Every rank must have reported by then; the rest are killed and named.
-        pg_timeout_s: The group's timeout for each collective; default ``min(60, timeout_s)``.
-        start_method: ``"spawn"`` (a fresh interpreter per rank: the safe default), or
-            ``"fork"``/``"forkserver"`` (no second import of torch; the parent must hold no
-            thread that holds a lock).
+        pg_timeout_s: The group's timeout per collective; default ``min(60, timeout_s)``.
+        start_method: ``"spawn"`` (the safe default), ``"fork"`` or ``"forkserver"`` (no
+            second import of torch; the parent must hold no thread that holds a lock).
         backend: The process group's backend.
-        num_threads: ``torch.set_num_threads`` in each rank (1: the ranks share the cores);
-            ``None`` keeps torch's default.
-        grace_s: Seconds the other ranks get to report after the first failure.
-        term_grace_s: Seconds a rank being stopped gets between SIGTERM and SIGKILL (a rank
-            that saves a checkpoint on SIGTERM needs its grace here).
+        num_threads: ``torch.set_num_threads`` per rank (1: the ranks share the cores).
+        grace_s: The other ranks' time to report after the first failure.
+        term_grace_s: Between SIGTERM and SIGKILL to a rank being stopped (the time a rank
+            that saves a checkpoint on SIGTERM needs).
 
     Raises:
         LaunchError: A rank raised, died, hung past ``timeout_s``, or crashed while exiting
@@ -364,11 +344,9 @@ def run_ranks(
 
 
 def _read(r: _Rank) -> tuple[bool, object, float] | None:
-    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``.
-
-    ``t`` is ``time.monotonic()`` in the rank when it returned or raised: on Linux and macOS one
-    clock for every process, so it orders failures that reach the launcher together.
-    """
+    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``,
+    ``t`` the rank's ``time.monotonic()`` (one clock for every process on Linux and macOS: it
+    orders failures that arrive together)."""
     if r.conn is None:
         return None
     try:
@@ -458,10 +436,8 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[R
 
 
 def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
-    """After every rank returned: each must leave its group and exit with code 0.
-
-    A rank killed by a signal comes first: the others' exit barrier fails because of it.
-    """
+    """After every rank returned: each must leave its group and exit with code 0 (a rank
+    killed by a signal comes first: the others' exit barrier fails because of it)."""
     deadline = time.monotonic() + EXIT_WAIT_S
     killed: list[RankFailure] = []
     other: list[RankFailure] = []
@@ -484,11 +460,8 @@ def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
 
 
 def _why_not_left(r: _Rank) -> tuple[str, str] | None:
-    """What a rank that returned reported on failing to leave its group: a line, the details.
-
-    The line names the last CollectiveError the rank raised (the collective that broke the
-    group), else what leaving raised; the details hold every CollectiveError and the traceback.
-    """
+    """What a rank that returned reported on failing to leave its group: a line naming the last
+    CollectiveError it raised (what broke the group), else what leaving raised; the details."""
     try:
         if r.conn is None or not r.conn.poll():
             return None
@@ -508,8 +481,7 @@ def _why_not_left(r: _Rank) -> tuple[str, str] | None:
 
 @contextmanager
 def _rank_environment() -> Iterator[None]:
-    """:data:`CHILD_ENV`'s variables that the environment lacks, set while ranks are started
-    (a spawned rank reads them as torch loads; a forked one has the launcher's torch)."""
+    """:data:`CHILD_ENV`'s variables the environment lacks, set while ranks start."""
     added = [k for k in CHILD_ENV if k not in os.environ]
     os.environ.update({k: CHILD_ENV[k] for k in added})
     try:

@@ -6,7 +6,7 @@ under a cluster launcher (:func:`run_torchrun`). It trains with ``DistributedDat
 and Adam, and reports whether both end with the same parameters (:func:`parity_verdict`). Each
 rank's loss is scaled by ``world_size / global_batch``, so DDP's average is the global batch
 mean and a run resumed at another world size continues the same optimisation. Its options are
-:mod:`.train_options`', its checkpoints :mod:`.train_file`'s.
+:mod:`.train_options`', its checkpoint files :mod:`.train_file`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, cast
 
 import torch
@@ -29,57 +29,21 @@ from torch.optim import Optimizer
 from zero_functional import comm
 from zero_functional.app import train_file
 from zero_functional.app.cluster import ClusterRank, elastic_resume
-from zero_functional.app.failures import disk_full
-from zero_functional.app.launch import (
-    TERM_GRACE_S,
-    LaunchError,
-    Terminated,
-    process_group,
-    run_ranks,
-)
+from zero_functional.app.failures import LaunchError, disk_full
+from zero_functional.app.launch import TERM_GRACE_S, Terminated, process_group, run_ranks
+from zero_functional.app.plan_format import format_bytes
 from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
-from zero_functional.app.train_options import TrainConfig
+from zero_functional.app.train_options import OURS, TrainConfig
 from zero_functional.core.ownership import check_partition
 from zero_functional.core.partition import hybrid_shape
-
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "TrainConfig",
-    "build_model",
-    "epoch_batches",
-    "format_bytes",
-    "launch",
-    "load_checkpoint",
-    "load_digits_split",
-    "parity_verdict",
-    "rank_slice",
-    "run_job",
-    "run_torchrun",
-    "save_checkpoint",
-]
 
 CHECKPOINT_FORMAT = train_file.TRAIN_FORMAT
 save_checkpoint = train_file.write_train_file
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a GradScaler
-
 FUSED = False
 """Adam's ``fused`` in both runs (and in torch's class). Torch's fused CPU kernel computes the
 last ``numel % vector width`` elements of each tensor in double, the rest in float, so ZeRO's
 pieces, which end where whole tensors do not, would round differently."""
-
-
-def format_bytes(n: float) -> str:
-    """A byte count in binary units.
-
-    Example:
-        >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**30)
-        ('512 B', '1.5 KiB', '3.0 GiB')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
@@ -162,13 +126,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_digits_split() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """scikit-learn's 8x8 digits (1,797 images, shipped in the package): 80/20 train/test.
-
-    The split is fixed (seed 0), whatever ``--seed`` is, so accuracies compare across runs.
-
-    Returns:
-        ``(x_train, y_train, x_test, y_test)``, pixels scaled to [0, 1].
-    """
+    """scikit-learn's 8x8 digits (1,797 images, shipped in the package), pixels in [0, 1], as
+    ``(x_train, y_train, x_test, y_test)``: a fixed 80/20 split, so accuracies compare."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -210,12 +169,44 @@ class _ThroughMain(torch.optim.Adam):
             p.copy_(m)
 
 
-@dataclass
-class _RunResult:
-    params: list[Tensor]
-    step_s: float  # mean seconds per step
-    state_bytes: int
-    accuracy: float
+def _optimizer(
+    cfg: TrainConfig, ddp: DistributedDataParallel, use_zero: bool, world_size: int
+) -> Optimizer:
+    """Ours (with its DDP hook), torch's ZeroRedundancyOptimizer, or the reference's Adam."""
+    if use_zero and cfg.impl == "torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+        return TorchZero(ddp.parameters(), torch.optim.Adam, lr=cfg.lr, fused=FUSED)
+    if not use_zero:
+        if cfg.main_params:
+            return _ThroughMain(list(ddp.parameters()), lr=cfg.lr, fused=FUSED)
+        return torch.optim.Adam(ddp.parameters(), lr=cfg.lr, fused=FUSED)
+    from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
+    from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+    mesh = None
+    if cfg.shard_size is not None:  # hybrid: sharded within, replicated across
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = hybrid_shape(world_size, cfg.shard_size)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(),
+        torch.optim.Adam,
+        overlap_with_ddp=cfg.overlap,
+        partition=check_partition(cfg.partition),
+        lr=cfg.lr,
+        fused=FUSED,
+        main_params_dtype=torch.float32 if cfg.main_params else None,
+        device_mesh=mesh,
+    )
+    if cfg.overlap:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    else:  # gradients reduced onto their owners only: with step()'s all-gather, DDP's bytes
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+    return zero
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
@@ -236,7 +227,8 @@ def _train(
     ckpt: Mapping[str, Any] | None,
     use_zero: bool,
     stop: Preemption | None = None,
-) -> _RunResult:
+) -> tuple[list[Tensor], dict[str, float]]:
+    """One run of the job: its final parameters, and its state bytes, step time and accuracy."""
     x_train, y_train, x_test, y_test = load_digits_split()
     dtype = DTYPES[cfg.dtype]
     x_train, x_test = x_train.to(dtype), x_test.to(dtype)
@@ -247,43 +239,7 @@ def _train(
     if ckpt is not None and sharded is None:
         model.load_state_dict(ckpt["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
-    opt: Optimizer
-    if use_zero and cfg.impl == "torch":
-        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
-
-        opt = TorchZero(ddp.parameters(), torch.optim.Adam, lr=cfg.lr, fused=FUSED)
-    elif use_zero:
-        from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
-        from zero_functional.optimizer import ZeroRedundancyOptimizer
-
-        mesh = None
-        if cfg.shard_size is not None:  # hybrid: sharded within, replicated across
-            from torch.distributed.device_mesh import init_device_mesh
-
-            shape = hybrid_shape(world_size, cfg.shard_size)
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-        zero = ZeroRedundancyOptimizer(
-            ddp.parameters(),
-            torch.optim.Adam,
-            overlap_with_ddp=cfg.overlap,
-            partition=check_partition(cfg.partition),
-            lr=cfg.lr,
-            fused=FUSED,
-            main_params_dtype=torch.float32 if cfg.main_params else None,
-            device_mesh=mesh,
-        )
-        if cfg.overlap:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
-        else:
-            # gradients reduced onto their owners only: with step()'s all-gather, DDP's bytes
-            ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
-        opt = zero
-    elif cfg.main_params:
-        opt = _ThroughMain(list(ddp.parameters()), lr=cfg.lr, fused=FUSED)
-    else:
-        opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr, fused=FUSED)
+    opt = _optimizer(cfg, ddp, use_zero, world_size)
     if sharded is not None:
         from zero_functional import checkpoint
 
@@ -298,12 +254,10 @@ def _train(
             g["lr"] = cfg.lr
     start = int(ckpt["epoch"]) if ckpt is not None else 0
     start_step = int(ckpt.get("step", 0)) if ckpt is not None else 0  # 0: an epoch's end
-    steps_per_epoch = -(-len(y_train) // cfg.batch_size)
-    name = "ZeRO + DDP" if use_zero else "plain DDP"
-    step_s, steps, samples = 0.0, 0, 0
-    t_start = time.perf_counter()
-    total = (cfg.epochs - start) * steps_per_epoch - start_step
+    total = (cfg.epochs - start) * -(-len(y_train) // cfg.batch_size) - start_step
     saves = use_zero and cfg.checkpoint is not None
+    step_s, steps, samples, t_start = 0.0, 0, 0, time.perf_counter()
+    name = "ZeRO + DDP" if use_zero else "plain DDP"
     with _progress(total, name, cfg.progress and rank == 0) as bar:
         for epoch in range(start, cfg.epochs):  # one epoch's batches at a time
             batches = epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch)
@@ -342,12 +296,9 @@ def _train(
         finish()  # parameters final before they are read outside a forward
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-    return _RunResult(
-        params=[p.detach().clone() for p in model.parameters()],
-        step_s=step_s / max(steps, 1),
-        state_bytes=_state_bytes(opt),
-        accuracy=accuracy,
-    )
+    params = [p.detach().clone() for p in model.parameters()]
+    stats = {"state_bytes": _state_bytes(opt), "step_s": step_s / max(steps, 1)}
+    return params, {**stats, "accuracy": accuracy}
 
 
 def _write_checkpoint(
@@ -356,21 +307,22 @@ def _write_checkpoint(
     """Save after ``at``, (epochs done, steps done in the next epoch); a resume starts there."""
     assert cfg.checkpoint is not None
     extra = {**train_file.train_extra(at[0], {**asdict(cfg), "hidden": hidden}), "step": at[1]}
-    train_file.write(cfg.checkpoint, cfg.impl == "zero_functional", rank, model, opt, extra)
+    train_file.write(cfg.checkpoint, cfg.impl == OURS, rank, model, opt, extra)
+
+
+def _say(message: str) -> None:
+    print(f"zero-functional train: {message}", file=sys.stderr, flush=True)
 
 
 def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | None]:
-    """Train with ZeRO (and the plain-DDP reference); call on every rank of the default group.
-
-    The arguments are in :func:`zero_functional.app.launch.run_ranks`'s order, which calls it.
-    With a checkpoint, SIGTERM stops every rank after the same step, with a checkpoint there
-    (:mod:`zero_functional.app.preempt`); rank 0 says so on stderr.
+    """Train with ZeRO (and the plain-DDP reference) on every rank of the default group, called
+    as :func:`~.launch.run_ranks` calls. With a checkpoint, SIGTERM stops every rank after the
+    same step, saved there (:mod:`.preempt`).
 
     Returns:
-        The exit code (0, or 143 after SIGTERM) and on rank 0 the summary table (``None``
-        after SIGTERM and on the other ranks).
+        The exit code (0, or 143 after SIGTERM) and, on rank 0 if it finished, the summary.
     """
-    if cfg.checkpoint is None:  # nothing to save: SIGTERM ends the rank at once, as before
+    if cfg.checkpoint is None:  # nothing to save: SIGTERM ends the rank at once
         return 0, _run_job(rank, world_size, cfg, None)
     with Preemption(cfg.grace_s, rank=rank, checkpoint=cfg.checkpoint) as stop:
         try:
@@ -382,8 +334,7 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | No
                     if e.saved
                     else f": the ZeRO run had finished, and {cfg.checkpoint} holds its end"
                 )
-                print(f"zero-functional train: every rank {e}{where}", file=sys.stderr)
-                sys.stderr.flush()
+                _say(f"every rank {e}{where}")
             return EXIT_CODE, None
 
 
@@ -403,41 +354,22 @@ def _run_job(rank: int, world_size: int, cfg: TrainConfig, stop: Preemption | No
             "model": model.state_dict(),
             "optimizer": adam.state_dict(),
         }
-    zero = _train(cfg, rank, world_size, ckpt, True, stop)
-    ref = _train(cfg, rank, world_size, ref_ckpt, False, stop) if cfg.reference else None
-    mine: dict[str, Any] = {
-        "state_bytes": zero.state_bytes,
-        "step_s": zero.step_s,
-        "ref_state_bytes": ref.state_bytes if ref else None,
-        "ref_step_s": ref.step_s if ref else None,
-        "max_diff": (
-            max((a - b).abs().max().item() for a, b in zip(zero.params, ref.params))
-            if ref
-            else None
-        ),
-    }
+    params, zero = _train(cfg, rank, world_size, ckpt, True, stop)
+    mine: dict[str, Any] = {"zero": zero, "ref": None, "max_diff": None}
+    if cfg.reference:
+        ref_params, mine["ref"] = _train(cfg, rank, world_size, ref_ckpt, False, stop)
+        mine["max_diff"] = max((a - b).abs().max().item() for a, b in zip(params, ref_params))
     rows = cast(list[dict[str, Any]], comm.all_gather_objects(mine, comm.default_group(None)))
-    if rank != 0:
-        return None
-    return _summary(cfg, rows, zero.accuracy, ref.accuracy if ref else None, world_size)
+    return _summary(cfg, rows, world_size) if rank == 0 else None
 
 
-def _summary(
-    cfg: TrainConfig,
-    rows: Sequence[Mapping[str, Any]],
-    accuracy: float,
-    ref_accuracy: float | None,
-    world_size: int,
-) -> str:
-    impl = (
-        f"zero_functional, partition={cfg.partition}"
-        if cfg.impl == "zero_functional"
-        else "torch.distributed.optim"
-    )
+def _summary(cfg: TrainConfig, rows: Sequence[Mapping[str, Any]], world_size: int) -> str:
+    """The table rank 0 prints: each rank's state and step time, accuracy and the parity."""
+    ours = cfg.impl == OURS
+    impl = f"zero_functional, partition={cfg.partition}" if ours else "torch.distributed.optim"
     mode = "overlap_with_ddp" if cfg.overlap else "step after backward"
     if cfg.shard_size is not None:
-        replicas = world_size // cfg.shard_size
-        mode += f", mesh {replicas} x {cfg.shard_size} (replicate x shard)"
+        mode += f", mesh {world_size // cfg.shard_size} x {cfg.shard_size} (replicate x shard)"
     if cfg.dtype != "fp32":
         mode += f", {cfg.dtype} model" + (", fp32 main params" if cfg.main_params else "")
     lines = [
@@ -447,21 +379,22 @@ def _summary(
         f"{'mean step (ZeRO)':>16}  {'mean step (DDP)':>15}",
     ]
     for r, row in enumerate(rows):
-        full = row["ref_state_bytes"]
-        share = f"{row['state_bytes'] / full:6.1%}" if full else f"{'-':>6}"
-        ref_step = f"{row['ref_step_s'] * 1e3:12.2f} ms" if row["ref_step_s"] else f"{'-':>15}"
+        zero, ref = row["zero"], row["ref"]
+        full = format_bytes(ref["state_bytes"]) if ref else "-"
+        share = f"{zero['state_bytes'] / ref['state_bytes']:6.1%}" if ref else f"{'-':>6}"
+        ref_step = f"{ref['step_s'] * 1e3:12.2f} ms" if ref else f"{'-':>15}"
         lines.append(
-            f"{r:>4}  {format_bytes(row['state_bytes']):>15}  "
-            f"{format_bytes(full) if full else '-':>14}  {share}  "
-            f"{row['step_s'] * 1e3:13.2f} ms  {ref_step}"
+            f"{r:>4}  {format_bytes(zero['state_bytes']):>15}  {full:>14}  {share}  "
+            f"{zero['step_s'] * 1e3:13.2f} ms  {ref_step}"
         )
-    ref_acc = f", plain DDP + Adam {ref_accuracy:.4f}" if ref_accuracy is not None else ""
-    lines.append(f"test accuracy: ZeRO {accuracy:.4f}{ref_acc}")
-    if rows[0]["max_diff"] is None:
+    zero, ref = rows[0]["zero"], rows[0]["ref"]
+    ref_acc = f", plain DDP + Adam {ref['accuracy']:.4f}" if ref else ""
+    lines.append(f"test accuracy: ZeRO {zero['accuracy']:.4f}{ref_acc}")
+    if ref is None:
         lines.append("parity with plain DDP + torch.optim.Adam: not run (--no-reference)")
     else:
         diff = max(row["max_diff"] for row in rows)
-        verdict = parity_verdict(diff, world_size, cfg.impl == "zero_functional")
+        verdict = parity_verdict(diff, world_size, ours)
         on = " on fp32 main weights" if cfg.main_params else ""
         lines.append(f"parity with plain DDP + torch.optim.Adam{on} (seed {cfg.seed}): {verdict}")
     if cfg.resume is not None:
@@ -472,38 +405,28 @@ def _summary(
 
 
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
-    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`zero_functional.app.launch.run_ranks`), run
-    the job, print the summary.
-
-    A rank that fails, dies or hangs past ``timeout_s`` ends the run: the others are stopped at
-    once, and stderr names the rank that failed first and how (its traceback if it raised).
-
-    SIGTERM (``kill``, ``timeout``, a job scheduler) and Ctrl-C stop the ranks too, with one
-    line on stderr; with a checkpoint, SIGTERM gives them ``cfg.grace_s`` to save one first.
+    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`~.launch.run_ranks`), run the job and
+    print the summary. A rank that fails, dies or hangs past ``timeout_s`` stops the others at
+    once and is named on stderr; SIGTERM and Ctrl-C stop the ranks too, in one line (SIGTERM
+    after ``cfg.grace_s`` to save, with a checkpoint).
 
     Returns:
-        The exit code: 0 on success, 1 if a rank failed or timed out, 143 after SIGTERM, 130
-        after Ctrl-C.
+        0; 1 if a rank failed or timed out; 143 after SIGTERM; 130 after Ctrl-C.
     """
     term_grace_s = TERM_GRACE_S + (cfg.grace_s if cfg.checkpoint is not None else 0.0)
     try:
         results = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s, term_grace_s=term_grace_s)
     except Terminated as e:  # kill, timeout or a job scheduler; run_ranks stopped the ranks
-        print(f"zero-functional train: {e.message}", file=sys.stderr)
+        _say(e.message)
         return int(cast(int, e.code))
     except KeyboardInterrupt:  # Ctrl-C: the ranks got it too, and run_ranks stopped them
-        print(
-            f"zero-functional train: interrupted; its {nproc} ranks were stopped", file=sys.stderr
-        )
+        _say(f"interrupted; its {nproc} ranks were stopped")
         return 128 + signal.SIGINT
     except LaunchError as e:
-        if (full := disk_full(e, cfg.checkpoint)) is not None:  # not 30 lines of tracebacks
-            print(f"zero-functional train: {full}", file=sys.stderr)
-            return 1
         lines = str(e).splitlines()
         if e.failures[0].reason.startswith("gave no result"):
             lines[0] += "; raise --timeout if the job is just slow"
-        print("zero-functional train: " + "\n".join(lines), file=sys.stderr)
+        _say(disk_full(e, cfg.checkpoint) or "\n".join(lines))  # a full disk: one line
         return 1
     code, summary = results[0]
     if summary is not None:
@@ -512,17 +435,11 @@ def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
 
 
 def run_torchrun(cfg: TrainConfig, where: ClusterRank) -> int:
-    """Join the job's process group as ``where`` says (torchrun, SLURM or a PyTorchJob set its
-    variables: :func:`zero_functional.app.cluster.cluster_rank`) and run the job.
-
-    Returns:
-        The exit code: 0, or 143 after SIGTERM (with a checkpoint saved if ``cfg`` has one);
-        errors propagate so that the launcher reports the failing rank.
-    """
+    """Join the job's group as a cluster launcher placed this process (:mod:`.cluster`) and run
+    the job; 0, or 143 after SIGTERM. Errors propagate, for the launcher to name the rank."""
     # torch's env:// rendezvous reads these two; SLURM's are derived (cluster_rank)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = where.master_addr, str(where.master_port)
-    resume = elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank)
-    cfg = replace(cfg, resume=resume)
+    cfg = replace(cfg, resume=elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank))
     with process_group("gloo", rank=where.rank, world_size=where.world_size):
         code, summary = run_job(where.rank, where.world_size, cfg)
         if summary is not None:

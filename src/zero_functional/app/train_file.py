@@ -1,11 +1,7 @@
-"""The demo train job's checkpoints (format ``zero_functional.app.train/1``): written and read.
-
-Two layouts: a :mod:`zero_functional.checkpoint` directory whose ``extra`` is :func:`train_extra`
-(:func:`read_train_directory`), or one ``torch.save`` file of ``format``, ``model``,
-``optimizer``, ``epoch`` and ``args`` (what ``--impl torch`` and earlier versions write:
-:func:`write_train_file`, :func:`read_train_file`). A reader checks everything before a rank
-starts: checksums, the format, and the shapes against the model the checkpoint's own ``args``
-describe.
+"""The demo train job's checkpoint files (format ``zero_functional.app.train/1``): a
+:mod:`zero_functional.checkpoint` directory whose ``extra`` is :func:`train_extra`, or one
+``torch.save`` file (``--impl torch``'s, and earlier versions'). Read before any rank starts:
+checksums, the format, and shapes against the model the checkpoint's own ``args`` describe.
 
 Example:
     >>> train_extra(2, {"hidden": 8})
@@ -31,18 +27,7 @@ from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.keys import STATE_PREFIX, model_key, split_state_key
 from zero_functional.checkpoint.storage import CheckpointError
 
-__all__ = [
-    "TRAIN_FORMAT",
-    "read_train",
-    "read_train_directory",
-    "read_train_file",
-    "train_extra",
-    "write",
-    "write_train_file",
-]
-
-TRAIN_FORMAT = "zero_functional.app.train/1"
-"""The ``format`` key of the train job's checkpoints; others are refused on resume."""
+TRAIN_FORMAT = "zero_functional.app.train/1"  # the ``format`` key; others are refused
 
 
 def train_extra(epoch: int, args: Mapping[str, Any]) -> dict[str, Any]:

@@ -32,11 +32,8 @@ from zero_functional.app.preempt import DEFAULT_GRACE_S
 
 __all__ = ["DIGITS_TRAIN_SIZE", "Needs", "TrainConfig", "add_flags", "train_config"]
 
-DIGITS_TRAIN_SIZE = 1438
-"""The job's training images (scikit-learn's 1,797 digits less the fixed 20% test split): the
-largest global batch."""
-DEMO_MODULES = {"sklearn": "scikit-learn", "tqdm": "tqdm"}
-"""What the job imports beyond torch (module: distribution), from the ``demo`` extra."""
+DIGITS_TRAIN_SIZE = 1438  # scikit-learn's 1,797 digits less the 20% test split: the largest batch
+DEMO_MODULES = {"sklearn": "scikit-learn", "tqdm": "tqdm"}  # the job's imports beyond torch
 OURS = "zero_functional"
 
 T = TypeVar("T")
@@ -65,31 +62,26 @@ def option(
     return field(default=default, metadata=facts)
 
 
-CHECKPOINT = Needs("checkpoint", None, "it saves there")
-FP32 = Needs("dtype", "fp32", "checkpoints of a bf16 model are not supported yet")
+TORCH = "torch's ZeroRedundancyOptimizer"
+BF16_CHECKPOINT = Needs("dtype", "fp32", "checkpoints of a bf16 model are not supported yet")
+TEN_DAYS = IntIn(1, 1_000_000, "a million epochs already take days")
+SEEDS = IntIn(
+    -(2**63), 2**64 - 1, span="in torch.manual_seed's range, -2**63 to 2**64-1", hard=True
+)
+A_WEEK = PositiveFloat(MAX_TIMEOUT_S, "a week")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything the train job takes; picklable, so it travels to spawned ranks.
-
-    A field's flag is its name with dashes (``--batch-size``), or ``--no-<name>`` for a field
-    that is ``True`` by default. The values are checked against the bounds and needs declared
-    here, whoever builds the config.
+    """Everything the train job takes; picklable, so it travels to spawned ranks. A field's
+    flag is its name with dashes (``--batch-size``), ``--no-<name>`` for a ``True`` default;
+    whoever builds the config, it checks itself against the bounds and needs declared here.
     """
 
     nproc: int = option(2, "local ranks to spawn", local_ranks)
-    epochs: int = option(
-        10,
-        "total epochs; a resumed run continues up to this many",
-        IntIn(1, 1_000_000, "a million epochs already take days"),
-    )
+    epochs: int = option(10, "epochs; a resumed run continues up to this many", TEN_DAYS)
     lr: float = option(1e-3, "Adam's learning rate", PositiveFloat())
-    seed: int = option(
-        0,
-        "init and data-order seed",
-        IntIn(-(2**63), 2**64 - 1, span="in torch.manual_seed's range, -2**63 to 2**64-1"),
-    )
+    seed: int = option(0, "init and data-order seed", SEEDS)
     batch_size: int = option(
         64,
         "global batch, split across ranks",
@@ -110,36 +102,30 @@ class TrainConfig:
         "after every epoch, write a sharded checkpoint (a directory; each rank writes its share) "
         "here, atomically; --impl torch writes one consolidated file",
         metavar="PATH",
-        needs=(FP32,),
+        needs=(BF16_CHECKPOINT,),
     )
     save_every: int | None = option(
         None,
-        "also save after every K steps (a restarted elastic torchrun job resumes from the last "
-        "complete one)",
+        "also save after every K steps (a restarted elastic torchrun job resumes there)",
         IntIn(1, 1 << 40),
         metavar="K",
-        needs=(CHECKPOINT,),
+        needs=(Needs("checkpoint", None, "it saves there"),),
     )
     grace_s: float = option(
         DEFAULT_GRACE_S,
-        "SIGTERM stops every rank after the same step and saves a checkpoint there within S "
-        "seconds, else exits without it; exit code 143",
-        PositiveFloat(MAX_TIMEOUT_S, "a week"),
+        "on SIGTERM every rank stops after the same step and saves there within S seconds, "
+        "else exits without it; exit code 143",
+        A_WEEK,
         metavar="S",
         needs=(Needs("checkpoint", None, "SIGTERM saves there, within S seconds"),),
     )
     resume: str | None = option(
         None,
-        "continue from this checkpoint (a sharded directory, or an older single file), at any "
-        "--nproc",
+        "continue from this checkpoint (a directory, or an older file), at any --nproc",
         metavar="PATH",
-        needs=(FP32,),
+        needs=(BF16_CHECKPOINT,),
     )
-    impl: str = option(
-        OURS,
-        "whose ZeroRedundancyOptimizer: ours or torch.distributed.optim's",
-        choices=(OURS, "torch"),
-    )
+    impl: str = option(OURS, "whose ZeroRedundancyOptimizer", choices=(OURS, "torch"))
     reference: bool = option(True, "skip the plain DDP + Adam comparison run")
     bucket_cap_mb: float = option(
         25.0,
@@ -148,44 +134,38 @@ class TrainConfig:
     )
     partition: str = option(
         "flat",
-        "who owns what: flat (even split, a tensor may straddle ranks) or sorted-greedy "
-        "(torch's whole tensors)",
+        "who owns what: an even split, or torch's whole tensors",
         choices=("flat", "sorted-greedy"),
     )
     dtype: str = option(
-        "fp32",
-        "the model's dtype; bf16: the reference's Adam state is bf16 too",
-        choices=("fp32", "bf16"),
+        "fp32", "the model's dtype (and the reference's Adam state's)", choices=("fp32", "bf16")
     )
     main_params: str | None = option(
         None,
-        "ours with main_params_dtype=torch.float32 (fp32 main copies of the owned pieces, fp32 "
-        "state); the reference's Adam on fp32 main weights",
+        "fp32 main copies of the owned pieces and fp32 state; the reference's Adam on fp32 "
+        "main weights",
         choices=("fp32",),
         needs=(
             Needs("dtype", "bf16", "fp32 parameters need no main copy"),
-            Needs("impl", OURS, "torch's ZeroRedundancyOptimizer keeps no main copy"),
+            Needs("impl", OURS, f"{TORCH} keeps no main copy"),
         ),
     )
     shard_size: int | None = option(
         None,
-        "hybrid sharding: state sharded within groups of S ranks (a node) and replicated across "
-        "the world/S groups (device_mesh=); S must divide the world size",
+        "hybrid sharding: state sharded within groups of S ranks, replicated across the world/S",
         IntIn(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine"),
         metavar="S",
-        needs=(Needs("impl", OURS, "torch's ZeroRedundancyOptimizer takes no device mesh"),),
+        needs=(Needs("impl", OURS, f"{TORCH} takes no device mesh"),),
     )
     progress: bool = option(True, "no progress bar")
-    timeout: float = option(
-        600.0, "seconds before a hang fails", PositiveFloat(MAX_TIMEOUT_S, "a week")
-    )
+    timeout: float = option(600.0, "seconds before a hang fails", A_WEEK)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value, facts = getattr(self, f.name), f.metadata
             try:
                 if value is not None and facts["type"] is not None:
-                    facts["type"](str(value))
+                    facts["type"](str(value), cap=False)  # the command line's caps aside
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"{_flag(f.name)}: {e}") from None
             if value is not None and facts["choices"] and value not in _values(f):
@@ -232,16 +212,6 @@ def add_flags(parser: argparse.ArgumentParser, **defaults: object) -> None:
             help=f"{facts['help']} ({hint})" if hint else facts["help"],
         )
     parser.set_defaults(train_defaults=defaults)
-
-
-def _unwritable(directory: Path) -> str | None:
-    """Why no file can be created in ``directory``, or None (the probe leaves no file)."""
-    try:
-        with tempfile.TemporaryFile(dir=directory):  # on Linux an O_TMPFILE: never named
-            pass
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    return None
 
 
 def train_config(
@@ -327,9 +297,11 @@ def _check_checkpoint_path(path: str, sharded: bool) -> None:
             f"--checkpoint {path} is a directory; --impl torch writes one consolidated file: "
             "pass a file path"
         )
-    why = _unwritable(parent)
-    if why is not None:
+    try:
+        with tempfile.TemporaryFile(dir=parent):  # on Linux an O_TMPFILE: never named
+            pass
+    except OSError as e:
         raise ValueError(
-            f"--checkpoint {path}: cannot create files in {parent} ({why}); pass a path in a "
-            "writable directory"
-        )
+            f"--checkpoint {path}: cannot create files in {parent} "
+            f"({e.strerror or type(e).__name__}); pass a path in a writable directory"
+        ) from None
