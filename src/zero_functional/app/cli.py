@@ -29,8 +29,6 @@ from zero_functional.app.link import rate_bits, run_shaped
 from zero_functional.app.plan_cmd import DEMO_WORLD_SIZES, add_plan_parser, cmd_plan
 from zero_functional.app.train_options import add_flags, train_config
 
-__all__ = ["build_parser", "format_bench", "link_rate", "main"]
-
 LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py", "bench_phases.py")
 """The benchmarks ``bench --link`` runs: those that measure what bytes cost."""
 
@@ -68,10 +66,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def format_bench(rows: Sequence[dict[str, object]]) -> str:
-    """One table of benchmark rows (as the ``--json`` of ``benchmarks/bench_*.py`` writes them).
-
-    ``x torch best`` is the variant's time over torch's best configuration's, measured in the
-    same run: below 1 is faster (the checkpoint rows: save time).
+    """One table of benchmark rows (``benchmarks/bench_*.py --json``'s): ``x torch best`` is the
+    variant's time over torch's best configuration's in the same run (below 1: faster).
 
     Example:
         >>> print(format_bench([

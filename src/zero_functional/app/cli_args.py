@@ -14,8 +14,6 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-__all__ = ["MAX_LOCAL_RANKS", "MAX_TIMEOUT_S", "IntIn", "Parser", "PositiveFloat", "fail", "shown"]
-
 MAX_LOCAL_RANKS = 64
 """Most ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0

@@ -21,20 +21,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = [
-    "STOPPED_S",
-    "LaunchError",
-    "RankFailure",
-    "StoppedRanks",
-    "blame",
-    "cut",
-    "describe_exit",
-    "disk_full",
-    "format_seconds",
-    "last_line",
-    "process_state",
-]
-
 STOPPED_S = 5.0  # seen stopped this long without a break, a rank is named
 
 

@@ -44,19 +44,6 @@ from zero_functional.app.failures import (
     last_line,
 )
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "GRACE_S",
-    "TERM_GRACE_S",
-    "LaunchError",
-    "StartMethod",
-    "Terminated",
-    "exit_when_orphaned",
-    "free_port",
-    "process_group",
-    "run_ranks",
-]
-
 R = TypeVar("R")
 StartMethod = Literal["spawn", "fork", "forkserver"]
 
@@ -312,20 +299,9 @@ def run_ranks(
                 for rank in range(world_size):
                     # one pipe per rank, made just before its process: no other rank inherits it
                     receive, send = ctx.Pipe(duplex=False)
-                    process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]  # every context has it
-                        target=_rank_main,
-                        args=(
-                            rank,
-                            world_size,
-                            port,
-                            backend,
-                            pg_timeout,
-                            num_threads,
-                            fn,
-                            args,
-                            send,
-                        ),
-                        name=f"rank {rank}",
+                    job = (rank, world_size, port, backend, pg_timeout, num_threads, fn, args, send)
+                    process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]
+                        target=_rank_main, args=job, name=f"rank {rank}"
                     )
                     process.start()
                     send.close()

@@ -14,8 +14,6 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-__all__ = ["LINK_ENV", "byte_floor_ms", "link_banner", "rate_bits", "run_shaped", "shaped_command"]
-
 LINK_ENV = "ZERO_FUNCTIONAL_LINK"  # the rate, inside the shaped namespace: no second re-run
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["MODELS", "Shape", "gpt2_shapes", "model_shapes", "muon_params", "numels", "total_numel"]
-
 Shape = tuple[int, ...]
 
 
@@ -168,14 +166,10 @@ def module_shapes(target: str) -> list[Shape]:
     returns, built under ``torch.device("meta")``: shapes without storage, so a 7B model costs
     no memory.
 
-    Raises:
-        ValueError: Not ``module:function``, the module does not import, or the function needs
-            arguments, raises or returns no ``nn.Module``; the message says which.
-
     Example:
         >>> module_shapes("torch.nn:Identity")
         []
-        >>> module_shapes("torch.nn:Linear")
+        >>> module_shapes("torch.nn:Linear")  # a ValueError says what is wrong
         Traceback (most recent call last):
         ...
         ValueError: torch.nn:Linear needs arguments (missing a required argument: 'in_features'); plan calls it with none: point it at a function that builds the model without arguments

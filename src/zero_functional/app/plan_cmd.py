@@ -19,14 +19,11 @@ from typing import Any
 from zero_functional.app.cli_args import IntIn, fail, shown
 from zero_functional.app.plan_format import (
     DTYPE_BYTES,
-    check_ranks,
     format_hybrid,
     format_memory,
     format_muon,
     format_plan,
 )
-
-__all__ = ["DEMO_WORLD_SIZES", "add_plan_parser", "cmd_plan", "rank_list"]
 
 DEMO_WORLD_SIZES = (2, 8, 64)
 """The world sizes ``plan`` reports by default, and the demo's plan."""
@@ -86,10 +83,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return fail("plan", f"--shard-size: {e} (--world-sizes)")
     params = None
     if args.simulate is not None:
-        try:
-            check_ranks(args.simulate, args.world_sizes)  # before torch is imported
-            from zero_functional.app.simulate import model_params
+        bad = [(r, w) for w in args.world_sizes for r in args.simulate if not 0 <= r < w]
+        if bad:  # before torch is imported
+            r, w = bad[0]
+            return fail(
+                "plan",
+                f"--simulate: rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}",
+            )
+        from zero_functional.app.simulate import model_params
 
+        try:
             params = model_params(shapes, args.dtype or "fp32")
         except ValueError as e:
             return fail("plan", f"--simulate: {e}")
@@ -104,10 +107,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.shard_size is not None:
         print(f"\n{format_hybrid(n, args.world_sizes, args.shard_size, dtype, args.main_params)}")
     if params is not None:
-        from zero_functional.app.simulate import format_simulated, simulate_ranks
+        from zero_functional.app.simulate import format_simulated, simulate
 
-        has_main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
-        rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
+        main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
+        rows = [
+            simulate(
+                params, w, r, partition=partition, shard_size=args.shard_size, main_params=main
+            )
+            for w in args.world_sizes
+            for r in args.simulate
+            for partition in ("sorted_greedy", "flat")
+        ]
         print(f"\n{format_simulated(rows)}")
     if args.muon:
         print(f"\n{format_muon(shapes, muon, args.world_sizes)}")

@@ -20,16 +20,6 @@ from zero_functional.core.partition import (
     sorted_greedy,
 )
 
-__all__ = [
-    "DTYPE_BYTES",
-    "check_ranks",
-    "format_bytes",
-    "format_hybrid",
-    "format_memory",
-    "format_muon",
-    "format_plan",
-]
-
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of the dtypes ``--dtype`` and ``--main-params`` take."""
 MUON_RANK_ROWS = 16
@@ -111,12 +101,6 @@ def format_memory(
             2  sorted-greedy        24 B        24 B        24 B        48 B       120 B
             2  flat                 24 B        24 B        24 B        48 B       120 B
         per parameter per rank (flat): 10.00 B at 2
-        >>> print(format_memory([1 << 20], [1], "bf16", "fp32", "adamw8bit", True, True))  # doctest: +NORMALIZE_WHITESPACE
-        bytes per rank (fullest rank): bf16 parameters and gradients, fp32 main copy as bf16 + int16 remainders, adamw8bit's 2 block-quantized states, fp32 EMA
-        world  partition          params       grads   main copy       state         ema       total
-            1  sorted-greedy     2.0 MiB     2.0 MiB     2.0 MiB     2.0 MiB     4.0 MiB    12.0 MiB
-            1  flat              2.0 MiB     2.0 MiB     2.0 MiB     2.0 MiB     4.0 MiB    12.0 MiB
-        per parameter per rank (flat): 12.03 B at 1
     """
     from zero_functional.functional.lowbit import LOW_BIT  # imports torch: not for --help
 
@@ -273,21 +257,3 @@ def format_muon(
             f"{max_over_mean(plan.state_bytes):>11.3f}  {max_over_mean(plan.cost):>18.3f}"
         )
     return "\n".join(lines)
-
-
-def check_ranks(ranks: Sequence[int], world_sizes: Sequence[int]) -> None:
-    """Raise a ValueError naming the valid range unless every rank is in every world.
-
-    Example:
-        >>> check_ranks([0, 1023], [1024, 4096])
-        >>> check_ranks([0, 1023], [64, 1024])
-        Traceback (most recent call last):
-        ...
-        ValueError: rank 1023 is not a rank of world size 64: pass ranks from 0 to 63
-    """
-    for w in world_sizes:
-        for r in ranks:
-            if not 0 <= r < w:
-                raise ValueError(
-                    f"rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}"
-                )

@@ -15,8 +15,6 @@ import sys
 import threading
 from types import FrameType, TracebackType
 
-__all__ = ["DEFAULT_GRACE_S", "EXIT_CODE", "Preempted", "Preemption"]
-
 EXIT_CODE = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 DEFAULT_GRACE_S = 20.0  # SIGTERM to the save's end (SLURM's KillWait and Kubernetes' grace: 30)
 

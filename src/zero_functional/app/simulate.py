@@ -18,8 +18,6 @@ from torch import Tensor, nn
 from zero_functional.app.models import Shape
 from zero_functional.app.plan_format import format_bytes
 
-__all__ = ["SimulatedRank", "format_simulated", "model_params", "simulate", "simulate_ranks"]
-
 MAX_SIMULATE_BYTES = 16 << 30  # of parameters and gradients (2B fp32 parameters), shared by all
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -116,22 +114,6 @@ def simulate(
             seconds=time.perf_counter() - started,
         )
     return result
-
-
-def simulate_ranks(
-    params: Sequence[nn.Parameter],
-    world_sizes: Sequence[int],
-    ranks: Sequence[int],
-    shard_size: int | None = None,
-    main_params: bool = False,
-) -> list[SimulatedRank]:
-    """:func:`simulate` for each world size, rank and partition (sorted-greedy, then flat)."""
-    return [
-        simulate(params, w, r, partition=partition, shard_size=shard_size, main_params=main_params)
-        for w in world_sizes
-        for r in ranks
-        for partition in ("sorted_greedy", "flat")
-    ]
 
 
 def format_simulated(rows: Sequence[SimulatedRank]) -> str:

@@ -86,10 +86,7 @@ def read_train(
     path: str | os.PathLike[str], build_model: Callable[[int], nn.Module]
 ) -> dict[str, Any]:
     """Read and check a train job's checkpoint, a directory or a single (older) file, against
-    ``build_model(hidden)``.
-
-    Raises:
-        CheckpointError: Missing, corrupt, not the job's format, or not the job's model.
+    ``build_model(hidden)``; a :class:`CheckpointError` says what is wrong.
 
     Example:
         >>> read_train("no-such-checkpoint", nn.Linear)

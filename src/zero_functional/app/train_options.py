@@ -30,8 +30,6 @@ from zero_functional.app.cli_args import (
 from zero_functional.app.cluster import ClusterRank
 from zero_functional.app.preempt import DEFAULT_GRACE_S
 
-__all__ = ["DIGITS_TRAIN_SIZE", "Needs", "TrainConfig", "add_flags", "train_config"]
-
 DIGITS_TRAIN_SIZE = 1438  # scikit-learn's 1,797 digits less the 20% test split: the largest batch
 DEMO_MODULES = {"sklearn": "scikit-learn", "tqdm": "tqdm"}  # the job's imports beyond torch
 OURS = "zero_functional"
@@ -63,11 +61,15 @@ def option(
 
 
 TORCH = "torch's ZeroRedundancyOptimizer"
-BF16_CHECKPOINT = Needs("dtype", "fp32", "checkpoints of a bf16 model are not supported yet")
-TEN_DAYS = IntIn(1, 1_000_000, "a million epochs already take days")
+SAVES = Needs("checkpoint", None, "it saves there")
+FP32 = Needs("dtype", "fp32", "checkpoints of a bf16 model are not supported yet")
+OURS_ONLY = Needs("impl", OURS, f"{TORCH} takes no device mesh")
+EPOCHS = IntIn(1, 1_000_000, "a million epochs already take days")
 SEEDS = IntIn(
     -(2**63), 2**64 - 1, span="in torch.manual_seed's range, -2**63 to 2**64-1", hard=True
 )
+BATCHES = IntIn(1, DIGITS_TRAIN_SIZE, f"the digits set has {DIGITS_TRAIN_SIZE:,} training images")
+WIDTHS = IntIn(1, 4096, "a wider MLP needs gigabytes per rank")
 A_WEEK = PositiveFloat(MAX_TIMEOUT_S, "a week")
 
 
@@ -79,19 +81,11 @@ class TrainConfig:
     """
 
     nproc: int = option(2, "local ranks to spawn", local_ranks)
-    epochs: int = option(10, "epochs; a resumed run continues up to this many", TEN_DAYS)
+    epochs: int = option(10, "epochs; a resumed run continues up to this many", EPOCHS)
     lr: float = option(1e-3, "Adam's learning rate", PositiveFloat())
     seed: int = option(0, "init and data-order seed", SEEDS)
-    batch_size: int = option(
-        64,
-        "global batch, split across ranks",
-        IntIn(1, DIGITS_TRAIN_SIZE, f"the digits set has {DIGITS_TRAIN_SIZE:,} training images"),
-    )
-    hidden: int = option(
-        128,
-        "MLP hidden width; a resumed run takes the checkpoint's",
-        IntIn(1, 4096, "a wider MLP needs gigabytes per rank"),
-    )
+    batch_size: int = option(64, "global batch, split across ranks", BATCHES)
+    hidden: int = option(128, "MLP hidden width; a resumed run takes the checkpoint's", WIDTHS)
     overlap: bool = option(
         False,
         "run the ZeRO step inside DDP's backward",
@@ -99,51 +93,43 @@ class TrainConfig:
     )
     checkpoint: str | None = option(
         None,
-        "after every epoch, write a sharded checkpoint (a directory; each rank writes its share) "
-        "here, atomically; --impl torch writes one consolidated file",
+        "after every epoch, save here atomically: a directory each rank writes its share of "
+        "(--impl torch: one file)",
         metavar="PATH",
-        needs=(BF16_CHECKPOINT,),
+        needs=(FP32,),
     )
     save_every: int | None = option(
         None,
-        "also save after every K steps (a restarted elastic torchrun job resumes there)",
+        "also save after every K steps (where a restarted elastic torchrun job resumes)",
         IntIn(1, 1 << 40),
         metavar="K",
-        needs=(Needs("checkpoint", None, "it saves there"),),
+        needs=(SAVES,),
     )
     grace_s: float = option(
         DEFAULT_GRACE_S,
-        "on SIGTERM every rank stops after the same step and saves there within S seconds, "
-        "else exits without it; exit code 143",
+        "on SIGTERM every rank stops after the same step and saves there within S seconds "
+        "(else exits without it); exit code 143",
         A_WEEK,
         metavar="S",
         needs=(Needs("checkpoint", None, "SIGTERM saves there, within S seconds"),),
     )
     resume: str | None = option(
-        None,
-        "continue from this checkpoint (a directory, or an older file), at any --nproc",
-        metavar="PATH",
-        needs=(BF16_CHECKPOINT,),
+        None, "continue from this checkpoint, at any --nproc", metavar="PATH", needs=(FP32,)
     )
     impl: str = option(OURS, "whose ZeroRedundancyOptimizer", choices=(OURS, "torch"))
     reference: bool = option(True, "skip the plain DDP + Adam comparison run")
     bucket_cap_mb: float = option(
         25.0,
-        "DDP bucket size in MB; with --overlap, ranks own whole buckets",
-        PositiveFloat(float(1 << 20), "1 TiB"),
+        "DDP's bucket size in MB (overlap mode: what a rank owns)",
+        PositiveFloat(2.0**20, "1 TiB"),
     )
     partition: str = option(
-        "flat",
-        "who owns what: an even split, or torch's whole tensors",
-        choices=("flat", "sorted-greedy"),
+        "flat", "an even split, or torch's whole tensors", choices=("flat", "sorted-greedy")
     )
-    dtype: str = option(
-        "fp32", "the model's dtype (and the reference's Adam state's)", choices=("fp32", "bf16")
-    )
+    dtype: str = option("fp32", "the model's dtype", choices=("fp32", "bf16"))
     main_params: str | None = option(
         None,
-        "fp32 main copies of the owned pieces and fp32 state; the reference's Adam on fp32 "
-        "main weights",
+        "fp32 main copies and state of the owned pieces (the reference: Adam on fp32 copies)",
         choices=("fp32",),
         needs=(
             Needs("dtype", "bf16", "fp32 parameters need no main copy"),
@@ -152,10 +138,10 @@ class TrainConfig:
     )
     shard_size: int | None = option(
         None,
-        "hybrid sharding: state sharded within groups of S ranks, replicated across the world/S",
+        "hybrid sharding: state sharded in groups of S ranks, replicated across the groups",
         IntIn(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine"),
         metavar="S",
-        needs=(Needs("impl", OURS, f"{TORCH} takes no device mesh"),),
+        needs=(OURS_ONLY,),
     )
     progress: bool = option(True, "no progress bar")
     timeout: float = option(600.0, "seconds before a hang fails", A_WEEK)
