@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from zero_functional.app.cli_args import IntIn, fail, shown
+from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
 from zero_functional.app.plan_format import (
     DTYPE_BYTES,
     format_hybrid,
@@ -24,6 +25,7 @@ from zero_functional.app.plan_format import (
     format_muon,
     format_plan,
 )
+from zero_functional.core.partition import hybrid_shape
 
 DEMO_WORLD_SIZES = (2, 8, 64)
 """The world sizes ``plan`` reports by default, and the demo's plan."""
@@ -44,8 +46,6 @@ def rank_list(text: str) -> list[int]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
-
     here = os.getcwd()  # first on sys.path, as python -m has it (the script's is its bin/)
     if args.model not in MODELS and all(os.path.abspath(p or ".") != here for p in sys.path):
         sys.path.insert(0, here)
@@ -74,8 +74,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "needs --dtype bf16 --main-params fp32",
         )
     if args.shard_size is not None:
-        from zero_functional.core.partition import hybrid_shape
-
         try:
             for w in args.world_sizes:
                 hybrid_shape(w, args.shard_size)
@@ -132,8 +130,6 @@ def add_plan_parser(sub: Any) -> None:
         description="MODEL: a built-in spec or module:function returning an nn.Module "
         "(built on the meta device).",
     )
-    from zero_functional.app.models import MODELS
-
     plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
     plan.add_argument(
         "--world-sizes",

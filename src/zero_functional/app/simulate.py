@@ -14,9 +14,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from zero_functional.app.models import Shape
 from zero_functional.app.plan_format import format_bytes
+from zero_functional.comm.testing import fake_world
+from zero_functional.core.partition import hybrid_shape
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 MAX_SIMULATE_BYTES = 16 << 30  # of parameters and gradients (2B fp32 parameters), shared by all
 
@@ -82,16 +86,10 @@ def simulate(
     would (on a ``(world_size / shard_size) x shard_size`` mesh with ``shard_size``), step once,
     and report what it holds. ``params`` may be shared between calls. (No doctest: it starts a
     fake world of its own; ``plan --simulate`` in ``tests/test_cli.py`` runs it.)"""
-    from zero_functional.comm.testing import fake_world
-    from zero_functional.core.partition import hybrid_shape
-    from zero_functional.optimizer import ZeroRedundancyOptimizer
-
     started = time.perf_counter()
     with fake_world(world_size, rank):
         mesh = None
         if shard_size is not None:
-            from torch.distributed.device_mesh import init_device_mesh
-
             shape = hybrid_shape(world_size, shard_size)
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         zero = ZeroRedundancyOptimizer(

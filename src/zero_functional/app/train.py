@@ -23,10 +23,13 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from zero_functional import comm
+from zero_functional import checkpoint, comm
 from zero_functional.app import train_file
 from zero_functional.app.cluster import ClusterRank, elastic_resume
 from zero_functional.app.failures import LaunchError, disk_full
@@ -36,6 +39,8 @@ from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
 from zero_functional.app.train_options import OURS, TrainConfig
 from zero_functional.core.ownership import check_partition
 from zero_functional.core.partition import hybrid_shape
+from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 CHECKPOINT_FORMAT = train_file.TRAIN_FORMAT
 save_checkpoint = train_file.write_train_file
@@ -174,20 +179,13 @@ def _optimizer(
 ) -> Optimizer:
     """Ours (with its DDP hook), torch's ZeroRedundancyOptimizer, or the reference's Adam."""
     if use_zero and cfg.impl == "torch":
-        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
-
         return TorchZero(ddp.parameters(), torch.optim.Adam, lr=cfg.lr, fused=FUSED)
     if not use_zero:
         if cfg.main_params:
             return _ThroughMain(list(ddp.parameters()), lr=cfg.lr, fused=FUSED)
         return torch.optim.Adam(ddp.parameters(), lr=cfg.lr, fused=FUSED)
-    from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
-    from zero_functional.optimizer import ZeroRedundancyOptimizer
-
     mesh = None
     if cfg.shard_size is not None:  # hybrid: sharded within, replicated across
-        from torch.distributed.device_mesh import init_device_mesh
-
         shape = hybrid_shape(world_size, cfg.shard_size)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     zero = ZeroRedundancyOptimizer(
@@ -201,8 +199,6 @@ def _optimizer(
         device_mesh=mesh,
     )
     if cfg.overlap:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
     else:  # gradients reduced onto their owners only: with step()'s all-gather, DDP's bytes
         ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
@@ -241,8 +237,6 @@ def _train(
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt = _optimizer(cfg, ddp, use_zero, world_size)
     if sharded is not None:
-        from zero_functional import checkpoint
-
         # each rank reads its own share (every rank for plain DDP's Adam), any world size
         checkpoint.load(sharded, model=model, optimizer=opt)
     elif ckpt is not None:
@@ -344,8 +338,6 @@ def _run_job(rank: int, world_size: int, cfg: TrainConfig, stop: Preemption | No
     if ckpt is not None and "sharded" in ckpt and cfg.reference:
         # the ZeRO run may overwrite the directory (--checkpoint = --resume): the reference
         # reads its start now, whole, into memory
-        from zero_functional import checkpoint
-
         model = build_model(int(ckpt["args"]["hidden"]))
         adam = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=FUSED)
         checkpoint.load(ckpt["sharded"], model=model, optimizer=adam)
