@@ -129,18 +129,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print("\n".join(str(s) for s in scripts))
         return 0
     run_shaped(args.link)  # re-runs this command on the shaped link, or returns there
-    world_sizes = args.world_sizes or ([2] if args.quick else None)
-    rounds = args.rounds or (3 if args.quick else None)
-    numel = args.numel or (2_000_000 if args.quick else None)
     forwarded: list[str] = []
-    if world_sizes:
-        forwarded += ["--world-sizes", *map(str, world_sizes)]
-    if rounds:
-        forwarded += ["--rounds", str(rounds)]
-    if numel:
-        forwarded += ["--numel", str(numel)]
-    if args.link:
-        forwarded += ["--link", args.link]
+    for flag, given, quick in (
+        ("--world-sizes", args.world_sizes, [2]),
+        ("--rounds", args.rounds and [args.rounds], [3]),
+        ("--numel", args.numel and [args.numel], [2_000_000]),
+        ("--link", args.link and [args.link], None),
+    ):
+        values = given or (quick if args.quick else None)
+        forwarded += [flag, *map(str, values)] if values else []
     rows: list[dict[str, object]] = []
     worst = 0
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,8 +16,7 @@ from typing import NoReturn
 
 MAX_LOCAL_RANKS = 64
 """Most ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""A week (the launcher's waits take at most 2**31 ms, 24.8 days)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week (the launcher's waits take at most 2**31 ms, 24.8 days)
 
 
 class Parser(argparse.ArgumentParser):

@@ -161,22 +161,6 @@ OUTSIDE_BLOCKS: dict[str, tuple[int, int]] = {
 them: the embeddings, the head and the final norm, which Muon leaves to AdamW."""
 
 
-def module_shapes(target: str) -> list[Shape]:
-    """The parameter shapes of the ``nn.Module`` that ``module:function`` (no arguments)
-    returns, built under ``torch.device("meta")``: shapes without storage, so a 7B model costs
-    no memory.
-
-    Example:
-        >>> module_shapes("torch.nn:Identity")
-        []
-        >>> module_shapes("torch.nn:Linear")  # a ValueError says what is wrong
-        Traceback (most recent call last):
-        ...
-        ValueError: torch.nn:Linear needs arguments (missing a required argument: 'in_features'); plan calls it with none: point it at a function that builds the model without arguments
-    """
-    return [tuple(p.shape) for p in _build(target).parameters()]
-
-
 def _build(target: str) -> nn.Module:
     import torch  # here: the command line answers --help without torch
 
@@ -235,15 +219,21 @@ def _why(e: Exception, module_name: str) -> str:
 
 
 def model_shapes(name: str) -> list[Shape]:
-    """The shapes of a built-in spec (:data:`MODELS`) or of a ``module:function`` model.
+    """The shapes of a built-in spec (:data:`MODELS`), or of the ``nn.Module`` that
+    ``module:function`` (no arguments) returns, built under ``torch.device("meta")``: shapes
+    without storage, so a 7B model costs no memory.
 
     Example:
-        >>> total_numel(model_shapes("bert-base"))
-        109482240
+        >>> total_numel(model_shapes("bert-base")), model_shapes("torch.nn:Identity")
+        (109482240, [])
+        >>> model_shapes("torch.nn:Linear")  # a ValueError says what is wrong
+        Traceback (most recent call last):
+        ...
+        ValueError: torch.nn:Linear needs arguments (missing a required argument: 'in_features'); plan calls it with none: point it at a function that builds the model without arguments
     """
     if name in MODELS:
         return MODELS[name]()
-    return module_shapes(name)
+    return [tuple(p.shape) for p in _build(name).parameters()]
 
 
 def muon_params(name: str) -> tuple[list[Shape], list[bool]]:
@@ -273,11 +263,7 @@ def muon_params(name: str) -> tuple[list[Shape], list[bool]]:
     named = list(model.named_parameters())
 
     def hidden(param_name: str, p: torch.Tensor) -> bool:
-        parts = param_name.split(".")
-        return (
-            p.ndim == 2
-            and not any(p is t for t in tables)
-            and not any("emb" in part or part.endswith("head") for part in parts)
-        )
+        outside = any("emb" in part or part.endswith("head") for part in param_name.split("."))
+        return p.ndim == 2 and not outside and not any(p is t for t in tables)
 
     return [tuple(p.shape) for _, p in named], [hidden(n, p) for n, p in named]

@@ -27,8 +27,7 @@ from zero_functional.app.plan_format import (
 )
 from zero_functional.core.partition import hybrid_shape
 
-DEMO_WORLD_SIZES = (2, 8, 64)
-"""The world sizes ``plan`` reports by default, and the demo's plan."""
+DEMO_WORLD_SIZES = (2, 8, 64)  # the world sizes ``plan`` reports by default, and the demo's plan
 MAX_SIMULATED_RANKS = 64
 """Most ranks ``plan --simulate`` builds per world size (each takes up to a second)."""
 world_sizes = IntIn(1, 1 << 20, "2**20 ranks is more than any cluster has")

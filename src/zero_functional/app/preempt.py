@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from types import FrameType, TracebackType
+from types import FrameType
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 DEFAULT_GRACE_S = 20.0  # SIGTERM to the save's end (SLURM's KillWait and Kubernetes' grace: 30)
@@ -89,12 +89,7 @@ class Preemption:
         flag = torch.tensor([self.requested])
         return bool(comm.any_rank(flag, comm.default_group(None))[0].item())
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
         # past the block, leaving the group is bounded by the launcher's or scheduler's kill
