@@ -254,13 +254,11 @@ def run_ranks(
 
     Args:
         fn: Run in every rank's group; a module's top-level function for ``"spawn"``.
-        world_size: The number of ranks.
         *args: Passed after ``rank`` and ``world_size``; picklable for ``"spawn"``.
         timeout_s: Every rank must have reported by then; the rest are killed and named.
         pg_timeout_s: The group's timeout per collective; default ``min(60, timeout_s)``.
         start_method: ``"spawn"`` (the safe default), ``"fork"`` or ``"forkserver"`` (no
             second import of torch; the parent must hold no thread that holds a lock).
-        backend: The process group's backend.
         num_threads: ``torch.set_num_threads`` per rank (1: the ranks share the cores).
         grace_s: The other ranks' time to report after the first failure.
         term_grace_s: Between SIGTERM and SIGKILL to a rank being stopped (the time a rank

@@ -48,22 +48,20 @@ class Needs(NamedTuple):
 def option(
     default: T,
     help: str,
-    type: Callable[[str], object] | None = None,
+    type: IntIn | PositiveFloat | None = None,
     *,
     choices: tuple[str, ...] = (),
     needs: tuple[Needs, ...] = (),
     metavar: str | None = None,
 ) -> T:
-    """A field of :class:`TrainConfig` with its flag's facts (``help`` says what a flag that
-    turns a ``True`` default off does)."""
+    """A field of :class:`TrainConfig` with its flag's facts: ``help`` (for a ``True`` default,
+    what ``--no-<name>`` does), its argparse ``type`` (the bounds), ``choices``, ``needs``."""
     facts = {"help": help, "type": type, "choices": choices, "needs": needs, "metavar": metavar}
     return field(default=default, metadata=facts)
 
 
 TORCH = "torch's ZeroRedundancyOptimizer"
-SAVES = Needs("checkpoint", None, "it saves there")
 FP32 = Needs("dtype", "fp32", "checkpoints of a bf16 model are not supported yet")
-OURS_ONLY = Needs("impl", OURS, f"{TORCH} takes no device mesh")
 EPOCHS = IntIn(1, 1_000_000, "a million epochs already take days")
 SEEDS = IntIn(
     -(2**63), 2**64 - 1, span="in torch.manual_seed's range, -2**63 to 2**64-1", hard=True
@@ -103,7 +101,7 @@ class TrainConfig:
         "also save after every K steps (where a restarted elastic torchrun job resumes)",
         IntIn(1, 1 << 40),
         metavar="K",
-        needs=(SAVES,),
+        needs=(Needs("checkpoint", None, "it saves there"),),
     )
     grace_s: float = option(
         DEFAULT_GRACE_S,
@@ -141,7 +139,7 @@ class TrainConfig:
         "hybrid sharding: state sharded in groups of S ranks, replicated across the groups",
         IntIn(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine"),
         metavar="S",
-        needs=(OURS_ONLY,),
+        needs=(Needs("impl", OURS, f"{TORCH} takes no device mesh"),),
     )
     progress: bool = option(True, "no progress bar")
     timeout: float = option(600.0, "seconds before a hang fails", A_WEEK)
