@@ -1,12 +1,10 @@
 """The demo training job: an MLP on scikit-learn's digits, DDP + ZeRO, then plain DDP to compare.
 
-The job runs in every rank of a gloo group, spawned here on 127.0.0.1 (:func:`launch`) or joined
-under a cluster launcher (:func:`run_torchrun`). It trains with ``DistributedDataParallel`` and a
-``ZeroRedundancyOptimizer`` over Adam, then, from the same seed (or checkpoint), with plain DDP
-and Adam, and reports whether both end with the same parameters (:func:`parity_verdict`). Each
-rank's loss is scaled by ``world_size / global_batch``, so DDP's average is the global batch
-mean and a run resumed at another world size continues the same optimisation. Its options are
-:mod:`.train_options`', its checkpoint files :mod:`.train_file`'s.
+In every rank of a gloo group, spawned here (:func:`launch`) or joined under a cluster launcher
+(:func:`run_torchrun`): DDP with a ``ZeroRedundancyOptimizer`` over Adam, then plain DDP and
+Adam from the same seed or checkpoint, and whether both end with the same parameters. Each
+rank's loss is scaled by ``world_size / global_batch``: a run resumed at another world size
+continues the same optimisation. Options: :mod:`.train_options`; files: :mod:`.train_file`.
 """
 
 from __future__ import annotations
@@ -45,10 +43,9 @@ from zero_functional.optimizer import ZeroRedundancyOptimizer
 CHECKPOINT_FORMAT = train_file.TRAIN_FORMAT
 save_checkpoint = train_file.write_train_file
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a GradScaler
+# Adam's ``fused`` in both runs: torch's fused CPU kernel computes the last ``numel % vector
+# width`` elements of a tensor in double, so ZeRO's pieces (not whole tensors) would round apart
 FUSED = False
-"""Adam's ``fused`` in both runs (and in torch's class). Torch's fused CPU kernel computes the
-last ``numel % vector width`` elements of each tensor in double, the rest in float, so ZeRO's
-pieces, which end where whole tensors do not, would round differently."""
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
