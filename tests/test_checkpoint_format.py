@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zero_functional import checkpoint
-from zero_functional.app import train
+from zero_functional.app import train, train_file
 from zero_functional.checkpoint import format as checkpoint_format
 from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.storage import CheckpointError
@@ -194,7 +194,7 @@ def test_the_old_import_paths_still_resolve() -> None:
     from zero_functional.app import train as train_checkpoint
 
     assert train_checkpoint.load_checkpoint is train.load_checkpoint
-    assert train_checkpoint.save_checkpoint is checkpoint_format.write_train_file
+    assert train_checkpoint.save_checkpoint is train_file.write_train_file
     assert (
         train.CHECKPOINT_FORMAT
         == train_checkpoint.CHECKPOINT_FORMAT

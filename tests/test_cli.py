@@ -15,6 +15,7 @@ from torch import nn
 
 import zero_functional
 from zero_functional.app import cli, train
+from zero_functional.app.plan_format import format_bytes
 
 from tests.helpers import forked_train_ranks, run_cli
 
@@ -118,7 +119,7 @@ def test_plan_with_bf16_and_fp32_main_params_prints_bytes_per_rank(
     # flat: each rank owns total / world_size; 2 B params and grads, 4 B main, 2 x 4 B state
     owned = total // 4
     assert rows[("4", "flat")] == [
-        train.format_bytes(n)
+        format_bytes(n)
         for n in (2 * total, 2 * total, 4 * owned, 8 * owned, 4 * total + 12 * owned)
     ]
     # the balance table above is unchanged by the new flags
@@ -141,7 +142,7 @@ def test_plan_bytes_without_a_main_copy_keep_the_state_in_the_parameters_dtype(
         assert code == 0, err
         owned = total // 2
         want = [param * total, param * total, main_b * owned, state * owned]
-        assert memory_rows(out)[("2", "flat")][:4] == [train.format_bytes(n) for n in want]
+        assert memory_rows(out)[("2", "flat")][:4] == [format_bytes(n) for n in want]
 
 
 TINY_TRAIN = ["train", "--nproc", "2", "--epochs", "1", "--hidden", "16", "--batch-size", "256"]
@@ -159,7 +160,7 @@ def test_train_a_bf16_model_matches_its_reference_bitwise_at_2_ranks(
     # the reference's whole state: 4 B main weights (if any) + AdamW's 2 moments per element,
     # plus a 4-byte step per tensor (6 tensors, 1,482 elements)
     per_element = 4 + 2 * 4 if main_params else 2 * 2
-    assert f"  {train.format_bytes(per_element * 1482 + 6 * 4)}  " in out.splitlines()[2]
+    assert f"  {format_bytes(per_element * 1482 + 6 * 4)}  " in out.splitlines()[2]
 
 
 def small_mlp() -> nn.Module:
@@ -187,6 +188,8 @@ def small_mlp() -> nn.Module:
         ["train", "--nproc", "4", "--shard-size", "3"],
         ["train", "--shard-size", "0"],
         ["train", "--nproc", "4", "--shard-size", "2", "--impl", "torch"],
+        ["train", "--save-every", "5"],
+        ["demo", "--grace-s", "5"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
         ["plan", "gpt2-small", "--dtype", "int8"],
@@ -545,6 +548,37 @@ def test_help_and_argument_errors_answer_without_importing_torch() -> None:
     assert proc.stdout.splitlines()[-1] == "torch imported: False", proc.stdout
 
 
+NEEDS_SCRIPT = """
+import sys
+from zero_functional.app.cli import main
+
+for argv in (
+    ["train", "--save-every", "5"],
+    ["demo", "--grace-s", "5", "--epochs", "2"],
+    ["train", "--dtype", "bf16", "--main-params", "fp32", "--impl", "torch"],
+):
+    print(main(argv))
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_a_flag_that_needs_another_is_refused_in_one_line_naming_it_before_torch_loads() -> None:
+    # issue 42 item 7: `train --save-every 5` was refused after 17.7 s (torch imported first), in
+    # internal names ("got 5 with checkpoint None"); `--grace-s` without --checkpoint ran
+    proc = subprocess.run(
+        [sys.executable, "-c", NEEDS_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["2", "2", "2", "torch imported: False"], proc.stdout
+    assert proc.stderr.splitlines() == [
+        "zero-functional train: error: --save-every needs --checkpoint: it saves there",
+        "zero-functional demo: error: --grace-s needs --checkpoint: SIGTERM saves there, within "
+        "S seconds",
+        "zero-functional train: error: --main-params fp32 needs --impl zero_functional: torch's "
+        "ZeroRedundancyOptimizer keeps no main copy",
+    ], proc.stderr
+
+
 def test_python_dash_m_help_exits_0() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "zero_functional", "--help"],
@@ -685,7 +719,7 @@ def test_plan_with_shard_size_prints_state_and_bytes_within_and_across_nodes(
     assert rows["64"][1:4] == ["8", "x", "8"]
     cells = [" ".join(rows["64"][i : i + 2]) for i in range(4, 16, 2)]
     assert cells == [
-        train.format_bytes(n)
+        format_bytes(n)
         for n in (
             8 * total / 8,
             8 * 4096,  # the weight is one tensor: sorted-greedy gives it to one rank whole
@@ -732,7 +766,7 @@ def test_plan_simulate_builds_the_optimizer_as_those_ranks_would(
         assert int(pieces) == len(plan.owned(rank))
         # AdamW's 2 fp32 moments per owned element and a 4-byte step count per piece
         state = " ".join(rows[(str(rank), "flat")][6:8])
-        assert state == train.format_bytes(8 * load + 4 * int(pieces))
+        assert state == format_bytes(8 * load + 4 * int(pieces))
         assert float(rows[(str(rank), "flat")][-1]) < 10  # seconds
     assert loads[0] > 0  # (flat pieces are aligned: 4,160 elements fill the first ranks only)
     # sorted-greedy at 1,024 ranks: the weight to rank 0, the bias to rank 1, rank 1023 nothing

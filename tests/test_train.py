@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_functional.app import cli, train
+from zero_functional.app import train
 from zero_functional.app.cli import main
 from zero_functional.app.train import CHECKPOINT_FORMAT, build_model
+from zero_functional.app.train_options import DIGITS_TRAIN_SIZE
 
 from tests.helpers import forked_train_ranks, run_ranks
 
@@ -194,7 +195,7 @@ def test_batches_are_built_one_epoch_at_a_time_for_any_seed_in_torchs_range() ->
 
 
 def test_the_largest_batch_the_command_line_takes_is_the_training_set() -> None:
-    assert len(train.load_digits_split()[1]) == cli.DIGITS_TRAIN_SIZE
+    assert len(train.load_digits_split()[1]) == DIGITS_TRAIN_SIZE
 
 
 def _alive(pid: int) -> bool:

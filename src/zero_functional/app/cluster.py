@@ -1,18 +1,11 @@
 """Where a rank of ``train`` stands when a cluster started it: torchrun, SLURM or a PyTorchJob.
 
-Pure: the environment in, a :class:`ClusterRank` (or ``None``: nobody started this process as a
-rank, so ``train`` spawns its own) out. Read in this order, the first that applies wins:
-
-* ``RANK`` and ``WORLD_SIZE`` set: torchrun's workers (``srun`` + ``torchrun`` included: there
-  torchrun's variables, not srun's, name the process) or a Kubeflow PyTorchJob's pod, which
-  sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` but no ``LOCAL_RANK``
-  (one process per pod: local rank 0).
-* ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_STEP_ID`` set: a task of ``srun`` started one
-  per process (``SLURM_STEP_ID`` is srun's: a batch script that runs ``train`` itself, without
-  srun, spawns ``--nproc`` ranks as on any machine). Rank, world size and local rank are
-  ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID``; ``MASTER_ADDR``, unless set, is the
-  first host of ``SLURM_JOB_NODELIST`` (:func:`expand_hostlist`), and ``MASTER_PORT``, unless
-  set, :func:`slurm_port` of ``SLURM_JOB_ID`` (every task of a job derives the same).
+Pure: the environment in, a :class:`ClusterRank` out, or ``None`` (``train`` spawns its own
+ranks). The first that applies wins: ``RANK`` and ``WORLD_SIZE`` (torchrun, also under srun;
+a PyTorchJob's pod, local rank 0), then srun's one task per process (``SLURM_PROCID``,
+``SLURM_NTASKS``, ``SLURM_STEP_ID``; without srun a batch script's ``train`` spawns its own),
+whose ``MASTER_ADDR`` is, unless set, the first host of ``SLURM_JOB_NODELIST`` and whose
+``MASTER_PORT`` is :func:`slurm_port` of the job id (every task derives the same).
 """
 
 from __future__ import annotations
@@ -22,19 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = [
-    "ClusterError",
-    "ClusterRank",
-    "cluster_rank",
-    "elastic_resume",
-    "expand_hostlist",
-    "slurm_port",
-]
-
-SLURM_PORT_BASE = 29500
-"""The first port :func:`slurm_port` derives (torchrun's default port)."""
-SLURM_PORT_SPAN = 2000
-"""How many ports :func:`slurm_port` spreads the job ids over."""
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 29500, 2000  # torchrun's default port; how many job ids spread
 
 
 class ClusterError(ValueError):
@@ -43,17 +24,8 @@ class ClusterError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ClusterRank:
-    """This process's place in a job a cluster launcher started.
-
-    Attributes:
-        rank: The global rank.
-        world_size: The number of ranks.
-        local_rank: The rank on this node.
-        master_addr: Where rank 0's store listens.
-        master_port: Its port.
-        source: Who started the process, for messages (``"torchrun"``, ``"SLURM"``,
-            ``"RANK/WORLD_SIZE (a PyTorchJob)"``).
-    """
+    """This process's place in a job a cluster launcher started; ``source`` names the launcher
+    for messages (``"torchrun"``, ``"SLURM"``, ``"RANK/WORLD_SIZE (a PyTorchJob)"``)."""
 
     rank: int
     world_size: int
@@ -100,10 +72,8 @@ def expand_hostlist(text: str) -> list[str]:
     """The host names of a SLURM host list, as ``scontrol show hostnames`` prints them.
 
     Example:
-        >>> expand_hostlist("node[01-04,07]")
-        ['node01', 'node02', 'node03', 'node04', 'node07']
-        >>> expand_hostlist("a1,b[2-3]")
-        ['a1', 'b2', 'b3']
+        >>> expand_hostlist("a1,b[2-3]"), expand_hostlist("node[01-02,07]")
+        (['a1', 'b2', 'b3'], ['node01', 'node02', 'node07'])
         >>> expand_hostlist("rack[1-2]-gpu[8-9]")
         ['rack1-gpu8', 'rack1-gpu9', 'rack2-gpu8', 'rack2-gpu9']
     """
@@ -122,9 +92,8 @@ def expand_hostlist(text: str) -> list[str]:
 
 
 def slurm_port(job_id: int) -> int:
-    """The ``MASTER_PORT`` every task of SLURM job ``job_id`` derives when none is set.
-
-    Two jobs on one node collide only if their ids are :data:`SLURM_PORT_SPAN` apart.
+    """The ``MASTER_PORT`` every task of SLURM job ``job_id`` derives when none is set (two jobs
+    on one node collide only if their ids are ``SLURM_PORT_SPAN`` apart).
 
     Example:
         >>> slurm_port(123456), slurm_port(123457)
@@ -147,16 +116,10 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
         ClusterError: A launcher's variables are there but incomplete or inconsistent.
 
     Example:
-        >>> cluster_rank({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0",
-        ...               "MASTER_PORT": "23456"})  # a PyTorchJob's worker pod
-        ClusterRank(rank=1, world_size=2, local_rank=0, master_addr='job-master-0', master_port=23456, source='RANK/WORLD_SIZE (a PyTorchJob)')
         >>> slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
         ...          "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1"}
-        >>> r = cluster_rank(slurm)
-        >>> r.rank, r.world_size, r.local_rank, r.master_addr, r.master_port
-        (3, 4, 1, 'gpu07', 29501)
-        >>> cluster_rank({"HOME": "/root"}) is None
-        True
+        >>> cluster_rank(slurm)
+        ClusterRank(rank=3, world_size=4, local_rank=1, master_addr='gpu07', master_port=29501, source='SLURM')
     """
     if "RANK" in env and "WORLD_SIZE" in env:
         torchrun = "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env
@@ -164,32 +127,26 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
         if missing:
             raise ClusterError(f"{source}: RANK and WORLD_SIZE are set but not {missing}")
-        return ClusterRank(
-            rank=_int(env, "RANK", source),
-            world_size=_int(env, "WORLD_SIZE", source),
-            local_rank=_int(env, "LOCAL_RANK", source) if "LOCAL_RANK" in env else 0,
-            master_addr=env["MASTER_ADDR"],
-            master_port=_int(env, "MASTER_PORT", source),
-            source=source,
-        )
-    if not all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")):
-        return None
-    source = "SLURM"
-    addr = env.get("MASTER_ADDR")
-    if not addr:
-        if not env.get("SLURM_JOB_NODELIST"):
+        names, addr = ("RANK", "WORLD_SIZE", "LOCAL_RANK"), env["MASTER_ADDR"]
+    elif all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")):
+        source, names = "SLURM", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        addr = env.get("MASTER_ADDR", "")
+        if not addr and not env.get("SLURM_JOB_NODELIST"):
             raise ClusterError("SLURM: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
-        addr = expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+        addr = addr or expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+        if not env.get("MASTER_PORT") and not env.get("SLURM_JOB_ID"):
+            raise ClusterError("SLURM: neither MASTER_PORT nor SLURM_JOB_ID is set")
+    else:
+        return None
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT", source)
-    elif env.get("SLURM_JOB_ID"):
+    else:  # SLURM's job id: every task derives the same
         port = slurm_port(_int(env, "SLURM_JOB_ID", source))
-    else:
-        raise ClusterError("SLURM: neither MASTER_PORT nor SLURM_JOB_ID is set")
+    rank, world_size, local_rank = names
     return ClusterRank(
-        rank=_int(env, "SLURM_PROCID", source),
-        world_size=_int(env, "SLURM_NTASKS", source),
-        local_rank=_int(env, "SLURM_LOCALID", source) if "SLURM_LOCALID" in env else 0,
+        rank=_int(env, rank, source),
+        world_size=_int(env, world_size, source),
+        local_rank=_int(env, local_rank, source) if local_rank in env else 0,
         master_addr=addr,
         master_port=port,
         source=source,
@@ -199,10 +156,9 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
 def elastic_resume(
     checkpoint: str | None, resume: str | None, env: Mapping[str, str], rank: int = 0
 ) -> str | None:
-    """What a job resumes from: ``resume``; else, when torchrun restarted the workers
-    (``TORCHELASTIC_RESTART_COUNT`` > 0: a node left or failed) and the job's own
-    ``checkpoint`` is there, that checkpoint: the job continues from the last complete one at
-    the world size the restart gave it (rank 0 says so).
+    """What a job resumes from: ``resume``; else, when torchrun restarted the workers (a node
+    left or failed) and the job's own ``checkpoint`` is there, that checkpoint, at the world
+    size the restart gave (rank 0 says so).
 
     Example:
         >>> import tempfile

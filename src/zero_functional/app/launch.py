@@ -1,53 +1,14 @@
-"""Start N ranks of a process group on 127.0.0.1, run a function on each, collect the results.
+"""The one launcher: start N ranks of a gloo group on 127.0.0.1, run a function on each, collect
+the results (``train``, the tests, the benchmarks and the notebooks all use :func:`run_ranks`).
 
-The one launcher of this project: ``zero-functional train``, the tests, the benchmarks and the
-notebooks all start their ranks with :func:`run_ranks`. It picks a free port on 127.0.0.1,
-starts ``world_size`` processes (spawned by default, forked on request), initialises a gloo
-process group in each with a timeout, runs ``fn(rank, world_size, *args)`` and returns the
-values in rank order. Each spawn costs seconds, so run many cases inside one call.
-
-How each rank's end is seen:
-
-* It returns: the value is pickled to bytes and sent over the rank's own pipe (bytes, not
-  tensors: torch's queues pass tensors through shared memory, which is gone once the rank has
-  exited).
-* It raises: its traceback is sent instead.
-* It dies without reporting (a signal, ``os._exit``, a crash in C++): the launcher sees the
-  process end and names the rank and how it died, e.g. ``rank 1 was killed by signal
-  SIGKILL``.
-* It is stopped (SIGSTOP): neither reports nor dies, while its peers wait in their collectives.
-  Seen stopped for :data:`~zero_functional.app.rank_state.STOPPED_S`, it is named as the rank
-  that ``stopped reporting`` (:mod:`~zero_functional.app.rank_state`), long before ``timeout_s``.
-* It returns, then cannot leave its process group (its collectives broke, e.g. one timed out):
-  it reports why, with the :class:`~zero_functional.comm.CollectiveError` s it raised even if
-  its own code caught them, and the launcher names them.
-
-The ranks start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the environment sets it: when a peer
-dies, c10d's store client logs a warning carrying an 18-line C++ stack (``sendBytes failed``,
-from the process group's store on the dead rank 0), which the launcher's one line names better.
-
-After the first failure the others get :data:`GRACE_S` to report (a rank blocked in a
-collective with a dead peer usually errors out at once), then the launcher kills them: nobody
-waits for the process group's timeout. A rank that neither reports nor dies before
-``timeout_s`` is killed and named too. All failures are raised together in one
-:class:`LaunchError`, whose first line names the rank that failed first.
-
-SIGTERM to the launcher (what ``kill``, ``timeout`` and job schedulers send) would by default end
-it alone, the ranks training on, orphaned. While ranks run, it raises :class:`Terminated` in the
-launcher instead, once every rank is stopped: a rank being stopped gets SIGTERM first (a rank
-that handles it has ``term_grace_s``, :data:`TERM_GRACE_S` by default, to finish: ``train``
-saves a checkpoint then), then SIGKILL.
-
-How a rank shuts down, and why: after reporting, a rank that succeeded waits in a barrier for
-the others (in gloo a barrier also waits for every collective still pending), destroys the
-process group, flushes stdout and stderr, and ends with ``os._exit``, as a forked
-``multiprocessing`` child always does. A spawned child would otherwise finalize the interpreter
-with gloo's threads still running, which can end in ``terminate called without an active
-exception`` and SIGABRT after the rank's work is done: ``torch.distributed.nn.functional``,
-which ``torch._dynamo`` imports on the first use of DDP or of an optimizer, binds
-``group.WORLD`` as a default argument, so imported after ``init_process_group`` it keeps the
-default group, and its threads, alive past ``destroy_process_group``. Each rank therefore
-imports that module before it joins the group, and never finalizes the interpreter.
+A rank's result or traceback comes back pickled over its own pipe; a rank that dies, is stopped
+or hangs is named (:mod:`.failures`); after the first failure the others get :data:`GRACE_S` to
+report, then are killed. SIGTERM to the launcher stops every rank first, then raises
+:class:`Terminated`; a rank whose launcher dies kills itself (:func:`exit_when_orphaned`).
+A rank leaves with ``os._exit`` after a barrier: finalizing a spawned interpreter with gloo's
+threads alive can abort it (``torch.distributed.nn.functional`` binds ``group.WORLD`` as a
+default argument, so each rank imports it before it joins). Ranks start with
+``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a dead peer makes c10d log a C++ stack.
 """
 
 from __future__ import annotations
@@ -56,13 +17,14 @@ import gc
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,120 +33,33 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Literal, TypeVar, cast
 
-from zero_functional.app.orphans import exit_when_orphaned
-from zero_functional.app.rank_state import StoppedRanks, describe_exit, format_seconds
-
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "GRACE_S",
-    "LaunchError",
-    "RankFailure",
-    "StartMethod",
-    "TERM_GRACE_S",
-    "Terminated",
-    "describe_exit",
-    "format_seconds",
-    "free_port",
-    "process_group",
-    "run_ranks",
-]
+from zero_functional.app.failures import (
+    LaunchError,
+    RankFailure,
+    StoppedRanks,
+    blame,
+    cut,
+    describe_exit,
+    format_seconds,
+    last_line,
+)
 
 R = TypeVar("R")
 StartMethod = Literal["spawn", "fork", "forkserver"]
 
-DEFAULT_TIMEOUT_S = 120.0
-"""Seconds :func:`run_ranks` waits for every rank's result before it kills the rest."""
-
-GRACE_S = 1.0
-"""Seconds the other ranks get to report after the first failure, before they are killed."""
-
-REAP_S = 5.0
-"""Seconds to reap a rank whose files are closed (it is exiting) before its exit code is read."""
-
-POLL_S = 1.0
-"""Seconds between the launcher's looks at whether a rank's process is stopped (SIGSTOP)."""
-
-SETTLE_S = 0.25
-"""Seconds the launcher waits, after the first rank that raised, for a death behind it."""
-
-EXIT_WAIT_S = 30.0
-"""Seconds a rank that returned gets to leave its process group and exit."""
-
-TERM_GRACE_S = 2.0
-"""Seconds a rank being stopped gets between SIGTERM and SIGKILL."""
-
-
-# ----------------------------------------------------------------------------- pure pieces
-
-
-@dataclass(frozen=True, slots=True)
-class RankFailure:
-    """What went wrong on one rank.
-
-    Attributes:
-        rank: The rank.
-        reason: How it failed, as the end of a sentence that starts with ``rank N``: ``raised
-            ValueError: boom``, ``was killed by signal SIGKILL``, ``exited with code 3``, ``gave
-            no result within 60 s``, ``was stopped after rank 1 failed``.
-        traceback: The rank's own traceback when it raised, else ``""``.
-        primary: Whether this is the failure that came first (several if they were seen
-            together); the others are most likely its consequences.
-    """
-
-    rank: int
-    reason: str
-    traceback: str = ""
-    primary: bool = True
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} {self.reason}"
-
-
-class LaunchError(RuntimeError):
-    """One or more ranks failed; ``failures`` says which and how, the first failure first.
-
-    The message has one line per failed rank, the rank that failed first at the top, then the
-    traceback of each rank that raised first. Tracebacks of the ranks that failed later (usually
-    a collective broken by the first failure) are in ``failures`` but not in the message.
-
-    Example:
-        >>> e = LaunchError([RankFailure(1, "was killed by signal SIGKILL"),
-        ...                  RankFailure(0, "was stopped after rank 1 failed", primary=False)])
-        >>> print(e)
-        rank 1 was killed by signal SIGKILL
-        rank 0 was stopped after rank 1 failed
-        >>> e.headline
-        'rank 1 was killed by signal SIGKILL'
-    """
-
-    def __init__(
-        self, failures: Sequence[RankFailure], results: Mapping[int, object] | None = None
-    ) -> None:
-        if not failures:
-            raise ValueError("LaunchError needs at least one RankFailure")
-        self.failures = tuple(sorted(failures, key=lambda f: (not f.primary, f.rank)))
-        self.results: dict[int, object] = dict(results or {})
-        """What the ranks that returned before the failure returned (a failed exit included)."""
-        lines = [str(f) for f in self.failures]
-        lines += [
-            f"--- rank {f.rank}:\n{f.traceback.rstrip()}"
-            for f in self.failures
-            if f.primary and f.traceback
-        ]
-        super().__init__("\n".join(lines))
-
-    @property
-    def headline(self) -> str:
-        """The first failure, in one line."""
-        return str(self.failures[0])
+DEFAULT_TIMEOUT_S = 120.0  # run_ranks's wait for every rank's result
+GRACE_S = 1.0  # the others' time to report after the first failure, before they are killed
+REAP_S = 5.0  # to reap a rank whose files are closed (it is exiting) before its code is read
+POLL_S = 1.0  # between looks at whether a rank's process is stopped (SIGSTOP)
+SETTLE_S = 0.25  # after the first rank that raised, for a death behind it to show
+EXIT_WAIT_S = 30.0  # for a rank that returned to leave its group and exit
+TERM_GRACE_S = 2.0  # between SIGTERM and SIGKILL to a rank being stopped
+CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # set for the ranks unless set (module doc)
 
 
 class Terminated(SystemExit):
-    """The launcher got SIGTERM while its ranks ran; it stopped every rank, then raised this.
-
-    A ``SystemExit`` with code 143 (128 + SIGTERM, what a shell reports for a process that
-    SIGTERM ended): uncaught, the program ends as SIGTERM would have ended it, but with no rank
-    left behind. ``message`` says so, in words a command line can print.
+    """The launcher got SIGTERM while its ranks ran; it stopped every rank, then raised this: exit
+    code 143 (128 + SIGTERM), as SIGTERM would have ended it, with no rank left behind.
 
     Example:
         >>> e = Terminated(2)
@@ -197,16 +72,6 @@ class Terminated(SystemExit):
         self.message = (
             f"stopped by SIGTERM; its {ranks} rank{'s' if ranks != 1 else ''} were stopped too"
         )
-
-
-def _last_line(tb: str, limit: int = 300) -> str:
-    """The exception line of a traceback, cut to ``limit`` characters."""
-    lines = [line.strip() for line in tb.splitlines() if line.strip()]
-    last = lines[-1] if lines else "an exception"
-    return last if len(last) <= limit else last[: limit - 3] + "..."
-
-
-# ----------------------------------------------------------------------------- in each rank
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -229,18 +94,10 @@ def process_group(
     world_size: int | None = None,
     timeout_s: float | None = None,
 ) -> Iterator[None]:
-    """Join the default process group for the block; leave it cleanly after.
-
-    Without ``rank`` and ``world_size`` the group is read from the environment, as torchrun
-    sets it. On a clean exit from the block every rank waits in a barrier (in gloo it also waits
-    for collectives still pending), then the group is destroyed while nothing uses it. After an
-    exception the group is destroyed without the barrier: the other ranks may never reach it.
-
-    Args:
-        backend: ``"gloo"`` or ``"nccl"``.
-        rank: This process's rank; ``None`` reads ``RANK``.
-        world_size: The number of ranks; ``None`` reads ``WORLD_SIZE``.
-        timeout_s: The group's timeout for collectives; ``None`` is torch's default.
+    """Join the default process group for the block (``rank`` and ``world_size`` None: from the
+    environment, as torchrun sets it); leave it cleanly after: on a clean exit every rank waits
+    in a barrier (in gloo it also waits for pending collectives), then the group is destroyed.
+    After an exception it is destroyed without the barrier, which the others may never reach.
 
     Example (one rank; :func:`run_ranks` sets ``MASTER_ADDR`` and ``MASTER_PORT`` for its ranks):
         >>> import os, torch
@@ -272,7 +129,7 @@ def process_group(
 
 
 class _Reported(Exception):
-    """``fn`` raised and the launcher has its traceback: leave the group without the barrier."""
+    """``fn`` raised and the launcher has its traceback: leave without the barrier."""
 
 
 def _failure(t: float) -> bytes:
@@ -298,11 +155,9 @@ def _rank_main(
     args: tuple[object, ...],
     report: Connection,
 ) -> None:
-    """The body of each rank's process; ends the process with ``os._exit``.
-
-    The report goes out while the rank is still in the group: once it leaves, its peers'
-    collectives fail, and their reports must not overtake the one that explains why.
-    """
+    """The body of each rank's process, ended with ``os._exit``. The report goes out while the
+    rank is still in the group: the reports of peers whose collectives fail once it leaves must
+    not overtake the one that explains why."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler: ends a rank
     exit_when_orphaned(report)  # the launcher killed (any signal): this rank stops at once
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -351,8 +206,8 @@ class _Rank:
 
 
 class _SigtermGuard:
-    """While it is armed, SIGTERM raises :class:`Terminated` in the main thread; disarmed (the
-    ranks are being stopped), a SIGTERM is only noted, for the launcher to raise after."""
+    """Armed, SIGTERM raises :class:`Terminated` in the main thread; disarmed (the ranks are
+    being stopped), it is only noted, for the launcher to raise after."""
 
     def __init__(self, ranks: Sequence[_Rank]) -> None:
         self.ranks = ranks
@@ -398,25 +253,16 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the values in rank order.
 
     Args:
-        fn: The function every rank runs inside its process group. With ``"spawn"`` it must be
-            importable (a module's top-level function); with ``"fork"`` any callable works.
-        world_size: The number of ranks.
-        *args: Passed to ``fn`` after ``rank`` and ``world_size``; picklable for ``"spawn"``.
+        fn: Run in every rank's group; a module's top-level function for ``"spawn"``.
+        *args: Passed after ``rank`` and ``world_size``; picklable for ``"spawn"``.
         timeout_s: Every rank must have reported by then; the rest are killed and named.
-        pg_timeout_s: The process group's timeout for each collective; default
-            ``min(60, timeout_s)``.
-        start_method: ``"spawn"`` (a fresh interpreter per rank: the safe default) or
-            ``"fork"`` (Linux and macOS; no second import of torch, so a launch starts in a
-            fraction of the time, but the parent must not have started threads that hold locks).
-        backend: The process group's backend.
-        num_threads: ``torch.set_num_threads`` in each rank (1: the ranks share the cores);
-            ``None`` keeps torch's default.
-        grace_s: Seconds the other ranks get to report after the first failure.
-        term_grace_s: Seconds a rank being stopped gets between SIGTERM and SIGKILL (a rank
-            that saves a checkpoint on SIGTERM needs its grace period here).
-
-    Returns:
-        What ``fn`` returned on each rank, in rank order.
+        pg_timeout_s: The group's timeout per collective; default ``min(60, timeout_s)``.
+        start_method: ``"spawn"`` (the safe default), ``"fork"`` or ``"forkserver"`` (no
+            second import of torch; the parent must hold no thread that holds a lock).
+        num_threads: ``torch.set_num_threads`` per rank (1: the ranks share the cores).
+        grace_s: The other ranks' time to report after the first failure.
+        term_grace_s: Between SIGTERM and SIGKILL to a rank being stopped (the time a rank
+            that saves a checkpoint on SIGTERM needs).
 
     Raises:
         LaunchError: A rank raised, died, hung past ``timeout_s``, or crashed while exiting
@@ -429,7 +275,7 @@ def run_ranks(
         >>> run_ranks(math.log, 2, start_method="fork")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        zero_functional.app.launch.LaunchError: rank 0 raised ValueError: math domain error
+        zero_functional.app.failures.LaunchError: rank 0 raised ValueError: math domain error
         --- rank 0:
         Traceback (most recent call last):
         ...
@@ -451,20 +297,9 @@ def run_ranks(
                 for rank in range(world_size):
                     # one pipe per rank, made just before its process: no other rank inherits it
                     receive, send = ctx.Pipe(duplex=False)
-                    process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]  # every context has it
-                        target=_rank_main,
-                        args=(
-                            rank,
-                            world_size,
-                            port,
-                            backend,
-                            pg_timeout,
-                            num_threads,
-                            fn,
-                            args,
-                            send,
-                        ),
-                        name=f"rank {rank}",
+                    job = (rank, world_size, port, backend, pg_timeout, num_threads, fn, args, send)
+                    process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]
+                        target=_rank_main, args=job, name=f"rank {rank}"
                     )
                     process.start()
                     send.close()
@@ -483,11 +318,9 @@ def run_ranks(
 
 
 def _read(r: _Rank) -> tuple[bool, object, float] | None:
-    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``.
-
-    ``t`` is ``time.monotonic()`` in the rank when it returned or raised: on Linux and macOS one
-    clock for every process, so it orders failures that reach the launcher together.
-    """
+    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``,
+    ``t`` the rank's ``time.monotonic()`` (one clock for every process on Linux and macOS: it
+    orders failures that arrive together)."""
     if r.conn is None:
         return None
     try:
@@ -527,7 +360,7 @@ def _poll(
             r.state, r.value = "returned", report[1]
         elif report is not None:
             r.state, tb = "failed", str(report[1])
-            raised.append((report[2], RankFailure(r.rank, f"raised {_last_line(tb)}", tb)))
+            raised.append((report[2], RankFailure(r.rank, f"raised {last_line(tb)}", tb)))
         elif code is not None:
             r.state = "failed"
             died.append(RankFailure(r.rank, describe_exit(code)))
@@ -562,7 +395,7 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[R
                 connection.wait([r.process.sentinel for r in still], timeout=SETTLE_S)
                 _poll(still, raised, died, stops)
         if raised or died:
-            failures += _mark(died, [f for _, f in sorted(raised)], first)
+            failures += blame(died, [f for _, f in sorted(raised)], first)
             if first is None:
                 stop_at = min(deadline, time.monotonic() + grace_s)
     first = next((f for f in failures if f.primary), None)
@@ -576,33 +409,9 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[R
     return failures
 
 
-def _mark(
-    died: Sequence[RankFailure], raised: Sequence[RankFailure], first: RankFailure | None
-) -> list[RankFailure]:
-    """Which of the failures seen together came first; the rest are marked as its consequences.
-
-    ``raised`` is in the order the ranks raised. A rank that died without reporting comes
-    before the ranks that raised at the same moment: a dead peer breaks the others'
-    collectives, while a rank that raises reports before it leaves the group.
-    """
-    if first is None:
-        primary = list(died) or list(raised[:1])
-        first = primary[0]
-    else:
-        primary = []
-    return [
-        f
-        if f in primary
-        else RankFailure(f.rank, f"{f.reason} after rank {first.rank} failed", f.traceback, False)
-        for f in [*died, *raised]
-    ]
-
-
 def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
-    """After every rank returned: each must leave its group and exit with code 0.
-
-    A rank killed by a signal comes first: the others' exit barrier fails because of it.
-    """
+    """After every rank returned: each must leave its group and exit with code 0 (a rank
+    killed by a signal comes first: the others' exit barrier fails because of it)."""
     deadline = time.monotonic() + EXIT_WAIT_S
     killed: list[RankFailure] = []
     other: list[RankFailure] = []
@@ -616,20 +425,17 @@ def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
             reason = f"returned its result, then {describe_exit(code)} while exiting"
             why = _why_not_left(r)
             if why is not None:
-                reason, tb = f"{reason}: {_cut(why[0])}", why[1]
+                reason, tb = f"{reason}: {cut(why[0], 400)}", why[1]
         else:
             continue
         failure = RankFailure(r.rank, reason, tb)
         (killed if code is not None and code < 0 else other).append(failure)
-    return _mark(killed, other, None) if killed or other else []
+    return blame(killed, other, None) if killed or other else []
 
 
 def _why_not_left(r: _Rank) -> tuple[str, str] | None:
-    """What a rank that returned reported on failing to leave its group: a line, the details.
-
-    The line names the last CollectiveError the rank raised (the collective that broke the
-    group), else what leaving raised; the details hold every CollectiveError and the traceback.
-    """
+    """What a rank that returned reported on failing to leave its group: a line naming the last
+    CollectiveError it raised (what broke the group), else what leaving raised; the details."""
     try:
         if r.conn is None or not r.conn.poll():
             return None
@@ -642,23 +448,14 @@ def _why_not_left(r: _Rank) -> tuple[str, str] | None:
     line = (
         f"it could not leave its process group after {named[-1]}"
         if named
-        else f"leaving its process group raised {_last_line(tb)}"
+        else f"leaving its process group raised {last_line(tb)}"
     )
     return line, "\n".join([*named, tb])
 
 
-def _cut(line: str, limit: int = 400) -> str:
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
-"""What the ranks' environment gets unless it sets them already (see the module doc)."""
-
-
 @contextmanager
 def _rank_environment() -> Iterator[None]:
-    """:data:`CHILD_ENV`'s variables that the environment lacks, set while ranks are started
-    (a spawned rank reads them as torch loads; a forked one has the launcher's torch)."""
+    """:data:`CHILD_ENV`'s variables the environment lacks, set while ranks start."""
     added = [k for k in CHILD_ENV if k not in os.environ]
     os.environ.update({k: CHILD_ENV[k] for k in added})
     try:
@@ -684,3 +481,40 @@ def _release(ranks: Sequence[_Rank], term_grace_s: float) -> None:
         if r.conn is not None:
             r.conn.close()
             r.conn = None
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_when_orphaned(
+    report: Connection, kill: Callable[[], None] = _kill_self
+) -> threading.Thread:
+    """Start a daemon thread that calls ``kill`` (SIGKILL of this process) once the reading end
+    of ``report``, which only the launcher holds, is closed: the launcher died, by any signal
+    (the kernel closes it). The thread ends quietly if ``report`` itself is closed.
+
+    Example:
+        >>> import multiprocessing
+        >>> receive, send = multiprocessing.Pipe(duplex=False)
+        >>> killed = threading.Event()
+        >>> watcher = exit_when_orphaned(send, kill=killed.set)
+        >>> receive.close()  # as the launcher's death does
+        >>> killed.wait(timeout=5)
+        True
+    """
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(report.fileno(), select.POLLERR | select.POLLHUP)
+        while True:
+            for _, events in poller.poll():
+                if events & select.POLLNVAL:
+                    return  # this end was closed: the rank is leaving anyway
+                if events & (select.POLLERR | select.POLLHUP):
+                    kill()
+                    return
+
+    thread = threading.Thread(target=watch, name="zero_functional-orphan-watch", daemon=True)
+    thread.start()
+    return thread

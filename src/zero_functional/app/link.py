@@ -1,11 +1,7 @@
-"""A link with a bandwidth: re-run a benchmark inside a private network namespace whose loopback
-is shaped, so that bytes cost what they cost on a network (issue 33).
-
-``unshare -rn`` gives the command a network namespace of its own (as an unprivileged user: a
-user namespace maps it to root there), whose loopback ``tc`` shapes with a token bucket
-(``tbf rate RATE burst 256kb latency 200ms``). Nothing outside the namespace is touched, and
-every rank on 127.0.0.1 shares that one link, so the floor of a collective is the bytes all
-ranks send together divided by the rate (:func:`byte_floor_ms`).
+"""A link with a bandwidth: a benchmark re-run in a private network namespace (``unshare -rn``)
+whose loopback ``tc`` shapes with a token bucket, so that bytes cost what they cost on a network.
+Every rank on 127.0.0.1 shares that one link: a collective's floor is the bytes all ranks send
+together over the rate (:func:`byte_floor_ms`).
 """
 
 from __future__ import annotations
@@ -18,10 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-__all__ = ["LINK_ENV", "byte_floor_ms", "link_banner", "rate_bits", "run_shaped", "shaped_command"]
-
-LINK_ENV = "ZERO_FUNCTIONAL_LINK"
-"""Set (to the rate) inside the shaped namespace: a benchmark that sees it does not re-run."""
+LINK_ENV = "ZERO_FUNCTIONAL_LINK"  # the rate, inside the shaped namespace: no second re-run
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
@@ -47,8 +40,7 @@ def rate_bits(rate: str) -> float:
 
 
 def byte_floor_ms(total_bytes: float, rate: str) -> float:
-    """The least time ``total_bytes`` (what every rank sends, together) take on one shared
-    link of ``rate``: the floor of a collective on the shaped loopback.
+    """The least time ``total_bytes`` (what every rank sends, together) take on a ``rate`` link.
 
     Example:
         >>> byte_floor_ms(32e6, "2gbit")  # 2 ranks reducing 32 MB onto owners: 32 MB in all
@@ -58,8 +50,7 @@ def byte_floor_ms(total_bytes: float, rate: str) -> float:
 
 
 def shaped_command(rate: str, argv: Sequence[str]) -> list[str]:
-    """The command that runs ``argv`` in a private network namespace with its loopback shaped
-    to ``rate``.
+    """The command that runs ``argv`` in a private network namespace, its loopback at ``rate``.
 
     Example:
         >>> shaped_command("2gbit", ["python", "bench.py"])[:2]
@@ -89,10 +80,9 @@ def link_banner(rate: str) -> str:
 
 
 def run_shaped(rate: str | None, argv: Sequence[str] | None = None) -> None:
-    """Re-run this program (``argv``: default ``sys.argv`` under this interpreter) on a link of
-    ``rate`` and exit with its status; return at once when ``rate`` is ``None`` or this process
-    already runs shaped (it then prints :func:`link_banner` first). Where namespaces or ``tc``
-    are not allowed, one line says why and the process exits with status 2.
+    """Re-run this program (``argv``, default ``sys.argv``) on a ``rate`` link and exit with its
+    status; return at once when ``rate`` is None or this process runs shaped (after printing
+    :func:`link_banner`). Where namespaces or ``tc`` are not allowed, one line says why, exit 2.
 
     Example:
         >>> run_shaped(None)  # unshaped: nothing to do

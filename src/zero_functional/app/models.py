@@ -1,9 +1,6 @@
-"""Parameter-shape specs of well-known models, computed by formula: no downloads, no memory.
-
-Each spec lists the shapes of a model's parameters in the order of its reference
-implementation's ``named_parameters()`` (Hugging Face ``transformers`` for the transformers,
-``torchvision`` for ResNet-50), tied weights counted once, as ``named_parameters()`` does. That
-is what a partition sees, so ``zero-functional plan`` reports what a real run would get.
+"""The models ``plan`` partitions: shape specs of well-known models, by formula (no download, no
+memory), in their reference implementation's ``named_parameters()`` order, tied weights once, as
+a partition sees them; or any ``module:function``, built on the meta device.
 
 Example:
     >>> shapes = model_shapes("gpt2-small")
@@ -24,20 +21,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = [
-    "MODELS",
-    "Shape",
-    "bert_shapes",
-    "gpt2_shapes",
-    "llama_shapes",
-    "model_shapes",
-    "module_shapes",
-    "muon_params",
-    "numels",
-    "resnet_shapes",
-    "total_numel",
-]
-
 Shape = tuple[int, ...]
 
 
@@ -45,19 +28,14 @@ def numels(shapes: Sequence[Shape]) -> list[int]:
     """The number of elements of each shape.
 
     Example:
-        >>> numels([(3, 4), (5,), ()])
-        [12, 5, 1]
+        >>> numels([(3, 4), (5,), ()]), total_numel([(3, 4), (5,)])
+        ([12, 5, 1], 17)
     """
     return [math.prod(s) for s in shapes]
 
 
 def total_numel(shapes: Sequence[Shape]) -> int:
-    """The number of parameters of a whole model.
-
-    Example:
-        >>> total_numel([(3, 4), (5,)])
-        17
-    """
+    """The number of parameters of a whole model."""
     return sum(numels(shapes))
 
 
@@ -65,15 +43,6 @@ def gpt2_shapes(
     n_layer: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024
 ) -> list[Shape]:
     """GPT-2 (``transformers.GPT2LMHeadModel``; the LM head is tied to the token embedding).
-
-    Args:
-        n_layer: Transformer blocks (12 for small, 24 for medium).
-        n_embd: Hidden width (768 for small, 1024 for medium).
-        vocab_size: Token vocabulary.
-        n_positions: Context length (learned position embedding rows).
-
-    Returns:
-        The parameter shapes, embeddings first, then each block, then the final layer norm.
 
     Example:
         >>> total_numel(gpt2_shapes(24, 1024))  # GPT-2 medium
@@ -192,37 +161,8 @@ OUTSIDE_BLOCKS: dict[str, tuple[int, int]] = {
 them: the embeddings, the head and the final norm, which Muon leaves to AdamW."""
 
 
-def module_shapes(target: str) -> list[Shape]:
-    """The parameter shapes of the ``nn.Module`` that ``module:function`` returns.
-
-    The function runs under ``torch.device("meta")``, so parameters have shapes but no storage
-    and a 7B model costs no memory. Tied parameters count once, as in ``parameters()``.
-
-    Args:
-        target: ``"package.module:function"``; the function takes no arguments.
-
-    Returns:
-        The shapes of ``module.parameters()`` in order.
-
-    Raises:
-        ValueError: ``target`` is not ``module:function``; its module cannot be imported (missing,
-            a syntax error, an exception at import); the function needs arguments, raises, or
-            does not return an ``nn.Module``; the message names which.
-
-    Example:
-        >>> module_shapes("torch.nn:Identity")
-        []
-        >>> module_shapes("torch.nn:Linear")
-        Traceback (most recent call last):
-        ...
-        ValueError: torch.nn:Linear needs arguments (missing a required argument: 'in_features'); plan calls it with none: point it at a function that builds the model without arguments
-    """
-    return [tuple(p.shape) for p in _build(target).parameters()]
-
-
 def _build(target: str) -> nn.Module:
-    """The model ``module:function`` returns, built on the meta device (see :func:`module_shapes`)."""
-    import torch  # here, not at the top: the command line answers --help without torch
+    import torch  # here: the command line answers --help without torch
 
     module_name, sep, func_name = target.partition(":")
     if not sep or not module_name or not func_name:
@@ -231,20 +171,9 @@ def _build(target: str) -> nn.Module:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import {module_name!r} for model {target!r}: {_why(e, module_name)}"
-        ) from e
-    except SyntaxError as e:
-        raise ValueError(
-            f"cannot import {module_name!r} for model {target!r}: syntax error in "
-            f"{e.filename}, line {e.lineno}: {e.msg}"
-        ) from e
-    except Exception as e:
-        raise ValueError(
-            f"cannot import {module_name!r} for model {target!r}: importing it raised "
-            f"{type(e).__name__}: {e}"
-        ) from e
+    except Exception as e:  # not found, a syntax error, or an error while it imports
+        why = f"cannot import {module_name!r} for model {target!r}: {_why(e, module_name)}"
+        raise ValueError(why) from e
     factory = getattr(module, func_name, None)
     if not callable(factory):
         raise ValueError(f"{module_name!r} has no callable {func_name!r} (from model {target!r})")
@@ -270,54 +199,49 @@ def _build(target: str) -> nn.Module:
     return model
 
 
-def _why(e: ImportError, module_name: str) -> str:
-    """An import error, with where to look when the module (or its package) is not found."""
+def _why(e: Exception, module_name: str) -> str:
+    """Why a module did not import, with where to look when it (or its package) is not found."""
+    if isinstance(e, SyntaxError):
+        return f"syntax error in {e.filename}, line {e.lineno}: {e.msg}"
+    if not isinstance(e, ImportError):
+        return f"importing it raised {type(e).__name__}: {e}"
     missing = e.name if isinstance(e, ModuleNotFoundError) else None
     if missing is None or not (module_name == missing or module_name.startswith(missing + ".")):
         return str(e)  # the module was found, and something it imports is missing
     here = os.getcwd()
-    searched = "sys.path" + (
-        f" (the current directory {here} included)"
-        if any(os.path.abspath(p or os.curdir) == here for p in sys.path)
-        else ""
-    )
+    on_path = any(os.path.abspath(p or os.curdir) == here for p in sys.path)
+    searched = f" (the current directory {here} included)" if on_path else ""
     return (
-        f"no module named {missing!r} on {searched}: run from the folder that holds it "
+        f"no module named {missing!r} on sys.path{searched}: run from the folder that holds it "
         "(zero-functional and python -m zero_functional look in the current directory), or "
         "add that folder to PYTHONPATH"
     )
 
 
 def model_shapes(name: str) -> list[Shape]:
-    """The shapes of a built-in spec (see :data:`MODELS`) or of a ``module:function`` model.
-
-    Raises:
-        ValueError: Unknown name that is not ``module:function`` either.
+    """The shapes of a built-in spec (:data:`MODELS`), or of the ``nn.Module`` that
+    ``module:function`` (no arguments) returns, built under ``torch.device("meta")``: shapes
+    without storage, so a 7B model costs no memory.
 
     Example:
-        >>> total_numel(model_shapes("bert-base"))
-        109482240
+        >>> total_numel(model_shapes("bert-base")), model_shapes("torch.nn:Identity")
+        (109482240, [])
+        >>> model_shapes("torch.nn:Linear")  # a ValueError says what is wrong
+        Traceback (most recent call last):
+        ...
+        ValueError: torch.nn:Linear needs arguments (missing a required argument: 'in_features'); plan calls it with none: point it at a function that builds the model without arguments
     """
     if name in MODELS:
         return MODELS[name]()
-    return module_shapes(name)
+    return [tuple(p.shape) for p in _build(name).parameters()]
 
 
 def muon_params(name: str) -> tuple[list[Shape], list[bool]]:
-    """A model's shapes and, for each, whether Muon takes it: its hidden 2-D matrices.
-
-    The recipe (Keller Jordan's ``MuonWithAuxAdam``, modded-nanogpt, Moonlight) gives Muon
-    the hidden layers' 2-D weights and AdamW the rest: embeddings, the head, norms, biases.
-
-    * A built-in spec: the 2-D parameters of its repeated blocks (the attention and MLP
-      weight matrices; :data:`OUTSIDE_BLOCKS` counts what comes before and after them).
-      ResNet-50 has none: its convolutions are 4-D, which ``torch.optim.Muon`` refuses.
-    * ``module:function``: each 2-D parameter, except those of an ``nn.Embedding`` or
-      ``nn.EmbeddingBag`` and those with a part of their dotted name that contains ``emb``
-      (``embed_tokens``, ``pos_emb``) or ends in ``head`` (``lm_head``, ``head``).
-
-    Raises:
-        ValueError: As :func:`model_shapes`.
+    """A model's shapes and, for each, whether Muon takes it: its hidden 2-D matrices (the
+    recipe of ``MuonWithAuxAdam``; AdamW takes embeddings, the head, norms, biases). For a
+    built-in spec, the 2-D parameters of its repeated blocks (:data:`OUTSIDE_BLOCKS`); for a
+    ``module:function``, each 2-D parameter but an ``nn.Embedding``'s or ``EmbeddingBag``'s and
+    those whose dotted name has a part that contains ``emb`` or ends in ``head``.
 
     Example:
         >>> shapes, muon = muon_params("gpt2-small")
@@ -339,11 +263,7 @@ def muon_params(name: str) -> tuple[list[Shape], list[bool]]:
     named = list(model.named_parameters())
 
     def hidden(param_name: str, p: torch.Tensor) -> bool:
-        parts = param_name.split(".")
-        return (
-            p.ndim == 2
-            and not any(p is t for t in tables)
-            and not any("emb" in part or part.endswith("head") for part in parts)
-        )
+        outside = any("emb" in part or part.endswith("head") for part in param_name.split("."))
+        return p.ndim == 2 and not outside and not any(p is t for t in tables)
 
     return [tuple(p.shape) for _, p in named], [hidden(n, p) for n, p in named]

@@ -1,13 +1,12 @@
-"""``zero-functional plan``: its flags and what it does (pure, instant: no process starts).
-
-The tables it prints are :mod:`.plan_format`'s; the simulation is :mod:`.simulate`'s.
+"""``zero-functional plan``: its flags and what it does (pure, instant: no process starts). The
+tables are :mod:`.plan_format`'s, the simulation :mod:`.simulate`'s.
 
 Example:
     >>> import argparse
     >>> parser = argparse.ArgumentParser()
     >>> add_plan_parser(parser.add_subparsers())
-    >>> parser.parse_args(["plan", "gpt2-small", "--world-sizes", "4"]).world_sizes
-    [4]
+    >>> parser.parse_args(["plan", "gpt2-small", "--simulate", "0, 1023"]).simulate
+    [0, 1023]
 """
 
 from __future__ import annotations
@@ -17,42 +16,38 @@ import os
 import sys
 from typing import Any
 
-from zero_functional.app.cli_args import (
-    DEMO_WORLD_SIZES,
-    MAX_PLAN_WORLD_SIZE,
-    fail,
-    int_in,
-    rank_list,
-)
+from zero_functional.app.cli_args import IntIn, fail, shown
+from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
 from zero_functional.app.plan_format import (
     DTYPE_BYTES,
-    check_ranks,
     format_hybrid,
     format_memory,
     format_muon,
     format_plan,
 )
+from zero_functional.core.partition import hybrid_shape
 
-__all__ = ["add_plan_parser", "cmd_plan", "current_directory_on_path"]
+DEMO_WORLD_SIZES = (2, 8, 64)  # the world sizes ``plan`` reports by default, and the demo's plan
+MAX_SIMULATED_RANKS = 64
+"""Most ranks ``plan --simulate`` builds per world size (each takes up to a second)."""
+world_sizes = IntIn(1, 1 << 20, "2**20 ranks is more than any cluster has")
 
 
-def current_directory_on_path() -> None:
-    """Put the current directory first on ``sys.path``, as ``python -m`` does.
-
-    The ``zero-functional`` script's own ``sys.path[0]`` is the folder of the script (the
-    environment's ``bin``), so without this ``plan mymodels:build`` would not find
-    ``./mymodels.py``, which ``python -m zero_functional plan mymodels:build`` finds.
-    """
-    here = os.getcwd()
-    if not any(os.path.abspath(p or os.curdir) == here for p in sys.path):
-        sys.path.insert(0, here)
+def rank_list(text: str) -> list[int]:
+    """An argparse type: ranks separated by commas (``0,1023``), each an integer >= 0."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts) or len(parts) > MAX_SIMULATED_RANKS:
+        raise argparse.ArgumentTypeError(
+            f"expected up to {MAX_SIMULATED_RANKS} ranks (integers >= 0) separated by commas, "
+            f"such as 0,1023, got {shown(text)}"
+        )
+    return [int(part) for part in parts]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
-
-    if args.model not in MODELS:
-        current_directory_on_path()
+    here = os.getcwd()  # first on sys.path, as python -m has it (the script's is its bin/)
+    if args.model not in MODELS and all(os.path.abspath(p or ".") != here for p in sys.path):
+        sys.path.insert(0, here)
     try:
         shapes, muon = muon_params(args.model) if args.muon else (model_shapes(args.model), [])
     except ValueError as e:
@@ -78,8 +73,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "needs --dtype bf16 --main-params fp32",
         )
     if args.shard_size is not None:
-        from zero_functional.core.partition import hybrid_shape
-
         try:
             for w in args.world_sizes:
                 hybrid_shape(w, args.shard_size)
@@ -87,52 +80,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return fail("plan", f"--shard-size: {e} (--world-sizes)")
     params = None
     if args.simulate is not None:
-        try:
-            check_ranks(args.simulate, args.world_sizes)  # before torch is imported
-            from zero_functional.app.simulate import model_params
+        bad = [(r, w) for w in args.world_sizes for r in args.simulate if not 0 <= r < w]
+        if bad:  # before torch is imported
+            r, w = bad[0]
+            return fail(
+                "plan",
+                f"--simulate: rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}",
+            )
+        from zero_functional.app.simulate import model_params
 
+        try:
             params = model_params(shapes, args.dtype or "fp32")
         except ValueError as e:
             return fail("plan", f"--simulate: {e}")
-    dtype = args.dtype or "fp32"
-    print(format_plan(args.model, numels(shapes), args.world_sizes))
-    memory = (
-        args.dtype,
-        args.main_params,
-        args.optimizer,
-        args.remainders or None,
-        args.ema or None,
-    )
-    if any(option is not None for option in memory):
-        print()
-        print(
-            format_memory(
-                numels(shapes),
-                args.world_sizes,
-                dtype,
-                args.main_params,
-                args.optimizer or "adamw",
-                args.remainders,
-                args.ema,
-            )
+    n, dtype = numels(shapes), args.dtype or "fp32"
+    print(format_plan(args.model, n, args.world_sizes))
+    if args.dtype or args.main_params or args.optimizer or args.remainders or args.ema:
+        optimizer = args.optimizer or "adamw"
+        m = format_memory(
+            n, args.world_sizes, dtype, args.main_params, optimizer, args.remainders, args.ema
         )
+        print(f"\n{m}")
     if args.shard_size is not None:
-        print()
-        print(
-            format_hybrid(
-                numels(shapes), args.world_sizes, args.shard_size, dtype, args.main_params
-            )
-        )
+        print(f"\n{format_hybrid(n, args.world_sizes, args.shard_size, dtype, args.main_params)}")
     if params is not None:
-        from zero_functional.app.simulate import format_simulated, simulate_ranks
+        from zero_functional.app.simulate import format_simulated, simulate
 
-        has_main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
-        rows = simulate_ranks(params, args.world_sizes, args.simulate, args.shard_size, has_main)
-        print()
-        print(format_simulated(rows))
+        main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
+        rows = [
+            simulate(
+                params, w, r, partition=partition, shard_size=args.shard_size, main_params=main
+            )
+            for w in args.world_sizes
+            for r in args.simulate
+            for partition in ("sorted_greedy", "flat")
+        ]
+        print(f"\n{format_simulated(rows)}")
     if args.muon:
-        print()
-        print(format_muon(shapes, muon, args.world_sizes))
+        print(f"\n{format_muon(shapes, muon, args.world_sizes)}")
     return 0
 
 
@@ -144,15 +129,13 @@ def add_plan_parser(sub: Any) -> None:
         description="MODEL: a built-in spec or module:function returning an nn.Module "
         "(built on the meta device).",
     )
-    from zero_functional.app.models import MODELS
-
     plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
     plan.add_argument(
         "--world-sizes",
-        type=int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
+        type=world_sizes,
         nargs="+",
         default=list(DEMO_WORLD_SIZES),
-        help=f"world sizes to report (2 8 64; at most {MAX_PLAN_WORLD_SIZE:,})",
+        help=f"world sizes to report (2 8 64; {world_sizes})",
     )
     plan.add_argument(
         "--dtype",
@@ -168,7 +151,7 @@ def add_plan_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--shard-size",
-        type=int_in(1, MAX_PLAN_WORLD_SIZE, "2**20 ranks is more than any cluster has"),
+        type=world_sizes,
         metavar="S",
         help="also print hybrid sharding (state sharded within groups of S ranks, a node, and "
         "replicated across world/S): state per rank and bytes per rank and step within and "

@@ -1,8 +1,6 @@
-"""What ``zero-functional plan`` prints: partition balance, bytes per rank, hybrid-sharding traffic,
-Muon + AdamW ownership.
-
-Each function formats one table from parameter sizes; the arithmetic is in
-:mod:`zero_functional.core.partition` (pure). :mod:`zero_functional.app.cli` re-exports these names.
+"""The tables ``zero-functional plan`` prints, from parameter sizes (the arithmetic is
+:mod:`zero_functional.core.partition`'s): partition balance, bytes per rank, hybrid-sharding
+traffic, Muon + AdamW ownership.
 """
 
 from __future__ import annotations
@@ -10,32 +8,43 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = [
-    "DTYPE_BYTES",
-    "MUON_RANK_ROWS",
-    "check_ranks",
-    "format_hybrid",
-    "format_memory",
-    "format_muon",
-    "format_plan",
-]
+from zero_functional.core.cost import muon_plan
+from zero_functional.core.partition import (
+    balance_report,
+    flat,
+    hybrid_shape,
+    max_over_mean,
+    rank_bytes,
+    rank_loads,
+    rank_traffic,
+    sorted_greedy,
+)
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of the dtypes ``--dtype`` and ``--main-params`` take."""
+MUON_RANK_ROWS = 16
+"""Most ranks :func:`format_muon` prints a row for; past it, the busiest rank's row only."""
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in binary units.
+
+    Example:
+        >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**30)
+        ('512 B', '1.5 KiB', '3.0 GiB')
+    """
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) -> str:
-    """The balance of sorted-greedy and flat partitions of ``numels`` at each world size.
-
-    Per world size and partition: max/mean load, the lower bound on the max load of any
-    whole-tensor partition (``max(mean, largest tensor)``), max/lower bound (below 1 for
-    ``flat``, which splits tensors), the smallest and largest rank load, and the Adam state of the fullest rank (2 fp32 states: ``8 * load`` bytes)
-    against ZeRO's formula (``8 * total / world_size``).
-
-    Args:
-        name: The model's name, for the header.
-        numels: Each parameter tensor's number of elements, in ``parameters()`` order.
-        world_sizes: The world sizes to report.
-
-    Returns:
-        The report, one header and a table.
+    """The balance of sorted-greedy and flat partitions of ``numels`` at each world size: max/mean
+    load, the bound on the max load of any whole-tensor partition (``max(mean, largest)``), the
+    smallest and largest load, and the fullest rank's Adam state (``8 * load`` bytes) against
+    ZeRO's formula (``8 * total / world_size``).
 
     Example:
         >>> print(format_plan("toy", [6, 3, 3], [2]))
@@ -45,9 +54,6 @@ def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) ->
             2  sorted-greedy     1.000            6      1.000            6            6             48 B          48 B        1.000
             2  flat              1.000            6      1.000            6            6             48 B          48 B        1.000
     """
-    from zero_functional.app.train import format_bytes
-    from zero_functional.core.partition import balance_report, flat, sorted_greedy
-
     total = sum(numels)
     largest = max(numels, default=0)
     lines = [
@@ -73,10 +79,6 @@ def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) ->
     return "\n".join(lines)
 
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of the dtypes ``--dtype`` and ``--main-params`` take."""
-
-
 def format_memory(
     numels: Sequence[int],
     world_sizes: Sequence[int],
@@ -88,13 +90,9 @@ def format_memory(
 ) -> str:
     """Bytes per rank (the fullest rank) of an AdamW run, per world size and partition.
 
-    Parameters and gradients are in ``dtype`` on every rank; the main copy
-    (``main_params_dtype``, only for parameters narrower than it; 2 B with ``remainders``, an
-    int16 beside the bf16 parameter), the two moments (in the main dtype with a main copy, else
-    in ``dtype``; block-quantized where ``optimizer`` is a low-bit one,
-    :data:`~zero_functional.functional.lowbit.LOW_BIT`, decided per whole tensor) and the ``ema``
-    (in the main dtype, else ``dtype``) cover the owned elements. The last line: the bytes per
-    parameter per rank of the fullest flat rank, at each world size.
+    Parameters and gradients are whole in ``dtype``; the main copy (only for parameters narrower
+    than it; 2 B with ``remainders``), the moments (in the main dtype if any; block-quantized per
+    whole tensor for a low-bit ``optimizer``) and the ``ema`` cover the owned elements.
 
     Example:
         >>> print(format_memory([6, 3, 3], [2], "bf16", "fp32"))
@@ -103,16 +101,8 @@ def format_memory(
             2  sorted-greedy        24 B        24 B        24 B        48 B       120 B
             2  flat                 24 B        24 B        24 B        48 B       120 B
         per parameter per rank (flat): 10.00 B at 2
-        >>> print(format_memory([1 << 20], [1], "bf16", "fp32", "adamw8bit", True, True))  # doctest: +NORMALIZE_WHITESPACE
-        bytes per rank (fullest rank): bf16 parameters and gradients, fp32 main copy as bf16 + int16 remainders, adamw8bit's 2 block-quantized states, fp32 EMA
-        world  partition          params       grads   main copy       state         ema       total
-            1  sorted-greedy     2.0 MiB     2.0 MiB     2.0 MiB     2.0 MiB     4.0 MiB    12.0 MiB
-            1  flat              2.0 MiB     2.0 MiB     2.0 MiB     2.0 MiB     4.0 MiB    12.0 MiB
-        per parameter per rank (flat): 12.03 B at 1
     """
-    from zero_functional.app.train import format_bytes
-    from zero_functional.core.partition import flat, sorted_greedy
-    from zero_functional.functional.lowbit import LOW_BIT
+    from zero_functional.functional.lowbit import LOW_BIT  # imports torch: not for --help
 
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0
@@ -167,19 +157,10 @@ def format_hybrid(
     dtype: str = "fp32",
     main_params: str | None = None,
 ) -> str:
-    """State and bytes moved per rank and step under hybrid sharding, against 1-D ZeRO.
-
-    At each world size ``W``, the mesh is ``R = W / shard_size`` replica groups of ``S =
-    shard_size`` ranks (a node): state sharded within a group, replicated across groups. State
-    per rank is the fullest rank's main copy and AdamW's 2 states
-    (:func:`zero_functional.core.partition.rank_bytes`); bytes per rank are those of
-    :func:`zero_functional.core.partition.rank_traffic` for ``B`` bytes of gradients in ``dtype``:
-    ``2 B (S-1)/S`` within the node (reduce onto owners, parameter gather), ``2 (B/S)(R-1)/R``
-    across nodes (the all-reduce of each owned piece). 1-D ZeRO over all ``W`` ranks holds
-    ``1/W`` of the state and moves ``2 B (W-1)/W``, across nodes wherever ``W > S``.
-
-    Raises:
-        ValueError: ``shard_size`` does not divide one of the world sizes.
+    """State and bytes moved per rank and step under hybrid sharding (``W / shard_size``
+    replica groups of ``S = shard_size`` ranks, a node), against 1-D ZeRO over the world: for
+    ``B`` bytes of gradients, ``2 B (S-1)/S`` within a node and ``2 (B/S)(R-1)/R`` across
+    (:func:`~zero_functional.core.partition.rank_traffic`).
 
     Example:
         >>> print(format_hybrid([6, 3, 3], [4], 2))
@@ -189,16 +170,6 @@ def format_hybrid(
         world  replicas x S        flat  sorted-greedy  within node  across nodes  state/rank  bytes/rank/step
             4         2 x 2        48 B           48 B         48 B          24 B        24 B             72 B
     """
-    from zero_functional.app.train import format_bytes
-    from zero_functional.core.partition import (
-        flat,
-        hybrid_shape,
-        rank_bytes,
-        rank_loads,
-        rank_traffic,
-        sorted_greedy,
-    )
-
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0
     has_main = main_bytes > param_bytes
@@ -237,28 +208,13 @@ def format_hybrid(
     return "\n".join(lines)
 
 
-MUON_RANK_ROWS = 16
-"""Most ranks :func:`format_muon` prints a row for; past it, the busiest rank's row only."""
-
-
 def format_muon(
     shapes: Sequence[Sequence[int]], muon: Sequence[bool], world_sizes: Sequence[int]
 ) -> str:
-    """Per rank, the state bytes and Newton–Schulz cost of Muon + AdamW, and their max/mean.
-
-    Muon's matrices are owned whole, balanced by their Newton–Schulz cost ``m * n * min(m,
-    n)``; AdamW's parameters are split flat (:func:`zero_functional.core.cost.muon_plan`).
-    State is fp32: Muon's ``momentum_buffer`` (4 B) and AdamW's ``exp_avg`` and
-    ``exp_avg_sq`` (8 B) per owned element. Past :data:`MUON_RANK_ROWS` ranks the table
-    shows the busiest rank's value of each column (``max``) instead of one row per rank.
-
-    Args:
-        shapes: Each parameter's shape, in ``parameters()`` order.
-        muon: For each parameter, whether Muon takes it (2-D only).
-        world_sizes: The world sizes to report.
-
-    Returns:
-        The report: two header lines and a table.
+    """Per rank, the state bytes and Newton–Schulz cost of Muon (the matrices where ``muon``,
+    owned whole, balanced by cost) + AdamW (the rest, split flat), and their max/mean; past
+    :data:`MUON_RANK_ROWS` ranks, the busiest rank's values only
+    (:func:`~zero_functional.core.cost.muon_plan`).
 
     Example:
         >>> print(format_muon([(8, 8), (8,), (4, 8), (4, 8)], [True, False, True, True], [2]))
@@ -269,9 +225,6 @@ def format_muon(
             2  1                2             64               4        288 B                 256
             2  max/mean                                                 1.000               1.333
     """
-    from zero_functional.app.train import format_bytes
-    from zero_functional.core.cost import max_over_mean, muon_plan
-
     sizes = [math.prod(s) for s in shapes]
     on_muon = sum(n for n, m in zip(sizes, muon) if m)
     lines = [
@@ -304,21 +257,3 @@ def format_muon(
             f"{max_over_mean(plan.state_bytes):>11.3f}  {max_over_mean(plan.cost):>18.3f}"
         )
     return "\n".join(lines)
-
-
-def check_ranks(ranks: Sequence[int], world_sizes: Sequence[int]) -> None:
-    """Raise a ValueError naming the valid range unless every rank is in every world.
-
-    Example:
-        >>> check_ranks([0, 1023], [1024, 4096])
-        >>> check_ranks([0, 1023], [64, 1024])
-        Traceback (most recent call last):
-        ...
-        ValueError: rank 1023 is not a rank of world size 64: pass ranks from 0 to 63
-    """
-    for w in world_sizes:
-        for r in ranks:
-            if not 0 <= r < w:
-                raise ValueError(
-                    f"rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}"
-                )

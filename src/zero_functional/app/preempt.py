@@ -1,13 +1,10 @@
 """SIGTERM as a request to save and stop, agreed by every rank at a step boundary, with a grace.
 
-What a scheduler does to preempt a job: SIGTERM to every process (SLURM, Kubernetes, torchrun's
-agent; ``train``'s own launcher forwards it to its ranks), then SIGKILL some seconds later.
-While a :class:`Preemption` is entered, SIGTERM only sets a flag and starts the grace clock.
-The training loop asks :meth:`Preemption.agreed` at each step boundary, one small all-reduce
-(whether any rank has the flag), so every rank stops after the same step, saves the same
-checkpoint and raises :class:`Preempted`. A rank whose grace runs out first exits at once with
-:data:`EXIT_CODE`, naming its rank and the checkpoint: the checkpoint's atomic commit leaves the
-last complete one in place, and nothing half-written that a load accepts.
+A scheduler preempts a job with SIGTERM to every process, then SIGKILL. While a
+:class:`Preemption` is entered, SIGTERM only sets a flag; the training loop asks
+:meth:`Preemption.agreed` after each step (one all-reduce), so every rank stops after the same
+step, saves there and raises :class:`Preempted`. A rank whose grace runs out first exits with
+:data:`EXIT_CODE`: the atomic commit keeps the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -16,24 +13,15 @@ import os
 import signal
 import sys
 import threading
-from types import FrameType, TracebackType
+from types import FrameType
 
-__all__ = ["DEFAULT_GRACE_S", "EXIT_CODE", "Preempted", "Preemption"]
-
-EXIT_CODE = 128 + signal.SIGTERM
-"""143: what a shell reports for a process SIGTERM ended, and what a preempted rank exits with."""
-DEFAULT_GRACE_S = 20.0
-"""Seconds from SIGTERM to the end of the save (SLURM's KillWait and Kubernetes'
-terminationGracePeriodSeconds default to 30)."""
+EXIT_CODE = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
+DEFAULT_GRACE_S = 20.0  # SIGTERM to the save's end (SLURM's KillWait and Kubernetes' grace: 30)
 
 
 class Preempted(Exception):
-    """Every rank stopped after the same step because of SIGTERM.
-
-    Attributes:
-        epoch: Epochs completed at the stop.
-        step: Steps completed in the next epoch.
-        saved: Whether this stop wrote a checkpoint there.
+    """Every rank stopped after the same step (``epoch`` epochs and ``step`` steps done) because
+    of SIGTERM; ``saved``: with a checkpoint there.
 
     Example:
         >>> str(Preempted(3, 5, saved=True))
@@ -47,12 +35,8 @@ class Preempted(Exception):
 
 
 class Preemption:
-    """While entered (in the main thread), SIGTERM sets a flag that :meth:`agreed` shares.
-
-    Args:
-        grace_s: Seconds from the first SIGTERM to a forced exit with :data:`EXIT_CODE`.
-        rank: This rank, for the message of a forced exit.
-        checkpoint: The checkpoint being written, for that message.
+    """While entered (in the main thread), SIGTERM sets a flag that :meth:`agreed` shares;
+    ``grace_s`` after it the rank exits with :data:`EXIT_CODE`, naming ``rank`` and ``checkpoint``.
 
     Example (one process, no group needed until :meth:`agreed`):
         >>> with Preemption(20.0, rank=0, checkpoint="ckpt") as p:
@@ -105,12 +89,7 @@ class Preemption:
         flag = torch.tensor([self.requested])
         return bool(comm.any_rank(flag, comm.default_group(None))[0].item())
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
         # past the block, leaving the group is bounded by the launcher's or scheduler's kill

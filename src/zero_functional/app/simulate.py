@@ -1,11 +1,9 @@
 """``zero-functional plan --simulate``: build the optimizer as chosen ranks of a large world would.
 
-Each simulated rank runs under :func:`zero_functional.comm.testing.fake_world` (torch's fake process
-group): the ``ZeroRedundancyOptimizer`` is built over real CPU tensors of the model's shapes, as
-that rank of that world would build it, and takes one ``step()`` with zero gradients, so its
-state exists. What it holds (pieces, elements, state bytes) is then this package's own code at
-that world size, not a formula; the values of a step under the fake group are not meaningful
-(nothing is summed), the sizes are.
+Under :func:`~zero_functional.comm.testing.fake_world` (torch's fake process group) each rank
+builds the ``ZeroRedundancyOptimizer`` over real tensors of the model's shapes and steps once
+with zero gradients: what it then holds is this package's own code at that world size, not a
+formula (the values mean nothing, nothing is summed; the sizes do).
 """
 
 from __future__ import annotations
@@ -16,40 +14,24 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from zero_functional.app.models import Shape
+from zero_functional.app.plan_format import format_bytes
+from zero_functional.comm.testing import fake_world
+from zero_functional.core.partition import hybrid_shape
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-__all__ = [
-    "MAX_SIMULATE_BYTES",
-    "SimulatedRank",
-    "format_simulated",
-    "model_params",
-    "simulate",
-    "simulate_ranks",
-]
-
-MAX_SIMULATE_BYTES = 16 << 30
-"""Most bytes of parameters and gradients ``--simulate`` allocates (a 2-billion-parameter
-model in fp32): every simulated rank shares one set, but it is real memory."""
+MAX_SIMULATE_BYTES = 16 << 30  # of parameters and gradients (2B fp32 parameters), shared by all
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class SimulatedRank:
-    """What one rank of a simulated world holds after one ``step()``.
-
-    Attributes:
-        world_size: The simulated world.
-        rank: This rank, in the world.
-        partition: ``"flat"`` or ``"sorted_greedy"``.
-        shard_size: The shard group's size (``world_size`` without hybrid sharding).
-        pieces: Parameter pieces this rank owns (whole tensors under sorted-greedy).
-        elements: Elements it owns.
-        state_bytes: Bytes of the tensors in its optimizer state (and main copies), after the
-            step: AdamW's 2 moments per owned element and a step count per piece.
-        seconds: Construction and the step, under the fake group.
-    """
+    """What one rank of a simulated world holds after one ``step()``: the pieces and elements
+    it owns, the bytes of its optimizer state's tensors, and the seconds construction and the
+    step took (``shard_size``: its shard group's, ``world_size`` without hybrid sharding)."""
 
     world_size: int
     rank: int
@@ -101,23 +83,13 @@ def simulate(
     main_params: bool = False,
 ) -> SimulatedRank:
     """Build AdamW's ``ZeroRedundancyOptimizer`` over ``params`` as ``rank`` of ``world_size``
-    would, step once, and report what it holds.
-
-    With ``shard_size``, the optimizer takes a ``(world_size / shard_size) x shard_size``
-    device mesh: the rank owns its share of its shard group. ``params`` may be shared between
-    calls: a step changes only the pieces the simulated rank owns. (No doctest: it starts a
-    fake world of its own; ``plan --simulate`` in ``tests/test_cli.py`` runs it.)
-    """
-    from zero_functional.comm.testing import fake_world
-    from zero_functional.core.partition import hybrid_shape
-    from zero_functional.optimizer import ZeroRedundancyOptimizer
-
+    would (on a ``(world_size / shard_size) x shard_size`` mesh with ``shard_size``), step once,
+    and report what it holds. ``params`` may be shared between calls. (No doctest: it starts a
+    fake world of its own; ``plan --simulate`` in ``tests/test_cli.py`` runs it.)"""
     started = time.perf_counter()
     with fake_world(world_size, rank):
         mesh = None
         if shard_size is not None:
-            from torch.distributed.device_mesh import init_device_mesh
-
             shape = hybrid_shape(world_size, shard_size)
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         zero = ZeroRedundancyOptimizer(
@@ -142,22 +114,6 @@ def simulate(
     return result
 
 
-def simulate_ranks(
-    params: Sequence[nn.Parameter],
-    world_sizes: Sequence[int],
-    ranks: Sequence[int],
-    shard_size: int | None = None,
-    main_params: bool = False,
-) -> list[SimulatedRank]:
-    """:func:`simulate` for each world size, rank and partition (sorted-greedy, then flat)."""
-    return [
-        simulate(params, w, r, partition=partition, shard_size=shard_size, main_params=main_params)
-        for w in world_sizes
-        for r in ranks
-        for partition in ("sorted_greedy", "flat")
-    ]
-
-
 def format_simulated(rows: Sequence[SimulatedRank]) -> str:
     """One table of simulated ranks.
 
@@ -167,8 +123,6 @@ def format_simulated(rows: Sequence[SimulatedRank]) -> str:
         world   rank  shard of  partition      pieces  owned elements  state bytes   seconds
          1024   1023         8  flat                2             520      4.1 KiB      0.01
     """
-    from zero_functional.app.train import format_bytes
-
     lines = [
         "simulated ranks (torch's fake process group; AdamW, one step() with zero gradients)",
         f"{'world':>5}  {'rank':>5}  {'shard of':>8}  {'partition':<13}  {'pieces':>6}  "

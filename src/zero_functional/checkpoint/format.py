@@ -13,35 +13,24 @@ the objects ``param_groups`` (hyperparameters, parameter names), ``extra`` and `
 quantizes its state in blocks: torchao's low-bit AdamWs): checkpoint/1 plus each block-wise
 quantized value as its codes and scales (:mod:`~zero_functional.checkpoint.quantized`).
 
-**zero_functional.app.train/1** (:data:`TRAIN_FORMAT`): the demo train job's, in two layouts, both
-read by :func:`read_train`: a checkpoint/1 directory whose ``extra`` is :func:`train_extra`
-(:func:`read_train_directory`), or one ``torch.save`` file of ``format``, ``model``,
-``optimizer``, ``epoch`` and ``args`` (what ``--impl torch`` writes, and what earlier versions
-wrote: :func:`write_train_file`, :func:`read_train_file`).
-
 A new layout is a new version: a new constant, the writer changed, a reader added to
 :data:`READERS`; the readers of earlier versions stay.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import tempfile
-import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from zero_functional.checkpoint import background, per_rank, quantized, storage
 from zero_functional.checkpoint.keys import (
     MODEL_PREFIX,
-    STATE_PREFIX,
     check_groups,
     ema_key,
     model_key,
@@ -62,7 +51,6 @@ __all__ = [
     "FORMAT",
     "FORMAT_QUANTIZED",
     "READERS",
-    "TRAIN_FORMAT",
     "Contents",
     "Held",
     "Owned",
@@ -76,16 +64,11 @@ __all__ = [
     "model_state_dict",
     "optimizer_state_dict",
     "read",
-    "read_train",
-    "read_train_directory",
-    "read_train_file",
     "read_v1",
     "read_v2",
     "split_state_key",
     "state_key",
-    "train_extra",
     "write",
-    "write_train_file",
 ]
 
 FORMAT = "zero_functional.checkpoint/1"
@@ -94,8 +77,6 @@ FORMAT = "zero_functional.checkpoint/1"
 FORMAT_QUANTIZED = "zero_functional.checkpoint/2"
 """The ``format`` object of those of an optimizer that may keep block-wise quantized state."""
 
-TRAIN_FORMAT = "zero_functional.app.train/1"
-"""The ``format`` key of the train job's checkpoints; others are refused on resume."""
 
 EMA_N_AVERAGED = "ema_n_averaged"
 """The object that holds a saved EMA's number of averaged updates."""
@@ -477,181 +458,3 @@ def _model_source(saved: Saved, name: str, dtype: torch.dtype) -> str:
         return key
     narrow = model_meta[1].itemsize
     return main if main_meta[1].itemsize > narrow and dtype.itemsize > narrow else key
-
-
-# ------------------------------------------------------------------------------ the train job's
-
-
-def train_extra(epoch: int, args: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``extra`` of a train job's checkpoint directory (and the head of its single file).
-
-    Example:
-        >>> train_extra(2, {"hidden": 8})
-        {'format': 'zero_functional.app.train/1', 'epoch': 2, 'args': {'hidden': 8}}
-    """
-    return {"format": TRAIN_FORMAT, "epoch": epoch, "args": dict(args)}
-
-
-def write_train_file(path: str | os.PathLike[str], payload: Mapping[str, object]) -> None:
-    """Write ``payload`` with ``torch.save`` atomically: a crash mid-write keeps the old file.
-
-    The bytes go to a temporary file in the same directory, are flushed to disk, and then
-    ``os.replace`` renames it over ``path`` (atomic on POSIX and Windows).
-
-    Example:
-        >>> # write_train_file("ckpt.pt", {**train_extra(1, args), "model": ..., "optimizer": ...})
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(dict(payload), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _first_line(e: BaseException) -> str:
-    """The informative line of an exception (torch's load_state_dict puts it second)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].startswith("Error(s) in loading"):
-        lines = lines[1:]
-    return (lines or [type(e).__name__])[0][:300]
-
-
-def read_train(
-    path: str | os.PathLike[str], build_model: Callable[[int], nn.Module]
-) -> dict[str, Any]:
-    """Read and check a train job's checkpoint: a directory, or a single (older) file.
-
-    Args:
-        path: The checkpoint.
-        build_model: The job's model for a ``hidden`` width (checked against the checkpoint).
-
-    Raises:
-        CheckpointError: Missing, corrupt, not the job's format, or not the job's model.
-
-    Example:
-        >>> # read_train("ckpt", zero_functional.app.train.build_model)["epoch"]
-    """
-    p = Path(path)
-    if p.is_dir():
-        return read_train_directory(p, build_model)
-    return read_train_file(p, build_model)
-
-
-def read_train_file(
-    path: str | os.PathLike[str], build_model: Callable[[int], nn.Module]
-) -> dict[str, Any]:
-    """The reader of a train job's single ``torch.save`` file (``zero_functional.app.train/1``).
-
-    The zip archive's CRCs are verified, then the model and Adam state are loaded into the
-    model its own ``args`` describe. The result holds ``model``, ``optimizer``, ``epoch`` and
-    ``args``.
-
-    Raises:
-        CheckpointError: Missing, corrupt, not the job's format, or not the job's model.
-
-    Example:
-        >>> # read_train_file("ckpt.pt", zero_functional.app.train.build_model)["model"]
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"checkpoint {p} does not exist")
-    if not zipfile.is_zipfile(p):
-        raise CheckpointError(f"checkpoint {p} is corrupt or truncated: not a torch.save archive")
-    try:
-        with zipfile.ZipFile(p) as archive:
-            bad = archive.testzip()  # every member's CRC32: a flipped byte is caught here
-    except (zipfile.BadZipFile, OSError) as e:
-        raise CheckpointError(f"checkpoint {p} is corrupt: {e}") from e
-    if bad is not None:
-        raise CheckpointError(f"checkpoint {p} is corrupt: {bad} fails its CRC32 check")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {p} is corrupt: {_first_line(e)}") from e
-    ckpt = _train_dict(p, ckpt)
-    missing = {"model", "optimizer", "epoch", "args"} - ckpt.keys()
-    if missing:
-        raise CheckpointError(f"checkpoint {p} lacks {sorted(missing)}; it is truncated or edited")
-    try:
-        model = build_model(int(ckpt["args"]["hidden"]))
-        model.load_state_dict(ckpt["model"])
-        torch.optim.Adam(model.parameters()).load_state_dict(ckpt["optimizer"])
-        _check_optimizer_shapes(model, ckpt["optimizer"])
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {p} does not fit the demo MLP: {_first_line(e)}") from e
-    return dict(ckpt)
-
-
-def _train_dict(path: str | os.PathLike[str], saved: object) -> dict[str, Any]:
-    """``saved`` if it is a dict of :data:`TRAIN_FORMAT`; else what the train job did not write
-    is refused."""
-    if not isinstance(saved, dict) or saved.get("format") != TRAIN_FORMAT:
-        raise CheckpointError(
-            f"checkpoint {path} was not written by `zero-functional train --checkpoint` "
-            f"(no format {TRAIN_FORMAT!r})"
-        )
-    return saved
-
-
-def _check_optimizer_shapes(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
-    params = list(model.parameters())
-    for index, state in state_dict["state"].items():
-        for key, value in state.items():
-            if isinstance(value, Tensor) and value.dim() and value.shape != params[index].shape:
-                raise ValueError(
-                    f"the optimizer state {key!r} of parameter {index} has shape "
-                    f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}"
-                )
-
-
-def read_train_directory(
-    path: str | os.PathLike[str], build_model: Callable[[int], nn.Module]
-) -> dict[str, Any]:
-    """The reader of a train job's checkpoint directory (:data:`FORMAT` with a train ``extra``).
-
-    Every stored item's checksum is verified, in this process alone, and the model and
-    optimizer items are checked against the model its own ``args`` describe. The result is
-    the ``extra`` (``format``, ``epoch``, ``args``) and ``sharded``, the path.
-
-    Raises:
-        CheckpointError: Corrupt, not the job's format, or not the job's model.
-
-    Example:
-        >>> # read_train_directory("ckpt", zero_functional.app.train.build_model)["sharded"]
-    """
-    try:
-        storage.verify(path)
-        extra = storage.read_objects(path, ["extra"])["extra"]
-    except CheckpointError as e:
-        raise CheckpointError(f"checkpoint {path}: {_first_line(e)}") from e
-    extra = _train_dict(path, extra)
-    model = build_model(int(extra["args"]["hidden"]))
-    keys = storage.read_keys(path)
-    names = [name for name, _ in model.named_parameters()]
-    for name, p in model.named_parameters():
-        for key, meta in keys.items():
-            split = split_state_key(key)
-            if key == model_key(name) or (split is not None and split[0] == name):
-                if meta is not None and meta[0] not in ((), tuple(p.shape)):
-                    raise CheckpointError(
-                        f"checkpoint {path} does not fit the demo MLP: {key} has shape "
-                        f"{meta[0]}, the model's {name} {tuple(p.shape)}"
-                    )
-    unknown = sorted(
-        k
-        for k in keys
-        if k.startswith(STATE_PREFIX) and (split_state_key(k) or ("", ""))[0] not in names
-    )
-    if unknown or any(model_key(n) not in keys for n in names):
-        raise CheckpointError(
-            f"checkpoint {path} does not fit the demo MLP (hidden {extra['args']['hidden']}): "
-            f"{unknown[:3] or 'model tensors are missing'}"
-        )
-    return {**extra, "sharded": str(path)}

@@ -1,20 +1,11 @@
-"""Glue for training frameworks; importing this package imports none of them.
+"""Glue for training frameworks; importing this package imports none of them (each name is
+imported on first use, PEP 562).
 
-* Hugging Face Accelerate: :func:`zero_functional.integrations.accelerate.register` makes
-  ``accelerator.save_state`` consolidate each ZeRO optimizer on the main process first.
-* Hugging Face Transformers: :class:`ZeroTrainerCallback` (in ``Trainer(callbacks=[...])``)
-  does the same before each checkpoint the ``Trainer`` saves.
-* PyTorch Lightning and Lightning Fabric need nothing: their strategies call
-  ``consolidate_state_dict`` on every rank before they save an optimizer that has one.
-* ``torch.distributed.checkpoint``: :func:`zero_functional.checkpoint.stateful`.
-
-Each name is imported from its module on first use (PEP 562), and that module imports its
-framework only then.
-
-Example:
-    >>> import zero_functional.integrations
-    >>> zero_functional.integrations.__all__
-    ['ZeroTrainerCallback', 'accelerate', 'transformers']
+Accelerate's ``save_state`` and the Transformers ``Trainer`` save the optimizer's
+``state_dict()`` on one process: :func:`.accelerate.register` and :class:`ZeroTrainerCallback`
+consolidate a ZeRO optimizer's state there first. Lightning and Fabric need nothing (they call
+``consolidate_state_dict`` on every rank); ``torch.distributed.checkpoint`` takes
+:func:`zero_functional.checkpoint.stateful`.
 """
 
 from __future__ import annotations
@@ -36,8 +27,8 @@ def __getattr__(name: str) -> Any:
 
     Example:
         >>> import zero_functional.integrations as integrations
-        >>> integrations.accelerate.__name__
-        'zero_functional.integrations.accelerate'
+        >>> integrations.accelerate.__name__, integrations.__all__
+        ('zero_functional.integrations.accelerate', ['ZeroTrainerCallback', 'accelerate', 'transformers'])
     """
     if name in ("accelerate", "transformers"):
         return importlib.import_module(f"{__name__}.{name}")

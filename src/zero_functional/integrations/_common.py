@@ -7,8 +7,8 @@ from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 
 def unwrap(optimizer: object) -> ZeroRedundancyOptimizer | None:
-    """The ZeroRedundancyOptimizer ``optimizer`` is, or wraps through ``.optimizer`` (as
-    Accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer`` do); else None.
+    """The ZeroRedundancyOptimizer ``optimizer`` is, or wraps through ``.optimizer`` (Accelerate's
+    and Lightning's wrappers), else None.
 
     Example:
         >>> class Wrapper:
@@ -25,12 +25,18 @@ def unwrap(optimizer: object) -> ZeroRedundancyOptimizer | None:
     return None
 
 
-def rank_of_global_zero(zero: ZeroRedundancyOptimizer) -> int:
-    """The rank, in ``zero``'s process group, of global rank 0: where frameworks save.
+def saved_on_each_node(setting: str) -> ValueError:
+    """The error for a framework set to save on each node: the state is gathered on one."""
+    return ValueError(
+        f"{setting}(save_on_each_node=True) writes the optimizer on each node's first process, "
+        "but a ZeroRedundancyOptimizer's state is gathered on one process: pass "
+        "save_on_each_node=False (the default)"
+    )
 
-    Raises:
-        ValueError: Global rank 0 is not in the group (the framework would never save it).
-    """
+
+def rank_of_global_zero(zero: ZeroRedundancyOptimizer) -> int:
+    """The rank, in ``zero``'s process group, of global rank 0: where frameworks save (a
+    ValueError if the group lacks it)."""
     for rank in range(zero.world_size):
         if comm.global_rank(zero.process_group, rank) == 0:
             return rank
