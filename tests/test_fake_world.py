@@ -215,7 +215,7 @@ def test_every_failure_names_itself_in_2_kb_at_4096_ranks(partition: Any, tmp_pa
             tuple(s for s in ownership.owned(r) if r != dropped or s.param != split)
             for r in range(world)
         )
-        outside = ((Piece(10**6, 0, 1),),) + ownership.pieces[1:]
+        outside = ((Piece(10**6, 0, 1, 1),),) + ownership.pieces[1:]
         queries = {
             "add_param_group duplicates": (
                 lambda: zero.add_param_group({"params": params[:50]}),

@@ -139,7 +139,7 @@ def _shards(optimizer: Optimizer) -> tuple[dict[int, Piece], dict[int, Any]]:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         owned = {s.param: s for s in optimizer.ownership.owned(optimizer.rank)}
         return owned, {k: state for k, (_, state) in optimizer.shard_state().items()}
-    whole = {k: Piece(k, 0, p.numel()) for k, p in enumerate(params)}
+    whole = {k: Piece(k, 0, p.numel(), p.numel()) for k, p in enumerate(params)}
     state = {k: optimizer.state[p] for k, p in enumerate(params) if optimizer.state.get(p)}
     return whole, state
 
@@ -608,7 +608,7 @@ class ZeroStateful:
         for name, entry in saved["state"].items():
             k = index[name]
             piece, p = owned[k], params[k]
-            whole = piece.start == 0 and piece.stop == p.numel()
+            whole = piece.is_whole
             values: dict[str, Any] = {}
             for key, v in entry.items():
                 if isinstance(v, ShardedTensor):

@@ -161,7 +161,7 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
             off its blocks.
 
     Example:
-        >>> held = Held("w", (2,), Piece(0, 0, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
+        >>> held = Held("w", (2,), Piece(0, 0, 2, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
         >>> pieces, objects = layout(Snapshot([held], {"b": torch.zeros(3)}, None, 7))
         >>> sorted(pieces), objects
         (['model.b', 'model.w', 'state.w.step'], {'format': 'zero_functional.checkpoint/1', 'extra': 7})
@@ -364,8 +364,7 @@ def _state_keys(saved: Saved, owned: Owned) -> dict[str, str]:
 
 def _shape(owned: Owned) -> tuple[int, ...]:
     """The shape of an owned piece's state: the parameter's when whole, else flat."""
-    n = torch.Size(owned.shape).numel()
-    whole = owned.piece.start == 0 and owned.piece.stop == n
+    whole = owned.piece.is_whole
     return owned.shape if whole else (owned.piece.stop - owned.piece.start,)
 
 
@@ -378,7 +377,7 @@ def _entry(
     """One parameter's state over its piece, from what was read (in its shape if whole)."""
     tensors, values = read
     piece = owned.piece
-    whole = piece.start == 0 and piece.stop == torch.Size(owned.shape).numel()
+    whole = piece.is_whole
     entry: dict[str, Any] = {}
     for name, key in keys.items():
         meta = saved[key]

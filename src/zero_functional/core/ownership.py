@@ -133,7 +133,6 @@ class Ownership:
             )
         n = len(self.numels)
         holders: list[list[tuple[int, Piece]]] = [[] for _ in range(n)]
-        sized: list[tuple[Piece, ...]] = []  # every piece knowing its parameter's size
         for rank, rank_pieces in enumerate(self.pieces):
             last = -1
             for piece in rank_pieces:
@@ -142,7 +141,7 @@ class Ownership:
                         f"rank {rank} owns {piece}, outside the {n} parameters of sizes "
                         f"{first_of(self.numels)}"
                     )
-                if piece.param_numel not in (None, self.numels[piece.param]):
+                if piece.param_numel != self.numels[piece.param]:
                     raise ValueError(
                         f"rank {rank} owns {piece} of a parameter of {piece.param_numel} "
                         f"elements, but parameter {piece.param} has {self.numels[piece.param]}"
@@ -153,10 +152,8 @@ class Ownership:
                         "most one piece of each parameter, in ascending parameter order"
                     )
                 last = piece.param
-            sized.append(tuple(replace(s, param_numel=self.numels[s.param]) for s in rank_pieces))
-            for piece in sized[-1]:
+            for piece in rank_pieces:
                 holders[piece.param].append((rank, piece))
-        object.__setattr__(self, "pieces", tuple(sized))
         for k, held in enumerate(holders):
             check_tiling(k, self.numels[k], sorted(held, key=lambda rs: rs[1].start))
         object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
@@ -378,7 +375,7 @@ def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int
     return _from_holders(
         numels,
         world_size,
-        [[(r, Piece(k, 0, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))],
+        [[(r, Piece(k, 0, n, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))],
     )
 
 
@@ -454,7 +451,7 @@ def flat_ownership(
         for rank, rank_pieces in enumerate(part.pieces):
             for s in rank_pieces:
                 k = members[s.param]
-                per_param[k].append((rank, Piece(k, s.start, s.stop)))
+                per_param[k].append((rank, replace(s, param=k)))
         starts = prefix_sums([numels[k] for k in members])
         for j, k in enumerate(members):
             if numels[k] == 0:
@@ -462,7 +459,7 @@ def flat_ownership(
                     (r for r, (lo, hi) in enumerate(part.bounds) if lo <= starts[j] < hi),
                     world_size - 1,
                 )
-                per_param[k].append((rank, Piece(k, 0, 0)))
+                per_param[k].append((rank, Piece(k, 0, 0, 0)))
     return _from_holders(numels, world_size, per_param)
 
 
@@ -530,7 +527,7 @@ def bucket_ownership(
     per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     if partition == "flat":
         for k, rank in pinned.items():
-            per_param[k].append((rank, Piece(k, 0, numels[k])))
+            per_param[k].append((rank, Piece(k, 0, numels[k], numels[k])))
         for members in ([k for k in g if k not in pinned] for g in groups if g):
             ks = [keys[k] for k in members] if keys is not None else None
             bs = [blocks[k] for k in members] if blocks is not None else None
@@ -538,8 +535,7 @@ def bucket_ownership(
             sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs) if ns else None
             for rank, rank_pieces in enumerate(sub.pieces if sub else ()):
                 for s in rank_pieces:
-                    k = members[s.param]
-                    per_param[k].append((rank, Piece(k, s.start, s.stop)))
+                    per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))
     else:
         sizes = [[numels[k] for k in b] for b in buckets]
         try:
@@ -551,10 +547,11 @@ def bucket_ownership(
         for assignments in assigned:
             for a in assignments:
                 for k in buckets[a.bucket][a.offset : a.offset + a.length]:
-                    per_param[k].append((a.rank, Piece(k, 0, numels[k])))
+                    per_param[k].append((a.rank, Piece(k, 0, numels[k], numels[k])))
         for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
             for i in indices:
-                per_param[rest[i]].append((rank, Piece(rest[i], 0, numels[rest[i]])))
+                k = rest[i]
+                per_param[k].append((rank, Piece(k, 0, numels[k], numels[k])))
     return _from_holders(numels, world_size, per_param)
 
 
@@ -595,15 +592,18 @@ def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
 
     Example:
         >>> t = torch.arange(6.0).view(2, 3)
-        >>> piece_view(t, Piece(0, 2, 5)).tolist()
+        >>> piece_view(t, Piece(0, 2, 5, 6)).tolist()
         [2.0, 3.0, 4.0]
-        >>> piece_view(t, Piece(0, 0, 6)) is t
+        >>> piece_view(t, Piece(0, 0, 6, 6)) is t
         True
     """
     n = tensor.numel()
-    if piece.stop > n:
-        raise ValueError(f"{piece} is outside a tensor of {n} elements")
-    if replace(piece, param_numel=n).is_whole:
+    if piece.param_numel != n:
+        raise ValueError(
+            f"{piece} is a piece of a parameter of {piece.param_numel} elements, not of this "
+            f"tensor of {n} (it may lie outside it): pass the piece's own parameter"
+        )
+    if piece.is_whole:
         return tensor
     check_splittable([tensor])
     with torch.no_grad():

@@ -192,11 +192,8 @@ def rank_loads(numels: Sequence[int], partition: Sequence[Sequence[int]]) -> tup
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Elements ``[start, stop)`` of the flattened (row-major) parameter ``param``.
-
-    Empty only for a zero-size parameter, which is owned as the empty piece ``[0, 0)``.
-    ``param_numel`` is the whole parameter's size (what :attr:`is_whole` compares with): every
-    piece an :class:`~zero_functional.core.ownership.Ownership` holds knows it.
+    """Elements ``[start, stop)`` of the flattened (row-major) parameter ``param``, which has
+    ``param_numel`` elements. Empty only for a zero-size parameter, owned as ``[0, 0)``.
 
     Example:
         >>> Piece(0, 0, 6, param_numel=6).is_whole, Piece(0, 2, 6, param_numel=6).is_whole
@@ -206,7 +203,7 @@ class Piece:
     param: int
     start: int
     stop: int
-    param_numel: int | None = field(default=None, repr=False, compare=False)
+    param_numel: int = field(repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.param < 0 or not 0 <= self.start <= self.stop:
@@ -214,17 +211,11 @@ class Piece:
                 f"Piece(param={self.param}, start={self.start}, stop={self.stop}) needs "
                 "param >= 0 and 0 <= start <= stop"
             )
-        if self.param_numel is not None and self.stop > self.param_numel:
+        if self.stop > self.param_numel:
             raise ValueError(
                 f"Piece(param={self.param}, start={self.start}, stop={self.stop}) ends past "
                 f"its parameter's {self.param_numel} elements"
             )
-
-    def __setstate__(self, state: Sequence[object]) -> None:
-        # compat: a Piece pickled before it knew its parameter's size has three fields
-        names = ("param", "start", "stop", "param_numel")
-        for name, value in zip(names, [*state, None][: len(names)]):
-            object.__setattr__(self, name, value)
 
     @property
     def numel(self) -> int:
@@ -233,18 +224,8 @@ class Piece:
 
     @property
     def is_whole(self) -> bool:
-        """Whether the piece is all of its parameter (a ValueError where its size is unknown:
-        a piece built by hand without ``param_numel``)."""
-        if self.param_numel is None:
-            raise ValueError(
-                f"{self} was built without its parameter's size: pass param_numel=, or take "
-                "the piece from an Ownership"
-            )
+        """Whether the piece is all of its parameter."""
         return self.start == 0 and self.stop == self.param_numel
-
-
-Segment = Piece
-"""compat: :class:`Piece`'s name before a piece had one name (checkpoints may pickle it)."""
 
 
 def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> None:
@@ -253,8 +234,8 @@ def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> N
     parameter: one empty piece). The message names the first 8 pieces, at any world size.
 
     Example:
-        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2)), (1, Piece(0, 2, 4))])
-        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2))])
+        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2, 4)), (1, Piece(0, 2, 4, 4))])
+        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2, 4))])
         Traceback (most recent call last):
         ...
         ValueError: parameter 0 (4 elements) is owned as (0, 0, 2) (rank, start, stop): every element must have exactly one owner (a zero-size parameter one empty piece)
@@ -288,11 +269,6 @@ class FlatPartition:
     align: int
     bounds: tuple[tuple[int, int], ...]
     pieces: tuple[tuple[Piece, ...], ...]
-
-    @property
-    def segments(self) -> tuple[tuple[Piece, ...], ...]:
-        """compat: :attr:`pieces`' name before a piece had one name."""
-        return self.pieces
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)

@@ -669,7 +669,7 @@ def check_shard_state(
         >>> from zero_functional.core.partition import Piece
         >>> p = torch.zeros(4)
         >>> check_shard_state({0: {"momentum_buffer": torch.zeros(2)}}, [{}], [{}],
-        ...                   {0: (Piece(0, 0, 2), p)}, [{"momentum_buffer": "elementwise"}])
+        ...                   {0: (Piece(0, 0, 2, 4), p)}, [{"momentum_buffer": "elementwise"}])
     """
     if len(saved_groups) != len(groups):
         raise ValueError(
@@ -680,11 +680,10 @@ def check_shard_state(
         check_hyperparameters(i, saved, group)
     for k, value in state.items():
         piece, param = pieces[k]
-        whole = piece.start == 0 and piece.stop == param.numel()
         check_param_state(
             f"parameter {k} (this rank's piece [{piece.start}, {piece.stop}))",
             value,
-            tuple(param.shape) if whole else (piece.stop - piece.start,),
+            tuple(param.shape) if piece.is_whole else (piece.stop - piece.start,),
             is_complex=param.is_complex(),
             schema=schemas[k],
         )

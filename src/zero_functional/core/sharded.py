@@ -147,7 +147,7 @@ def shard_update(
     new = list(flat_p)
     for s, t in zip(pieces, updated):
         p = flat_p[s.param]
-        if s.start == 0 and s.stop == p.numel():
+        if s.is_whole:
             new[s.param] = t
         else:
             with torch.no_grad():
