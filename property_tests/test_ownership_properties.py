@@ -8,12 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_functional.core._validate import ceil_div, round_up
+from zero_functional.core.layout import piece_view, piece_views
 from zero_functional.core.ownership import (
     Ownership,
     bucket_ownership,
     flat_ownership,
-    piece_view,
-    piece_views,
     sorted_greedy_ownership,
     whole_ownership,
 )

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero_functional.core.ownership import piece_view
+from zero_functional.core.layout import piece_view
 from zero_functional.hooks import hook_with_zero_step, overlap_state, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.grad_sync import GradSync, collectives_for

@@ -6,17 +6,19 @@ import time
 
 import pytest
 
-from zero_functional.core.partition import (
+from zero_functional.core.loads import (
     BalanceReport,
-    FlatPartition,
-    Piece,
     balance_report,
-    flat,
     hybrid_shape,
-    owners,
     rank_bytes,
     rank_loads,
     rank_traffic,
+)
+from zero_functional.core.partition import (
+    FlatPartition,
+    Piece,
+    flat,
+    owners,
     sorted_greedy,
     sorted_greedy_groups,
 )

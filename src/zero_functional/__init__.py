@@ -26,11 +26,11 @@ from typing import Any
 
 _MODULES: dict[str, tuple[str, ...]] = {
     "zero_functional.core.layout": (
-        "BucketAssignment",
         "BucketLayout",
         "bucket_layout",
-        "ddp_bucket_assignments",
         "flatten",
+        "piece_view",
+        "piece_views",
         "views",
     ),
     "zero_functional.core.plans": ("bytes_sent", "choose_collectives"),
@@ -53,20 +53,19 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     "zero_functional.optimizer": ("ZeroRedundancyOptimizer",),
     "zero_functional.ema": ("ShardedEMA",),
+    "zero_functional.core.loads": ("BalanceReport", "balance_report"),
     "zero_functional.core.ownership": (
         "Ownership",
         "bucket_ownership",
         "flat_ownership",
-        "piece_view",
-        "piece_views",
         "sorted_greedy_ownership",
         "whole_ownership",
     ),
     "zero_functional.core.partition": (
-        "BalanceReport",
+        "BucketAssignment",
         "FlatPartition",
         "Piece",
-        "balance_report",
+        "ddp_bucket_assignments",
         "flat",
         "owners",
         "sorted_greedy",

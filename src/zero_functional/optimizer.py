@@ -24,17 +24,14 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from zero_functional import comm
-from zero_functional.core.checks import check_new_group, param_blocks, warn_ignored_bucket_view
+from zero_functional.core.checks import check_new_group, warn_ignored_bucket_view
+from zero_functional.core.classes import param_blocks
+from zero_functional.core.consolidation import PARTIAL_KEY, Consolidation, not_consolidated_message
 from zero_functional.core.grad_norm import clip_, local_norm, total_norm
+from zero_functional.core.load_checks import validated_state
 from zero_functional.core.ownership import Ownership, PartitionName, Transfer
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
-from zero_functional.core.piece_state import (
-    PARTIAL_KEY,
-    Consolidation,
-    not_consolidated_message,
-    validated_state,
-)
 from zero_functional.core.plans import choose_param_gather, ownership_of, plan_moves
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged

@@ -129,7 +129,7 @@ def _train_config(args: argparse.Namespace, command: str) -> tuple[object, int]:
                 "--shard-size needs --impl zero_functional: torch's ZeroRedundancyOptimizer "
                 "takes no device mesh",
             )
-        from zero_functional.core.partition import hybrid_shape
+        from zero_functional.core.loads import hybrid_shape
 
         world = where.world_size if where is not None else args.nproc
         try:

@@ -78,7 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "needs --dtype bf16 --main-params fp32",
         )
     if args.shard_size is not None:
-        from zero_functional.core.partition import hybrid_shape
+        from zero_functional.core.loads import hybrid_shape
 
         try:
             for w in args.world_sizes:

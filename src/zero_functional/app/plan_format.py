@@ -46,7 +46,8 @@ def format_plan(name: str, numels: Sequence[int], world_sizes: Sequence[int]) ->
             2  flat              1.000            6      1.000            6            6             48 B          48 B        1.000
     """
     from zero_functional.app.train import format_bytes
-    from zero_functional.core.partition import balance_report, flat, sorted_greedy
+    from zero_functional.core.loads import balance_report
+    from zero_functional.core.partition import flat, sorted_greedy
 
     total = sum(numels)
     largest = max(numels, default=0)
@@ -190,14 +191,8 @@ def format_hybrid(
             4         2 x 2        48 B           48 B         48 B          24 B        24 B             72 B
     """
     from zero_functional.app.train import format_bytes
-    from zero_functional.core.partition import (
-        flat,
-        hybrid_shape,
-        rank_bytes,
-        rank_loads,
-        rank_traffic,
-        sorted_greedy,
-    )
+    from zero_functional.core.loads import hybrid_shape, rank_bytes, rank_loads, rank_traffic
+    from zero_functional.core.partition import flat, sorted_greedy
 
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0
@@ -270,7 +265,8 @@ def format_muon(
             2  max/mean                                                 1.000               1.333
     """
     from zero_functional.app.train import format_bytes
-    from zero_functional.core.cost import max_over_mean, muon_plan
+    from zero_functional.core.cost import muon_plan
+    from zero_functional.core.loads import max_over_mean
 
     sizes = [math.prod(s) for s in shapes]
     on_muon = sum(n for n, m in zip(sizes, muon) if m)

@@ -109,7 +109,7 @@ def simulate(
     fake world of its own; ``plan --simulate`` in ``tests/test_cli.py`` runs it.)
     """
     from zero_functional.comm.testing import fake_world
-    from zero_functional.core.partition import hybrid_shape
+    from zero_functional.core.loads import hybrid_shape
     from zero_functional.optimizer import ZeroRedundancyOptimizer
 
     started = time.perf_counter()

@@ -48,8 +48,8 @@ from zero_functional.app.launch import (
 from zero_functional.app.preempt import DEFAULT_GRACE_S, EXIT_CODE, Preempted, Preemption
 from zero_functional.checkpoint import format as checkpoint_format
 from zero_functional.checkpoint.storage import CheckpointError
+from zero_functional.core.loads import hybrid_shape
 from zero_functional.core.ownership import check_partition
-from zero_functional.core.partition import hybrid_shape
 
 __all__ = [
     "CHECKPOINT_FORMAT",

@@ -67,9 +67,9 @@ from zero_functional.checkpoint.format import (
     optimizer_state_dict,
 )
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
-from zero_functional.core.checks import group_class
+from zero_functional.core.classes import group_class
+from zero_functional.core.layout import flat_range_boxes
 from zero_functional.core.main_params import main_dtype_for
-from zero_functional.core.ownership import flat_range_boxes
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise

@@ -74,7 +74,7 @@ from torch.futures import Future
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir
 from zero_functional.core._validate import by_rank, first_of
-from zero_functional.core.ownership import Box, flat_range_boxes
+from zero_functional.core.layout import Box, flat_range_boxes
 
 __all__ = [
     "CheckpointCorruptError",

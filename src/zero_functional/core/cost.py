@@ -15,18 +15,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zero_functional.core._validate import check_world_size
-from zero_functional.core.partition import FlatPartition, flat, max_over_mean, sorted_greedy
+from zero_functional.core.partition import FlatPartition, flat, sorted_greedy
 
 __all__ = [
-    "UPDATE_COSTS",
-    "update_cost",
     "ADAMW_STATE_BYTES",
     "MUON_STATE_BYTES",
     "MuonPlan",
+    "UPDATE_COSTS",
     "cost_greedy",
-    "max_over_mean",
     "muon_plan",
     "newton_schulz_cost",
+    "update_cost",
 ]
 
 MUON_STATE_BYTES = 4

@@ -24,13 +24,9 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
-
-import torch
-from torch import Tensor
 
 from zero_functional.core._validate import (
     check_numels,
@@ -39,10 +35,10 @@ from zero_functional.core._validate import (
     first_of,
     prefix_sums,
 )
-from zero_functional.core.layout import ddp_bucket_assignments
 from zero_functional.core.partition import (
     Piece,
     check_tiling,
+    ddp_bucket_assignments,
     flat,
     owners,
     sorted_greedy,
@@ -50,18 +46,14 @@ from zero_functional.core.partition import (
 )
 
 __all__ = [
-    "PARTITIONS",
     "Ownership",
+    "PARTITIONS",
     "PartitionName",
     "Run",
     "Transfer",
     "bucket_ownership",
     "check_partition",
-    "check_splittable",
-    "flat_range_boxes",
     "flat_ownership",
-    "piece_view",
-    "piece_views",
     "sorted_greedy_ownership",
     "whole_ownership",
 ]
@@ -556,144 +548,3 @@ def bucket_ownership(
 
 
 # -------------------------------------------------------------------- tensors
-
-
-def check_splittable(tensors: Sequence[Tensor]) -> None:
-    """Raise a ValueError naming the fix unless every tensor can be cut into piece views.
-
-    A piece is a view of the row-major flattening, which only a contiguous tensor has.
-
-    Example:
-        >>> check_splittable([torch.zeros(2, 3)])
-        >>> check_splittable([torch.zeros(2, 3).t()])
-        Traceback (most recent call last):
-        ...
-        ValueError: parameter 0 (shape (3, 2), strides (1, 3)) is not contiguous, so a piece of it has no view: call .contiguous() on it (e.g. model.to(memory_format=torch.contiguous_format)) or use partition='sorted_greedy'
-    """
-    for i, t in enumerate(tensors):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"parameter {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
-                "contiguous, so a piece of it has no view: call .contiguous() on it (e.g. "
-                "model.to(memory_format=torch.contiguous_format)) or use "
-                "partition='sorted_greedy'"
-            )
-
-
-def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
-    """The elements of ``piece`` in ``tensor``, aliasing it: the tensor itself when whole.
-
-    A partial piece is a 1-D view of the row-major flattening, so writing to it writes the
-    tensor (the optimizer updates a parameter through the views of its owned piece).
-
-    Raises:
-        ValueError: A partial piece of a non-contiguous tensor (no such view exists), or a
-            piece outside the tensor.
-
-    Example:
-        >>> t = torch.arange(6.0).view(2, 3)
-        >>> piece_view(t, Piece(0, 2, 5, 6)).tolist()
-        [2.0, 3.0, 4.0]
-        >>> piece_view(t, Piece(0, 0, 6, 6)) is t
-        True
-    """
-    n = tensor.numel()
-    if piece.param_numel != n:
-        raise ValueError(
-            f"{piece} is a piece of a parameter of {piece.param_numel} elements, not of this "
-            f"tensor of {n} (it may lie outside it): pass the piece's own parameter"
-        )
-    if piece.is_whole:
-        return tensor
-    check_splittable([tensor])
-    with torch.no_grad():
-        return tensor.detach().view(-1)[piece.start : piece.stop]
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""A box of an N-d tensor: ``(offsets, sizes)``."""
-
-
-def flat_range_boxes(
-    shape: Sequence[int], start: int, stop: int, *, max_numel: int | None = None
-) -> list[tuple[Box, int]]:
-    """The contiguous N-d boxes a row-major flat range covers, each with its first flat index.
-
-    In flat order: a partial row (or plane) at the start, whole rows in the middle, a partial
-    one at the end, recursively, so at most ``2 * ndim - 1`` boxes and never an empty one.
-    Every box is one contiguous run of the range, so ``piece[a - start : b - start].view(sizes)``
-    is the box without a copy: what a checkpoint writes for a piece that straddles rows. With
-    ``max_numel`` the range is first cut at multiples of it (so no box is larger).
-
-    Example:
-        >>> flat_range_boxes((6, 5), 7, 23)
-        [(((1, 2), (1, 3)), 7), (((2, 0), (2, 5)), 10), (((4, 0), (1, 3)), 20)]
-    """
-    shape = tuple(int(d) for d in shape)
-    numel = math.prod(shape)
-    if not 0 <= start <= stop <= numel:
-        raise ValueError(f"range [{start}, {stop}) is outside a tensor of shape {shape}")
-    cuts = [start]
-    if max_numel is not None:
-        if max_numel < 1:
-            raise ValueError(f"max_numel must be >= 1, got {max_numel}")
-        cuts += range((start // max_numel + 1) * max_numel, stop, max_numel)
-    out: list[tuple[Box, int]] = []
-    for a, b in zip(cuts, [*cuts[1:], stop]):
-        for box in _boxes(shape, a, b):
-            first = 0
-            for size, offset in zip(shape, box[0]):
-                first = first * size + offset
-            out.append((box, first))
-    return out
-
-
-def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    if start == stop:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (stop - start,))] if shape else [((), ())]
-    inner_shape = shape[1:]
-    inner = math.prod(inner_shape)
-    (i0, r0), (i1, r1) = divmod(start, inner), divmod(stop, inner)
-    if i0 == i1:
-        return [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, r1)]
-    out: list[Box] = []
-    if r0:
-        out += [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, inner)]
-        i0 += 1
-    if i1 > i0:
-        out.append(((i0, *(0,) * len(inner_shape)), (i1 - i0, *inner_shape)))
-    if r1:
-        out += [((i1, *o), (1, *s)) for o, s in _boxes(inner_shape, 0, r1)]
-    return out
-
-
-def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[Tensor], list[int]]:
-    """Every piece of every tensor with the rank that owns it, in parameter then element order.
-
-    The same lists on every rank: what :func:`zero_functional.comm.sync_params` and
-    :func:`zero_functional.comm.reduce_to_owners` take to move pieces between their owners.
-
-    Example:
-        >>> views, ranks = piece_views([torch.arange(6.0)], flat_ownership([6], 2))
-        >>> [v.tolist() for v in views], ranks
-        ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [0, 1])
-    """
-    if len(tensors) != len(ownership.numels):
-        raise ValueError(
-            f"got {len(tensors)} tensors for an ownership of {len(ownership.numels)} "
-            "parameters: pass one tensor per parameter, in the ownership's order"
-        )
-    views: list[Tensor] = []
-    ranks: list[int] = []
-    for k, t in enumerate(tensors):
-        if t.numel() != ownership.numels[k]:
-            raise ValueError(
-                f"tensor {k} has {t.numel()} elements but the ownership was built for "
-                f"{ownership.numels[k]}: pass the tensors it was built from, in order"
-            )
-        for rank, piece in ownership.holders(k):
-            views.append(piece_view(t, piece))
-            ranks.append(rank)
-    return views, ranks

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from zero_functional.core._validate import first_of
-from zero_functional.core.ownership import Ownership, piece_view, whole_ownership
+from zero_functional.core.layout import piece_view
+from zero_functional.core.ownership import Ownership, whole_ownership
 from zero_functional.core.partition import Piece, owners
 from zero_functional.functional import FunctionalOptimizer, State
 

@@ -1,0 +1,207 @@
+"""Consolidation: every rank's piece states merged into torch's state dict on one rank (pure).
+
+``consolidate_state_dict(to)`` gathers each rank's pieces to rank ``to``; :class:`Consolidation`
+keeps what it gathered, and :func:`rank_state_dict` is what ``state_dict()`` then returns.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from zero_functional.core._validate import prefix_sums
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.piece_state import Range, join_states
+
+__all__ = [
+    "Consolidation",
+    "PARTIAL_KEY",
+    "merge_shards",
+    "not_consolidated_message",
+    "rank_state_dict",
+    "to_cpu",
+]
+
+
+def to_cpu(state: Mapping[str, object]) -> dict[str, object]:
+    """A copy of ``state`` with every tensor on the CPU (what travels to a consolidating rank).
+
+    Example:
+        >>> import torch
+        >>> to_cpu({"step": torch.tensor(2.0), "lr": 0.1})
+        {'step': tensor(2.), 'lr': 0.1}
+    """
+    return {
+        k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in state.items()
+    }
+
+
+def merge_shards(
+    shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]],
+    shapes: Sequence[Sequence[int]],
+) -> dict[int, dict[str, object]]:
+    """Each parameter's whole state, in its own shape, from every rank's pieces (pure).
+
+    Args:
+        shards: Per rank, global index -> (the piece's range, the piece's state).
+        shapes: Each parameter's shape, by global index.
+
+    Raises:
+        RuntimeError: A parameter's pieces do not cover it (some ranks stepped it, others not).
+
+    Example:
+        >>> import torch
+        >>> a = {0: ((0, 2), {"momentum_buffer": torch.tensor([1.0, 2.0])})}
+        >>> b = {0: ((2, 4), {"momentum_buffer": torch.tensor([3.0, 4.0])})}
+        >>> merge_shards([b, a], [(2, 2)])[0]["momentum_buffer"]
+        tensor([[1., 2.],
+                [3., 4.]])
+    """
+    parts: dict[int, list[tuple[Range, Mapping[str, object]]]] = {}
+    for shard in shards:
+        for k, (rng, s) in shard.items():
+            parts.setdefault(k, []).append((rng, s))
+    state: dict[int, dict[str, object]] = {}
+    for k in sorted(parts):
+        pieces = sorted(parts[k], key=lambda rs: rs[0])
+        numel = math.prod(shapes[k])
+        covered = sum(b - a for (a, b), _ in pieces)
+        if covered != numel:
+            raise RuntimeError(
+                f"parameter {k} has state for {covered} of its {numel} elements: some ranks "
+                "stepped it and others did not"
+            )
+        state[k] = join_states(pieces, tuple(shapes[k]))
+    return state
+
+
+PARTIAL_KEY = "zero_partial"
+"""The key that marks a rank's :meth:`ZeroRedundancyOptimizer.state_dict` after consolidation
+onto another rank: full ``param_groups``, no state; ``load_state_dict`` refuses it."""
+
+
+def not_consolidated_message(rank: int) -> str:
+    """What ``state_dict()`` says when the state changed since the last consolidation: torch's
+    words, then the fix for the training framework in use (judged by what is imported).
+
+    Example:
+        >>> not_consolidated_message(1).startswith(
+        ...     "Optimizer state has not been consolidated on this rank")
+        True
+    """
+    message = (
+        "Optimizer state has not been consolidated on this rank. Please call "
+        f"`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the "
+        "global state (after the last step: every step changes the state)."
+    )
+    if "transformers.trainer" in sys.modules:
+        message += (
+            " With the Transformers Trainer, pass "
+            "callbacks=[zero_functional.integrations.ZeroTrainerCallback()], which "
+            "consolidates on every rank before each save."
+        )
+    elif "accelerate" in sys.modules:
+        message += (
+            " With Accelerate, call zero_functional.integrations.accelerate.register("
+            "accelerator, optimizer) once after prepare(): save_state then consolidates on "
+            "every rank first."
+        )
+    else:
+        message += (
+            " Lightning and Fabric consolidate by themselves; for DCP (distributed checkpoint) "
+            "use zero_functional.checkpoint.stateful(model, optimizer)."
+        )
+    return message
+
+
+def rank_state_dict(
+    param_groups: Sequence[Mapping[str, Any]],
+    shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]],
+    *,
+    updates: int,
+    consolidated_at: int | None,
+    rank: int,
+) -> dict[str, Any]:
+    """What ``ZeroRedundancyOptimizer.state_dict()`` returns on ``rank`` (pure).
+
+    Args:
+        param_groups: The optimizer's groups.
+        shards: Every rank's shard as the last consolidation onto this rank gathered them (see
+            :func:`merge_shards`); empty where none was gathered here.
+        updates: How often this rank's state has changed (steps and loads).
+        consolidated_at: ``updates`` at the last consolidation (``None``: none ran).
+        rank: This rank, for the message.
+
+    Raises:
+        RuntimeError: The state changed since the last consolidation (or none ran).
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
+        >>> rank_state_dict(groups, [], updates=0, consolidated_at=None, rank=0)
+        {'state': {}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
+        >>> shard = {0: ((0, 2), {"momentum_buffer": torch.ones(2)})}
+        >>> rank_state_dict(groups, [shard], updates=1, consolidated_at=1, rank=0)["state"]
+        {0: {'momentum_buffer': tensor([1., 1.])}}
+    """
+    starts = prefix_sums([len(g["params"]) for g in param_groups])
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": list(range(a, a + len(g["params"]))),
+        }
+        for g, a in zip(param_groups, starts)
+    ]
+    if updates == 0 and not shards:
+        return {"state": {}, "param_groups": groups}
+    if consolidated_at != updates:
+        raise RuntimeError(not_consolidated_message(rank))
+    if not shards:
+        return {"state": {}, "param_groups": groups, PARTIAL_KEY: True}
+    shapes = [tuple(p.shape) for p in ParamTable.of(param_groups).params]
+    return {"state": merge_shards(shards, shapes), "param_groups": groups}
+
+
+class Consolidation:
+    """How often this rank's state changed, and what the last consolidation gathered here: all
+    ``state_dict()`` needs to answer without a collective (:func:`rank_state_dict`).
+
+    Example:
+        >>> import torch
+        >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
+        >>> book = Consolidation()
+        >>> book.state_dict(groups, rank=0)["state"]
+        {}
+        >>> book.changed()
+        >>> book.gathered([{0: ((0, 2), {"momentum_buffer": torch.ones(2)})}])
+        >>> book.state_dict(groups, rank=0)["state"]
+        {0: {'momentum_buffer': tensor([1., 1.])}}
+    """
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.consolidated_at: int | None = None
+        self.shards: list[Mapping[int, tuple[Range, Mapping[str, object]]]] = []
+
+    def changed(self) -> None:
+        """This rank's state changed (a step or a load)."""
+        self.updates += 1
+
+    def gathered(self, shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]]) -> None:
+        """A consolidation ran: ``shards`` are every rank's on its target rank, none elsewhere."""
+        self.shards = list(shards)
+        self.consolidated_at = self.updates
+
+    def state_dict(self, param_groups: Sequence[Mapping[str, Any]], rank: int) -> dict[str, Any]:
+        """:func:`rank_state_dict` as of now."""
+        return rank_state_dict(
+            param_groups,
+            self.shards,
+            updates=self.updates,
+            consolidated_at=self.consolidated_at,
+            rank=rank,
+        )
