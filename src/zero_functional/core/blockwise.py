@@ -1,13 +1,9 @@
-"""Block-wise quantized tensors cut and joined through their inner tensors (pure).
+"""Block-wise quantized tensors cut and joined bitwise through their codes and scales (pure).
 
 torchao's low-bit optimizer state (``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``)
-is a wrapper tensor subclass of ``codes`` (one per element, 4-bit: two to a byte) and
-``scale`` (one fp32 per block of elements, counted from the tensor's start), beside constants
-(a code table). It has no ``cat`` and no slice off a block; a piece of whole blocks, though, is
-exactly a slice of the codes and of the scales. :func:`sliced_blocks` and :func:`joined_blocks`
-cut and join such values bitwise, generic over the classes (``__tensor_flatten__`` /
-``__tensor_unflatten__``; nothing here imports torchao); :func:`block_parts` takes one apart
-(what a sharded checkpoint stores) and :func:`from_block_parts` builds one back.
+is a wrapper tensor subclass of ``codes`` (per element; 4-bit: two to a byte) and one fp32
+``scale`` per block counted from the tensor's start; it has no ``cat`` and no slice off a block,
+but a piece of whole blocks is a slice of both. Generic over the classes (nothing imports torchao).
 """
 
 from __future__ import annotations
@@ -32,13 +28,10 @@ Range = tuple[int, int]
 
 
 def is_blockwise(value: object) -> bool:
-    """Whether ``value`` is a block-wise quantized tensor: a wrapper tensor subclass whose
-    inner tensors (``__tensor_flatten__``) are ``codes`` (per element, possibly packed several
-    to a byte) and ``scale`` (one per block of elements), beside constants such as a code
-    table (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``).
+    """Whether ``value`` is a wrapper tensor subclass whose inner tensors include ``codes`` and
+    ``scale`` (beside constants such as a code table).
 
     Example:
-        >>> import torch
         >>> is_blockwise(torch.zeros(2))
         False
     """
@@ -55,18 +48,9 @@ def _inner(value: Tensor) -> tuple[dict[str, Tensor], Any]:
 
 
 class BlockParts(NamedTuple):
-    """A block-wise tensor taken apart (:func:`block_parts`).
-
-    Attributes:
-        cls: Its class.
-        codes: Its codes, flat (``code_bytes`` per block).
-        scale: Its scales, flat (one per block).
-        constants: Its other inner tensors by name (a code table).
-        context: Its flatten context, as a tensor of ``shape`` has it.
-        shape: The shape ``context`` speaks of.
-        block: Elements per scale.
-        code_bytes: Code entries per block (4-bit: half the block).
-    """
+    """A block-wise tensor taken apart: its class, flat ``codes`` (``code_bytes`` per block)
+    and ``scale`` (one per ``block`` elements), other inner tensors (``constants``), and its
+    flatten ``context`` as a tensor of ``shape`` has it."""
 
     cls: type
     codes: Tensor
@@ -80,10 +64,7 @@ class BlockParts(NamedTuple):
 
 def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockParts:
     """The parts of the block-wise ``value`` (no copies), its context as a tensor of ``shape``
-    (default: its own) would have it: the same parts on every piece of one tensor.
-
-    Raises:
-        TypeError: ``value`` is not block-wise.
+    (default: its own) would have it.
 
     Example:
         >>> block_parts(torch.zeros(2))
@@ -110,9 +91,8 @@ def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockPar
 
 
 def from_block_parts(parts: BlockParts, shape: tuple[int, ...]) -> Tensor:
-    """A tensor of ``parts.cls`` and ``shape`` from ``parts`` (their codes and scales are its
-    elements'): codes of one per element take the shape (packed ones stay flat), and a
-    context entry that is ``parts.shape`` becomes ``shape``.
+    """A tensor of ``parts.cls`` and ``shape`` from ``parts`` (whose codes and scales are its
+    elements'): unpacked codes take the shape, a context entry ``parts.shape`` becomes ``shape``.
 
     Example:
         >>> from torchao.optim.subclass_8bit import OptimState8bit
@@ -149,10 +129,7 @@ def _block(value: Tensor) -> int:
 
 def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
     """Elements ``want`` of the block-wise ``value`` of piece ``held``: a copy of their codes
-    and scales (bitwise).
-
-    Raises:
-        ValueError: ``want`` does not start and stop on a block.
+    and scales (a ValueError unless ``want`` starts and stops on blocks).
 
     Example:
         >>> sliced_blocks("v", torch.zeros(2), (0, 2), (0, 1))
@@ -181,11 +158,8 @@ def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
 
 
 def joined_blocks(key: str, values: Sequence[Tensor], shape: tuple[int, ...]) -> Tensor:
-    """One block-wise tensor of ``shape`` from block-wise ``values`` in element order: codes
-    and scales concatenated (bitwise).
-
-    Raises:
-        ValueError: Values of other classes, blocks or kinds (signed or not).
+    """One block-wise tensor of ``shape`` from block-wise ``values`` in element order (of one
+    class, block and kind): codes and scales concatenated.
 
     Example:
         >>> joined_blocks("v", [torch.zeros(2)], (2,))

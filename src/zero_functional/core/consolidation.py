@@ -1,4 +1,4 @@
-"""Consolidation: every rank's piece states merged into torch's state dict on one rank (pure).
+"""Consolidation (pure): every rank's piece states merged into torch's state dict on one rank.
 
 ``consolidate_state_dict(to)`` gathers each rank's pieces to rank ``to``; :class:`Consolidation`
 keeps what it gathered, and :func:`rank_state_dict` is what ``state_dict()`` then returns.
@@ -13,25 +13,31 @@ from typing import Any
 
 from torch import Tensor
 
-from zero_functional.core._validate import prefix_sums
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.piece_state import Range, join_states
 
 __all__ = [
-    "Consolidation",
     "PARTIAL_KEY",
+    "Consolidation",
+    "Shard",
     "merge_shards",
     "not_consolidated_message",
     "rank_state_dict",
     "to_cpu",
 ]
 
+Shard = Mapping[int, tuple[Range, Mapping[str, object]]]
+"""One rank's pieces: global index -> (the piece's range, its state)."""
+
+PARTIAL_KEY = "zero_partial"
+"""Marks the ``state_dict()`` of a rank after consolidation onto another rank (groups, no
+state); ``load_state_dict`` refuses it."""
+
 
 def to_cpu(state: Mapping[str, object]) -> dict[str, object]:
     """A copy of ``state`` with every tensor on the CPU (what travels to a consolidating rank).
 
     Example:
-        >>> import torch
         >>> to_cpu({"step": torch.tensor(2.0), "lr": 0.1})
         {'step': tensor(2.), 'lr': 0.1}
     """
@@ -41,25 +47,16 @@ def to_cpu(state: Mapping[str, object]) -> dict[str, object]:
 
 
 def merge_shards(
-    shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]],
-    shapes: Sequence[Sequence[int]],
+    shards: Sequence[Shard], shapes: Sequence[Sequence[int]]
 ) -> dict[int, dict[str, object]]:
-    """Each parameter's whole state, in its own shape, from every rank's pieces (pure).
-
-    Args:
-        shards: Per rank, global index -> (the piece's range, the piece's state).
-        shapes: Each parameter's shape, by global index.
-
-    Raises:
-        RuntimeError: A parameter's pieces do not cover it (some ranks stepped it, others not).
+    """Each parameter's whole state, in its shape, from every rank's pieces; a RuntimeError
+    where they do not cover it (some ranks stepped it, others not).
 
     Example:
-        >>> import torch
         >>> a = {0: ((0, 2), {"momentum_buffer": torch.tensor([1.0, 2.0])})}
         >>> b = {0: ((2, 4), {"momentum_buffer": torch.tensor([3.0, 4.0])})}
-        >>> merge_shards([b, a], [(2, 2)])[0]["momentum_buffer"]
-        tensor([[1., 2.],
-                [3., 4.]])
+        >>> merge_shards([b, a], [(2, 2)])[0]["momentum_buffer"].tolist()
+        [[1.0, 2.0], [3.0, 4.0]]
     """
     parts: dict[int, list[tuple[Range, Mapping[str, object]]]] = {}
     for shard in shards:
@@ -79,19 +76,13 @@ def merge_shards(
     return state
 
 
-PARTIAL_KEY = "zero_partial"
-"""The key that marks a rank's :meth:`ZeroRedundancyOptimizer.state_dict` after consolidation
-onto another rank: full ``param_groups``, no state; ``load_state_dict`` refuses it."""
-
-
 def not_consolidated_message(rank: int) -> str:
     """What ``state_dict()`` says when the state changed since the last consolidation: torch's
-    words, then the fix for the training framework in use (judged by what is imported).
+    words, then the fix for the training framework imported.
 
     Example:
-        >>> not_consolidated_message(1).startswith(
-        ...     "Optimizer state has not been consolidated on this rank")
-        True
+        >>> not_consolidated_message(1)[:54]
+        'Optimizer state has not been consolidated on this rank'
     """
     message = (
         "Optimizer state has not been consolidated on this rank. Please call "
@@ -120,41 +111,25 @@ def not_consolidated_message(rank: int) -> str:
 
 def rank_state_dict(
     param_groups: Sequence[Mapping[str, Any]],
-    shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]],
+    shards: Sequence[Shard],
     *,
     updates: int,
     consolidated_at: int | None,
     rank: int,
 ) -> dict[str, Any]:
-    """What ``ZeroRedundancyOptimizer.state_dict()`` returns on ``rank`` (pure).
-
-    Args:
-        param_groups: The optimizer's groups.
-        shards: Every rank's shard as the last consolidation onto this rank gathered them (see
-            :func:`merge_shards`); empty where none was gathered here.
-        updates: How often this rank's state has changed (steps and loads).
-        consolidated_at: ``updates`` at the last consolidation (``None``: none ran).
-        rank: This rank, for the message.
-
-    Raises:
-        RuntimeError: The state changed since the last consolidation (or none ran).
+    """What ``state_dict()`` returns on ``rank``, from the ``shards`` the last consolidation
+    gathered here (none elsewhere), after ``updates`` changes of this rank's state, the last
+    consolidation at ``consolidated_at``; a RuntimeError where the state changed since.
 
     Example:
-        >>> import torch
         >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
         >>> rank_state_dict(groups, [], updates=0, consolidated_at=None, rank=0)
         {'state': {}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
-        >>> shard = {0: ((0, 2), {"momentum_buffer": torch.ones(2)})}
-        >>> rank_state_dict(groups, [shard], updates=1, consolidated_at=1, rank=0)["state"]
-        {0: {'momentum_buffer': tensor([1., 1.])}}
     """
-    starts = prefix_sums([len(g["params"]) for g in param_groups])
+    table = ParamTable.of(param_groups)
     groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": list(range(a, a + len(g["params"]))),
-        }
-        for g, a in zip(param_groups, starts)
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(a, a + n))}
+        for g, (a, n) in zip(param_groups, table.spans)
     ]
     if updates == 0 and not shards:
         return {"state": {}, "param_groups": groups}
@@ -162,7 +137,7 @@ def rank_state_dict(
         raise RuntimeError(not_consolidated_message(rank))
     if not shards:
         return {"state": {}, "param_groups": groups, PARTIAL_KEY: True}
-    shapes = [tuple(p.shape) for p in ParamTable.of(param_groups).params]
+    shapes = [tuple(p.shape) for p in table.params]
     return {"state": merge_shards(shards, shapes), "param_groups": groups}
 
 
@@ -171,12 +146,9 @@ class Consolidation:
     ``state_dict()`` needs to answer without a collective (:func:`rank_state_dict`).
 
     Example:
-        >>> import torch
         >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
         >>> book = Consolidation()
-        >>> book.state_dict(groups, rank=0)["state"]
-        {}
-        >>> book.changed()
+        >>> book.changed()  # a step
         >>> book.gathered([{0: ((0, 2), {"momentum_buffer": torch.ones(2)})}])
         >>> book.state_dict(groups, rank=0)["state"]
         {0: {'momentum_buffer': tensor([1., 1.])}}
@@ -185,19 +157,18 @@ class Consolidation:
     def __init__(self) -> None:
         self.updates = 0
         self.consolidated_at: int | None = None
-        self.shards: list[Mapping[int, tuple[Range, Mapping[str, object]]]] = []
+        self.shards: list[Shard] = []
 
     def changed(self) -> None:
         """This rank's state changed (a step or a load)."""
         self.updates += 1
 
-    def gathered(self, shards: Sequence[Mapping[int, tuple[Range, Mapping[str, object]]]]) -> None:
+    def gathered(self, shards: Sequence[Shard]) -> None:
         """A consolidation ran: ``shards`` are every rank's on its target rank, none elsewhere."""
         self.shards = list(shards)
         self.consolidated_at = self.updates
 
     def state_dict(self, param_groups: Sequence[Mapping[str, Any]], rank: int) -> dict[str, Any]:
-        """:func:`rank_state_dict` as of now."""
         return rank_state_dict(
             param_groups,
             self.shards,

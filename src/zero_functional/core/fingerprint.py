@@ -15,11 +15,11 @@ __all__ = ["agreement_verdict", "fingerprint"]
 
 
 def fingerprint(items: Sequence[Any]) -> list[int]:
-    """Count, elements and a hash of every parameter's shape, dtype and device type, by group:
-    what every rank must agree on (a fp32 and a fp64 model of equal size differ here).
+    """Groups, parameters, elements and a hash of each parameter's shape, dtype and device
+    type (tensors or param groups): what every rank must agree on.
 
     Example:
-        >>> a = fingerprint([torch.zeros(3)])  # a list of tensors, or of param groups
+        >>> a = fingerprint([torch.zeros(3)])
         >>> b = fingerprint([{"params": [torch.zeros(3, dtype=torch.float64)]}])
         >>> a[:3] == b[:3], a[3] == b[3]
         (True, False)
@@ -37,16 +37,11 @@ def fingerprint(items: Sequence[Any]) -> list[int]:
 def agreement_verdict(
     call: str, problem: Exception | None, everyone: Sequence[object]
 ) -> Exception | None:
-    """What a rank raises once every rank's check result is known (pure).
-
-    Each rank contributes ``(error type name, message)`` when its own checks failed, else its
-    :func:`fingerprint`. This rank's own problem comes first; else another rank's, named; else,
-    if the fingerprints differ, one error listing the first ranks' (at most 4, so the message
-    stays short at any world size) and how many differ.
+    """What a rank raises once each rank's ``(error type name, message)`` or
+    :func:`fingerprint` is known: its own problem first, else another rank's, else one error
+    naming the ranks whose fingerprints differ from rank 0's.
 
     Example:
-        >>> agreement_verdict("step()", None, [[1, 2, 3, 4], [1, 2, 3, 4]]) is None
-        True
         >>> agreement_verdict("step()", None, [[1, 2, 3, 4], ("ValueError", "bad")])
         ValueError('step() failed on rank(s) [1]: bad')
     """

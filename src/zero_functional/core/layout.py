@@ -1,9 +1,8 @@
-"""Flat-buffer layouts and the assignment of DDP gradient buckets to ranks (pure).
+"""Where elements sit (pure): tensors in flat buffers, pieces as views, flat ranges as boxes.
 
-A :class:`BucketLayout` says where each tensor sits in one contiguous buffer; :func:`flatten`
-builds such a buffer and :func:`views` makes tensors that alias it (what
-``parameters_as_bucket_view`` does to parameters). :func:`ddp_bucket_assignments` is torch's rule
-for which ranks update which part of each DDP gradient bucket in overlap mode.
+A :class:`BucketLayout` places tensors in one buffer (:func:`flatten`, aliased by :func:`views`,
+as ``parameters_as_bucket_view`` does); :func:`piece_view` is a piece's elements in its tensor;
+:func:`flat_range_boxes` the N-d boxes a flat range covers (what a checkpoint writes).
 """
 
 from __future__ import annotations
@@ -63,17 +62,8 @@ class BucketLayout:
 
 
 def bucket_layout(numels: Sequence[int], *, align: int = 1) -> BucketLayout:
-    """Lay tensors of ``numels`` elements end to end, each start rounded up to ``align``.
-
-    Args:
-        numels: Number of elements of each tensor, in buffer order.
-        align: Every offset, and the total size, is a multiple of this many elements.
-
-    Returns:
-        The offsets and the padded size of the buffer.
-
-    Raises:
-        ValueError: ``align < 1`` or a negative size.
+    """Tensors of ``numels`` elements end to end, each offset (and the size) rounded up to a
+    multiple of ``align``.
 
     Example:
         >>> bucket_layout([3, 5, 2], align=4)
@@ -91,17 +81,8 @@ def bucket_layout(numels: Sequence[int], *, align: int = 1) -> BucketLayout:
 
 
 def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` at the layout's offsets (padding zero); pure.
-
-    Args:
-        tensors: Tensors of one dtype on one device, any shapes.
-        layout: Where each tensor goes; by default end to end (``bucket_layout`` of the sizes).
-
-    Returns:
-        A new buffer of ``layout.size`` elements; the inputs are not touched.
-
-    Raises:
-        ValueError: No tensors, mixed dtypes or devices, or sizes that differ from the layout.
+    """A new 1-D buffer holding ``tensors`` (one dtype, one device) at the layout's offsets
+    (default: end to end), padding zero.
 
     Example:
         >>> flatten([torch.ones(2, 2), torch.zeros(1)]).tolist()
@@ -129,21 +110,8 @@ def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Te
 
 
 def views(buffer: Tensor, layout: BucketLayout, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
-    """Tensors of ``shapes`` that alias ``buffer`` at the layout's offsets.
-
-    Writing to a view writes to the buffer, and back: ``views(flatten(ts, l), l, shapes)``
-    equals ``ts``.
-
-    Args:
-        buffer: A contiguous 1-D tensor of at least ``layout.size`` elements.
-        layout: Where each tensor sits in ``buffer``.
-        shapes: The shape of each tensor; ``shapes[i]`` must hold ``layout.numels[i]`` elements.
-
-    Returns:
-        One view per tensor, sharing storage with ``buffer``.
-
-    Raises:
-        ValueError: A buffer too small, not 1-D or not contiguous, or shapes that do not fit.
+    """Tensors of ``shapes`` aliasing the contiguous 1-D ``buffer`` at the layout's offsets:
+    ``views(flatten(ts, layout), layout, shapes)`` equals ``ts``.
 
     Example:
         >>> buf = torch.arange(6.0)
@@ -166,16 +134,11 @@ def views(buffer: Tensor, layout: BucketLayout, shapes: Sequence[Sequence[int]])
 
 
 def check_splittable(tensors: Sequence[Tensor]) -> None:
-    """Raise a ValueError naming the fix unless every tensor can be cut into piece views.
-
-    A piece is a view of the row-major flattening, which only a contiguous tensor has.
+    """A ValueError naming the fix unless every tensor is contiguous: a piece is a view of the
+    row-major flattening, which only a contiguous tensor has.
 
     Example:
         >>> check_splittable([torch.zeros(2, 3)])
-        >>> check_splittable([torch.zeros(2, 3).t()])
-        Traceback (most recent call last):
-        ...
-        ValueError: parameter 0 (shape (3, 2), strides (1, 3)) is not contiguous, so a piece of it has no view: call .contiguous() on it (e.g. model.to(memory_format=torch.contiguous_format)) or use partition='sorted_greedy'
     """
     for i, t in enumerate(tensors):
         if not t.is_contiguous():
@@ -188,14 +151,8 @@ def check_splittable(tensors: Sequence[Tensor]) -> None:
 
 
 def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
-    """The elements of ``piece`` in ``tensor``, aliasing it: the tensor itself when whole.
-
-    A partial piece is a 1-D view of the row-major flattening, so writing to it writes the
-    tensor (the optimizer updates a parameter through the views of its owned piece).
-
-    Raises:
-        ValueError: A partial piece of a non-contiguous tensor (no such view exists), or a
-            piece outside the tensor.
+    """The elements of ``piece`` in ``tensor``, aliasing it: the tensor itself when whole, else
+    a 1-D view of its row-major flattening (the optimizer updates a parameter through it).
 
     Example:
         >>> t = torch.arange(6.0).view(2, 3)
@@ -217,20 +174,15 @@ def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
         return tensor.detach().view(-1)[piece.start : piece.stop]
 
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""A box of an N-d tensor: ``(offsets, sizes)``."""
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in an N-d tensor
 
 
 def flat_range_boxes(
     shape: Sequence[int], start: int, stop: int, *, max_numel: int | None = None
 ) -> list[tuple[Box, int]]:
-    """The contiguous N-d boxes a row-major flat range covers, each with its first flat index.
-
-    In flat order: a partial row (or plane) at the start, whole rows in the middle, a partial
-    one at the end, recursively, so at most ``2 * ndim - 1`` boxes and never an empty one.
-    Every box is one contiguous run of the range, so ``piece[a - start : b - start].view(sizes)``
-    is the box without a copy: what a checkpoint writes for a piece that straddles rows. With
-    ``max_numel`` the range is first cut at multiples of it (so no box is larger).
+    """The N-d boxes ``(offsets, sizes)`` a row-major flat range covers, each with its first
+    flat index, in flat order: at most ``2 * ndim - 1``, none empty, each a contiguous run (a
+    view of the piece). With ``max_numel`` the range is first cut at its multiples.
 
     Example:
         >>> flat_range_boxes((6, 5), 7, 23)
@@ -277,10 +229,8 @@ def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
 
 
 def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[Tensor], list[int]]:
-    """Every piece of every tensor with the rank that owns it, in parameter then element order.
-
-    The same lists on every rank: what :func:`zero_functional.comm.sync_params` and
-    :func:`zero_functional.comm.reduce_to_owners` take to move pieces between their owners.
+    """Every piece of every tensor and the rank that owns it, in parameter then element order:
+    what :func:`zero_functional.comm.sync_params` and ``reduce_to_owners`` take.
 
     Example:
         >>> from zero_functional.core.ownership import flat_ownership

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zero_functional.core._validate import prefix_sums
 from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece
 from zero_functional.functional.registry import GROUP_CLASS_KEY
 
 __all__ = [
     "StateSchema",
-    "check_hyperparameters",
+    "check_groups",
     "check_param_state",
     "check_shard_state",
     "validated_state",
@@ -24,8 +24,8 @@ __all__ = [
 
 
 StateSchema = Mapping[str, str]
-"""Per state key, ``"elementwise"`` (one entry per element of the parameter) or ``"scalar"``
-(one value per parameter: a number or a 0-d tensor), as one step of the optimizer makes it."""
+"""Per state key one step of the optimizer makes, ``"elementwise"`` or ``"scalar"`` (a number
+or a 0-d tensor per parameter)."""
 
 
 def check_param_state(
@@ -36,23 +36,12 @@ def check_param_state(
     is_complex: bool = False,
     schema: StateSchema | None = None,
 ) -> None:
-    """Raise a ValueError or TypeError naming the problem unless ``state`` fits the parameter.
-
-    With a ``schema`` (the keys one step of the optimizer makes), every key of the schema must
-    be present in a non-empty state, an elementwise value must be a floating tensor (complex
-    for a complex parameter) of the parameter's shape and a scalar value a real number or a
-    0-d tensor. Without one, only the shape of tensors that are not 0-d is checked. An empty
-    state is always fine (a parameter not stepped yet).
-
-    Args:
-        where: How to name the parameter in the message (``"parameter 3"``).
-        state: The loaded state of one parameter.
-        shape: The parameter's shape.
-        is_complex: Whether the parameter is complex.
-        schema: The optimizer's keys, if known.
+    """A ValueError or TypeError naming the problem unless ``state`` fits the parameter
+    ``where`` of ``shape``: empty (not stepped yet), or with every key of ``schema``, elementwise
+    values floating (complex) tensors of the shape, scalars real numbers; without a schema, the
+    shapes of tensors that are not 0-d.
 
     Example:
-        >>> import torch
         >>> schema = {"step": "scalar", "exp_avg": "elementwise"}
         >>> check_param_state("parameter 0", {"step": 1, "exp_avg": torch.zeros(2)}, (2,), schema=schema)
         >>> check_param_state("parameter 0", {"step": 1, "exp_avg": torch.zeros(())}, (2,), schema=schema)
@@ -124,48 +113,48 @@ def check_param_state(
                 )
 
 
-def check_hyperparameters(i: int, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """A loaded group's hyperparameters must be of the kinds this optimizer's are: a number
-    for a number, a flag for a flag, a pair for a pair (``lr="0.1"`` would fail mid-step); a
-    group with its own class must have been saved with that class (or with none recorded).
+def check_groups(
+    saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]
+) -> None:
+    """The loaded groups, as many as this optimizer's, each with hyperparameters of the kinds
+    its are (a number for a number, a flag for a flag, a pair for a pair) and its own class.
 
     Example:
-        >>> check_hyperparameters(0, {"lr": 0.1}, {"lr": 0.2, "params": []})
-        >>> check_hyperparameters(0, {"lr": "0.1"}, {"lr": 0.2, "params": []})
+        >>> check_groups([{"lr": 0.1}], [{"lr": 0.2, "params": []}])
+        >>> check_groups([{"lr": "0.1"}], [{"lr": 0.2, "params": []}])
         Traceback (most recent call last):
         ...
         TypeError: parameter group 0's loaded 'lr' is '0.1', but this optimizer's is 0.2: the state dict is of another optimizer class or was edited
-        >>> check_hyperparameters(1, {"optimizer_class": "torch.optim.AdamW"},
-        ...                       {"optimizer_class": "torch.optim.Muon"})
-        Traceback (most recent call last):
-        ...
-        ValueError: parameter group 1 was saved for torch.optim.AdamW, but this optimizer runs it with torch.optim.Muon: load a state dict of the same classes
     """
-    if (
-        GROUP_CLASS_KEY in current
-        and saved.get(GROUP_CLASS_KEY, current[GROUP_CLASS_KEY]) != (current[GROUP_CLASS_KEY])
-    ):
+    if len(saved_groups) != len(groups):
         raise ValueError(
-            f"parameter group {i} was saved for {saved[GROUP_CLASS_KEY]}, but this optimizer "
-            f"runs it with {current[GROUP_CLASS_KEY]}: load a state dict of the same classes"
+            f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
+            f"{len(groups)}: the state belongs to another model"
         )
-    for key, now in current.items():
-        if key in ("params", GROUP_CLASS_KEY) or key not in saved:
-            continue
-        value = saved[key]
-        if isinstance(now, bool) or now is None:
-            ok = value is None or isinstance(value, bool) or now is None
-        elif isinstance(now, (int, float)) and not isinstance(now, bool):
-            ok = isinstance(value, (int, float, Tensor)) and not isinstance(value, bool)
-        elif isinstance(now, (tuple, list)):
-            ok = isinstance(value, (tuple, list)) and len(value) == len(now)
-        else:
-            ok = True
-        if not ok:
-            raise TypeError(
-                f"parameter group {i}'s loaded {key!r} is {value!r}, but this optimizer's is "
-                f"{now!r}: the state dict is of another optimizer class or was edited"
+    for i, (saved, current) in enumerate(zip(saved_groups, groups)):
+        own = current.get(GROUP_CLASS_KEY)
+        if own is not None and saved.get(GROUP_CLASS_KEY, own) != own:
+            raise ValueError(
+                f"parameter group {i} was saved for {saved[GROUP_CLASS_KEY]}, but this optimizer "
+                f"runs it with {own}: load a state dict of the same classes"
             )
+        for key, now in current.items():
+            if key in ("params", GROUP_CLASS_KEY) or key not in saved:
+                continue
+            value = saved[key]
+            if isinstance(now, bool) or now is None:
+                ok = value is None or isinstance(value, bool) or now is None
+            elif isinstance(now, (int, float)):
+                ok = isinstance(value, (int, float, Tensor)) and not isinstance(value, bool)
+            elif isinstance(now, (tuple, list)):
+                ok = isinstance(value, (tuple, list)) and len(value) == len(now)
+            else:
+                ok = True
+            if not ok:
+                raise TypeError(
+                    f"parameter group {i}'s loaded {key!r} is {value!r}, but this optimizer's "
+                    f"is {now!r}: the state dict is of another optimizer class or was edited"
+                )
 
 
 def validated_state(
@@ -173,31 +162,15 @@ def validated_state(
     param_groups: Sequence[Mapping[str, Any]],
     schemas: Sequence[StateSchema | None],
 ) -> dict[int, Mapping[str, Any]]:
-    """The per-parameter state of a loaded state dict, keyed by global index, after every check.
-
-    Checks the structure, the parameter counts per group, each group's hyperparameters against
-    this optimizer's (:func:`check_hyperparameters`) and every parameter's state
-    (:func:`check_param_state` with the group's schema); changes nothing. Saved parameter ids
-    may be any keys (``torch.optim`` uses positions): they are mapped to global positions.
-
-    Args:
-        state_dict: ``{"state": ..., "param_groups": [...]}`` as ``state_dict()`` returns.
-        param_groups: This optimizer's groups (with their ``params``).
-        schemas: Per group, the state keys of the optimizer class, or ``None``.
-
-    Raises:
-        ValueError, TypeError: The first problem found, named.
+    """The per-parameter state of a loaded state dict by global index (its saved ids may be
+    any keys), after every check (:func:`check_groups`, :func:`check_param_state` with each
+    group's schema); changes nothing.
 
     Example:
-        >>> import torch
         >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
         >>> sd = {"state": {0: {"step": 1.0}}, "param_groups": [{"params": [0], "lr": 0.2}]}
         >>> validated_state(sd, groups, [{"step": "scalar"}])
         {0: {'step': 1.0}}
-        >>> validated_state({"state": {}, "param_groups": []}, groups, [None])
-        Traceback (most recent call last):
-        ...
-        ValueError: loaded state dict has 0 parameter groups, this optimizer has 1
     """
     if (
         not isinstance(state_dict, Mapping)
@@ -215,28 +188,19 @@ def validated_state(
             "state_dict['param_groups'] must be a list of dicts, each with a 'params' list, "
             "as state_dict() returns"
         )
-    if len(saved_groups) != len(param_groups):
-        raise ValueError(
-            f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
-            f"{len(param_groups)}"
-        )
-    for i, (s, g) in enumerate(zip(saved_groups, param_groups)):
-        if len(s["params"]) != len(g["params"]):
+    check_groups(saved_groups, param_groups)
+    table = ParamTable.of(param_groups)
+    for i, (s, (_, n)) in enumerate(zip(saved_groups, table.spans)):
+        if len(s["params"]) != n:
             raise ValueError(
-                f"parameter group {i} has {len(g['params'])} parameters but the loaded state "
+                f"parameter group {i} has {n} parameters but the loaded state "
                 f"dict's has {len(s['params'])}: the state belongs to another model"
             )
-    starts = prefix_sums([len(g["params"]) for g in param_groups])
-    group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
-    # Saved indices may be any ids (torch.optim uses positions); map them to our positions.
     index_of = {
         saved: start + j
-        for s, start in zip(saved_groups, starts)
+        for s, (start, _) in zip(saved_groups, table.spans)
         for j, saved in enumerate(s["params"])
     }
-    for i, (s, g) in enumerate(zip(saved_groups, param_groups)):
-        check_hyperparameters(i, s, g)
-    params = ParamTable.of(param_groups).params
     saved_state = state_dict["state"]
     if not isinstance(saved_state, Mapping):
         raise TypeError(
@@ -249,16 +213,12 @@ def validated_state(
             raise ValueError(
                 f"loaded state has an entry for parameter {key!r}, which no group lists"
             )
-        index = index_of[key]
-        p = params[index]
+        k = index_of[key]
+        p, schema = table.params[k], schemas[table.group_of(k)]
         check_param_state(
-            f"parameter {index}",
-            value,
-            tuple(p.shape),
-            is_complex=p.is_complex(),
-            schema=schemas[group_of[index]],
+            f"parameter {k}", value, p.shape, is_complex=p.is_complex(), schema=schema
         )
-        state[index] = value
+        state[k] = value
     return state
 
 
@@ -266,36 +226,18 @@ def check_shard_state(
     state: Mapping[int, Mapping[str, Any]],
     saved_groups: Sequence[Mapping[str, Any]],
     groups: Sequence[Mapping[str, Any]],
-    pieces: Mapping[int, tuple[Any, Tensor]],
+    pieces: Mapping[int, tuple[Piece, Tensor]],
     schemas: Sequence[StateSchema | None],
 ) -> None:
-    """Check one rank's piece states before any is installed (pure).
-
-    Args:
-        state: Global index -> the state of this rank's piece of that parameter.
-        saved_groups: The groups' saved hyperparameters.
-        groups: The optimizer's groups.
-        pieces: Global index -> (the piece this rank owns, with ``start``/``stop``; the parameter).
-        schemas: Each parameter's state schema (``None``: not elementwise, unchecked keys).
-
-    Raises:
-        ValueError: Another number of groups, or a value that does not fit its piece.
-        TypeError: A value of the wrong type.
+    """:func:`check_groups`, then each of this rank's piece states (global index -> state;
+    ``pieces``: index -> its piece and parameter; ``schemas``: per parameter).
 
     Example:
-        >>> import torch
         >>> from zero_functional.core.partition import Piece
-        >>> p = torch.zeros(4)
         >>> check_shard_state({0: {"momentum_buffer": torch.zeros(2)}}, [{}], [{}],
-        ...                   {0: (Piece(0, 0, 2, 4), p)}, [{"momentum_buffer": "elementwise"}])
+        ...                   {0: (Piece(0, 0, 2, 4), torch.zeros(4))}, [{"momentum_buffer": "elementwise"}])
     """
-    if len(saved_groups) != len(groups):
-        raise ValueError(
-            f"the loaded state has {len(saved_groups)} parameter groups, this optimizer "
-            f"has {len(groups)}: the state belongs to another model"
-        )
-    for i, (saved, group) in enumerate(zip(saved_groups, groups)):
-        check_hyperparameters(i, saved, group)
+    check_groups(saved_groups, groups)
     for k, value in state.items():
         piece, param = pieces[k]
         check_param_state(

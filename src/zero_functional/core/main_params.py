@@ -1,21 +1,12 @@
-"""Main parameters: the higher-precision copy of the owned pieces of low-precision parameters.
+"""Main parameters (pure): a wider copy of the owned pieces of bf16/fp16 parameters.
 
-With ``main_params_dtype=torch.float32`` a bf16 (or fp16) parameter's owned piece is updated
-through an fp32 copy kept in the piece's optimizer state under :data:`MAIN_KEY` (Megatron-LM's
-and Apex's "main" or "master" parameters, sharded with the state as in their distributed
-optimizers): the gradient piece is upcast, the optimizer updates the fp32 copy with fp32 state,
-and the parameter's piece receives ``main.to(param.dtype)``, so the parameter all-gather moves
-2 bytes per element. Living in the state dict, the copy travels with every state move there is
-(consolidation, resharding, sharded checkpoints) with no code of its own.
-
-With ``store_param_remainders=True`` (Megatron-LM's and TransformerEngine's option, bf16
-parameters only) the state keeps an int16 remainder under :data:`REMAINDER_KEY` instead: the
-fp32 main value's bits are the bf16 parameter's bits shifted up 16, plus the remainder
-(:func:`join_main`), the parameter being the main value rounded to nearest, ties away from zero
-(:func:`split_main`), which differs from torch's ``.to(torch.bfloat16)`` on exact ties only
-(:func:`tie_count`). The remainder never leaves its rank: every state that does carries the
-fp32 main under :data:`MAIN_KEY` (:func:`with_main`), and a loaded main is kept until the
-piece's next step splits it.
+With ``main_params_dtype=torch.float32`` an owned piece is updated through an fp32 copy kept in
+its optimizer state under :data:`MAIN_KEY` (Megatron-LM's and Apex's sharded "main" params), so
+it travels with every state move; the parameter receives ``main.to(param.dtype)``. With
+``store_param_remainders`` (bf16 only) the state keeps an int16 remainder (:data:`REMAINDER_KEY`)
+instead: the fp32 bits are the bf16's shifted up 16 plus the remainder (:func:`join_main`), the
+bf16 rounded to nearest, ties away from zero (:func:`split_main`). The remainder never leaves
+its rank: a state that does carries the fp32 main (:func:`with_main`).
 """
 
 from __future__ import annotations
@@ -40,24 +31,17 @@ __all__ = [
     "with_main",
 ]
 
-MAIN_KEY = "main_param"
-"""The state key of a piece's main copy (in the parameter's shape in a consolidated dict)."""
-
-REMAINDER_KEY = "main_param_remainder"
-"""The state key of a piece's int16 remainder (``store_param_remainders``; never saved)."""
+MAIN_KEY = "main_param"  # the state key of a piece's main copy
+REMAINDER_KEY = "main_param_remainder"  # ... of its int16 remainder (never saved)
 
 
 def check_main_params_dtype(value: object) -> torch.dtype | None:
-    """``value`` if it is a valid ``main_params_dtype`` (``None`` or a floating dtype of at least
-    4 bytes), else a ``TypeError``/``ValueError`` naming the choices.
+    """``value`` if it is a valid ``main_params_dtype`` (``None`` or a floating dtype of at
+    least 4 bytes), else a TypeError or ValueError naming the choices.
 
     Example:
         >>> check_main_params_dtype(torch.float32)
         torch.float32
-        >>> check_main_params_dtype(torch.bfloat16)
-        Traceback (most recent call last):
-        ...
-        ValueError: main_params_dtype=torch.bfloat16 is not wider than bf16/fp16 parameters: pass torch.float32 (or None to update the parameters in their own dtype)
     """
     if value is None:
         return None
@@ -76,8 +60,8 @@ def check_main_params_dtype(value: object) -> torch.dtype | None:
 def main_dtype_for(
     param_dtype: torch.dtype, main_params_dtype: torch.dtype | None
 ) -> torch.dtype | None:
-    """The dtype of a parameter's main copy: ``main_params_dtype`` for a floating parameter of a
-    narrower dtype, else ``None`` (the parameter is updated in place).
+    """The dtype of a parameter's main copy: ``main_params_dtype`` for a narrower floating
+    parameter, else ``None`` (updated in place).
 
     Example:
         >>> main_dtype_for(torch.bfloat16, torch.float32), main_dtype_for(torch.float32, torch.float32)
@@ -92,15 +76,11 @@ def check_remainders(
     store: object, main_params_dtype: torch.dtype | None, dtypes: Iterable[torch.dtype]
 ) -> bool:
     """``store`` (``store_param_remainders``) if it may be on for parameters of ``dtypes`` with
-    ``main_params_dtype``, else a ``TypeError``/``ValueError`` naming the fix.
+    ``main_params_dtype`` (bf16 with fp32), else a TypeError or ValueError naming the fix.
 
     Example:
         >>> check_remainders(True, torch.float32, [torch.bfloat16, torch.float32])
         True
-        >>> check_remainders(True, torch.float32, [torch.float16])
-        Traceback (most recent call last):
-        ...
-        ValueError: store_param_remainders=True needs bf16 parameters (the fp32 main value is the bf16 bits plus a 16-bit remainder); these have torch.float16 main copies: cast them to torch.bfloat16 or pass store_param_remainders=False
     """
     if not isinstance(store, bool):
         raise TypeError(f"store_param_remainders must be True or False; got {store!r}")
@@ -123,9 +103,8 @@ def check_remainders(
 
 
 def split_main(main: Tensor) -> tuple[Tensor, Tensor]:
-    """An fp32 tensor as (bf16 rounded to nearest, ties away from zero; the int16 remainder),
-    new tensors, :func:`join_main`'s inverse for every bit pattern (TransformerEngine's rule: a
-    remainder's top bit set rounds the bf16 bits up, so every remainder fits in 16 bits).
+    """An fp32 tensor as (bf16 rounded to nearest, ties away from zero; the int16 remainder):
+    :func:`join_main`'s inverse for every bit pattern (TransformerEngine's rule).
 
     Example:
         >>> x = torch.tensor([1.0 + 2**-8, -(1.0 + 2**-8), 1.0 + 2**-9])  # two ties, one not
@@ -142,8 +121,7 @@ def split_main(main: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def join_main(param: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``
-    (int16, signed): :func:`split_main`'s inverse; a new tensor.
+    """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``.
 
     Example:
         >>> join_main(torch.tensor([1.0078125], dtype=torch.bfloat16),
@@ -155,9 +133,8 @@ def join_main(param: Tensor, remainder: Tensor) -> Tensor:
 
 
 def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
-    """How many elements of a :func:`split_main` pair differ from torch's rounding of the main
-    value (round to nearest, ties to even): exact ties whose rounded-up bits are odd. A 0-dim
-    int64 tensor on their device (counted without a device sync).
+    """How many elements of a :func:`split_main` pair differ from torch's rounding (ties to
+    even): exact ties rounded up to odd bits; a 0-dim tensor (no device sync).
 
     Example:
         >>> tie_count(*split_main(torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.5]))).item()
@@ -168,8 +145,8 @@ def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
 
 
 def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Tensor:
-    """A piece's main value: its state's :data:`MAIN_KEY` (the tensor itself), else joined
-    from its :data:`REMAINDER_KEY` and the piece ``view``, else ``view`` in ``dtype`` (new).
+    """A piece's main value: its state's :data:`MAIN_KEY`, else joined from its remainder and
+    the piece ``view``, else ``view`` in ``dtype`` (a copy).
 
     Example:
         >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
@@ -187,8 +164,8 @@ def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Te
 
 
 def with_main(view: Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` as it leaves its rank: its remainder replaced by the fp32 main value it makes
-    with the piece ``view`` (a new dict; the same entries where it has no remainder).
+    """``state`` as it leaves its rank: a remainder replaced by the fp32 main it makes with the
+    piece ``view`` (a new dict).
 
     Example:
         >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
@@ -216,20 +193,11 @@ def step_through_main_(
     *,
     remainders: bool = False,
 ) -> Tensor | None:
-    """Run ``step_pieces(group, params, grads, states)`` over the pieces ``views``, each through
-    its main copy where ``dtypes`` names one: in place on ``states`` and ``views``.
-
-    A piece with a main dtype is stepped as its main copy (``states[i][MAIN_KEY]``, made from the
-    piece on its first step), with its gradient upcast and its other state in the main dtype;
-    the piece then receives the copy rounded to its own dtype. The stepper never sees
-    :data:`MAIN_KEY` (torch's optimizers take a non-empty state for an initialized one).
-
-    With ``remainders`` (bf16 pieces, fp32 main) the main value is :func:`main_value`'s, and
-    after the step the piece and its :data:`REMAINDER_KEY` receive :func:`split_main`'s pair (a
-    :data:`MAIN_KEY` loaded is consumed); the stepper sees neither key.
-
-    Returns:
-        With ``remainders``, :func:`tie_count` summed over the pieces (0-dim), else ``None``.
+    """``step_pieces(group, params, grads, states)`` over the pieces ``views``, in place, each
+    through its main copy where ``dtypes`` names one (made on its first step; gradient
+    upcast), the piece then receiving the copy rounded; the stepper never sees the main keys.
+    With ``remainders``, the piece and remainder receive :func:`split_main`'s pair and the
+    :func:`tie_count` summed over the pieces is returned.
 
     Example:
         >>> p = torch.tensor([1.0], dtype=torch.bfloat16)
@@ -241,12 +209,6 @@ def step_through_main_(
         ...                    [state], [torch.float32])
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
-        >>> state = {}  # a step to an exact tie: torch's rounding would give 1.0
-        >>> step_through_main_(sgd, {"lr": 2**-8}, [p], [-torch.ones(1, dtype=torch.bfloat16)],
-        ...                    [state], [torch.float32], remainders=True).item()
-        1
-        >>> p.item(), state[REMAINDER_KEY].item(), main_value(p, state, torch.float32).item()
-        (1.0078125, -32768, 1.00390625)
     """
     if not any(d is not None for d in dtypes):
         step_pieces(group, views, grads, list(states))

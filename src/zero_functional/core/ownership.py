@@ -1,23 +1,14 @@
-"""Who owns what: one frozen value that every mode of the optimizer asks (pure).
+"""Who owns what (pure): the one frozen :class:`Ownership` every mode asks, and its builders.
 
-An :class:`Ownership` says, for each rank, which pieces of which parameters it owns: a piece is a
-:class:`~zero_functional.core.partition.Piece` ``(param, start, stop)`` of the flattened (row-major)
-parameter. Whole-tensor ownership (torch's sorted-greedy, DDP buckets assigned whole) is the
-case where every piece is a whole parameter; the flat split lets a parameter straddle ranks.
-Each rank owns at most one piece of each parameter, so a rank's optimizer state is one dict per
-parameter, as in ``torch.optim``.
-
-Three builders give every mode its value: :func:`sorted_greedy_ownership` (torch's assignment,
-the default), :func:`flat_ownership` (an even split of each (device, dtype) group) and
-:func:`bucket_ownership` (overlap mode: DDP's gradient buckets, whole or split evenly). Two
-queries serve the collectives and the state moves: :meth:`Ownership.runs` (which rank owns which
-stretch of a buffer of parameters laid end to end) and :meth:`Ownership.transfers` (which
-elements change hands from one ownership to another).
+Per rank, the :class:`~zero_functional.core.partition.Piece` of each parameter it owns (at most
+one each, so a rank's state is one dict per parameter, as in ``torch.optim``): whole parameters
+(:func:`sorted_greedy_ownership`, torch's), an even split (:func:`flat_ownership`), or DDP's
+buckets (:func:`bucket_ownership`, overlap mode).
 
 Example:
     >>> o = flat_ownership([6, 3], world_size=2)
-    >>> o.owned(0), o.owned(1)
-    ((Piece(param=0, start=0, stop=5),), (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3)))
+    >>> o.owned(1)
+    (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3))
     >>> o.runs([1, 0])  # a buffer holding parameter 1, then parameter 0
     (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
 """
@@ -66,8 +57,6 @@ def check_partition(partition: object) -> PartitionName:
     """``partition`` if it names a partition, else a ValueError listing the names.
 
     Example:
-        >>> check_partition("flat")
-        'flat'
         >>> check_partition("even")
         Traceback (most recent call last):
         ...
@@ -80,7 +69,7 @@ def check_partition(partition: object) -> PartitionName:
 
 
 class Run(NamedTuple):
-    """Elements ``[start, stop)`` of a buffer are owned by ``rank`` (a plain tuple for comm)."""
+    """Elements ``[start, stop)`` of a buffer are owned by ``rank``."""
 
     start: int
     stop: int
@@ -99,14 +88,8 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Ownership:
-    """For each rank, the pieces of parameters it owns; every element is owned exactly once.
-
-    Attributes:
-        numels: Number of elements of each parameter, by global index (state-dict order).
-        world_size: Number of ranks.
-        pieces: ``pieces[rank]``: that rank's pieces, in ascending parameter order, at most one
-            per parameter. A zero-size parameter is owned by one rank as the piece ``[0, 0)``.
-    """
+    """``pieces[rank]``: the pieces that rank owns, by ascending parameter (global index),
+    at most one each; every element of ``numels`` is owned exactly once."""
 
     numels: tuple[int, ...]
     world_size: int
@@ -128,15 +111,10 @@ class Ownership:
         for rank, rank_pieces in enumerate(self.pieces):
             last = -1
             for piece in rank_pieces:
-                if not 0 <= piece.param < n or piece.stop > self.numels[piece.param]:
-                    raise ValueError(
-                        f"rank {rank} owns {piece}, outside the {n} parameters of sizes "
-                        f"{first_of(self.numels)}"
-                    )
-                if piece.param_numel != self.numels[piece.param]:
+                if not 0 <= piece.param < n or piece.param_numel != self.numels[piece.param]:
                     raise ValueError(
                         f"rank {rank} owns {piece} of a parameter of {piece.param_numel} "
-                        f"elements, but parameter {piece.param} has {self.numels[piece.param]}"
+                        f"elements, outside the {n} parameters of sizes {first_of(self.numels)}"
                     )
                 if piece.param <= last:
                     raise ValueError(
@@ -144,16 +122,13 @@ class Ownership:
                         "most one piece of each parameter, in ascending parameter order"
                     )
                 last = piece.param
-            for piece in rank_pieces:
                 holders[piece.param].append((rank, piece))
         for k, held in enumerate(holders):
             check_tiling(k, self.numels[k], sorted(held, key=lambda rs: rs[1].start))
         object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
 
-    # ---------------------------------------------------------------- queries
-
     def owned(self, rank: int) -> tuple[Piece, ...]:
-        """The pieces ``rank`` owns, in ascending parameter order.
+        """The pieces ``rank`` owns.
 
         Example:
             >>> sorted_greedy_ownership([[5, 1, 7]], 2).owned(1)
@@ -187,10 +162,7 @@ class Ownership:
         return None
 
     def owner(self, param: int) -> int:
-        """The one rank that owns all of ``param``.
-
-        Raises:
-            ValueError: ``param`` straddles ranks.
+        """The one rank that owns all of ``param`` (a ValueError where it is split).
 
         Example:
             >>> sorted_greedy_ownership([[5, 1, 7]], 2).owner(0)
@@ -226,12 +198,8 @@ class Ownership:
         return tuple(sum(s.stop - s.start for s in rank_pieces) for rank_pieces in self.pieces)
 
     def owned_slices(self, order: Sequence[int], rank: int) -> tuple[tuple[int, int, int], ...]:
-        """Where ``rank``'s pieces sit in a buffer holding the parameters ``order`` end to end.
-
-        Returns:
-            ``(param, start, stop)`` for each piece ``rank`` owns, with ``start``/``stop``
-            offsets into the buffer, in buffer order: what a hook slices out of a DDP bucket
-            to hand the owner its gradients.
+        """``(param, start, stop)`` of ``rank``'s pieces in a buffer holding the parameters
+        ``order`` end to end (offsets into the buffer), in buffer order.
 
         Example:
             >>> flat_ownership([6, 3], 2).owned_slices([1, 0], 1)
@@ -248,14 +216,8 @@ class Ownership:
         )
 
     def extended(self, new: Ownership) -> Ownership:
-        """This ownership grown to ``new``'s parameters: those it has keep their pieces, those
-        ``new`` adds (indices past this one's) sit where ``new`` puts them.
-
-        What ``add_param_group`` reshards from, so that only the pieces that change hands move.
-
-        Raises:
-            ValueError: ``new`` is over another world size or does not start with these
-                parameters.
+        """This ownership grown to ``new``'s parameters, its own keeping their pieces: what
+        ``add_param_group`` reshards from, so that only what changes hands moves.
 
         Example:
             >>> old = flat_ownership([4], 2)
@@ -280,16 +242,8 @@ class Ownership:
         )
 
     def runs(self, order: Sequence[int]) -> tuple[Run, ...]:
-        """Who owns which stretch of a buffer holding the parameters ``order`` end to end.
-
-        Adjacent stretches of one rank merge into one run; zero-size parameters make none.
-        This is the unit of the gradient reduce-scatter and of the parameter all-gather.
-
-        Args:
-            order: Parameter indices in buffer order (a DDP bucket's, or a flat group's).
-
-        Returns:
-            The runs, in buffer order, covering ``[0, total)``.
+        """Who owns which stretch of a buffer holding the parameters ``order`` end to end, in
+        buffer order (a rank's adjacent stretches merged): the unit of the collectives.
 
         Example:
             >>> flat_ownership([4, 4], 2).runs([1, 0])
@@ -310,13 +264,8 @@ class Ownership:
         return tuple(out)
 
     def transfers(self, new: Ownership) -> tuple[Transfer, ...]:
-        """Every stretch of every parameter, with its owner here and its owner in ``new``.
-
-        ``src == dst`` stretches stay on their rank (a piece may still change its bounds);
-        the others are what moves. Sorted by parameter and element, the same on every rank.
-
-        Raises:
-            ValueError: ``new`` is over other parameters or another world size.
+        """Every stretch of every parameter with its owner here and in ``new``, by parameter
+        and element (``src == dst``: it stays).
 
         Example:
             >>> old = sorted_greedy_ownership([[4, 4]], 2)
@@ -341,9 +290,6 @@ class Ownership:
                     if lo < hi:
                         out.append(Transfer(k, lo, hi, src, dst))
         return tuple(out)
-
-
-# -------------------------------------------------------------------- builders
 
 
 def _from_holders(
@@ -372,15 +318,7 @@ def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int
 
 
 def sorted_greedy_ownership(group_numels: Sequence[Sequence[int]], world_size: int) -> Ownership:
-    """torch's assignment: whole parameters, largest first, loads carried across groups.
-
-    Args:
-        group_numels: For each parameter group, the number of elements of each parameter;
-            global indices run through the groups in order.
-        world_size: Number of ranks.
-
-    Returns:
-        The whole-tensor ownership ``torch.distributed.optim.ZeroRedundancyOptimizer`` uses.
+    """torch's whole-tensor ownership of the groups' parameters (``sorted_greedy_groups``).
 
     Example:
         >>> sorted_greedy_ownership([[4, 2], [3]], 2).owned(1)
@@ -400,24 +338,9 @@ def flat_ownership(
     align: int | Mapping[Hashable, int] = 1,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
-    """Even split: the parameters of each key, end to end in index order, cut into ranges.
-
-    Each key's parameters (one key per (device, dtype) in the optimizer) form one flat
-    sequence split by :func:`~zero_functional.core.partition.flat` into ``world_size`` contiguous
-    ranges on multiples of ``align``: a parameter may straddle ranks, and every rank's load is
-    within ``align`` elements of ``total / world_size`` per key. A zero-size parameter goes to
-    the rank whose range holds its position.
-
-    Args:
-        numels: Number of elements of each parameter, by global index.
-        world_size: Number of ranks.
-        keys: One hashable per parameter; parameters of equal keys are split together
-            (default: all together).
-        align: Range bounds are multiples of this many elements (per key, if a mapping).
-        blocks: Per parameter, a quantization block no bound cuts (:func:`.partition.block_bounds`).
-
-    Returns:
-        The ownership.
+    """The parameters of each of ``keys`` (one per (device, dtype)), end to end, split by
+    :func:`~zero_functional.core.partition.flat` (``align`` per key if a mapping); a zero-size
+    parameter goes to the rank whose range holds its position.
 
     Example:
         >>> o = flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"])
@@ -467,28 +390,11 @@ def bucket_ownership(
     align: int | Mapping[Hashable, int] = 1,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
-    """Overlap mode's ownership: DDP's gradient buckets, assigned as torch does or split evenly.
-
-    With ``partition="sorted_greedy"``, torch's rule (``ddp_bucket_assignments``): bucket ``i``
-    whole to rank ``i % world_size``, or with ``shard_buckets`` cut into runs of parameters
-    spread by load (falling back to whole buckets where torch's rule cannot place a bucket).
-    With ``partition="flat"``, each bucket's parameters, end to end in bucket order, are split
-    into ``world_size`` even ranges: every rank updates ``1 / world_size`` of every bucket,
-    however few buckets the model has. Parameters in no bucket (frozen ones, which DDP leaves
-    out) are partitioned among themselves the same way.
-
-    Args:
-        buckets: For each DDP bucket (in index order), the global indices of its parameters,
-            in bucket order.
-        numels: Number of elements of each parameter, by global index.
-        world_size: Number of ranks.
-        partition: ``"sorted_greedy"`` (whole parameters) or ``"flat"``.
-        shard_buckets: With ``"sorted_greedy"``, split buckets by torch's rule.
-        pinned: With ``"flat"``, parameters owned whole: global index to rank.
-        keys, align, blocks: With ``"flat"``, as :func:`flat_ownership`'s (a bucket: one key).
-
-    Returns:
-        The ownership.
+    """Overlap mode's ownership of DDP's ``buckets`` (each its parameters' global indices):
+    ``"sorted_greedy"``, torch's ``ddp_bucket_assignments`` (whole buckets where its
+    ``shard_buckets`` rule fails); ``"flat"``, each bucket split evenly as
+    :func:`flat_ownership` (``pinned``: index -> rank, owned whole). Parameters in no bucket
+    (frozen) are partitioned among themselves the same way.
 
     Example:
         >>> bucket_ownership([[1, 0]], [4, 4], 2).owned(0)  # one bucket: rank 0 owns it all
@@ -524,8 +430,8 @@ def bucket_ownership(
             ks = [keys[k] for k in members] if keys is not None else None
             bs = [blocks[k] for k in members] if blocks is not None else None
             ns = [numels[k] for k in members]
-            sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs) if ns else None
-            for rank, rank_pieces in enumerate(sub.pieces if sub else ()):
+            sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs)
+            for rank, rank_pieces in enumerate(sub.pieces):
                 for s in rank_pieces:
                     per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))
     else:
@@ -545,6 +451,3 @@ def bucket_ownership(
                 k = rest[i]
                 per_param[k].append((rank, Piece(k, 0, numels[k], numels[k])))
     return _from_holders(numels, world_size, per_param)
-
-
-# -------------------------------------------------------------------- tensors

@@ -1,20 +1,13 @@
-"""The optimizer's parameters as one frozen table: order, index, group, spans, buffer keys (pure).
+"""The optimizer's parameters as one frozen table (pure): order, index, group, spans, keys.
 
-Every collaborator of the shell asks the same questions of the parameter groups: every
-parameter in global index order (state-dict order), the index of a parameter, the group of an
-index, each group's span of indices, and the (device, dtype) key that decides which buffer a
-parameter travels in. :class:`ParamTable` answers them from one value, built once per ownership
-by the optimizer (torch keeps ``_param_to_index``, Megatron-LM a ``BufferKey``) and handed to
-the local shard, the parameter sync, the hooks and the checkpoint code.
+Built once per ownership (torch keeps ``_param_to_index``, Megatron-LM a ``BufferKey``) and
+handed to every collaborator that asks which parameter is where.
 
 Example:
-    >>> import torch
     >>> a, b, c = torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(4)
     >>> table = ParamTable.of([{"params": [a, b]}, {"params": [c]}])
-    >>> table.index(c), table.group_of(2), table.spans
-    (2, 1, ((0, 2), (2, 1)))
-    >>> table.keys[1]
-    BufferKey(device='cpu', dtype='torch.float64')
+    >>> table.index(c), table.group_of(2), table.spans, table.keys[1].dtype
+    (2, 1, ((0, 2), (2, 1)), 'torch.float64')
 """
 
 from __future__ import annotations
@@ -31,9 +24,7 @@ __all__ = ["BufferKey", "ParamTable", "buffer_key"]
 
 
 class BufferKey(NamedTuple):
-    """The (device, dtype) a parameter's buffer is kept by: parameters of one key can share a
-    flat buffer (bucket views, the flat partition, packed all-gathers); ordered, the same on
-    every rank."""
+    """The (device, dtype) of a parameter: parameters of one key can share a flat buffer."""
 
     device: str
     dtype: str
@@ -43,7 +34,6 @@ def buffer_key(t: Tensor) -> BufferKey:
     """The buffer key of tensor ``t``.
 
     Example:
-        >>> import torch
         >>> buffer_key(torch.zeros(2, dtype=torch.bfloat16))
         BufferKey(device='cpu', dtype='torch.bfloat16')
     """
@@ -52,12 +42,8 @@ def buffer_key(t: Tensor) -> BufferKey:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ParamTable:
-    """The parameters of an optimizer's groups, in global index order, and what is derived.
-
-    Attributes:
-        params: Every parameter, group after group (global index order).
-        spans: Each group's ``(first global index, number of parameters)``.
-    """
+    """Every parameter, group after group (global index order, as a state dict has them), and
+    each group's ``spans`` ``(first global index, number of parameters)``."""
 
     params: tuple[Tensor, ...]
     spans: tuple[tuple[int, int], ...]
@@ -92,7 +78,6 @@ class ParamTable:
         """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's).
 
         Example:
-            >>> import torch
             >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": []}]).spans
             ((0, 1), (1, 0))
         """
@@ -110,13 +95,9 @@ class ParamTable:
         return isinstance(p, Tensor) and p in self._index
 
     def index(self, p: Tensor) -> int:
-        """The global index of parameter ``p``.
-
-        Raises:
-            KeyError: ``p`` is not one of these parameters.
+        """The global index of parameter ``p`` (a KeyError if it is none of these).
 
         Example:
-            >>> import torch
             >>> a, b = torch.zeros(1), torch.zeros(1)
             >>> ParamTable.of([{"params": [a, b]}]).index(b)
             1
@@ -127,22 +108,16 @@ class ParamTable:
         """The group of the parameter of global index ``k``.
 
         Example:
-            >>> import torch
             >>> ParamTable.of([{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)]}]).group_of(1)
             1
         """
         return self._group_of[k]
 
     def names(self, model: nn.Module | None, *, strict: bool = True) -> list[str]:
-        """Each parameter's name in ``model`` (in the module a DDP wraps; a tied weight by its
-        first name), by global index: the one place parameters get their model's names. Without
-        a model, or (``strict=False``) for a parameter not in it, its index.
-
-        Raises:
-            ValueError: ``strict`` and parameters that are not ``model``'s, named by index.
+        """Each parameter's name in ``model`` (the module a DDP wraps; a tied weight by its first
+        name), by global index; its index without a model or, unless ``strict``, outside it.
 
         Example:
-            >>> import torch
             >>> model = torch.nn.Linear(2, 1)
             >>> table = ParamTable.of([{"params": [model.bias, model.weight]}])
             >>> table.names(model), table.names(None)
@@ -164,19 +139,16 @@ class ParamTable:
 
     @property
     def keys(self) -> tuple[BufferKey, ...]:
-        """Each parameter's :class:`BufferKey`, by global index."""
         return self._keys
 
     @property
     def numels(self) -> tuple[int, ...]:
-        """Each parameter's number of elements, by global index."""
         return tuple(p.numel() for p in self.params)
 
     def group_numels(self) -> list[list[int]]:
         """Per group, its parameters' numbers of elements (what ``sorted_greedy`` takes).
 
         Example:
-            >>> import torch
             >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": [torch.zeros(3)]}]).group_numels()
             [[2], [3]]
         """

@@ -1,13 +1,8 @@
-"""Which rank owns what: pure partitions of parameter sizes, and their balance.
+"""Sizes to ranks (pure): torch's sorted-greedy, the flat split, torch's DDP-bucket assignment.
 
-Two partitions:
-
-* :func:`sorted_greedy` keeps parameters whole, as torch's ``ZeroRedundancyOptimizer`` does
-  (largest first, each to the least-loaded rank), so state dicts line up with torch's.
-* :func:`flat` splits the concatenation of all parameters evenly (a parameter may straddle
-  ranks, as in DeepSpeed and Apex): perfect balance whatever the largest parameter.
-
-:func:`balance_report` says how far a partition is from the best possible.
+:func:`sorted_greedy` keeps parameters whole as torch's ``ZeroRedundancyOptimizer`` does, so
+state dicts line up with torch's; :func:`flat` splits the concatenation of all parameters evenly
+(a :class:`Piece` of a parameter may straddle ranks, as in DeepSpeed and Apex).
 """
 
 from __future__ import annotations
@@ -44,21 +39,8 @@ __all__ = [
 def sorted_greedy(
     numels: Sequence[int], world_size: int, *, initial_loads: Sequence[int] | None = None
 ) -> tuple[tuple[int, ...], ...]:
-    """torch's partition: largest parameter first, each to the first least-loaded rank.
-
-    The sort is stable (equal sizes keep their order) and ties between ranks go to the lowest
-    rank, exactly as torch's ``ZeroRedundancyOptimizer`` assigns them.
-
-    Args:
-        numels: Number of elements of each parameter.
-        world_size: Number of ranks.
-        initial_loads: Load each rank already carries (from earlier parameter groups).
-
-    Returns:
-        For each rank, the indices of the parameters it owns, in assignment order.
-
-    Raises:
-        ValueError: ``world_size < 1``, a negative size, or ``initial_loads`` of the wrong length.
+    """torch's partition: per rank, the indices it owns, largest first to the least-loaded rank
+    (stable; ties to the lowest rank). ``initial_loads``: what each rank carries already.
 
     Example:
         >>> sorted_greedy([5, 1, 7, 3], world_size=2)
@@ -95,17 +77,8 @@ def sorted_greedy(
 def sorted_greedy_groups(
     group_numels: Sequence[Sequence[int]], world_size: int
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """:func:`sorted_greedy` over several parameter groups, loads carrying over between groups.
-
-    torch partitions ``param_groups`` one after another with one running load per rank, so a
-    rank that took a big parameter in group 0 is passed over in group 1.
-
-    Args:
-        group_numels: For each parameter group, the number of elements of each parameter.
-        world_size: Number of ranks.
-
-    Returns:
-        ``result[group][rank]``: indices within that group owned by ``rank``.
+    """:func:`sorted_greedy` group after group, loads carrying over as torch's do:
+    ``result[group][rank]`` are the indices within the group that ``rank`` owns.
 
     Example:
         >>> sorted_greedy_groups([[4, 2], [3]], world_size=2)
@@ -122,17 +95,7 @@ def sorted_greedy_groups(
 
 
 def owners(partition: Sequence[Sequence[int]], num_params: int) -> tuple[int, ...]:
-    """For each parameter index, the rank that owns it.
-
-    Args:
-        partition: For each rank, the indices of the parameters it owns.
-        num_params: Number of parameters.
-
-    Returns:
-        ``result[i]`` is the rank that owns parameter ``i``.
-
-    Raises:
-        ValueError: An index out of range, owned twice, or not owned.
+    """For each parameter index, the rank of ``partition`` (per rank, its indices) that owns it.
 
     Example:
         >>> owners(((2, 1), (0, 3)), 4)
@@ -180,7 +143,6 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        """Number of elements in the piece."""
         return self.stop - self.start
 
     @property
@@ -190,9 +152,8 @@ class Piece:
 
 
 def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> None:
-    """Raise a ValueError naming the first misfit unless ``held``, the ``(rank, piece)`` of a
-    parameter of ``numel`` elements in element order, tiles it exactly once (a zero-size
-    parameter: one empty piece). The message names the first 8 pieces, at any world size.
+    """A ValueError unless ``held``, the ``(rank, piece)`` of a parameter in element order,
+    tiles it exactly once (a zero-size parameter: one empty piece).
 
     Example:
         >>> check_tiling(0, 4, [(0, Piece(0, 0, 2, 4)), (1, Piece(0, 2, 4, 4))])
@@ -223,7 +184,7 @@ def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> N
 
 @dataclass(frozen=True, slots=True)
 class FlatPartition:
-    """An even split of the concatenation of all parameters into contiguous per-rank ranges."""
+    """Per rank, a contiguous range of the concatenated parameters and its pieces: :func:`flat`."""
 
     numels: tuple[int, ...]
     world_size: int
@@ -276,7 +237,6 @@ class FlatPartition:
 
     @property
     def loads(self) -> tuple[int, ...]:
-        """Elements per rank."""
         return tuple(stop - start for start, stop in self.bounds)
 
 
@@ -287,26 +247,11 @@ def flat(
     align: int = 1,
     blocks: Sequence[int] | None = None,
 ) -> FlatPartition:
-    """Split the concatenation of all parameters into ``world_size`` contiguous ranges.
-
-    Each rank gets at most ``ceil(total / world_size)`` elements rounded up to a multiple of
-    ``align`` (the last ranks may get less, or nothing); range bounds are multiples of ``align``
-    except the end of the data. A parameter may straddle ranks; zero-size parameters appear in
-    no piece.
-
-    Args:
-        numels: Number of elements of each parameter, in concatenation order.
-        world_size: Number of ranks.
-        align: Every range starts on a multiple of this many elements.
-        blocks: Per parameter, its optimizer's quantization block: a bound inside a parameter
-            moves up to a block boundary counted from its start (:func:`block_bounds`), which
-            wins over ``align`` (the result's ``align`` is then 1).
-
-    Returns:
-        The ranges and, per rank, the pieces of parameters that fill its range in order.
-
-    Raises:
-        ValueError: ``world_size < 1``, ``align < 1`` or a negative size.
+    """The concatenation of all parameters cut into ``world_size`` contiguous ranges of at most
+    ``ceil(total / world_size)`` elements, bounds on multiples of ``align`` (the last ranks may
+    get less, or nothing), each range's pieces in order; zero-size parameters are in none.
+    ``blocks``: per parameter, a quantization block no bound cuts (:func:`block_bounds`; it wins
+    over ``align``).
 
     Example:
         >>> p = flat([6, 3], world_size=2)
@@ -345,9 +290,8 @@ def flat(
 def block_bounds(
     bounds: Sequence[tuple[int, int]], numels: Sequence[int], blocks: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
-    """Contiguous ranges ``bounds`` over the concatenation of parameters of ``numels``, each
-    bound inside a parameter moved up to the next multiple of that parameter's block counted
-    from its start (or to its end): ranges that cut no quantization block in two.
+    """``bounds`` over the concatenated parameters, each bound inside a parameter moved up to
+    its next block boundary counted from the parameter's start (or to its end).
 
     Example:
         >>> block_bounds(((0, 7), (7, 14)), [2, 12], [1, 4])  # 7 is element 5 of the second
@@ -401,26 +345,10 @@ def _least_loaded(loads: Sequence[int], excluded: set[int], bucket: int) -> int:
 def ddp_bucket_assignments(
     bucket_numels: Sequence[Sequence[int]], world_size: int, *, shard_buckets: bool = False
 ) -> tuple[tuple[BucketAssignment, ...], ...]:
-    """torch's assignment of DDP gradient buckets to ranks, per rank in creation order.
-
-    Without ``shard_buckets``, bucket ``i`` goes whole to rank ``i % world_size``. With it,
-    buckets are taken smallest first (stable); each is cut into runs of consecutive parameters
-    that stay under ``total / world_size`` elements, each run to the least-loaded rank that holds
-    no part of that bucket yet.
-
-    Args:
-        bucket_numels: For each DDP bucket (in DDP's bucket index order), the number of
-            elements of each of its parameters, in bucket order.
-        world_size: Number of ranks.
-        shard_buckets: Whether a bucket may be split among several ranks (the
-            ``shard_buckets`` argument of torch's ``hook_with_zero_step``).
-
-    Returns:
-        For each rank, its assignments in the order torch creates them.
-
-    Raises:
-        ValueError: ``world_size < 1``, an empty bucket, a negative size, or (as torch) a
-            bucket that the sharding rule would cut into more pieces than there are ranks.
+    """torch's assignment of DDP gradient buckets (their parameters' sizes) to ranks, per rank
+    in creation order: bucket ``i`` whole to rank ``i % world_size``; with ``shard_buckets``,
+    smallest bucket first, cut into runs under ``total / world_size`` elements, each to the
+    least-loaded rank holding none of that bucket yet.
 
     Example:
         >>> ddp_bucket_assignments([[4, 4], [2]], 2)

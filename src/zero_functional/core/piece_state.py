@@ -1,23 +1,14 @@
-"""Per-piece optimizer state <-> torch's per-parameter format (pure).
+"""A piece's optimizer state cut to a sub-range and joined back (pure).
 
-A rank that owns a piece ``[start, stop)`` of a parameter keeps that parameter's state for the
-piece only: each *elementwise* state tensor (``exp_avg``, ``momentum_buffer``, ...) holds the
-piece's elements, 1-D (or in the parameter's shape when the piece is the whole parameter), and
-each *per-parameter* value (Adam's 0-d ``step``, a Python number) is the same on every rank that
-holds a piece. :func:`slice_state` cuts the state of a piece down to a sub-range,
-:func:`join_states` glues the states of adjacent ranges back together; with them one rank's
-state moves to another ownership and every rank's pieces become torch's format.
+A rank owning a piece keeps its parameter's state for the piece only: *elementwise* tensors
+(``exp_avg``, ...) hold the piece's elements (1-D, or in the parameter's shape when whole), and
+*per-parameter* values (a 0-d ``step``, a number) are the same on every rank holding a piece.
 
 Example:
-    >>> import torch
     >>> whole = {"step": torch.tensor(3.0), "exp_avg": torch.arange(6.0).view(2, 3)}
-    >>> a = slice_state(whole, (0, 6), (0, 4))
-    >>> b = slice_state(whole, (0, 6), (4, 6))
-    >>> a["exp_avg"].tolist(), b["exp_avg"].tolist()
-    ([0.0, 1.0, 2.0, 3.0], [4.0, 5.0])
-    >>> back = join_states([((0, 4), a), ((4, 6), b)], (2, 3))
-    >>> back["exp_avg"].tolist(), back["step"].item()
-    ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 3.0)
+    >>> a, b = slice_state(whole, (0, 6), (0, 4)), slice_state(whole, (0, 6), (4, 6))
+    >>> join_states([((0, 4), a), ((4, 6), b)], (2, 3))["exp_avg"].tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 """
 
 from __future__ import annotations
@@ -37,13 +28,10 @@ Range = tuple[int, int]
 
 
 def is_elementwise(value: object, numel: int) -> bool:
-    """Whether a state value holds one entry per element of a piece of ``numel`` elements.
-
-    A tensor of at least one dimension and ``numel`` elements is elementwise; 0-d tensors
-    (``step``), numbers and other objects are per-parameter values.
+    """Whether a state value holds one entry per element of a piece of ``numel`` elements (a
+    tensor of at least one dimension), not one per parameter.
 
     Example:
-        >>> import torch
         >>> is_elementwise(torch.zeros(2, 3), 6), is_elementwise(torch.tensor(1.0), 1)
         (True, False)
     """
@@ -51,24 +39,10 @@ def is_elementwise(value: object, numel: int) -> bool:
 
 
 def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[str, object]:
-    """The state of elements ``want`` of a parameter, from the state of the piece ``held``.
-
-    Pure: elementwise tensors come back as new 1-D tensors (copies), per-parameter values as
-    they are (tensors cloned). ``want`` equal to ``held`` returns the state unchanged in shape.
-
-    Args:
-        state: The state of the piece ``held`` (``held``'s elements, any shape).
-        held: ``(start, stop)`` of the piece the state belongs to, in parameter elements.
-        want: ``(start, stop)`` inside ``held``.
-
-    Returns:
-        The state of ``want``.
-
-    Raises:
-        ValueError: ``want`` is not inside ``held``.
+    """A copy of the state of elements ``want`` (in parameter elements) from the state of the
+    piece ``held``: elementwise tensors 1-D (kept in shape where ``want == held``).
 
     Example:
-        >>> import torch
         >>> slice_state({"momentum_buffer": torch.arange(4.0)}, (2, 6), (3, 5))
         {'momentum_buffer': tensor([1., 2.])}
     """
@@ -91,11 +65,10 @@ def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[s
 
 
 def copied(value: Tensor) -> Tensor:
-    """A copy of ``value``: ``clone()``, or for a wrapper tensor subclass without one (torchao's
-    quantized optimizer state: codes, scales and a code table) each of its inner tensors cloned.
+    """A copy of ``value``; a wrapper tensor subclass (torchao's quantized state) by cloning
+    each of its inner tensors.
 
     Example:
-        >>> import torch
         >>> copied(torch.ones(2))
         tensor([1., 1.])
     """
@@ -113,23 +86,11 @@ def copied(value: Tensor) -> Tensor:
 def join_states(
     parts: Sequence[tuple[Range, Mapping[str, object]]], shape: Sequence[int] | None = None
 ) -> dict[str, object]:
-    """One state from the states of adjacent ranges, in element order; pure.
-
-    Elementwise tensors are concatenated (and viewed as ``shape`` when given, for a piece that
-    is the whole parameter); per-parameter values are taken from the first part.
-
-    Args:
-        parts: ``((start, stop), state)`` per range, contiguous and in order.
-        shape: The parameter's shape when the ranges cover it all; else ``None`` (1-D).
-
-    Returns:
-        The state of the union of the ranges.
-
-    Raises:
-        ValueError: No parts, ranges that are not contiguous, or parts with different keys.
+    """One state from the ``((start, stop), state)`` of adjacent ranges in order: elementwise
+    tensors concatenated (viewed as ``shape`` where the ranges are the whole parameter),
+    per-parameter values from the first part.
 
     Example:
-        >>> import torch
         >>> join_states([((0, 1), {"v": torch.ones(1)}), ((1, 3), {"v": torch.zeros(2)})])
         {'v': tensor([1., 0., 0.])}
     """
@@ -181,15 +142,12 @@ def placed(
     copy: bool,
     dtype: torch.dtype | None = None,
 ) -> object:
-    """Where a loaded or moved state value lives: torch's rule (floating values in the
-    parameter's dtype, everything on its device), except that ``step`` is float32 on the
-    parameter's device where ``fp32_step`` (the functional core, fused or capturable groups:
-    the fused kernels need it there; torch's CPU step: pytorch#124133), and floating values are
-    in ``dtype`` where given (a parameter updated through a main copy of that dtype);
-    ``copy=False`` keeps a tensor that is already in place.
+    """A loaded or moved state value where torch puts it (floating values in the parameter's
+    dtype, or ``dtype``: a main copy's; all on its device), ``step`` float32 on the device
+    where ``fp32_step`` (the fused kernels read it there; pytorch#124133). ``copy=False``
+    keeps a tensor already in place.
 
     Example:
-        >>> import torch
         >>> p = torch.zeros(2, dtype=torch.float64)
         >>> placed("exp_avg", torch.ones(2), p, fp32_step=True, copy=True).dtype
         torch.float64
