@@ -37,8 +37,8 @@ from zero_functional.core.partition import (
 )
 
 __all__ = [
-    "Ownership",
     "PARTITIONS",
+    "Ownership",
     "PartitionName",
     "Run",
     "Transfer",
@@ -51,6 +51,7 @@ __all__ = [
 
 PartitionName = Literal["sorted_greedy", "flat"]
 PARTITIONS: tuple[PartitionName, ...] = ("sorted_greedy", "flat")
+Held = Sequence[tuple[int, Piece]]  # a parameter's (rank, piece), in element order
 
 
 def check_partition(partition: object) -> PartitionName:
@@ -124,7 +125,8 @@ class Ownership:
                 last = piece.param
                 holders[piece.param].append((rank, piece))
         for k, held in enumerate(holders):
-            check_tiling(k, self.numels[k], sorted(held, key=lambda rs: rs[1].start))
+            held.sort(key=lambda rs: rs[1].start)
+            check_tiling(k, self.numels[k], held)
         object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
 
     def owned(self, rank: int) -> tuple[Piece, ...]:
@@ -156,10 +158,7 @@ class Ownership:
             Piece(param=0, start=5, stop=6)
         """
         check_rank(rank, self.world_size)
-        for r, piece in self.holders(param):
-            if r == rank:
-                return piece
-        return None
+        return next((piece for r, piece in self.holders(param) if r == rank), None)
 
     def owner(self, param: int) -> int:
         """The one rank that owns all of ``param`` (a ValueError where it is split).
@@ -172,30 +171,19 @@ class Ownership:
         if len(held) != 1:
             raise ValueError(
                 f"parameter {param} is split across ranks {first_of([r for r, _ in held])}; ask "
-                "holders() for its pieces "
-                "(whole-tensor ownership is partition='sorted_greedy')"
+                "holders() for its pieces (whole-tensor ownership is partition='sorted_greedy')"
             )
         return held[0][0]
 
     @property
     def is_whole(self) -> bool:
-        """Whether every parameter is owned whole by one rank.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).is_whole, sorted_greedy_ownership([[6, 3]], 2).is_whole
-            (False, True)
-        """
+        """Whether every parameter is owned whole by one rank."""
         return all(len(h) == 1 for h in self._holders)
 
     @property
     def loads(self) -> tuple[int, ...]:
-        """Elements each rank owns.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).loads
-            (5, 4)
-        """
-        return tuple(sum(s.stop - s.start for s in rank_pieces) for rank_pieces in self.pieces)
+        """Elements each rank owns."""
+        return tuple(sum(s.numel for s in rank_pieces) for rank_pieces in self.pieces)
 
     def owned_slices(self, order: Sequence[int], rank: int) -> tuple[tuple[int, int, int], ...]:
         """``(param, start, stop)`` of ``rank``'s pieces in a buffer holding the parameters
@@ -232,14 +220,11 @@ class Ownership:
                 f"{len(new.numels)} of sizes {first_of(new.numels)} over {new.world_size}: pass "
                 "one over these parameters and more, at the same world size"
             )
-        return Ownership(
-            new.numels,
-            self.world_size,
-            tuple(
-                self.pieces[r] + tuple(s for s in new.pieces[r] if s.param >= n)
-                for r in range(self.world_size)
-            ),
-        )
+        grown = [
+            mine + tuple(s for s in theirs if s.param >= n)
+            for mine, theirs in zip(self.pieces, new.pieces)
+        ]
+        return Ownership(new.numels, self.world_size, tuple(grown))
 
     def runs(self, order: Sequence[int]) -> tuple[Run, ...]:
         """Who owns which stretch of a buffer holding the parameters ``order`` end to end, in
@@ -253,9 +238,9 @@ class Ownership:
         base = 0
         for k in order:
             for rank, piece in self.holders(k):
-                if piece.stop == piece.start:
-                    continue
                 a, b = base + piece.start, base + piece.stop
+                if a == b:
+                    continue
                 if out and out[-1].rank == rank and out[-1].stop == a:
                     out[-1] = Run(out[-1].start, b, rank)
                 else:
@@ -279,28 +264,28 @@ class Ownership:
                 "state moves between ownerships of the same parameters and ranks"
             )
         out: list[Transfer] = []
-        for k in range(len(self.numels)):
+        for k, (here, there) in enumerate(zip(self._holders, new._holders)):
             if self.numels[k] == 0:
-                (src, _), (dst, _) = self._holders[k][0], new._holders[k][0]
-                out.append(Transfer(k, 0, 0, src, dst))
-                continue
-            for src, a in self._holders[k]:
-                for dst, b in new._holders[k]:
+                out.append(Transfer(k, 0, 0, here[0][0], there[0][0]))
+            for src, a in here:
+                for dst, b in there:
                     lo, hi = max(a.start, b.start), min(a.stop, b.stop)
                     if lo < hi:
                         out.append(Transfer(k, lo, hi, src, dst))
         return tuple(out)
 
 
-def _from_holders(
-    numels: Sequence[int], world_size: int, per_param: Sequence[Sequence[tuple[int, Piece]]]
-) -> Ownership:
-    """The ownership where parameter ``k``'s pieces are ``per_param[k]``, as (rank, piece)."""
+def _from_holders(numels: Sequence[int], world_size: int, per_param: Sequence[Held]) -> Ownership:
+    """The ownership where parameter ``k``'s pieces are ``per_param[k]``."""
     per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
     for held in per_param:
         for rank, piece in held:
             per_rank[rank].append(piece)
     return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
+
+
+def _whole(k: int, numel: int) -> Piece:
+    return Piece(k, 0, numel, numel)
 
 
 def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int) -> Ownership:
@@ -310,11 +295,8 @@ def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int
         >>> whole_ownership([4, 2, 3], [1, 0, 1], 2).owned(1)
         (Piece(param=0, start=0, stop=4), Piece(param=2, start=0, stop=3))
     """
-    return _from_holders(
-        numels,
-        world_size,
-        [[(r, Piece(k, 0, n, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))],
-    )
+    held = [[(r, _whole(k, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))]
+    return _from_holders(numels, world_size, held)
 
 
 def sorted_greedy_ownership(group_numels: Sequence[Sequence[int]], world_size: int) -> Ownership:
@@ -363,19 +345,24 @@ def flat_ownership(
         step = align[key] if isinstance(align, Mapping) else align
         sub = [blocks[k] for k in members] if blocks is not None else None
         part = flat([numels[k] for k in members], world_size, align=step, blocks=sub)
-        for rank, rank_pieces in enumerate(part.pieces):
-            for s in rank_pieces:
-                k = members[s.param]
-                per_param[k].append((rank, replace(s, param=k)))
+        _place(per_param, members, part.pieces)
         starts = prefix_sums([numels[k] for k in members])
         for j, k in enumerate(members):
             if numels[k] == 0:
-                rank = next(
-                    (r for r, (lo, hi) in enumerate(part.bounds) if lo <= starts[j] < hi),
-                    world_size - 1,
-                )
-                per_param[k].append((rank, Piece(k, 0, 0, 0)))
+                at = (r for r, (lo, hi) in enumerate(part.bounds) if lo <= starts[j] < hi)
+                per_param[k].append((next(at, world_size - 1), Piece(k, 0, 0, 0)))
     return _from_holders(numels, world_size, per_param)
+
+
+def _place(
+    per_param: list[list[tuple[int, Piece]]],
+    members: Sequence[int],
+    pieces: Sequence[Sequence[Piece]],
+) -> None:
+    """Add the per-rank ``pieces`` of a split of ``members`` (indices into it) to ``per_param``."""
+    for rank, rank_pieces in enumerate(pieces):
+        for s in rank_pieces:
+            per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))
 
 
 def bucket_ownership(
@@ -399,8 +386,6 @@ def bucket_ownership(
     Example:
         >>> bucket_ownership([[1, 0]], [4, 4], 2).owned(0)  # one bucket: rank 0 owns it all
         (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=4))
-        >>> bucket_ownership([[1, 0]], [4, 4], 2, partition="flat").owned(0)
-        (Piece(param=1, start=0, stop=4),)
         >>> bucket_ownership([[0, 1, 2]], [4, 4, 9], 2, partition="flat", pinned={2: 1}).owned(1)
         (Piece(param=1, start=0, stop=4), Piece(param=2, start=0, stop=9))
     """
@@ -421,33 +406,29 @@ def bucket_ownership(
         if not (0 <= k < len(numels) and 0 <= rank < world_size):
             raise ValueError(f"pinned maps parameter {k} to rank {rank}, out of range")
     rest = [k for k in range(len(numels)) if not seen[k]]
-    groups = [list(b) for b in buckets] + ([rest] if rest else [])
     per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     if partition == "flat":
         for k, rank in pinned.items():
-            per_param[k].append((rank, Piece(k, 0, numels[k], numels[k])))
-        for members in ([k for k in g if k not in pinned] for g in groups if g):
+            per_param[k].append((rank, _whole(k, numels[k])))
+        for group in [*buckets, rest]:
+            members = [k for k in group if k not in pinned]
             ks = [keys[k] for k in members] if keys is not None else None
             bs = [blocks[k] for k in members] if blocks is not None else None
             ns = [numels[k] for k in members]
             sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs)
-            for rank, rank_pieces in enumerate(sub.pieces):
-                for s in rank_pieces:
-                    per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))
-    else:
-        sizes = [[numels[k] for k in b] for b in buckets]
-        try:
-            assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=shard_buckets)
-        except ValueError:
-            # torch's shard_buckets rule cannot cut some bucket into at most world_size pieces
-            # (DDP's first-iteration buckets are often one big bucket); whole buckets always fit.
-            assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=False)
-        for assignments in assigned:
-            for a in assignments:
-                for k in buckets[a.bucket][a.offset : a.offset + a.length]:
-                    per_param[k].append((a.rank, Piece(k, 0, numels[k], numels[k])))
-        for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
-            for i in indices:
-                k = rest[i]
-                per_param[k].append((rank, Piece(k, 0, numels[k], numels[k])))
+            _place(per_param, members, sub.pieces)
+        return _from_holders(numels, world_size, per_param)
+    sizes = [[numels[k] for k in b] for b in buckets]
+    try:
+        assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=shard_buckets)
+    except ValueError:
+        # torch's shard_buckets rule cannot cut some bucket into at most world_size pieces
+        # (DDP's first-iteration buckets are often one big bucket); whole buckets always fit.
+        assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=False)
+    for a in (a for assignments in assigned for a in assignments):
+        for k in buckets[a.bucket][a.offset : a.offset + a.length]:
+            per_param[k].append((a.rank, _whole(k, numels[k])))
+    for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
+        for i in indices:
+            per_param[rest[i]].append((rank, _whole(rest[i], numels[rest[i]])))
     return _from_holders(numels, world_size, per_param)
