@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__: list[str] = []
-
 
 def check_world_size(world_size: object) -> None:
     """Raise a ValueError naming the fix unless ``world_size`` is an int >= 1."""

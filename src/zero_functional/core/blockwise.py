@@ -15,15 +15,6 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-__all__ = [
-    "BlockParts",
-    "block_parts",
-    "from_block_parts",
-    "is_blockwise",
-    "joined_blocks",
-    "sliced_blocks",
-]
-
 Range = tuple[int, int]
 
 

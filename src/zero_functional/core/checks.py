@@ -23,16 +23,6 @@ from zero_functional.core.layout import check_splittable
 from zero_functional.core.ownership import check_partition
 from zero_functional.functional import update_kind
 
-__all__ = [
-    "check_devices",
-    "check_inputs",
-    "check_new_group",
-    "check_params",
-    "check_update_kind",
-    "check_world_size",
-    "param_tensors",
-]
-
 
 def check_params(params: object) -> list[Any]:
     """The parameters (or groups, each ``params`` read into a list) after torch's checks and

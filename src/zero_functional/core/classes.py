@@ -22,16 +22,6 @@ from zero_functional.functional.registry import (
     update_block,
 )
 
-__all__ = [
-    "check_group_classes",
-    "check_hyperparameter_types",
-    "group_class",
-    "is_mixed",
-    "own_class_group",
-    "param_blocks",
-    "split_items",
-]
-
 
 def group_class(group: Any, default: type[Optimizer]) -> type[Optimizer]:
     """The class that runs ``group``: its ``"optimizer_class"`` (a class, or a name

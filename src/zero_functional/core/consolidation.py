@@ -16,16 +16,6 @@ from torch import Tensor
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.piece_state import Range, join_states
 
-__all__ = [
-    "PARTIAL_KEY",
-    "Consolidation",
-    "Shard",
-    "merge_shards",
-    "not_consolidated_message",
-    "rank_state_dict",
-    "to_cpu",
-]
-
 Shard = Mapping[int, tuple[Range, Mapping[str, object]]]
 """One rank's pieces: global index -> (the piece's range, its state)."""
 

@@ -14,17 +14,6 @@ from dataclasses import dataclass
 from zero_functional.core._validate import check_world_size
 from zero_functional.core.partition import FlatPartition, flat, sorted_greedy
 
-__all__ = [
-    "ADAMW_STATE_BYTES",
-    "MUON_STATE_BYTES",
-    "MuonPlan",
-    "UPDATE_COSTS",
-    "cost_greedy",
-    "muon_plan",
-    "newton_schulz_cost",
-    "update_cost",
-]
-
 MUON_STATE_BYTES = 4  # per element: Muon's fp32 momentum_buffer
 ADAMW_STATE_BYTES = 8  # per element: AdamW's fp32 exp_avg and exp_avg_sq
 

@@ -11,8 +11,6 @@ from torch import Tensor
 
 from zero_functional.core.checks import param_tensors
 
-__all__ = ["agreement_verdict", "fingerprint"]
-
 
 def fingerprint(items: Sequence[Any]) -> list[int]:
     """Groups, parameters, elements and a hash of each parameter's shape, dtype and device

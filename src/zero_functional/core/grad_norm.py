@@ -14,8 +14,6 @@ from torch import Tensor
 
 from zero_functional.functional import group_indices
 
-__all__ = ["clip_", "local_norm", "total_norm"]
-
 
 def local_norm(
     grads: Sequence[Tensor], pieces: Sequence[Tensor], norm_type: float, device: torch.device

@@ -23,17 +23,6 @@ from zero_functional.core._validate import (
 from zero_functional.core.ownership import Ownership
 from zero_functional.core.partition import Piece
 
-__all__ = [
-    "BucketLayout",
-    "bucket_layout",
-    "check_splittable",
-    "flat_range_boxes",
-    "flatten",
-    "piece_view",
-    "piece_views",
-    "views",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class BucketLayout:
@@ -199,11 +188,9 @@ def flat_range_boxes(
         cuts += range((start // max_numel + 1) * max_numel, stop, max_numel)
     out: list[tuple[Box, int]] = []
     for a, b in zip(cuts, [*cuts[1:], stop]):
-        for box in _boxes(shape, a, b):
-            first = 0
-            for size, offset in zip(shape, box[0]):
-                first = first * size + offset
-            out.append((box, first))
+        for box in _boxes(shape, a, b):  # in flat order, each contiguous: box starts at a
+            out.append((box, a))
+            a += math.prod(box[1])
     return out
 
 
@@ -243,15 +230,5 @@ def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[T
             f"got {len(tensors)} tensors for an ownership of {len(ownership.numels)} "
             "parameters: pass one tensor per parameter, in the ownership's order"
         )
-    views: list[Tensor] = []
-    ranks: list[int] = []
-    for k, t in enumerate(tensors):
-        if t.numel() != ownership.numels[k]:
-            raise ValueError(
-                f"tensor {k} has {t.numel()} elements but the ownership was built for "
-                f"{ownership.numels[k]}: pass the tensors it was built from, in order"
-            )
-        for rank, piece in ownership.holders(k):
-            views.append(piece_view(t, piece))
-            ranks.append(rank)
-    return views, ranks
+    held = [(t, rank, piece) for k, t in enumerate(tensors) for rank, piece in ownership.holders(k)]
+    return [piece_view(t, piece) for t, _, piece in held], [rank for _, rank, _ in held]

@@ -14,15 +14,6 @@ from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.functional.registry import GROUP_CLASS_KEY
 
-__all__ = [
-    "StateSchema",
-    "check_groups",
-    "check_param_state",
-    "check_shard_state",
-    "validated_state",
-]
-
-
 StateSchema = Mapping[str, str]
 """Per state key one step of the optimizer makes, ``"elementwise"`` or ``"scalar"`` (a number
 or a 0-d tensor per parameter)."""

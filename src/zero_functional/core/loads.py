@@ -8,18 +8,6 @@ from dataclasses import dataclass
 from zero_functional.core._validate import check_numels, check_world_size
 from zero_functional.core.partition import FlatPartition
 
-__all__ = [
-    "BalanceReport",
-    "RankBytes",
-    "RankTraffic",
-    "balance_report",
-    "hybrid_shape",
-    "max_over_mean",
-    "rank_bytes",
-    "rank_loads",
-    "rank_traffic",
-]
-
 
 def rank_loads(numels: Sequence[int], partition: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """Elements per rank of ``partition`` (per rank, the indices it owns).

@@ -17,20 +17,6 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-__all__ = [
-    "MAIN_KEY",
-    "REMAINDER_KEY",
-    "check_main_params_dtype",
-    "check_remainders",
-    "join_main",
-    "main_dtype_for",
-    "main_value",
-    "split_main",
-    "step_through_main_",
-    "tie_count",
-    "with_main",
-]
-
 MAIN_KEY = "main_param"  # the state key of a piece's main copy
 REMAINDER_KEY = "main_param_remainder"  # ... of its int16 remainder (never saved)
 

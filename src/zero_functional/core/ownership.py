@@ -4,13 +4,6 @@ Per rank, the :class:`~zero_functional.core.partition.Piece` of each parameter i
 one each, so a rank's state is one dict per parameter, as in ``torch.optim``): whole parameters
 (:func:`sorted_greedy_ownership`, torch's), an even split (:func:`flat_ownership`), or DDP's
 buckets (:func:`bucket_ownership`, overlap mode).
-
-Example:
-    >>> o = flat_ownership([6, 3], world_size=2)
-    >>> o.owned(1)
-    (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3))
-    >>> o.runs([1, 0])  # a buffer holding parameter 1, then parameter 0
-    (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
 """
 
 from __future__ import annotations
@@ -35,19 +28,6 @@ from zero_functional.core.partition import (
     sorted_greedy,
     sorted_greedy_groups,
 )
-
-__all__ = [
-    "PARTITIONS",
-    "Ownership",
-    "PartitionName",
-    "Run",
-    "Transfer",
-    "bucket_ownership",
-    "check_partition",
-    "flat_ownership",
-    "sorted_greedy_ownership",
-    "whole_ownership",
-]
 
 PartitionName = Literal["sorted_greedy", "flat"]
 PARTITIONS: tuple[PartitionName, ...] = ("sorted_greedy", "flat")
@@ -143,8 +123,8 @@ class Ownership:
         """``(rank, piece)`` for each piece of parameter ``param``, in element order.
 
         Example:
-            >>> flat_ownership([6, 3], 2).holders(0)
-            ((0, Piece(param=0, start=0, stop=5)), (1, Piece(param=0, start=5, stop=6)))
+            >>> flat_ownership([6, 3], 2).holders(0)[1]
+            (1, Piece(param=0, start=5, stop=6))
         """
         if not 0 <= param < len(self.numels):
             raise ValueError(f"parameter {param} is not one of the {len(self.numels)} parameters")
@@ -231,8 +211,8 @@ class Ownership:
         buffer order (a rank's adjacent stretches merged): the unit of the collectives.
 
         Example:
-            >>> flat_ownership([4, 4], 2).runs([1, 0])
-            (Run(start=0, stop=4, rank=1), Run(start=4, stop=8, rank=0))
+            >>> flat_ownership([6, 3], 2).runs([1, 0])  # parameter 1, then parameter 0
+            (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
         """
         out: list[Run] = []
         base = 0
@@ -276,7 +256,6 @@ class Ownership:
 
 
 def _from_holders(numels: Sequence[int], world_size: int, per_param: Sequence[Held]) -> Ownership:
-    """The ownership where parameter ``k``'s pieces are ``per_param[k]``."""
     per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
     for held in per_param:
         for rank, piece in held:
@@ -359,7 +338,7 @@ def _place(
     members: Sequence[int],
     pieces: Sequence[Sequence[Piece]],
 ) -> None:
-    """Add the per-rank ``pieces`` of a split of ``members`` (indices into it) to ``per_param``."""
+    """Add the per-rank ``pieces`` of a split of ``members`` to ``per_param``."""
     for rank, rank_pieces in enumerate(pieces):
         for s in rank_pieces:
             per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))

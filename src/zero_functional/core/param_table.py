@@ -20,8 +20,6 @@ from torch import Tensor, nn
 
 from zero_functional.core._validate import first_of
 
-__all__ = ["BufferKey", "ParamTable", "buffer_key"]
-
 
 class BufferKey(NamedTuple):
     """The (device, dtype) of a parameter: parameters of one key can share a flat buffer."""

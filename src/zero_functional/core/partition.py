@@ -22,19 +22,6 @@ from zero_functional.core._validate import (
     round_up,
 )
 
-__all__ = [
-    "BucketAssignment",
-    "FlatPartition",
-    "Piece",
-    "block_bounds",
-    "check_tiling",
-    "ddp_bucket_assignments",
-    "flat",
-    "owners",
-    "sorted_greedy",
-    "sorted_greedy_groups",
-]
-
 
 def sorted_greedy(
     numels: Sequence[int], world_size: int, *, initial_loads: Sequence[int] | None = None

@@ -22,8 +22,6 @@ from torch import Tensor
 from zero_functional.core._validate import first_of
 from zero_functional.core.blockwise import is_blockwise, joined_blocks, sliced_blocks
 
-__all__ = ["is_elementwise", "join_states", "placed", "slice_state"]
-
 Range = tuple[int, int]
 
 

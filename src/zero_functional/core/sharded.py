@@ -32,8 +32,6 @@ from zero_functional.core.ownership import Ownership, whole_ownership
 from zero_functional.core.partition import Piece, owners
 from zero_functional.functional import FunctionalOptimizer, State
 
-__all__ = ["ShardState", "shard_init", "shard_update"]
-
 Params = Mapping[str, Tensor] | Sequence[Tensor]
 OwnershipLike = Ownership | Sequence[Sequence[int]]
 

@@ -11,8 +11,6 @@ from torch import Tensor
 
 from zero_functional.core._validate import first_of
 
-__all__ = ["check_unfrozen", "grad_checksums", "unaveraged", "unfrozen_error"]
-
 
 def check_unfrozen(
     built: Sequence[bool], now: Sequence[bool], shapes: Sequence[object], ddp: bool

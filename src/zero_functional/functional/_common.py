@@ -13,8 +13,6 @@ if TYPE_CHECKING:  # annotations only: adam.py and sgd.py import this module
     from zero_functional.functional.adam import AdamState
     from zero_functional.functional.sgd import SGDState
 
-__all__: list[str] = []
-
 P = ParamSpec("P")
 S = TypeVar("S", bound=tuple[Sequence[Tensor | None], ...])  # a NamedTuple state of tensor lists
 

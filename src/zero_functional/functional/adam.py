@@ -45,20 +45,6 @@ from zero_functional.functional._common import (
     to_dicts,
 )
 
-__all__ = [
-    "ADAMW_DEFAULTS",
-    "ADAMW_KEYWORDS",
-    "ADAM_DEFAULTS",
-    "AdamHyper",
-    "AdamState",
-    "adam_apply_",
-    "adam_init",
-    "adam_update",
-    "adam_update_",
-    "adamw_update",
-    "adamw_update_",
-]
-
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

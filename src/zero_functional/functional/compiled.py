@@ -24,8 +24,6 @@ if TYPE_CHECKING:  # annotations only: adam.py and sgd.py import this module
     from zero_functional.functional.adam import AdamHyper, AdamState
     from zero_functional.functional.sgd import SGDHyper
 
-__all__ = ["COMPILED_DEVICE_TYPES", "COMPILED_DTYPES", "COMPILE_FASTER_FROM", "compile_policy"]
-
 COMPILED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 COMPILED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
 

@@ -17,8 +17,6 @@ from zero_functional.functional.adam import ADAM_DEFAULTS, ADAMW_KEYWORDS, AdamH
 from zero_functional.functional.registry import FunctionalSpec, State, functional_spec
 from zero_functional.functional.sgd import SGD_DEFAULTS, SGDHyper
 
-__all__ = ["FunctionalOptimizer", "State", "adam", "adamw", "sgd"]
-
 
 @dataclass(frozen=True)
 class FunctionalOptimizer:

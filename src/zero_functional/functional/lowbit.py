@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["LOW_BIT", "MIN_QUANTIZED_NUMEL", "LowBitSpec", "low_bit_spec", "quantized"]
-
 MIN_QUANTIZED_NUMEL = 4096  # torchao's (bitsandbytes') _AdamBase._new_buffer
 
 

@@ -37,24 +37,6 @@ from zero_functional.functional.sgd import (
     sgd_update_,
 )
 
-__all__ = [
-    "GROUP_CLASS_KEY",
-    "IGNORED_GROUP_KEYS",
-    "OPTIMIZER_KINDS",
-    "SUPPORTED",
-    "FunctionalSpec",
-    "State",
-    "UpdateKind",
-    "functional_spec",
-    "group_hyperparams",
-    "optimizer_by_name",
-    "optimizer_name",
-    "register_optimizer",
-    "supports_group",
-    "update_block",
-    "update_kind",
-]
-
 GROUP_CLASS_KEY = "optimizer_class"  # a group's own class (or its optimizer_name)
 
 State = Union[SGDState, AdamState]  # noqa: UP007 - a runtime alias, kept 3.10-friendly

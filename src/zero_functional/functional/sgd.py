@@ -32,16 +32,6 @@ from zero_functional.functional._common import (
     reject_tensor,
 )
 
-__all__ = [
-    "SGD_DEFAULTS",
-    "SGDHyper",
-    "SGDState",
-    "sgd_apply_",
-    "sgd_init",
-    "sgd_update",
-    "sgd_update_",
-]
-
 
 class SGDHyper(NamedTuple):
     """The keys of a ``torch.optim.SGD`` param group that change the update, with torch's
