@@ -1,10 +1,8 @@
 """Block-wise quantized tensors cut and joined bitwise through their codes and scales (pure).
 
-torchao's low-bit optimizer state (``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``)
-is a wrapper tensor subclass of ``codes`` (per element; 4-bit: two to a byte) and one fp32
-``scale`` per block counted from the tensor's start; it has no ``cat`` and no slice off a block,
-but a piece of whole blocks is a slice of both. Generic over the classes (nothing imports torchao).
-"""
+torchao's low-bit state (``OptimState8bit``, ``4bit``, ``Fp8``) is a wrapper tensor subclass of
+``codes`` (per element) and one ``scale`` per block from the tensor's start; it has no ``cat``,
+but a piece of whole blocks is a slice of both. Nothing here imports torchao."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ Range = tuple[int, int]
 
 
 def is_blockwise(value: object) -> bool:
-    """Whether ``value`` is a wrapper tensor subclass whose inner tensors include ``codes`` and
-    ``scale`` (beside constants such as a code table).
+    """Whether ``value`` is a wrapper tensor subclass with inner ``codes`` and ``scale``.
 
     Example:
         >>> is_blockwise(torch.zeros(2))
@@ -33,15 +30,13 @@ def is_blockwise(value: object) -> bool:
 
 
 def _inner(value: Tensor) -> tuple[dict[str, Tensor], Any]:
-    """A block-wise tensor's inner tensors by name, and its flatten context."""
     names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
     return {n: getattr(value, n) for n in names}, ctx
 
 
 class BlockParts(NamedTuple):
-    """A block-wise tensor taken apart: its class, flat ``codes`` (``code_bytes`` per block)
-    and ``scale`` (one per ``block`` elements), other inner tensors (``constants``), and its
-    flatten ``context`` as a tensor of ``shape`` has it."""
+    """A block-wise tensor taken apart: its class, flat ``codes`` (``code_bytes`` per block) and
+    ``scale`` (one per ``block`` elements), ``constants``, and its ``context`` for ``shape``."""
 
     cls: type
     codes: Tensor
@@ -54,14 +49,13 @@ class BlockParts(NamedTuple):
 
 
 def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockParts:
-    """The parts of the block-wise ``value`` (no copies), its context as a tensor of ``shape``
-    (default: its own) would have it.
+    """The parts of the block-wise ``value`` (no copies), its context as for ``shape``.
 
     Example:
-        >>> block_parts(torch.zeros(2))
-        Traceback (most recent call last):
-        ...
-        TypeError: the value is not a block-wise quantized tensor
+        >>> from torchao.optim.subclass_8bit import OptimState8bit
+        >>> parts = block_parts(OptimState8bit.zeros((512,), signed=True, block_size=256))
+        >>> parts.block, parts.code_bytes, parts.scale.shape
+        (256, 256, torch.Size([2]))
     """
     if not is_blockwise(value):
         raise TypeError("the value is not a block-wise quantized tensor")
@@ -82,15 +76,14 @@ def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockPar
 
 
 def from_block_parts(parts: BlockParts, shape: tuple[int, ...]) -> Tensor:
-    """A tensor of ``parts.cls`` and ``shape`` from ``parts`` (whose codes and scales are its
-    elements'): unpacked codes take the shape, a context entry ``parts.shape`` becomes ``shape``.
+    """A tensor of ``parts.cls`` and ``shape`` from ``parts``.
 
     Example:
         >>> from torchao.optim.subclass_8bit import OptimState8bit
         >>> v = OptimState8bit.zeros((512,), signed=True, block_size=256)
         >>> w = from_block_parts(block_parts(v, (2, 256)), (2, 256))
-        >>> type(w).__name__, tuple(w.shape), torch.equal(w.dequantize(), v.dequantize().view(2, 256))
-        ('OptimState8bit', (2, 256), True)
+        >>> type(w).__name__, torch.equal(w.dequantize(), v.dequantize().view(2, 256))
+        ('OptimState8bit', True)
     """
     numel = math.prod(shape)
     ctx = [shape if isinstance(c, tuple) and tuple(c) == parts.shape else c for c in parts.context]
@@ -119,14 +112,12 @@ def _block(value: Tensor) -> int:
 
 
 def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
-    """Elements ``want`` of the block-wise ``value`` of piece ``held``: a copy of their codes
-    and scales (a ValueError unless ``want`` starts and stops on blocks).
+    """A copy of elements ``want`` of the block-wise ``value`` of piece ``held`` (on its blocks).
 
     Example:
-        >>> sliced_blocks("v", torch.zeros(2), (0, 2), (0, 1))
-        Traceback (most recent call last):
-        ...
-        TypeError: 'v' is not a block-wise quantized tensor
+        >>> from torchao.optim.subclass_8bit import OptimState8bit
+        >>> sliced_blocks("v", OptimState8bit.zeros((512,), block_size=256), (0, 512), (256, 512)).shape
+        torch.Size([256])
     """
     if not is_blockwise(value):
         raise TypeError(f"{key!r} is not a block-wise quantized tensor")
@@ -149,14 +140,13 @@ def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
 
 
 def joined_blocks(key: str, values: Sequence[Tensor], shape: tuple[int, ...]) -> Tensor:
-    """One block-wise tensor of ``shape`` from block-wise ``values`` in element order (of one
-    class, block and kind): codes and scales concatenated.
+    """One block-wise tensor of ``shape`` from block-wise ``values`` in element order.
 
     Example:
-        >>> joined_blocks("v", [torch.zeros(2)], (2,))
-        Traceback (most recent call last):
-        ...
-        TypeError: 'v' is not a block-wise quantized tensor
+        >>> from torchao.optim.subclass_8bit import OptimState8bit
+        >>> v = OptimState8bit.zeros((256,), block_size=256)
+        >>> joined_blocks("v", [v, v], (2, 256)).shape
+        torch.Size([2, 256])
     """
     if not all(is_blockwise(v) for v in values):
         raise TypeError(f"{key!r} is not a block-wise quantized tensor")

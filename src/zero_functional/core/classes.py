@@ -1,8 +1,7 @@
 """A class per param group (pure): which class runs a group, its checks, what ``"flat"`` splits.
 
-A group may name its own ``"optimizer_class"`` (Muon for the matrices, AdamW for the rest); the
-stateful half (adding and recording groups, update costs) is :mod:`zero_functional.shell.classes`.
-"""
+A group may name its own ``"optimizer_class"`` (Muon for matrices, AdamW for the rest); the
+stateful half is :mod:`zero_functional.shell.classes`."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from zero_functional.functional.registry import (
 
 
 def group_class(group: Any, default: type[Optimizer]) -> type[Optimizer]:
-    """The class that runs ``group``: its ``"optimizer_class"`` (a class, or a name
-    ``optimizer_by_name`` knows), else ``default``.
+    """The class that runs ``group``: its ``"optimizer_class"`` (a class or name), else ``default``.
 
     Example:
         >>> group_class({"params": [], "optimizer_class": "torch.optim.Adam"}, torch.optim.SGD)
@@ -44,7 +42,7 @@ def group_class(group: Any, default: type[Optimizer]) -> type[Optimizer]:
 
 
 def is_mixed(items: Sequence[Any]) -> bool:
-    """Whether any param group carries its own ``"optimizer_class"``.
+    """Whether any param group names its own ``"optimizer_class"``.
 
     Example:
         >>> is_mixed([{"params": [], "optimizer_class": torch.optim.SGD}]), is_mixed([])
@@ -56,9 +54,8 @@ def is_mixed(items: Sequence[Any]) -> bool:
 def param_blocks(
     param_groups: Sequence[Any], default: type[Optimizer], defaults: Mapping[str, Any]
 ) -> list[int] | None:
-    """Per parameter, its class's quantization block (``update_block``: torchao's low-bit
-    classes), which ``"flat"`` cuts on; ``None`` where no class has one. The constructor's
-    ``defaults`` reach ``default``'s groups only.
+    """Per parameter, its class's quantization block (``"flat"`` cuts on it; ``defaults`` reach
+    ``default``'s groups only); ``None`` where no class has one.
 
     Example:
         >>> param_blocks([{"params": [torch.zeros(2)]}], torch.optim.AdamW, {}) is None
@@ -87,7 +84,6 @@ def split_items(items: Sequence[Any], default: type[Optimizer]) -> list[Any]:
 
 
 def _signature(optimizer_class: type) -> Mapping[str, inspect.Parameter] | None:
-    """The parameters of ``optimizer_class``'s constructor (``None``: not inspectable)."""
     try:
         return inspect.signature(optimizer_class).parameters
     except (TypeError, ValueError):
@@ -95,8 +91,7 @@ def _signature(optimizer_class: type) -> Mapping[str, inspect.Parameter] | None:
 
 
 def own_class_group(group: dict[str, Any], index: int) -> dict[str, Any]:
-    """Group ``index`` filled by its own class (that class's defaults and checks, not the
-    optimizer's), the class recorded by name.
+    """Group ``index`` filled and checked by its own class, the class recorded by name.
 
     Example:
         >>> g = own_class_group({"params": [torch.zeros(2, 2)], "optimizer_class": torch.optim.Muon}, 0)
@@ -126,12 +121,11 @@ def own_class_group(group: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: int = 0) -> None:
-    """Every group's own class checked (:func:`own_class_group`), and none needing a closure
-    (it cannot share a step); ``first`` is the first group's index.
+    """Every group's own class checked (:func:`own_class_group`), none needing a closure (it cannot
+    share a step); ``first``: the first group's index.
 
     Example:
-        >>> check_group_classes([{"params": [torch.zeros(2)], "optimizer_class": torch.optim.LBFGS}],
-        ...                     torch.optim.SGD)
+        >>> check_group_classes([{"params": [], "optimizer_class": "torch.optim.LBFGS"}], torch.optim.SGD)
         Traceback (most recent call last):
         ...
         ValueError: parameter group 0 runs LBFGS, whose step re-evaluates the model through a closure: it cannot share a step with other groups' classes; give it its own optimizer
@@ -149,8 +143,7 @@ def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: i
 
 
 def check_hyperparameter_types(optimizer_class: type, defaults: dict[str, Any]) -> None:
-    """A TypeError unless each hyperparameter whose default in ``optimizer_class`` is a number
-    (a tuple of numbers) is one, before torch compares it.
+    """A TypeError unless each hyperparameter whose default is a number (or numbers) is one.
 
     Example:
         >>> check_hyperparameter_types(torch.optim.Adam, {"lr": 1e-3, "betas": (0.9, 0.99)})

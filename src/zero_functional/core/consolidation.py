@@ -1,8 +1,7 @@
-"""Consolidation (pure): every rank's piece states merged into torch's state dict on one rank.
+"""Consolidation (pure): every rank's piece states as torch's state dict on one rank.
 
 ``consolidate_state_dict(to)`` gathers each rank's pieces to rank ``to``; :class:`Consolidation`
-keeps what it gathered, and :func:`rank_state_dict` is what ``state_dict()`` then returns.
-"""
+keeps what it gathered and answers ``state_dict()`` (:func:`rank_state_dict`)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ def to_cpu(state: Mapping[str, object]) -> dict[str, object]:
 def merge_shards(
     shards: Sequence[Shard], shapes: Sequence[Sequence[int]]
 ) -> dict[int, dict[str, object]]:
-    """Each parameter's whole state, in its shape, from every rank's pieces; a RuntimeError
-    where they do not cover it (some ranks stepped it, others not).
+    """Each parameter's whole state, in its shape, from every rank's pieces (a RuntimeError where
+    they do not cover it: some ranks stepped it, others not).
 
     Example:
         >>> a = {0: ((0, 2), {"momentum_buffer": torch.tensor([1.0, 2.0])})}
@@ -107,9 +106,8 @@ def rank_state_dict(
     consolidated_at: int | None,
     rank: int,
 ) -> dict[str, Any]:
-    """What ``state_dict()`` returns on ``rank``, from the ``shards`` the last consolidation
-    gathered here (none elsewhere), after ``updates`` changes of this rank's state, the last
-    consolidation at ``consolidated_at``; a RuntimeError where the state changed since.
+    """What ``state_dict()`` returns on ``rank``: groups, and the state of the ``shards`` the last
+    consolidation gathered here (a RuntimeError if ``updates`` came since ``consolidated_at``).
 
     Example:
         >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
@@ -133,14 +131,13 @@ def rank_state_dict(
 
 class Consolidation:
     """How often this rank's state changed, and what the last consolidation gathered here: all
-    ``state_dict()`` needs to answer without a collective (:func:`rank_state_dict`).
+    ``state_dict()`` needs to answer without a collective.
 
     Example:
-        >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
         >>> book = Consolidation()
         >>> book.changed()  # a step
         >>> book.gathered([{0: ((0, 2), {"momentum_buffer": torch.ones(2)})}])
-        >>> book.state_dict(groups, rank=0)["state"]
+        >>> book.state_dict([{"params": [torch.zeros(2)], "lr": 0.1}], rank=0)["state"]
         {0: {'momentum_buffer': tensor([1., 1.])}}
     """
 
@@ -154,7 +151,7 @@ class Consolidation:
         self.updates += 1
 
     def gathered(self, shards: Sequence[Shard]) -> None:
-        """A consolidation ran: ``shards`` are every rank's on its target rank, none elsewhere."""
+        """A consolidation gathered ``shards`` here (every rank's; none elsewhere)."""
         self.shards = list(shards)
         self.consolidated_at = self.updates
 

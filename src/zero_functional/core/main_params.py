@@ -1,13 +1,10 @@
 """Main parameters (pure): a wider copy of the owned pieces of bf16/fp16 parameters.
 
-With ``main_params_dtype=torch.float32`` an owned piece is updated through an fp32 copy kept in
-its optimizer state under :data:`MAIN_KEY` (Megatron-LM's and Apex's sharded "main" params), so
-it travels with every state move; the parameter receives ``main.to(param.dtype)``. With
-``store_param_remainders`` (bf16 only) the state keeps an int16 remainder (:data:`REMAINDER_KEY`)
-instead: the fp32 bits are the bf16's shifted up 16 plus the remainder (:func:`join_main`), the
-bf16 rounded to nearest, ties away from zero (:func:`split_main`). The remainder never leaves
-its rank: a state that does carries the fp32 main (:func:`with_main`).
-"""
+An owned piece is updated through a ``main_params_dtype`` copy kept in its state under
+:data:`MAIN_KEY` (Megatron-LM's and Apex's sharded "main" params), so it travels with every state
+move; with ``store_param_remainders`` (bf16) the state keeps an int16 remainder instead, the
+fp32 bits being the bf16's shifted up 16 plus it (TransformerEngine's rule), and never leaves its
+rank: what does carries the fp32 main (:func:`with_main`)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ REMAINDER_KEY = "main_param_remainder"  # ... of its int16 remainder (never save
 
 
 def check_main_params_dtype(value: object) -> torch.dtype | None:
-    """``value`` if it is a valid ``main_params_dtype`` (``None`` or a floating dtype of at
-    least 4 bytes), else a TypeError or ValueError naming the choices.
+    """``value`` if it is a valid ``main_params_dtype`` (``None``, or floating of >= 4 bytes).
 
     Example:
         >>> check_main_params_dtype(torch.float32)
@@ -46,8 +42,7 @@ def check_main_params_dtype(value: object) -> torch.dtype | None:
 def main_dtype_for(
     param_dtype: torch.dtype, main_params_dtype: torch.dtype | None
 ) -> torch.dtype | None:
-    """The dtype of a parameter's main copy: ``main_params_dtype`` for a narrower floating
-    parameter, else ``None`` (updated in place).
+    """A parameter's main dtype: ``main_params_dtype`` where wider, else ``None`` (in place).
 
     Example:
         >>> main_dtype_for(torch.bfloat16, torch.float32), main_dtype_for(torch.float32, torch.float32)
@@ -61,8 +56,7 @@ def main_dtype_for(
 def check_remainders(
     store: object, main_params_dtype: torch.dtype | None, dtypes: Iterable[torch.dtype]
 ) -> bool:
-    """``store`` (``store_param_remainders``) if it may be on for parameters of ``dtypes`` with
-    ``main_params_dtype`` (bf16 with fp32), else a TypeError or ValueError naming the fix.
+    """``store`` (``store_param_remainders``) if it may be on: bf16 parameters, an fp32 main.
 
     Example:
         >>> check_remainders(True, torch.float32, [torch.bfloat16, torch.float32])
@@ -89,16 +83,12 @@ def check_remainders(
 
 
 def split_main(main: Tensor) -> tuple[Tensor, Tensor]:
-    """An fp32 tensor as (bf16 rounded to nearest, ties away from zero; the int16 remainder):
-    :func:`join_main`'s inverse for every bit pattern (TransformerEngine's rule).
+    """An fp32 tensor as (bf16 rounded to nearest, ties away from zero; the int16 remainder).
 
     Example:
-        >>> x = torch.tensor([1.0 + 2**-8, -(1.0 + 2**-8), 1.0 + 2**-9])  # two ties, one not
-        >>> p, r = split_main(x)
-        >>> p.tolist(), x.to(torch.bfloat16).tolist(), r.tolist()
-        ([1.0078125, -1.0078125, 1.0], [1.0, -1.0, 1.0], [-32768, -32768, 16384])
-        >>> torch.equal(join_main(p, r), x)
-        True
+        >>> x = torch.tensor([1.0 + 2**-8, 1.0 + 2**-9])  # a tie, then not
+        >>> [t.tolist() for t in split_main(x)], torch.equal(join_main(*split_main(x)), x)
+        ([[1.0078125, 1.0], [-32768, 16384]], True)
     """
     bits = main.view(torch.int32)
     remainder = (bits & 0xFFFF).to(torch.int16)  # the low 16 bits, read as signed
@@ -110,17 +100,15 @@ def join_main(param: Tensor, remainder: Tensor) -> Tensor:
     """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``.
 
     Example:
-        >>> join_main(torch.tensor([1.0078125], dtype=torch.bfloat16),
-        ...           torch.tensor([-32768], dtype=torch.int16)).item()
-        1.00390625
+        >>> join_main(torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1], dtype=torch.int16)).item()
+        1.0000001192092896
     """
     bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
     return bits.view(torch.float32)
 
 
 def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
-    """How many elements of a :func:`split_main` pair differ from torch's rounding (ties to
-    even): exact ties rounded up to odd bits; a 0-dim tensor (no device sync).
+    """How many elements of a :func:`split_main` pair differ from torch's rounding (ties to even).
 
     Example:
         >>> tie_count(*split_main(torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.5]))).item()
@@ -131,14 +119,12 @@ def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
 
 
 def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Tensor:
-    """A piece's main value: its state's :data:`MAIN_KEY`, else joined from its remainder and
-    the piece ``view``, else ``view`` in ``dtype`` (a copy).
+    """A piece's main value: its :data:`MAIN_KEY`, or joined from its remainder and ``view``, or
+    ``view`` in ``dtype`` (a copy).
 
     Example:
-        >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
-        >>> main_value(p, {REMAINDER_KEY: torch.tensor([-32768], dtype=torch.int16)},
-        ...            torch.float32).item()
-        1.00390625
+        >>> main_value(torch.ones(1, dtype=torch.bfloat16), {}, torch.float32)
+        tensor([1.])
     """
     main = state.get(MAIN_KEY)
     if main is not None:
@@ -150,13 +136,11 @@ def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Te
 
 
 def with_main(view: Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` as it leaves its rank: a remainder replaced by the fp32 main it makes with the
-    piece ``view`` (a new dict).
+    """``state`` as it leaves its rank: a remainder replaced by the fp32 main it makes with ``view``.
 
     Example:
-        >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
-        >>> with_main(p, {"step": 1, REMAINDER_KEY: torch.tensor([-32768], dtype=torch.int16)})
-        {'step': 1, 'main_param': tensor([1.0039])}
+        >>> with_main(torch.ones(1, dtype=torch.bfloat16), {REMAINDER_KEY: torch.ones(1, dtype=torch.int16)})
+        {'main_param': tensor([1.0000])}
     """
     out = {k: v for k, v in state.items() if k != REMAINDER_KEY}
     if REMAINDER_KEY in state:
@@ -179,20 +163,15 @@ def step_through_main_(
     *,
     remainders: bool = False,
 ) -> Tensor | None:
-    """``step_pieces(group, params, grads, states)`` over the pieces ``views``, in place, each
-    through its main copy where ``dtypes`` names one (made on its first step; gradient
-    upcast), the piece then receiving the copy rounded; the stepper never sees the main keys.
-    With ``remainders``, the piece and remainder receive :func:`split_main`'s pair and the
-    :func:`tie_count` summed over the pieces is returned.
+    """``step_pieces(group, params, grads, states)`` over ``views`` in place, each through its main
+    copy where ``dtypes`` names one (gradient upcast; the piece then gets the copy rounded). With
+    ``remainders``: split instead, returning the summed :func:`tie_count`.
 
     Example:
-        >>> p = torch.tensor([1.0], dtype=torch.bfloat16)
+        >>> p, state = torch.tensor([1.0], dtype=torch.bfloat16), {}
         >>> def sgd(group, params, grads, states):
-        ...     for q, g in zip(params, grads):
-        ...         q.sub_(group["lr"] * g)
-        >>> state = {}
-        >>> step_through_main_(sgd, {"lr": 1e-3}, [p], [torch.ones(1, dtype=torch.bfloat16)],
-        ...                    [state], [torch.float32])
+        ...     params[0].sub_(group["lr"] * grads[0])
+        >>> step_through_main_(sgd, {"lr": 1e-3}, [p], [torch.ones(1, dtype=p.dtype)], [state], [torch.float32])
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
     """

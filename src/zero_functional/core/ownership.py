@@ -1,10 +1,8 @@
 """Who owns what (pure): the one frozen :class:`Ownership` every mode asks, and its builders.
 
-Per rank, the :class:`~zero_functional.core.partition.Piece` of each parameter it owns (at most
-one each, so a rank's state is one dict per parameter, as in ``torch.optim``): whole parameters
-(:func:`sorted_greedy_ownership`, torch's), an even split (:func:`flat_ownership`), or DDP's
-buckets (:func:`bucket_ownership`, overlap mode).
-"""
+Per rank, its :class:`~zero_functional.core.partition.Piece` of each parameter it owns (at most
+one each, so its state is one dict per parameter, as in ``torch.optim``): whole parameters
+(torch's :func:`sorted_greedy_ownership`), :func:`flat_ownership`, or :func:`bucket_ownership`."""
 
 from __future__ import annotations
 
@@ -69,8 +67,15 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Ownership:
-    """``pieces[rank]``: the pieces that rank owns, by ascending parameter (global index),
-    at most one each; every element of ``numels`` is owned exactly once."""
+    """``pieces[rank]``: that rank's pieces by ascending parameter; each element owned once.
+
+    Example:
+        >>> o = flat_ownership([6, 3], 2)
+        >>> o.owned(1)
+        (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3))
+        >>> o.holders(0)[1], o.piece(0, 1), o.loads
+        ((1, Piece(param=0, start=5, stop=6)), None, (5, 4))
+    """
 
     numels: tuple[int, ...]
     world_size: int
@@ -110,33 +115,18 @@ class Ownership:
         object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
 
     def owned(self, rank: int) -> tuple[Piece, ...]:
-        """The pieces ``rank`` owns.
-
-        Example:
-            >>> sorted_greedy_ownership([[5, 1, 7]], 2).owned(1)
-            (Piece(param=0, start=0, stop=5), Piece(param=1, start=0, stop=1))
-        """
+        """The pieces ``rank`` owns."""
         check_rank(rank, self.world_size)
         return self.pieces[rank]
 
     def holders(self, param: int) -> tuple[tuple[int, Piece], ...]:
-        """``(rank, piece)`` for each piece of parameter ``param``, in element order.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).holders(0)[1]
-            (1, Piece(param=0, start=5, stop=6))
-        """
+        """``(rank, piece)`` for each piece of parameter ``param``, in element order."""
         if not 0 <= param < len(self.numels):
             raise ValueError(f"parameter {param} is not one of the {len(self.numels)} parameters")
         return self._holders[param]
 
     def piece(self, rank: int, param: int) -> Piece | None:
-        """The piece of ``param`` that ``rank`` owns, or ``None``.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).piece(1, 0)
-            Piece(param=0, start=5, stop=6)
-        """
+        """The piece of ``param`` that ``rank`` owns, or ``None``."""
         check_rank(rank, self.world_size)
         return next((piece for r, piece in self.holders(param) if r == rank), None)
 
@@ -166,8 +156,8 @@ class Ownership:
         return tuple(sum(s.numel for s in rank_pieces) for rank_pieces in self.pieces)
 
     def owned_slices(self, order: Sequence[int], rank: int) -> tuple[tuple[int, int, int], ...]:
-        """``(param, start, stop)`` of ``rank``'s pieces in a buffer holding the parameters
-        ``order`` end to end (offsets into the buffer), in buffer order.
+        """``(param, start, stop)`` of ``rank``'s pieces in a buffer holding the parameters ``order``
+        end to end, in buffer order.
 
         Example:
             >>> flat_ownership([6, 3], 2).owned_slices([1, 0], 1)
@@ -184,12 +174,11 @@ class Ownership:
         )
 
     def extended(self, new: Ownership) -> Ownership:
-        """This ownership grown to ``new``'s parameters, its own keeping their pieces: what
-        ``add_param_group`` reshards from, so that only what changes hands moves.
+        """This ownership grown to ``new``'s parameters, its own keeping their pieces (what
+        ``add_param_group`` reshards from, so that only what changes hands moves).
 
         Example:
-            >>> old = flat_ownership([4], 2)
-            >>> old.extended(flat_ownership([4, 4], 2)).owned(1)
+            >>> flat_ownership([4], 2).extended(flat_ownership([4, 4], 2)).owned(1)
             (Piece(param=0, start=2, stop=4), Piece(param=1, start=0, stop=4))
         """
         n = len(self.numels)
@@ -207,11 +196,11 @@ class Ownership:
         return Ownership(new.numels, self.world_size, tuple(grown))
 
     def runs(self, order: Sequence[int]) -> tuple[Run, ...]:
-        """Who owns which stretch of a buffer holding the parameters ``order`` end to end, in
-        buffer order (a rank's adjacent stretches merged): the unit of the collectives.
+        """Who owns which stretch of a buffer holding the parameters ``order`` end to end (a rank's
+        adjacent stretches merged): the unit of the collectives.
 
         Example:
-            >>> flat_ownership([6, 3], 2).runs([1, 0])  # parameter 1, then parameter 0
+            >>> flat_ownership([6, 3], 2).runs([1, 0])
             (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
         """
         out: list[Run] = []
@@ -229,13 +218,11 @@ class Ownership:
         return tuple(out)
 
     def transfers(self, new: Ownership) -> tuple[Transfer, ...]:
-        """Every stretch of every parameter with its owner here and in ``new``, by parameter
-        and element (``src == dst``: it stays).
+        """Every stretch of every parameter with its owner here and in ``new`` (``src == dst``: stays).
 
         Example:
-            >>> old = sorted_greedy_ownership([[4, 4]], 2)
-            >>> old.transfers(flat_ownership([4, 4], 2))
-            (Transfer(param=0, start=0, stop=4, src=0, dst=0), Transfer(param=1, start=0, stop=4, src=1, dst=1))
+            >>> sorted_greedy_ownership([[4, 4]], 2).transfers(flat_ownership([4, 4], 2))[1]
+            Transfer(param=1, start=0, stop=4, src=1, dst=1)
         """
         if new.numels != self.numels or new.world_size != self.world_size:
             raise ValueError(
@@ -268,7 +255,7 @@ def _whole(k: int, numel: int) -> Piece:
 
 
 def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int) -> Ownership:
-    """Whole parameters, parameter ``k`` (of ``numels[k]`` elements) on rank ``owner[k]``.
+    """Whole parameters, parameter ``k`` on rank ``owner[k]``.
 
     Example:
         >>> whole_ownership([4, 2, 3], [1, 0, 1], 2).owned(1)
@@ -299,13 +286,11 @@ def flat_ownership(
     align: int | Mapping[Hashable, int] = 1,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
-    """The parameters of each of ``keys`` (one per (device, dtype)), end to end, split by
-    :func:`~zero_functional.core.partition.flat` (``align`` per key if a mapping); a zero-size
-    parameter goes to the rank whose range holds its position.
+    """The parameters of each of ``keys`` (a (device, dtype) each) split by
+    :func:`~zero_functional.core.partition.flat`; a zero-size one goes where its position falls.
 
     Example:
-        >>> o = flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"])
-        >>> o.owned(0)
+        >>> flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"]).owned(0)
         (Piece(param=0, start=0, stop=3), Piece(param=1, start=0, stop=2))
     """
     check_world_size(world_size)
@@ -338,7 +323,6 @@ def _place(
     members: Sequence[int],
     pieces: Sequence[Sequence[Piece]],
 ) -> None:
-    """Add the per-rank ``pieces`` of a split of ``members`` to ``per_param``."""
     for rank, rank_pieces in enumerate(pieces):
         for s in rank_pieces:
             per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))
@@ -356,15 +340,12 @@ def bucket_ownership(
     align: int | Mapping[Hashable, int] = 1,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
-    """Overlap mode's ownership of DDP's ``buckets`` (each its parameters' global indices):
-    ``"sorted_greedy"``, torch's ``ddp_bucket_assignments`` (whole buckets where its
-    ``shard_buckets`` rule fails); ``"flat"``, each bucket split evenly as
-    :func:`flat_ownership` (``pinned``: index -> rank, owned whole). Parameters in no bucket
-    (frozen) are partitioned among themselves the same way.
+    """Overlap mode's ownership of DDP's ``buckets`` (their global indices): torch's
+    ``ddp_bucket_assignments`` (whole buckets where ``shard_buckets`` fails), or with ``"flat"``
+    each bucket split as :func:`flat_ownership` (``pinned``: index -> rank, whole); parameters in
+    no bucket are split among themselves.
 
     Example:
-        >>> bucket_ownership([[1, 0]], [4, 4], 2).owned(0)  # one bucket: rank 0 owns it all
-        (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=4))
         >>> bucket_ownership([[0, 1, 2]], [4, 4, 9], 2, partition="flat", pinned={2: 1}).owned(1)
         (Piece(param=1, start=0, stop=4), Piece(param=2, start=0, stop=9))
     """

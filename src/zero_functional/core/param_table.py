@@ -1,14 +1,7 @@
 """The optimizer's parameters as one frozen table (pure): order, index, group, spans, keys.
 
-Built once per ownership (torch keeps ``_param_to_index``, Megatron-LM a ``BufferKey``) and
-handed to every collaborator that asks which parameter is where.
-
-Example:
-    >>> a, b, c = torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(4)
-    >>> table = ParamTable.of([{"params": [a, b]}, {"params": [c]}])
-    >>> table.index(c), table.group_of(2), table.spans, table.keys[1].dtype
-    (2, 1, ((0, 2), (2, 1)), 'torch.float64')
-"""
+Built once per ownership (torch keeps ``_param_to_index``, Megatron-LM a ``BufferKey``) for
+every collaborator that asks which parameter is where."""
 
 from __future__ import annotations
 
@@ -40,8 +33,15 @@ def buffer_key(t: Tensor) -> BufferKey:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ParamTable:
-    """Every parameter, group after group (global index order, as a state dict has them), and
-    each group's ``spans`` ``(first global index, number of parameters)``."""
+    """Every parameter in global index order (a state dict's), and per group its ``spans``
+    ``(first index, number of parameters)``.
+
+    Example:
+        >>> a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(4)
+        >>> table = ParamTable.of([{"params": [a, b]}, {"params": [c]}])
+        >>> table.index(c), table.group_of(2), table.spans
+        (2, 1, ((0, 2), (2, 1)))
+    """
 
     params: tuple[Tensor, ...]
     spans: tuple[tuple[int, int], ...]
@@ -73,12 +73,7 @@ class ParamTable:
 
     @classmethod
     def of(cls, param_groups: Sequence[Mapping[str, Any]]) -> ParamTable:
-        """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's).
-
-        Example:
-            >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": []}]).spans
-            ((0, 1), (1, 0))
-        """
+        """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's)."""
         params: list[Tensor] = []
         spans: list[tuple[int, int]] = []
         for g in param_groups:
@@ -93,33 +88,21 @@ class ParamTable:
         return isinstance(p, Tensor) and p in self._index
 
     def index(self, p: Tensor) -> int:
-        """The global index of parameter ``p`` (a KeyError if it is none of these).
-
-        Example:
-            >>> a, b = torch.zeros(1), torch.zeros(1)
-            >>> ParamTable.of([{"params": [a, b]}]).index(b)
-            1
-        """
+        """The global index of parameter ``p`` (a KeyError if it is none of these)."""
         return self._index[p]
 
     def group_of(self, k: int) -> int:
-        """The group of the parameter of global index ``k``.
-
-        Example:
-            >>> ParamTable.of([{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)]}]).group_of(1)
-            1
-        """
+        """The group of the parameter of global index ``k``."""
         return self._group_of[k]
 
     def names(self, model: nn.Module | None, *, strict: bool = True) -> list[str]:
         """Each parameter's name in ``model`` (the module a DDP wraps; a tied weight by its first
-        name), by global index; its index without a model or, unless ``strict``, outside it.
+        name); its index without a model or, unless ``strict``, outside it.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
-            >>> table = ParamTable.of([{"params": [model.bias, model.weight]}])
-            >>> table.names(model), table.names(None)
-            (['bias', 'weight'], ['0', '1'])
+            >>> ParamTable.of([{"params": [model.bias, model.weight]}]).names(model)
+            ['bias', 'weight']
         """
         if model is None:
             return [str(k) for k in range(len(self.params))]
@@ -144,10 +127,5 @@ class ParamTable:
         return tuple(p.numel() for p in self.params)
 
     def group_numels(self) -> list[list[int]]:
-        """Per group, its parameters' numbers of elements (what ``sorted_greedy`` takes).
-
-        Example:
-            >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": [torch.zeros(3)]}]).group_numels()
-            [[2], [3]]
-        """
+        """Per group, its parameters' numbers of elements (what ``sorted_greedy_groups`` takes)."""
         return [[p.numel() for p in self.params[a : a + n]] for a, n in self.spans]

@@ -1,9 +1,4 @@
-"""Sizes to ranks (pure): torch's sorted-greedy, the flat split, torch's DDP-bucket assignment.
-
-:func:`sorted_greedy` keeps parameters whole as torch's ``ZeroRedundancyOptimizer`` does, so
-state dicts line up with torch's; :func:`flat` splits the concatenation of all parameters evenly
-(a :class:`Piece` of a parameter may straddle ranks, as in DeepSpeed and Apex).
-"""
+"""Sizes to ranks (pure): torch's sorted-greedy, the flat split, torch's DDP-bucket assignment."""
 
 from __future__ import annotations
 
@@ -26,8 +21,8 @@ from zero_functional.core._validate import (
 def sorted_greedy(
     numels: Sequence[int], world_size: int, *, initial_loads: Sequence[int] | None = None
 ) -> tuple[tuple[int, ...], ...]:
-    """torch's partition: per rank, the indices it owns, largest first to the least-loaded rank
-    (stable; ties to the lowest rank). ``initial_loads``: what each rank carries already.
+    """torch's partition: per rank the indices it owns, largest first to the least-loaded rank
+    (stable; ties to the lowest rank), from ``initial_loads``.
 
     Example:
         >>> sorted_greedy([5, 1, 7, 3], world_size=2)
@@ -64,11 +59,10 @@ def sorted_greedy(
 def sorted_greedy_groups(
     group_numels: Sequence[Sequence[int]], world_size: int
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """:func:`sorted_greedy` group after group, loads carrying over as torch's do:
-    ``result[group][rank]`` are the indices within the group that ``rank`` owns.
+    """:func:`sorted_greedy` group after group, loads carrying over as torch's do.
 
     Example:
-        >>> sorted_greedy_groups([[4, 2], [3]], world_size=2)
+        >>> sorted_greedy_groups([[4, 2], [3]], world_size=2)  # [group][rank]: indices in the group
         (((0,), (1,)), ((), (0,)))
     """
     check_world_size(world_size)
@@ -82,7 +76,7 @@ def sorted_greedy_groups(
 
 
 def owners(partition: Sequence[Sequence[int]], num_params: int) -> tuple[int, ...]:
-    """For each parameter index, the rank of ``partition`` (per rank, its indices) that owns it.
+    """For each parameter index, the rank of ``partition`` that owns it.
 
     Example:
         >>> owners(((2, 1), (0, 3)), 4)
@@ -103,8 +97,8 @@ def owners(partition: Sequence[Sequence[int]], num_params: int) -> tuple[int, ..
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Elements ``[start, stop)`` of the flattened (row-major) parameter ``param``, which has
-    ``param_numel`` elements. Empty only for a zero-size parameter, owned as ``[0, 0)``.
+    """Elements ``[start, stop)`` of the flattened parameter ``param`` of ``param_numel`` elements
+    (empty only for a zero-size parameter).
 
     Example:
         >>> Piece(0, 0, 6, param_numel=6).is_whole, Piece(0, 2, 6, param_numel=6).is_whole
@@ -134,13 +128,12 @@ class Piece:
 
     @property
     def is_whole(self) -> bool:
-        """Whether the piece is all of its parameter."""
         return self.start == 0 and self.stop == self.param_numel
 
 
 def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> None:
-    """A ValueError unless ``held``, the ``(rank, piece)`` of a parameter in element order,
-    tiles it exactly once (a zero-size parameter: one empty piece).
+    """A ValueError unless ``held``, the ``(rank, piece)`` of a parameter in element order, tiles
+    it exactly once (a zero-size parameter: one empty piece).
 
     Example:
         >>> check_tiling(0, 4, [(0, Piece(0, 0, 2, 4)), (1, Piece(0, 2, 4, 4))])
@@ -167,7 +160,7 @@ def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> N
 
 @dataclass(frozen=True, slots=True)
 class FlatPartition:
-    """Per rank, a contiguous range of the concatenated parameters and its pieces: :func:`flat`."""
+    """Per rank a contiguous range of the concatenated parameters, and its pieces (:func:`flat`)."""
 
     numels: tuple[int, ...]
     world_size: int
@@ -230,9 +223,8 @@ def flat(
     align: int = 1,
     blocks: Sequence[int] | None = None,
 ) -> FlatPartition:
-    """The concatenated parameters cut into ``world_size`` contiguous ranges of at most
-    ``ceil(total / world_size)`` elements, bounds on multiples of ``align`` (or of each
-    parameter's quantization block in ``blocks``: :func:`block_bounds`), with their pieces.
+    """The concatenated parameters cut into ``world_size`` ranges of at most ``ceil(total /
+    world_size)`` elements on multiples of ``align`` (or of each parameter's block in ``blocks``).
 
     Example:
         >>> p = flat([6, 3], world_size=2)
@@ -269,8 +261,7 @@ def flat(
 def block_bounds(
     bounds: Sequence[tuple[int, int]], numels: Sequence[int], blocks: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
-    """``bounds`` over the concatenated parameters, each bound inside a parameter moved up to
-    its next block boundary counted from the parameter's start (or to its end).
+    """``bounds`` with each bound inside a parameter moved up to its next block boundary.
 
     Example:
         >>> block_bounds(((0, 7), (7, 14)), [2, 12], [1, 4])  # 7 is element 5 of the second
@@ -324,14 +315,13 @@ def _least_loaded(loads: Sequence[int], excluded: set[int], bucket: int) -> int:
 def ddp_bucket_assignments(
     bucket_numels: Sequence[Sequence[int]], world_size: int, *, shard_buckets: bool = False
 ) -> tuple[tuple[BucketAssignment, ...], ...]:
-    """torch's assignment of DDP gradient buckets (their parameters' sizes) to ranks, per rank
-    in creation order: bucket ``i`` whole to rank ``i % world_size``; with ``shard_buckets``,
-    smallest bucket first, cut into runs under ``total / world_size`` elements, each to the
-    least-loaded rank holding none of that bucket yet.
+    """torch's assignment of DDP buckets (their parameters' sizes) to ranks, per rank: bucket ``i``
+    to rank ``i % world_size``, or with ``shard_buckets`` cut into runs under ``total /
+    world_size`` elements, smallest bucket first, each run to the least-loaded rank.
 
     Example:
-        >>> ddp_bucket_assignments([[4, 4], [2]], 2)
-        ((BucketAssignment(bucket=0, rank=0, offset=0, length=2),), (BucketAssignment(bucket=1, rank=1, offset=0, length=1),))
+        >>> [[(a.bucket, a.length) for a in r] for r in ddp_bucket_assignments([[4, 4], [2]], 2)]
+        [[(0, 2)], [(1, 1)]]
     """
     check_world_size(world_size)
     for b, numels in enumerate(bucket_numels):

@@ -26,8 +26,8 @@ Range = tuple[int, int]
 
 
 def is_elementwise(value: object, numel: int) -> bool:
-    """Whether a state value holds one entry per element of a piece of ``numel`` elements (a
-    tensor of at least one dimension), not one per parameter.
+    """Whether a state value holds one entry per element of a piece of ``numel`` (a tensor of at
+    least one dimension), not one per parameter.
 
     Example:
         >>> is_elementwise(torch.zeros(2, 3), 6), is_elementwise(torch.tensor(1.0), 1)
@@ -37,8 +37,8 @@ def is_elementwise(value: object, numel: int) -> bool:
 
 
 def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[str, object]:
-    """A copy of the state of elements ``want`` (in parameter elements) from the state of the
-    piece ``held``: elementwise tensors 1-D (kept in shape where ``want == held``).
+    """A copy of the state of elements ``want`` from that of the piece ``held`` (elementwise
+    tensors 1-D, kept in shape where ``want == held``).
 
     Example:
         >>> slice_state({"momentum_buffer": torch.arange(4.0)}, (2, 6), (3, 5))
@@ -63,8 +63,7 @@ def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[s
 
 
 def copied(value: Tensor) -> Tensor:
-    """A copy of ``value``; a wrapper tensor subclass (torchao's quantized state) by cloning
-    each of its inner tensors.
+    """A copy of ``value`` (a wrapper tensor subclass: each inner tensor cloned).
 
     Example:
         >>> copied(torch.ones(2))
@@ -84,9 +83,8 @@ def copied(value: Tensor) -> Tensor:
 def join_states(
     parts: Sequence[tuple[Range, Mapping[str, object]]], shape: Sequence[int] | None = None
 ) -> dict[str, object]:
-    """One state from the ``((start, stop), state)`` of adjacent ranges in order: elementwise
-    tensors concatenated (viewed as ``shape`` where the ranges are the whole parameter),
-    per-parameter values from the first part.
+    """One state from those of adjacent ranges ``((start, stop), state)`` in order: elementwise
+    tensors concatenated (in ``shape`` where they are the whole parameter), the rest the first's.
 
     Example:
         >>> join_states([((0, 1), {"v": torch.ones(1)}), ((1, 3), {"v": torch.zeros(2)})])
@@ -140,16 +138,12 @@ def placed(
     copy: bool,
     dtype: torch.dtype | None = None,
 ) -> object:
-    """A loaded or moved state value where torch puts it (floating values in the parameter's
-    dtype, or ``dtype``: a main copy's; all on its device), ``step`` float32 on the device
-    where ``fp32_step`` (the fused kernels read it there; pytorch#124133). ``copy=False``
-    keeps a tensor already in place.
+    """A loaded or moved state value where torch puts it: on ``param``'s device, floating values in
+    its dtype (or ``dtype``, a main copy's), ``step`` float32 there where ``fp32_step`` (as the
+    fused kernels read it; pytorch#124133); ``copy=False`` keeps a tensor already in place.
 
     Example:
-        >>> p = torch.zeros(2, dtype=torch.float64)
-        >>> placed("exp_avg", torch.ones(2), p, fp32_step=True, copy=True).dtype
-        torch.float64
-        >>> placed("step", torch.tensor(3), p, fp32_step=True, copy=True).dtype
+        >>> placed("step", torch.tensor(3), torch.zeros(2), fp32_step=True, copy=True).dtype
         torch.float32
     """
     if not isinstance(value, Tensor):
