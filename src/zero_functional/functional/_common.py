@@ -23,7 +23,7 @@ def check_lists(
     grads: Sequence[Tensor],
     states: Mapping[str, Sequence[Tensor | None]],
 ) -> None:
-    """Raise a ValueError naming the fix when the lists do not line up with ``params``."""
+    """A ValueError or TypeError naming the fix where the lists do not line up with ``params``."""
     n = len(params)
     if len(grads) != n:
         raise ValueError(
@@ -65,12 +65,10 @@ def check_lists(
 
 
 def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Indices of ``params`` by (device, dtype), in first-seen order: what each foreach or fused
-    kernel call takes.
+    """Indices of ``params`` by (device, dtype), in first-seen order: one foreach or fused call each.
 
     Example:
-        >>> ts = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]
-        >>> list(group_indices(ts).values())
+        >>> list(group_indices([torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]).values())
         [[0, 2], [1]]
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -80,8 +78,7 @@ def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dt
 
 
 def to_dicts(state: SGDState | AdamState) -> list[dict[str, Tensor]]:
-    """Per param, its state as torch.optim keeps it (tensors shared): a dict of the state's
-    fields, without empty lists or ``None`` entries.
+    """Per param, its state as torch.optim keeps it (tensors shared; no empty lists or ``None``).
 
     Example:
         >>> from zero_functional.functional import SGDState
@@ -139,11 +136,9 @@ def pure_from_inplace(
 
     Example:
         >>> from zero_functional.functional import sgd_init, sgd_update_
-        >>> sgd_update = pure_from_inplace(sgd_update_)
         >>> p = [torch.tensor([1.0])]
-        >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
-        >>> new_p[0], p[0]
-        (tensor([0.]), tensor([1.]))
+        >>> pure_from_inplace(sgd_update_)(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)[0], p
+        ([tensor([0.])], [tensor([1.])])
     """
 
     def update(

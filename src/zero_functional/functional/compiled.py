@@ -1,11 +1,9 @@
-r"""The compiled kernel: Adam/AdamW and SGD groups as ``torch.compile(fullgraph=True)`` graphs.
+"""The compiled kernel: Adam/AdamW and SGD groups as ``torch.compile(fullgraph=True)`` graphs.
 
-What ``adam_update_(..., compile=True)`` and ``sgd_update_(..., compile=True)`` run for a float32
-or float64 group on CPU or CUDA: one fused loop per tensor. Every value a scheduler may change
-reaches the graph as a per-param tensor of coefficients computed in Python floats as the eager
-path computes them (a new value never recompiles); what changes the graph's structure
-(``amsgrad``, ``maximize``, ``weight_decay != 0``, ..., device and dtype) keys one compiled graph
-each. A configuration that fails to compile warns once and runs the eager kernel from then on.
+One fused loop per tensor for float32/float64 groups on CPU or CUDA. Values a scheduler may change
+reach the graph as per-param coefficient tensors computed in Python floats as the eager path does
+(no recompiles); what changes its structure keys one graph each. A configuration that fails to
+compile warns once and runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ _ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def _compile(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
-    """One compiled region per cache key: its recompilations do not count against another's
-    (where torch can isolate them)."""
+    """One compiled region per cache key, recompiling apart from the others' where torch can."""
     if not _ISOLATE:
         return torch.compile(fn, fullgraph=True)
     # torch 2.13's overloads of torch.compile do not list isolate_recompiles yet
@@ -245,8 +242,7 @@ def _sgd_graph(
 
 
 def sgd_group(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: SGDHyper) -> bool:
-    """One group (all buffers present, or all absent) through the compiled graph; a new
-    buffer is put in ``bufs``; ``False`` if it cannot compile."""
+    """One group (all buffers present, or none: new ones go in ``bufs``) through the graph."""
     p0 = ps[0]
     first_step = h.momentum != 0 and bufs[0] is None
     coefs = _coefficients([[h.weight_decay, h.momentum, 1 - h.dampening, -h.lr]] * len(ps), p0)

@@ -82,14 +82,13 @@ def sgd(
     fused: bool | None = None,
     **unknown: object,
 ) -> FunctionalOptimizer:
-    """SGD with torch.optim.SGD's keywords, defaults and messages (``foreach`` is ignored;
-    ``differentiable`` and ``fused`` are refused).
+    """SGD with torch.optim.SGD's keywords, defaults and messages (``foreach`` ignored,
+    ``differentiable`` and ``fused`` refused).
 
     Example:
         >>> opt, p = sgd(lr=0.1, momentum=0.9), [torch.tensor([1.0])]
-        >>> opt.update_(p, [torch.tensor([1.0])], opt.init(p))
-        >>> p[0]
-        tensor([0.9000])
+        >>> opt.update(p, [torch.tensor([1.0])], opt.init(p))[0]
+        [tensor([0.9000])]
     """
     _reject_unknown(sgd, "sgd", unknown)
     hyper = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields)).validated()
@@ -118,13 +117,10 @@ def adam(
     decoupled_weight_decay: bool = ADAM_DEFAULTS.decoupled_weight_decay,
     **unknown: object,
 ) -> FunctionalOptimizer:
-    """Adam with torch.optim.Adam's keywords, defaults and messages (``foreach`` is ignored;
-    ``capturable`` and ``differentiable`` are refused); named ``"adamw"`` with decoupled decay.
+    """Adam with torch.optim.Adam's keywords, defaults and messages (``foreach`` ignored,
+    ``capturable`` and ``differentiable`` refused); ``"adamw"`` with decoupled decay.
 
     Example:
-        >>> opt, p = adam(lr=0.1), [torch.tensor([1.0])]
-        >>> opt.update(p, [torch.tensor([1.0])], opt.init(p))[0]
-        [tensor([0.9000])]
         >>> adamw(lr=0.1).hyperparams["weight_decay"]  # adam with torch.optim.AdamW's defaults
         0.01
     """

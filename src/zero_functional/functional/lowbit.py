@@ -1,16 +1,9 @@
 """Low-bit optimizer state: what torchao's 8-bit, 4-bit and FP8 Adam(W) keep per element (pure).
 
-torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8`` keep each moment as codes of
-``code_bits`` per element and one fp32 scale per ``block`` elements counted from the tensor's
-start, but only for a whole tensor of at least :data:`MIN_QUANTIZED_NUMEL` elements and whole
-blocks (bitsandbytes' rule); any other keeps fp32 moments. The one place these facts live: the
-registry, the planner and ``"flat"`` (which cuts on blocks and decides on the whole tensor: a
-piece decides wrongly, pytorch/ao#4912) read them here.
-
-Example:
-    >>> spec = LOW_BIT["adamw8bit"]
-    >>> spec.quantized(4096), spec.quantized(4000)
-    (True, False)
+Each moment as ``code_bits`` per element plus one fp32 scale per ``block`` elements from the
+tensor's start, only for a whole tensor of at least :data:`MIN_QUANTIZED_NUMEL` elements and
+whole blocks (bitsandbytes' rule; a piece would decide wrongly, pytorch/ao#4912). The one place
+these facts live: the registry, the planner and ``"flat"`` read them here.
 """
 
 from __future__ import annotations
@@ -22,8 +15,7 @@ MIN_QUANTIZED_NUMEL = 4096  # torchao's (bitsandbytes') _AdamBase._new_buffer
 
 
 def quantized(numel: int, block: int) -> bool:
-    """Whether torchao quantizes the state of a whole tensor of ``numel`` elements in blocks of
-    ``block``.
+    """Whether torchao quantizes a whole tensor's state in blocks of ``block``.
 
     Example:
         >>> quantized(4096, 256), quantized(4096 + 128, 256)

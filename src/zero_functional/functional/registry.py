@@ -1,9 +1,4 @@
-"""What the core knows of each torch.optim class: its functional spec, how it updates (data).
-
-The shell asks :func:`functional_spec` for a class's spec and :func:`supports_group` whether a
-group's options have torch's semantics here, then runs the spec's ``apply_`` on the group's
-record; :data:`OPTIMIZER_KINDS` says where any class can run (flat pieces, whole tensors).
-"""
+"""What the core knows of each torch.optim class: its functional spec, how it updates (data)."""
 
 from __future__ import annotations
 
@@ -61,10 +56,9 @@ _OFF_ONLY = ("differentiable", "capturable", "fused")
 
 @dataclass(frozen=True)
 class FunctionalSpec:
-    """How one torch.optim class maps onto the functional core, so that no caller branches on
-    its name: its record of ``defaults`` (torch's), its state type, its pure ``update``, checked
-    ``update_`` and worker ``apply_(params, grads, state, record, compile=...)``, and the keys it
-    ``fixed`` whatever a group says (AdamW's decoupled decay)."""
+    """How one torch.optim class maps onto the functional core (no caller branches on its name):
+    its record of ``defaults``, state type, pure ``update``, checked ``update_``, worker
+    ``apply_(params, grads, state, record, compile=...)``, and keys ``fixed`` whatever a group says."""
 
     name: str
     defaults: SGDHyper | AdamHyper
@@ -88,20 +82,14 @@ class FunctionalSpec:
         return self.defaults._replace(**hyper)  # type: ignore[arg-type]
 
     def init(self, params: Sequence[Tensor], **hyper: object) -> State:
-        """Fresh state for ``params``: what torch's empty per-param dicts stand for.
-
-        Example:
-            >>> functional_spec(torch.optim.AdamW).init([torch.zeros(1)], amsgrad=True).step
-            [tensor(0.)]
-        """
+        """Fresh state for ``params``: what torch's empty per-param dicts stand for."""
         return self.state_from_dicts([{} for _ in params], params, **hyper)
 
     def state_to_dicts(self, state: State) -> list[dict[str, Tensor]]:
-        """Per param, its state as torch.optim keeps it (tensors shared, not copied).
+        """Per param, its state as torch.optim keeps it (tensors shared).
 
         Example:
-            >>> spec = functional_spec(torch.optim.SGD)
-            >>> spec.state_to_dicts(SGDState([None, torch.ones(1)]))
+            >>> functional_spec(torch.optim.SGD).state_to_dicts(SGDState([None, torch.ones(1)]))
             [{}, {'momentum_buffer': tensor([1.])}]
         """
         if not isinstance(state, self.state_type):
@@ -111,13 +99,7 @@ class FunctionalSpec:
     def state_from_dicts(
         self, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], **hyper: object
     ) -> State:
-        """Inverse of :meth:`state_to_dicts`, for ``params`` and the group's ``hyper``.
-
-        Example:
-            >>> spec = functional_spec(torch.optim.Adam)
-            >>> spec.state_from_dicts([{}], [torch.zeros(2)], amsgrad=False).exp_avg
-            [tensor([0., 0.])]
-        """
+        """Inverse of :meth:`state_to_dicts`, for ``params`` and the group's ``hyper``."""
         if len(dicts) != len(params):
             raise ValueError(
                 f"state_from_dicts: got {len(dicts)} state dicts for {len(params)} params; "
@@ -149,7 +131,7 @@ SUPPORTED: tuple[type, ...] = tuple(_SPECS)
 
 
 def functional_spec(optimizer_class: type) -> FunctionalSpec | None:
-    """The spec of a torch.optim class (exactly: a subclass may override ``step``), or ``None``.
+    """The spec of exactly this torch.optim class (a subclass may override ``step``), or ``None``.
 
     Example:
         >>> functional_spec(torch.optim.AdamW).name, functional_spec(torch.optim.RMSprop)
@@ -162,9 +144,8 @@ def group_hyperparams(spec: FunctionalSpec, group: Mapping[str, object]) -> dict
     """The keys the update reads from a torch param group (torch's defaults for missing ones).
 
     Example:
-        >>> spec = functional_spec(torch.optim.SGD)
-        >>> group_hyperparams(spec, {"params": [], "lr": 0.1, "momentum": 0.9})["momentum"]
-        0.9
+        >>> group_hyperparams(functional_spec(torch.optim.SGD), {"lr": 0.1})["momentum"]
+        0
     """
     return {k: group.get(k, d) for k, d in zip(spec.hyperparam_keys, spec.defaults)}
 
@@ -174,15 +155,12 @@ def _is_number(value: object) -> bool:
 
 
 def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
-    """Whether the spec's update is torch's step for every option of ``group``: not for
-    ``capturable``, ``differentiable`` or ``fused`` options the record lacks, a Tensor where a
-    number is read, a :attr:`FunctionalSpec.fixed` key changed, or an unknown key (the shell
-    then runs the torch class).
+    """Whether the spec's update is torch's step for every option of ``group`` (else the shell runs
+    the torch class): no option it lacks, no Tensor where a number is read, no ``fixed`` key changed.
 
     Example:
-        >>> spec = functional_spec(torch.optim.Adam)
-        >>> supports_group(spec, {"lr": 0.1, "foreach": True}), supports_group(spec, {"capturable": True})
-        (True, False)
+        >>> supports_group(functional_spec(torch.optim.Adam), {"capturable": True})
+        False
     """
     for key, value in group.items():
         known = key in spec.hyperparam_keys or key in IGNORED_GROUP_KEYS
@@ -250,8 +228,6 @@ def register_optimizer(optimizer_class: type, kind: UpdateKind, *, block: int = 
     Example:
         >>> class MySGD(torch.optim.SGD):
         ...     pass
-        >>> update_kind(MySGD)
-        'per_tensor'
         >>> register_optimizer(MySGD, "elementwise", block=64)
         >>> update_kind(MySGD), update_block(MySGD)
         ('elementwise', 64)
@@ -276,14 +252,13 @@ def register_optimizer(optimizer_class: type, kind: UpdateKind, *, block: int = 
 
 
 def _known(optimizer_class: type) -> tuple[UpdateKind, int] | None:
-    """A class this module knows by name (torchao's), where it was not registered."""
     if not isinstance(optimizer_class, type):
         return None
     return _KNOWN_BY_NAME.get(f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
 
 
 def update_kind(optimizer_class: type) -> UpdateKind:
-    """How ``optimizer_class`` updates (exactly that class): its kind, else ``"per_tensor"``.
+    """How exactly this class updates: its kind, else ``"per_tensor"``.
 
     Example:
         >>> update_kind(torch.optim.RMSprop), update_kind(torch.optim.LBFGS)
@@ -296,8 +271,7 @@ def update_kind(optimizer_class: type) -> UpdateKind:
 
 
 def update_block(optimizer_class: type, defaults: Mapping[str, object] | None = None) -> int:
-    """``optimizer_class``'s quantization block (1: none); a ``block_size`` among the
-    constructor's ``defaults`` (torchao's) overrides it.
+    """The class's quantization block (1: none); a ``block_size`` in ``defaults`` overrides it.
 
     Example:
         >>> update_block(torch.optim.AdamW)
@@ -314,8 +288,7 @@ def update_block(optimizer_class: type, defaults: Mapping[str, object] | None = 
 
 
 def optimizer_name(optimizer_class: type) -> str:
-    """The class as a state dict records it (weights-only loadable): ``torch.optim.X`` for
-    torch's, else its module and qualified name.
+    """The class as a state dict records it: ``torch.optim.X`` for torch's, else module.qualname.
 
     Example:
         >>> optimizer_name(torch.optim.AdamW)
@@ -330,8 +303,7 @@ def optimizer_name(optimizer_class: type) -> str:
 
 
 def optimizer_by_name(name: str) -> type | None:
-    """The class :func:`optimizer_name` gives ``name`` (torch's, registered, or torchao's), or
-    ``None``.
+    """The class :func:`optimizer_name` names (torch's, registered, or torchao's), or ``None``.
 
     Example:
         >>> optimizer_by_name("torch.optim.SGD") is torch.optim.SGD

@@ -9,10 +9,8 @@ With gradient :math:`g_t`, weight decay :math:`\lambda`, momentum :math:`\mu`, d
     g_t &\leftarrow g_t + \mu b_t \text{ (nesterov) or } b_t \\
     \theta_t &\leftarrow \theta_{t-1} - \gamma g_t
 
-The momentum buffer is created at the first step with ``momentum != 0``. One record
-(:class:`SGDHyper`), one state (:class:`SGDState`), one worker (:func:`sgd_apply_`: foreach
-kernels or a ``torch.compile`` graph); :func:`sgd_update_` checks the lists first and
-:func:`sgd_update` is the pure twin.
+One record (:class:`SGDHyper`), one state (:class:`SGDState`, a buffer from the first step with
+momentum), one worker (:func:`sgd_apply_`); :func:`sgd_update_` checks the lists, then runs it.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ from zero_functional.functional._common import (
 
 
 class SGDHyper(NamedTuple):
-    """The keys of a ``torch.optim.SGD`` param group that change the update, with torch's
-    defaults, in torch's order: the one list of them. Building one checks nothing (torch checks
-    at construction, not each step): :meth:`validated` does."""
+    """The keys of a ``torch.optim.SGD`` group that change the update, torch's defaults, in
+    torch's order: the one list of them (building one checks nothing: :meth:`validated` does)."""
 
     lr: float = 1e-3
     momentum: float = 0
@@ -46,7 +43,7 @@ class SGDHyper(NamedTuple):
     maximize: bool = False
 
     def validated(self) -> SGDHyper:
-        """This record, after torch.optim.SGD's checks (torch's messages).
+        """This record, after torch.optim.SGD's checks (with torch's messages).
 
         Example:
             >>> SGDHyper(lr=-1.0).validated()
@@ -82,8 +79,7 @@ class SGDState(NamedTuple):
         """The state of torch's per-param dicts (``{}`` before a buffer exists), not copied.
 
         Example:
-            >>> dicts, params = [{}, {"momentum_buffer": torch.ones(1)}], [torch.zeros(1)] * 2
-            >>> SGDState.from_dicts(dicts, params, SGD_DEFAULTS)
+            >>> SGDState.from_dicts([{}, {"momentum_buffer": torch.ones(1)}], [], SGD_DEFAULTS)
             SGDState(momentum_buffer=[None, tensor([1.])])
         """
         return cls(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
@@ -100,7 +96,6 @@ def sgd_init(params: Sequence[Tensor]) -> SGDState:
 
 
 def _foreach(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: SGDHyper) -> None:
-    """torch's foreach SGD on one group; a ``None`` buffer is replaced inside ``bufs``."""
     owned = False  # whether gs are our temporaries (safe to modify) or the caller's grads
     if h.maximize:
         gs = list(torch._foreach_neg(gs))
@@ -150,17 +145,15 @@ def sgd_update_(
     maximize: bool = SGD_DEFAULTS.maximize,
     compile: bool | None = False,
 ) -> None:
-    """One SGD step in place on ``params`` and ``state`` (``grads`` only read), the lists
-    checked first; the :class:`SGDHyper` fields by name. ``compile``: ``True`` runs float32 and
-    float64 groups on CPU/CUDA as a ``torch.compile`` graph, ``None`` where
+    """One SGD step in place (``grads`` only read), the lists checked first; ``compile``: ``True``
+    a ``torch.compile`` graph for float32/64 on CPU/CUDA, ``None`` where
     :func:`~zero_functional.functional.compile_policy` says, ``False`` never.
 
     Example:
-        >>> p = [torch.tensor([1.0, 2.0])]
-        >>> state = sgd_init(p)
-        >>> sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.1, momentum=0.9)
-        >>> p[0], state.momentum_buffer[0]
-        (tensor([0.9000, 1.9000]), tensor([1., 1.]))
+        >>> p, g = [torch.tensor([1.0, 2.0])], [torch.tensor([1.0, 1.0])]
+        >>> sgd_update_(p, g, sgd_init(p), lr=0.1, momentum=0.9)
+        >>> p[0]
+        tensor([0.9000, 1.9000])
     """
     h = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields))  # spelled once: above
     check_lists("sgd_update_", params, grads, {"momentum_buffer": state.momentum_buffer})
@@ -176,8 +169,8 @@ def sgd_apply_(
     *,
     compile: bool | None = False,
 ) -> None:
-    """The worker: :func:`sgd_update_` from a record, the lists trusted (the shell builds
-    them); ``lr`` is still checked. Each (device, dtype) group runs one kernel.
+    """The worker: :func:`sgd_update_` from a record, the lists trusted (the shell builds them),
+    one kernel per (device, dtype); ``lr`` is still checked.
 
     Example:
         >>> p = [torch.tensor([1.0])]
