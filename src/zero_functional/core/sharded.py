@@ -1,21 +1,8 @@
 """The functional ZeRO step for custom training loops (``torch.func`` and friends).
 
-Given an :class:`~zero_functional.core.ownership.Ownership`, this rank and a functional
-optimizer, :func:`shard_init` builds state for the owned pieces only and :func:`shard_update`
-updates them purely; ``comm.reduce_to_owners`` and ``comm.sync_params`` (over
-``piece_views(tensors, ownership)``) move the gradients and parameters around it.
-
-Example:
-    >>> from zero_functional.functional import adam
-    >>> from zero_functional.core.ownership import flat_ownership
-    >>> params = {"w": torch.ones(4, 2), "b": torch.zeros(2)}
-    >>> ownership = flat_ownership([p.numel() for p in params.values()], world_size=2)
-    >>> opt = adam(lr=0.1)
-    >>> state = shard_init(opt, params, ownership, rank=0)  # rank 0: w's first 5 elements
-    >>> grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
-    >>> new_params, state = shard_update(opt, params, grads, state, ownership, rank=0)
-    >>> [round(v, 4) for v in new_params["w"].reshape(-1)[:6].tolist()]
-    [0.9, 0.9, 0.9, 0.9, 0.9, 1.0]
+:func:`shard_init` builds state for the pieces this rank owns and :func:`shard_update` updates
+them purely; ``comm.reduce_to_owners`` and ``comm.sync_params`` (over ``piece_views(tensors,
+ownership)``) move the gradients and parameters around it.
 """
 
 from __future__ import annotations
@@ -110,11 +97,15 @@ def shard_update(
     ``comm.sync_params(*piece_views(new_params, ownership))`` gives every rank every piece.
 
     Example:
-        >>> from zero_functional.functional import sgd
-        >>> opt, p = sgd(lr=0.5), [torch.ones(2)]
-        >>> new, _ = shard_update(opt, p, [torch.ones(2)], shard_init(opt, p, [[0]], 0), [[0]], 0)
-        >>> new[0].tolist(), p[0].tolist()
-        ([0.5, 0.5], [1.0, 1.0])
+        >>> from zero_functional.functional import adam
+        >>> from zero_functional.core.ownership import flat_ownership
+        >>> params, opt = {"w": torch.ones(4, 2), "b": torch.zeros(2)}, adam(lr=0.1)
+        >>> ownership = flat_ownership([8, 2], world_size=2)  # rank 0: w's first 5 elements
+        >>> state = shard_init(opt, params, ownership, rank=0)
+        >>> grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
+        >>> new, state = shard_update(opt, params, grads, state, ownership, rank=0)
+        >>> [round(v, 4) for v in new["w"].reshape(-1)[4:6].tolist()], new["b"] is params["b"]
+        ([0.9, 1.0], True)
     """
     flat_p, flat_g = _as_list(params), _as_list(grads)
     if len(flat_p) != len(flat_g):
