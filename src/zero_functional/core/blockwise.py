@@ -116,7 +116,8 @@ def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
 
     Example:
         >>> from torchao.optim.subclass_8bit import OptimState8bit
-        >>> sliced_blocks("v", OptimState8bit.zeros((512,), block_size=256), (0, 512), (256, 512)).shape
+        >>> v = OptimState8bit.zeros((512,), block_size=256)
+        >>> sliced_blocks("v", v, (0, 512), (256, 512)).shape
         torch.Size([256])
     """
     if not is_blockwise(value):

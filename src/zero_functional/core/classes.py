@@ -125,7 +125,7 @@ def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: i
     share a step); ``first``: the first group's index.
 
     Example:
-        >>> check_group_classes([{"params": [], "optimizer_class": "torch.optim.LBFGS"}], torch.optim.SGD)
+        >>> check_group_classes([{"params": [], "optimizer_class": torch.optim.LBFGS}], object)
         Traceback (most recent call last):
         ...
         ValueError: parameter group 0 runs LBFGS, whose step re-evaluates the model through a closure: it cannot share a step with other groups' classes; give it its own optimizer

@@ -92,7 +92,7 @@ def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Te
 
 
 def views(buffer: Tensor, layout: BucketLayout, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
-    """Tensors of ``shapes`` aliasing ``buffer`` at the layout's offsets (``parameters_as_bucket_view``).
+    """Tensors of ``shapes`` aliasing ``buffer`` at the layout's offsets (bucket views).
 
     Example:
         >>> [v.shape for v in views(torch.arange(6.0), bucket_layout([4, 2]), [(2, 2), (2,)])]

@@ -221,8 +221,8 @@ def check_shard_state(
 
     Example:
         >>> from zero_functional.core.partition import Piece
-        >>> check_shard_state({0: {"momentum_buffer": torch.zeros(2)}}, [{}], [{}],
-        ...                   {0: (Piece(0, 0, 2, 4), torch.zeros(4))}, [{"momentum_buffer": "elementwise"}])
+        >>> pieces, schemas = {0: (Piece(0, 0, 2, 4), torch.zeros(4))}, [{"v": "elementwise"}]
+        >>> check_shard_state({0: {"v": torch.zeros(2)}}, [{}], [{}], pieces, schemas)
     """
     check_groups(saved_groups, groups)
     for k, value in state.items():

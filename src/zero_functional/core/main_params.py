@@ -45,8 +45,8 @@ def main_dtype_for(
     """A parameter's main dtype: ``main_params_dtype`` where wider, else ``None`` (in place).
 
     Example:
-        >>> main_dtype_for(torch.bfloat16, torch.float32), main_dtype_for(torch.float32, torch.float32)
-        (torch.float32, None)
+        >>> main_dtype_for(torch.bfloat16, torch.float32)
+        torch.float32
     """
     if main_params_dtype is None or not param_dtype.is_floating_point:
         return None
@@ -100,7 +100,8 @@ def join_main(param: Tensor, remainder: Tensor) -> Tensor:
     """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``.
 
     Example:
-        >>> join_main(torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1], dtype=torch.int16)).item()
+        >>> one = torch.ones(1, dtype=torch.bfloat16)
+        >>> join_main(one, torch.tensor([1], dtype=torch.int16)).item()
         1.0000001192092896
     """
     bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
@@ -136,11 +137,12 @@ def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Te
 
 
 def with_main(view: Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` as it leaves its rank: a remainder replaced by the fp32 main it makes with ``view``.
+    """``state`` as it leaves its rank: a remainder replaced by the fp32 main it makes.
 
     Example:
-        >>> with_main(torch.ones(1, dtype=torch.bfloat16), {REMAINDER_KEY: torch.ones(1, dtype=torch.int16)})
-        {'main_param': tensor([1.0000])}
+        >>> remainder = torch.zeros(1, dtype=torch.int16)
+        >>> with_main(torch.ones(1, dtype=torch.bfloat16), {REMAINDER_KEY: remainder})
+        {'main_param': tensor([1.])}
     """
     out = {k: v for k, v in state.items() if k != REMAINDER_KEY}
     if REMAINDER_KEY in state:
@@ -171,7 +173,8 @@ def step_through_main_(
         >>> p, state = torch.tensor([1.0], dtype=torch.bfloat16), {}
         >>> def sgd(group, params, grads, states):
         ...     params[0].sub_(group["lr"] * grads[0])
-        >>> step_through_main_(sgd, {"lr": 1e-3}, [p], [torch.ones(1, dtype=p.dtype)], [state], [torch.float32])
+        >>> grad = torch.ones(1, dtype=p.dtype)
+        >>> step_through_main_(sgd, {"lr": 1e-3}, [p], [grad], [state], [torch.float32])
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
     """

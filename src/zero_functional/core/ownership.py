@@ -156,8 +156,8 @@ class Ownership:
         return tuple(sum(s.numel for s in rank_pieces) for rank_pieces in self.pieces)
 
     def owned_slices(self, order: Sequence[int], rank: int) -> tuple[tuple[int, int, int], ...]:
-        """``(param, start, stop)`` of ``rank``'s pieces in a buffer holding the parameters ``order``
-        end to end, in buffer order.
+        """``(param, start, stop)`` of ``rank``'s pieces in a buffer holding the parameters
+        ``order`` end to end, in buffer order.
 
         Example:
             >>> flat_ownership([6, 3], 2).owned_slices([1, 0], 1)
@@ -218,7 +218,7 @@ class Ownership:
         return tuple(out)
 
     def transfers(self, new: Ownership) -> tuple[Transfer, ...]:
-        """Every stretch of every parameter with its owner here and in ``new`` (``src == dst``: stays).
+        """Every stretch of every parameter with its owner here and in ``new`` (the same: stays).
 
         Example:
             >>> sorted_greedy_ownership([[4, 4]], 2).transfers(flat_ownership([4, 4], 2))[1]

@@ -65,10 +65,11 @@ def check_lists(
 
 
 def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Indices of ``params`` by (device, dtype), in first-seen order: one foreach or fused call each.
+    """Indices of ``params`` by (device, dtype), in first-seen order: a foreach call each.
 
     Example:
-        >>> list(group_indices([torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]).values())
+        >>> ts = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]
+        >>> list(group_indices(ts).values())
         [[0, 2], [1]]
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}

@@ -103,8 +103,8 @@ class AdamState(NamedTuple):
     def from_dicts(
         cls, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], h: AdamHyper
     ) -> AdamState:
-        """The state of torch's per-param dicts (empty: fresh), not copied but for ``step``, moved to a
-        float32 on its param's device (torch keeps it on the CPU).
+        """The state of torch's per-param dicts (empty: fresh), not copied but for ``step``,
+        moved to a float32 on its param's device (torch keeps it on the CPU).
 
         Example:
             >>> AdamState.from_dicts([{}], [torch.zeros(2)], ADAM_DEFAULTS).exp_avg

@@ -58,7 +58,7 @@ _OFF_ONLY = ("differentiable", "capturable", "fused")
 class FunctionalSpec:
     """How one torch.optim class maps onto the functional core (no caller branches on its name):
     its record of ``defaults``, state type, pure ``update``, checked ``update_``, worker
-    ``apply_(params, grads, state, record, compile=...)``, and keys ``fixed`` whatever a group says."""
+    ``apply_(params, grads, state, record, compile=...)``, keys ``fixed`` whatever a group says."""
 
     name: str
     defaults: SGDHyper | AdamHyper
@@ -155,8 +155,8 @@ def _is_number(value: object) -> bool:
 
 
 def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
-    """Whether the spec's update is torch's step for every option of ``group`` (else the shell runs
-    the torch class): no option it lacks, no Tensor where a number is read, no ``fixed`` key changed.
+    """Whether the spec's update is torch's step for every option of ``group`` (else the shell
+    runs the torch class): no option it lacks, no Tensor for a number, no ``fixed`` key changed.
 
     Example:
         >>> supports_group(functional_spec(torch.optim.Adam), {"capturable": True})
