@@ -38,8 +38,7 @@ update measured faster than the eager default (empty: nowhere yet; benchmarks/RE
 
 
 def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) -> bool:
-    """Whether a group of ``numel`` elements runs compiled by default (``compile=None``): only
-    where :data:`COMPILE_FASTER_FROM` says it measured faster.
+    """Whether a group runs compiled by default: where :data:`COMPILE_FASTER_FROM` says so.
 
     Example:
         >>> compile_policy("adam", "cpu", torch.float32, 8 << 20)
