@@ -1,16 +1,19 @@
-"""zero_functional.shell.grad_sync: both hooks reduce each owned piece to what an all-reduce gives."""
+"""zero_functional.shell.bucket_sync: both hooks reduce each owned piece to what an all-reduce gives."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from zero_functional import comm
 from zero_functional.core.layout import piece_view
 from zero_functional.hooks import hook_with_zero_step, overlap_state, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.shell.grad_sync import GradSync, collectives_for
+from zero_functional.shell.bucket_sync import DDPBuckets
 
 from tests.helpers import averaged_backward, local_batch, make_model, run_ranks
 
@@ -72,15 +75,23 @@ def test_both_hooks_reduce_each_owned_piece_to_the_all_reduced_average(world_siz
 def _plans_worker(rank: int, world_size: int) -> tuple[bool, bool, bool]:
     model = make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, partition="flat")
-    collectives = collectives_for(zero.process_group, even=True)
-    sync = GradSync(zero, collectives, zero.process_group)
+    buckets = DDPBuckets(
+        comm.Wire(zero.process_group), zero.collectives, zero.param_window, ranks=world_size
+    )
     indices = tuple(range(len(zero.param_table)))
-    first = sync.plan(indices)
-    cached = sync.plan(indices) is first
+
+    def sync() -> Any:
+        shard = zero.shard
+        return buckets.get(indices, shard.table, shard.ownership, shard.rank)
+
+    first = sync().plan
+    cached = sync().plan is first
     zero.reshard(zero.ownership.extended(zero.ownership))  # another ownership, same pieces
-    replanned = sync.plan(indices) is not first and sync.plan(indices) == first
+    replanned = sync().plan is not first and sync().plan == first
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) * (rank + 1)
-    reduced = sync.start(flat.clone(), indices).finish()
+    bucket = sync()
+    bucket.start_grad(flat.clone())
+    reduced = bucket.finish_grad()
     expected = flat / (rank + 1) * sum(range(1, world_size + 1)) / world_size
     same = all(
         torch.allclose(reduced[a:b], expected[a:b], atol=1e-6) for a, b in first.spans_of(rank)

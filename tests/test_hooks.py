@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional.app.launch import LaunchError
 from zero_functional.hooks import (
+    adopt_buckets,
     choose_collectives,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
@@ -223,7 +224,7 @@ def _overlap_worker(rank: int, world_size: int, iterations: int) -> list[tuple[s
                 # rule give bucket 0 to another rank than the real structure does.
                 rest = [k for b in s[1:] for k in b]
                 small = min(rest, key=lambda k: zero.param_table.params[k].numel())
-                overlap.adopt((s[0], (small,), tuple(k for k in rest if k != small)))
+                adopt_buckets(zero, (s[0], (small,), tuple(k for k in rest if k != small)))
                 fake_owners = [zero.ownership.holders(k) for k in s[0]]
                 faked, faked_once = overlap.restructures, True
             if cfg.get("partition") == "flat" and world_size > 1:

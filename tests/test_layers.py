@@ -39,7 +39,8 @@ def test_no_module_is_left_at_an_old_path() -> None:
 def test_the_package_top_level_holds_only_the_faces_and_the_folders() -> None:
     top = sorted(p.name for p in (ROOT / "src" / "zero_functional").iterdir())
     modules = [n for n in top if n.endswith(".py")]
-    assert modules == ["__init__.py", "__main__.py", "hooks.py", "optimizer.py"], modules
+    # the faces, and the EMA: a client of the optimizer beside checkpoint/ (layer 5)
+    assert modules == ["__init__.py", "__main__.py", "ema.py", "hooks.py", "optimizer.py"]
     for folder in ("app", "checkpoint", "comm", "core", "functional", "integrations", "shell"):
         assert (ROOT / "src" / "zero_functional" / folder / "__init__.py").exists(), folder
 
@@ -91,3 +92,13 @@ def test_the_layer_rule_catches_an_upward_import_a_shell_import_from_app_and_a_c
     assert "import cycle: zero_functional.app.c <-> zero_functional.app.d" in text
     assert "core/e.py" not in text  # an annotation is not an arrow
     assert len(problems) == 3, problems
+
+
+def test_the_facade_rule_catches_a_shell_module_that_names_the_optimizer_in_code_only() -> None:
+    import ast
+
+    rules = load_rules()
+    named = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zero_functional.optimizer import ZeroRedundancyOptimizer\ndef f(z: 'ZeroRedundancyOptimizer') -> None: ...\n"
+    prose = '"""Serves a ZeroRedundancyOptimizer."""\nMESSAGE = "build a ZeroRedundancyOptimizer"\n'
+    assert rules.facade_lines(ast.parse(named)) == [3, 4]
+    assert rules.facade_lines(ast.parse(prose)) == []

@@ -22,6 +22,7 @@ from zero_functional.hooks import (
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.amp import unscaled
+from zero_functional.shell.local_shard import LocalShard
 
 from tests.helpers import (
     average_grads,
@@ -79,16 +80,16 @@ def _train(
     ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, foreach=False)
     seen: list[tuple[int, int, int, torch.Tensor]] = []
     grad_dtypes: set[torch.dtype] = set()
-    update_owned = zero.update_owned
+    update = LocalShard.update  # what every mode's update goes through
 
-    def recording(grads: Any) -> None:  # the reduced gradients this rank's update is given
+    def recording(shard: LocalShard, grads: Any) -> None:  # the reduced gradients it is given
         pieces = {s.param: s for s in zero.ownership.owned(zero.rank)}
         for k, g in grads.items():
             grad_dtypes.add(g.dtype)
             seen.append((k, pieces[k].start, pieces[k].stop, g.detach().float().reshape(-1)))
-        update_owned(grads)
+        update(shard, grads)
 
-    zero.update_owned = recording  # type: ignore[method-assign]
+    LocalShard.update = recording  # type: ignore[method-assign]  # in this rank's process
     for step in range(STEPS):
         x, y = local_batch(rank, world_size, step, BF16)
         ((ddp(x) - y).float() ** 2).mean().backward()
@@ -107,6 +108,7 @@ def _train(
         assert all(bool((c == 1).all()) for c in covered), "a gradient element not updated once"
         ref_opt.step()
         ddp.zero_grad(set_to_none=True)
+    LocalShard.update = update  # type: ignore[method-assign]
     mains = zero.main_params()
     rel = 0.0
     for s in zero.ownership.owned(zero.rank):

@@ -20,9 +20,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero_functional import comm, hooks
+from zero_functional import comm, hooks, optimizer
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.shell import grad_sync
 
 from tests.helpers import run_ranks
 
@@ -38,9 +37,10 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _even_worker(rank: int, world_size: int) -> dict[str, float]:
-    # the policy as NCCL with even shards answers it, in the one place every path asks
+    # the policy as NCCL with even shards answers it, in the one place every path asks (the
+    # optimizer's, chosen once)
     forced = "reduce_scatter+all_gather"
-    grad_sync.choose_collectives = lambda *a, **k: forced  # type: ignore[assignment]
+    optimizer.choose_collectives = lambda *a, **k: forced  # type: ignore[assignment]
     out: dict[str, float] = {}
     for mode in ("step bucket view", "step reduce hook", "overlap"):
         model, ref_model = _net(), _net()
@@ -109,7 +109,7 @@ def _coalesced_worker(rank: int, world_size: int) -> list[int]:
                 setattr(dist, name, fn)
         blocks.append(len(issued))
 
-    for module in (comm, comm.groups, comm.pending, comm.buckets):  # wherever it is looked up
+    for module in (comm, comm.groups, comm.pending, comm.collectives):  # wherever it is asked
         module.is_nccl = lambda group: True  # type: ignore[attr-defined]
     dist.distributed_c10d._coalescing_manager = fake_manager  # type: ignore[assignment]
     model = _net()

@@ -388,8 +388,7 @@ class ShardedEMA:
                 view = piece_view(params[k], piece)
                 view.copy_(self._averages[k].view(view.shape))
         with comm.call("ShardedEMA.swapped_into()", zero.process_group, timeout=zero.timeout):
-            zero.param_sync.sync(None, _no_update)
-            zero.finish_param_sync()
+            zero.gather_params()
         try:
             yield model
         finally:
@@ -409,10 +408,6 @@ class ShardedEMA:
         """
         own = sum(t.numel() * t.element_size() for t in self._averages.values())
         return own, sum(math.prod(p.shape) for p in self.optimizer.param_table.params)
-
-
-def _no_update(grads: Mapping[int, Tensor]) -> None:
-    """No update: the all-gather of :meth:`ShardedEMA.swapped_into` sends values as they are."""
 
 
 def _module(model: nn.Module) -> nn.Module:

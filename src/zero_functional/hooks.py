@@ -43,12 +43,13 @@ from zero_functional.core.ownership import Run
 from zero_functional.core.plans import COLLECTIVES, Collectives, choose_collectives
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.amp import common_verdict
-from zero_functional.shell.grad_sync import GradSync, all_reduce_widened, collectives_for
+from zero_functional.shell.bucket_sync import DDPBuckets, all_reduce_widened, bucket_indices
 from zero_functional.shell.overlap import OverlapState
 
 __all__ = [
     "Collectives",
     "OverlapState",
+    "adopt_buckets",
     "choose_collectives",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
@@ -171,9 +172,7 @@ def _make_hook(
     ddp_ref = weakref.ref(ddp)
     default = hook is default_hooks.allreduce_hook
     if collectives is None:
-        collectives = collectives_for(
-            zero.process_group, hook_is_allreduce=default, even=zero.partition == "flat"
-        )
+        collectives = zero.collectives if default else "allreduce+broadcast"
     elif collectives not in COLLECTIVES:
         raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
     elif collectives != "allreduce+broadcast" and not default:
@@ -194,11 +193,14 @@ def _make_hook(
             f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
         )
     overlap = OverlapState(
-        zero,
-        shard_buckets,
-        interleaved,
-        GradSync(zero, collectives, _ddp_group(ddp, zero), reduce_dtype),
-        grad_scaler,
+        zero.shard,
+        zero.param_window,
+        _ddp_buckets(ddp, zero, collectives, reduce_dtype, twin=interleaved),
+        _ddp_group(ddp, zero),
+        zero.join_device,
+        shard_buckets=shard_buckets,
+        interleaved=interleaved,
+        grad_scaler=grad_scaler,
         find_unused=bool(getattr(ddp, "find_unused_parameters", False)),
     )
     _STATES[zero] = overlap
@@ -207,20 +209,59 @@ def _make_hook(
         assert ddp_ref() is not None, "the DDP module was garbage-collected"
         name = f"backward() (hook_with_zero_step, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
+            if overlap.begins(bucket):
+                zero.check_trainable()  # unfreezing is an error before anything moves
+                overlap.new_backward()
             substitute = overlap.start(bucket) and (state is None or state is zero.process_group)
             wide = None
             if substitute:
                 fut = overlap.reduce(bucket)
             elif reduce_dtype is not None and zero.world_size > 1:
                 # the buckets not known yet: all-reduce, widened (the update reads `wide`)
-                group = overlap.grad_sync.world_group
-                fut, wide = all_reduce_widened(bucket.buffer(), reduce_dtype, group)
+                fut, wide = all_reduce_widened(bucket.buffer(), reduce_dtype, overlap.ddp_group)
             else:
                 fut = hook(state, bucket)
             overlap.on_bucket(bucket, fut, wide)
+            if bucket.is_last():
+                structure = overlap.last_bucket()
+                if structure is not None:
+                    adopt_buckets(zero, structure)
+                overlap.finish_backward()
         return fut
 
     return _with_annotations(hook_with_zero_fn)
+
+
+def _ddp_buckets(
+    ddp: DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    collectives: Collectives,
+    reduce_dtype: torch.dtype | None,
+    *,
+    twin: bool = False,
+) -> DDPBuckets:
+    """The syncs of DDP's buckets for ``zero``: reduced over its group, averaged over DDP's;
+    ``twin``: gathered on a twin group where one can be made (the interleaved hook's)."""
+    group = zero.process_group
+    gather = comm.twin_group(group) if twin and zero.world_size > 1 else None
+    return DDPBuckets(
+        comm.Wire(group, gather),
+        collectives,
+        zero.param_window,
+        ranks=comm.group_size(_ddp_group(ddp, zero)),
+        reduce_dtype=reduce_dtype,
+        replicate=zero.replicate_group,
+    )
+
+
+def adopt_buckets(zero: ZeroRedundancyOptimizer, structure: tuple[tuple[int, ...], ...]) -> None:
+    """Own DDP's buckets ``structure`` (per bucket, its parameters' global indices) in overlap
+    mode and move the state to that ownership; collective (every rank calls it with the same
+    structure: the hook does at the last bucket of a backward whose buckets are new; tests, to
+    simulate DDP rebuilding its buckets)."""
+    overlap = _STATES[zero]
+    zero.reshard(zero.ownership_of(structure, shard_buckets=overlap.shard_buckets))
+    overlap.structure = structure
 
 
 def hook_with_zero_step(
@@ -375,31 +416,32 @@ def reduce_scatter_hook(
             "with overlap_with_ddp=True use hook_with_zero_step(allreduce_hook, ddp, zero)"
         )
     _check_ddp(ddp, zero)
-    grad_sync = GradSync(
-        zero, collectives_for(zero.process_group, even=True), _ddp_group(ddp, zero), reduce_dtype
-    )
+    buckets = _ddp_buckets(ddp, zero, zero.collectives, reduce_dtype)
+    ranks = buckets.ranks
     scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []
 
     def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         flat = bucket.buffer()
-        if grad_sync.ranks == 1:
+        if ranks == 1:
             done: Future[Tensor] = Future()
             done.set_result(flat)
             return done
-        indices = grad_sync.indices(bucket.parameters())
+        shard = zero.shard
+        indices = bucket_indices(shard.table, bucket.parameters())
         name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
-            reduce = grad_sync.start(flat, indices)
-            if reduce.flat is not flat and zero.main_params_dtype is not None:  # not rounded
-                zero.hold_reduced(reduce.owned(indices, zero.ownership, zero.rank))
-            pending = reduce.rounded_back()  # rounded back once, before DDP reads the bucket
+            sync = buckets.get(indices, shard.table, shard.ownership, shard.rank)
+            sync.start_grad(flat)
+            if sync.widened and zero.main_params_dtype is not None:  # not its rounding
+                zero.hold_reduced(sync.owned_grads())
+            pending = sync.grad_pending()  # rounded back once, before DDP reads the bucket
             if grad_scaler is None or not grad_scaler.is_enabled():
                 # on gloo the exchange's own thread adds the sums and completes this future
                 # (comm.exchange), not one of gloo's, which would hold back later buckets
                 return pending.future(flat)
             if bucket.index() == 0:
                 scaled.clear()
-            scaled.append((flat, reduce.plan.runs, pending))
+            scaled.append((flat, sync.plan.runs, pending))
             if bucket.is_last():
                 common_verdict(scaled, zero.rank, zero.process_group)
                 scaled.clear()

@@ -26,27 +26,29 @@ from torch.utils.hooks import RemovableHandle
 from zero_functional import comm
 from zero_functional.core.checks import check_new_group, warn_ignored_bucket_view
 from zero_functional.core.classes import param_blocks
-from zero_functional.core.consolidation import PARTIAL_KEY, Consolidation, not_consolidated_message
+from zero_functional.core.consolidation import PARTIAL_KEY, not_consolidated_message
 from zero_functional.core.grad_norm import clip_, local_norm, total_norm
 from zero_functional.core.load_checks import validated_state
 from zero_functional.core.ownership import Ownership, PartitionName, Transfer
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
-from zero_functional.core.plans import choose_param_gather, ownership_of, plan_moves
+from zero_functional.core.plans import (
+    Collectives,
+    choose_collectives,
+    choose_param_gather,
+    overlap_ownership,
+    ownership_of,
+    plan_moves,
+)
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
+from zero_functional.shell.bucket_sync import BucketSync, step_syncs
 from zero_functional.shell.classes import add_group, pinned_owners
 from zero_functional.shell.join import StepJoinHook
-from zero_functional.shell.local_shard import (
-    LocalShard,
-    RemainderTies,
-    Resharded,
-    Updated,
-    UpdateHooks,
-)
-from zero_functional.shell.param_sync import ParamSync
-from zero_functional.shell.steppers import LocalView, choose_stepper, state_schemas
+from zero_functional.shell.local_shard import LocalShard, RemainderTies, Resharded, Updated
+from zero_functional.shell.param_window import ParamWindow
+from zero_functional.shell.steppers import LocalView, Stepper, choose_stepper, state_schemas
 
 __all__ = ["PARTIAL_KEY", "ZeroRedundancyOptimizer", "not_consolidated_message"]
 
@@ -125,24 +127,36 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._user_defaults = dict(defaults)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = overlap_with_ddp
-        self._book = Consolidation()  # so that state_dict() needs no collective
         self.overlap_param_gather = choose_param_gather(overlap_with_ddp, overlap_param_gather)
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
         self._table = ParamTable.of(self.param_groups)
         # not the bound self._call, which would make a cycle through this optimizer (#20)
         call = functools.partial(comm.call, group=self.process_group, timeout=self.timeout)
-        self._param_sync = ParamSync(
-            self._table, self.process_group, call, self.overlap_param_gather
-        )
+        self._window = ParamWindow(self._table, call, self.overlap_param_gather)
+        backend = comm.backend(self.process_group)
+        self._collectives = choose_collectives(backend, self.world_size, even=True)
+        self._wire = comm.Wire(self.process_group)
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
         spec = functional_spec(optimizer_class)
         spec = spec if spec and all(supports_group(spec, g) for g in self.param_groups) else None
         warn_ignored_bucket_view(overlap_with_ddp, parameters_as_bucket_view)
         self._spec = spec
         self._stepper_for = functools.partial(choose_stepper, spec, compile, probe)
-        self._hooks = UpdateHooks()
-        self._set_ownership(self._ownership_now())
+        ownership = self.ownership_of()
+        self._shard = LocalShard(
+            ownership,
+            self.rank,
+            self._table,
+            self.param_groups,
+            self.state,
+            self._stepper(ownership),
+            optimizer_class.__name__,
+            main_params_dtype,
+            self._ties,
+        )
+        self._syncs: list[BucketSync] = []
+        self._build_buffers()
         self._initialized = True
 
     @property
@@ -172,9 +186,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return 0 if self._ties is None else self._ties.total()
 
     @property
-    def param_sync(self) -> ParamSync:
-        """The owner of the parameters' storage and of the parameter all-gathers in flight."""
-        return self._param_sync
+    def collectives(self) -> Collectives:
+        """The collective strategy of this optimizer's buffers, chosen once from its group's
+        backend and size (:func:`~zero_functional.core.plans.choose_collectives`)."""
+        return self._collectives
+
+    @property
+    def param_window(self) -> ParamWindow:
+        """The parameter all-gathers in flight, and who waits for them."""
+        return self._window
+
+    @property
+    def shard(self) -> LocalShard:
+        """This rank's pieces, their state and their update."""
+        return self._shard
 
     @property
     def ownership(self) -> Ownership:
@@ -187,17 +212,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (rebuilt when a group is added)."""
         return self._table
 
-    def _set_ownership(self, ownership: Ownership) -> None:
-        """Adopt ``ownership``: this rank's shard, its stepper, the bucket views (no state moves)."""
+    def _stepper(self, ownership: Ownership) -> Stepper:
+        """How this rank steps its pieces under ``ownership`` (:func:`.steppers.choose_stepper`)."""
         owned = {s.param for s in ownership.owned(self.rank)}
         main = self._main_params_dtype
         whole = ownership.is_whole and not self._overlap_with_ddp and main is None
         groups, state = self.param_groups, self.state
-        stepper = self._stepper_for(whole, groups, owned, state, self._user_defaults)
-        name = self.optimizer_class.__name__
-        table = self._table
-        shard = (ownership, self.rank, table, groups, state, stepper, name, main, self._ties)
-        self._shard = LocalShard(*shard)
+        return self._stepper_for(whole, groups, owned, state, self._user_defaults)
+
+    def _set_ownership(self, ownership: Ownership) -> None:
+        """Adopt ``ownership``: this rank's pieces, their stepper, the bucket views (no state
+        moves)."""
+        self._shard.adopt(ownership, self._stepper(ownership))
         self._build_buffers()
 
     @property
@@ -206,13 +232,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         which ``"flat"`` cuts on; ``None`` where no class has blocks."""
         return param_blocks(self.param_groups, self.optimizer_class, self._user_defaults)
 
-    def _ownership_now(self) -> Ownership:
-        # per-tensor classes' tensors whole, by cost: the placement overlap mode keeps too
-        pinned = pinned_owners(
-            self.param_groups, self.optimizer_class, self._table, self.world_size
-        )
+    def ownership_of(
+        self, buckets: Sequence[Sequence[int]] | None = None, *, shard_buckets: bool = False
+    ) -> Ownership:
+        """The ownership this optimizer's ``partition`` gives its parameters: after backward,
+        or (overlap mode) of DDP's ``buckets`` (per bucket, its parameters' global indices;
+        ``shard_buckets``: torch's rule of splitting each under ``"sorted_greedy"``). A
+        per-tensor class's tensors are owned whole, by cost; torchao's low-bit ones are cut on
+        their blocks."""
+        table, world = self._table, self.world_size
+        pinned = pinned_owners(self.param_groups, self.optimizer_class, table, world)
         blocks = self.quantization_blocks
-        return ownership_of(self.partition, self._table, self.world_size, pinned, blocks)
+        if buckets is None:
+            return ownership_of(self.partition, table, world, pinned, blocks)
+        part = self.partition
+        return overlap_ownership(buckets, part, table, world, shard_buckets, pinned, blocks)
 
     def reshard(self, ownership: Ownership) -> None:
         """Move this optimizer's state to ``ownership`` (of the same parameters and world size,
@@ -229,11 +263,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             arrived.update(cast(dict[Transfer, dict[str, Any]], payload))
         self._shard.incoming(plan, ownership, arrived)
         self._set_ownership(ownership)
-        self._hooks.resharded(old)
+        self._shard.hooks.resharded(old)
 
     def _build_buffers(self) -> None:
         bucket_view = self.parameters_as_bucket_view and not self._overlap_with_ddp
-        self._param_sync.rebuild(self.ownership, bucket_view)
+        args = (self._table, self.ownership, self.rank, self._wire, self._collectives)
+        self._syncs = step_syncs(*args, self._window, bucket_view)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group and recompute the ownership (under ``"flat"``, :meth:`reshard`
@@ -252,10 +287,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         agree("add_param_group()", check, items, self.process_group, timeout=self.timeout)
         add_group(super().add_param_group, self.param_groups, param_group, self.optimizer_class)
         self._table = ParamTable.of(self.param_groups)
-        self._param_sync.set_params(self._table)
-        new = self._ownership_now()
+        self._window.set_params(self._table)
+        new = self.ownership_of()
         # from the old pieces, grown to the new parameters: only what changes owner moves
-        self._shard = self._shard.extended(self.ownership.extended(new), self._table)
+        self._shard.extend(self.ownership.extended(new), self._table)
         self.reshard(new)
 
     def _call(self, name: str) -> AbstractContextManager[None]:
@@ -278,16 +313,35 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.finish_param_sync()
         if self.check_trainable():
             self._build_buffers()
-        self._book.changed()
+        self._shard.book.changed()
         skip, grad_scale = scaler_verdict(self)  # scaler.step(self), with main copies
         if skip:  # a non-finite gradient on every rank: no parameter changes anywhere
             return None
         loss, grads = self._shard.local_step(closure, grad_scale, **kwargs)
-        if grads is None:  # a real optimizer stepped its whole parameters
-            self._hooks.updated(self._shard, self._shard.grads())
+        todo = dict(grads or {})  # none: a real optimizer stepped its whole parameters
         with self._call("step()"):
-            self._param_sync.sync(grads, self.update_owned)
+            for sync in self._syncs:  # each unit updated just before it is sent
+                for unit in sync.units:
+                    if self.rank in unit.senders:
+                        mine = {k: todo.pop(k) for k in unit.indices if k in todo}
+                        if mine:
+                            self._shard.update(mine)
+                    sync.start_params(unit)
+            if todo:  # owned pieces of frozen parameters (not sent), or a world of one
+                self._shard.update(todo)
+            for sync in self._syncs:
+                sync.finish_params()
         return loss
+
+    def gather_params(self) -> None:
+        """Give every rank every owner's pieces of the parameters as they are now (the
+        all-gather of ``step()``, without an update); collective, waited for."""
+        self.finish_param_sync()
+        with self._call("gather_params()"):
+            for sync in self._syncs:
+                sync.start_params()
+                sync.finish_params()
+            self.finish_param_sync()
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -311,9 +365,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``param_groups`` now. The hooks call it with DDP's buckets, ``step()`` with ``.grad``."""
         self._shard.pieces_stepper()  # one that runs on whole parameters raises here, first
         self.finish_param_sync()
-        self._book.changed()
         self._shard.update(grads)
-        self._hooks.updated(self._shard, grads)
 
     def hold_reduced(self, grads: Mapping[int, Tensor]) -> None:
         """Hand over this rank's pieces' reduced gradients in a wider dtype than ``.grad`` (a
@@ -326,17 +378,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Run ``updated(values)`` after each update of this rank's pieces, in every mode
         (``values``: global index -> the piece's new value, flat, its main copy where there is
         one; read-only), and ``resharded(old)`` on every rank after the ownership changes."""
-        return self._hooks.register(updated, resharded)
-
-    def defer_param_sync(self, units: Sequence[tuple[comm.Pending, Sequence[Tensor]]]) -> None:
-        """Hand over parameter all-gathers in flight (a pending collective and the parameters
-        it writes), as the hooks do (:meth:`~zero_functional.shell.param_sync.ParamSync.defer`)."""
-        self._param_sync.defer(units)
+        return self._shard.hooks.register(updated, resharded)
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers ``overlap_param_gather`` left in flight: before a
         read of the parameters other than a forward, ``state_dict()``, ``step()``, a checkpoint."""
-        self._param_sync.finish()
+        self._window.finish()
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -389,13 +436,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with self._call(f"consolidate_state_dict(to={to})"):
             shard = {"state": self._shard.cpu_shard()}
             gathered = comm.gather_objects(shard, to, self.process_group, self._collective_device())
-        self._book.gathered([cast(StateDict, x)["state"] for x in gathered or []])
+        self._shard.book.gathered([cast(StateDict, x)["state"] for x in gathered or []])
 
     def state_dict(self) -> StateDict:
         """torch's format, each parameter's state whole; local. Full on rank ``to`` after
         :meth:`consolidate_state_dict` ``(to)`` (elsewhere ``PARTIAL_KEY``), empty before any
         step, else a RuntimeError naming the fix (:class:`~.state_dict.Consolidation`)."""
-        return self._book.state_dict(self._shard.saved_groups(), self.rank)
+        return self._shard.book.state_dict(self._shard.saved_groups(), self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's pieces of a whole state dict (ours or ``torch.optim``'s); local.
@@ -409,7 +456,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         state = validated_state(state_dict, self.param_groups, self._schemas())
         self._shard.install(self._shard.cut(state), state_dict["param_groups"], copy=False)
         if state:
-            self._book.changed()
+            self._shard.book.changed()
 
     def main_params(self) -> dict[Tensor, Tensor]:
         """This rank's main copies (``main_params_dtype``), keyed by parameter, each the owned
@@ -436,7 +483,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         agree("load_shard_state()", check, self.param_groups, group, self.timeout, errors)
         self._shard.warn_without_main(state)
         self._shard.install(state, param_groups, copy=copy)
-        self._book.changed()
+        self._shard.book.changed()
 
     def _schemas(self) -> list[dict[str, str] | None]:
         return state_schemas(self.optimizer_class, self.param_groups, self._user_defaults)

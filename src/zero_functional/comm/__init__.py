@@ -12,9 +12,10 @@ that asks for the GIL while the interpreter shuts down ends the process with ``s
 
 The package's modules, each with one job: :mod:`~zero_functional.comm.groups` (sizes, ranks,
 backends), :mod:`~zero_functional.comm.calls` (naming and explaining failures),
-:mod:`~zero_functional.comm.pending` (collectives in flight), :mod:`~zero_functional.comm.buckets`
-(gradients and parameters), :mod:`~zero_functional.comm.exchange` (on gloo, the reduce onto
-owners as all-to-alls in bounded chunks), :mod:`~zero_functional.comm.worker` (a thread that
+:mod:`~zero_functional.comm.pending` (collectives in flight),
+:mod:`~zero_functional.comm.collectives` (each buffer's reducer and gatherer, chosen once),
+:mod:`~zero_functional.comm.buckets` (lists of tensors), :mod:`~zero_functional.comm.exchange`
+(gloo's reduce onto owners as all-to-alls in bounded chunks), :mod:`~zero_functional.comm.worker` (a thread that
 runs work in order), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
 import this package, never the modules.
 """
@@ -33,15 +34,20 @@ from zero_functional.comm.buckets import (
     reduce_to_owners,
     start_all_reduce,
     start_all_reduce_spans,
-    start_broadcast,
     start_gather_units,
-    start_reduce,
     start_sync_params,
     sync_params,
     unflatten_into,
 )
 from zero_functional.comm.calls import REPORT_GRACE_S, CollectiveError, call, failures
-from zero_functional.comm.exchange import Exchanger, exchanges
+from zero_functional.comm.collectives import (
+    Gatherer,
+    Reducer,
+    Wire,
+    start_broadcast,
+    start_reduce,
+)
+from zero_functional.comm.exchange import Exchanger
 from zero_functional.comm.groups import (
     MESH_DIMS,
     ProcessGroup,
@@ -77,8 +83,10 @@ from zero_functional.core.plans import COALESCE_BELOW
 
 __all__ = [
     "Exchanger",
+    "Gatherer",
     "InOrder",
-    "exchanges",
+    "Reducer",
+    "Wire",
     "COALESCE_BELOW",
     "CollectiveError",
     "REPORT_GRACE_S",

@@ -1,7 +1,8 @@
-"""Bulk collectives: gradients reduced onto their owners, parameters gathered from theirs.
+"""Collectives over lists of tensors: a bucket's all-reduce, the pieces' all-gather by units,
+and the functional step's :func:`reduce_to_owners` and :func:`sync_params`.
 
-What to send is decided in :mod:`zero_functional.core.plans` (runs, even shards, the units of a
-parameter all-gather); the functions here execute those plans and call nothing back.
+What to send is decided in :mod:`zero_functional.core.plans` (the units of a parameter
+all-gather) and how in :mod:`~zero_functional.comm.collectives`; these functions execute it.
 """
 
 from __future__ import annotations
@@ -14,125 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zero_functional.comm.exchange import Exchanger, exchanges, start_exchange
-from zero_functional.comm.groups import (
-    ProcessGroup,
-    Work,
-    default_group,
-    group_rank,
-    group_size,
-    is_nccl,
-)
+from zero_functional.comm.collectives import Wire, start_reduce
+from zero_functional.comm.groups import ProcessGroup, Work, default_group, group_rank, group_size
 from zero_functional.comm.pending import Pending, hold, issue, start_one
 from zero_functional.core.param_table import buffer_key
 from zero_functional.core.plans import COALESCE_BELOW, sync_plan
-
-
-def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
-    # looked up per call (torch < 2.13 has only the older name; tools may wrap either)
-    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return op(output, input, **kw)  # type: ignore[no-any-return]
-
-
-def _all_gather_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
-    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return op(output, input, **kw)  # type: ignore[no-any-return]
-
-
-def padded(buffer: Tensor, size: int) -> Tensor:
-    if buffer.numel() == size:
-        return buffer
-    out = torch.zeros(size, dtype=buffer.dtype, device=buffer.device)
-    out[: buffer.numel()].copy_(buffer)
-    return out
-
-
-def start_reduce(
-    buffer: Tensor,
-    runs: Sequence[tuple[int, int, int]],
-    group: ProcessGroup,
-    *,
-    chunk: int | None = None,
-    exchanger: Exchanger | None = None,
-) -> Pending:
-    """Start the reduce-scatter of a 1-D ``buffer``: each run summed onto its rank.
-
-    ``runs`` are ``(start, stop, rank)`` stretches covering the buffer
-    (:meth:`~zero_functional.core.ownership.Ownership.runs`). With ``chunk`` (the runs are the even split ``[r * chunk, (r + 1) * chunk)``), one
-    ``reduce_scatter_single`` over the buffer padded to ``chunk * world_size``; otherwise, on
-    gloo (a CPU buffer), all-to-alls that send each run to its rank once, in bounded chunks
-    (:func:`~zero_functional.comm.exchange.start_exchange`: gloo's own reduce sends more), and
-    on NCCL one reduce per run, grouped. On gloo ``exchanger`` (an
-    :class:`~zero_functional.comm.exchange.Exchanger` over ``group``) does the exchange while
-    the caller goes on; without one it is done before this returns. Afterwards each rank's runs
-    hold the sums; other elements are undefined.
-
-    Example:
-        >>> import torch.distributed as dist
-        >>> t = torch.arange(3.0)
-        >>> start_reduce(t, [(0, 3, 0)], group, chunk=3).wait()
-        >>> t
-        tensor([0., 1., 2.])
-    """
-    if chunk is None:
-        if exchanges(group, buffer):
-            return start_exchange(buffer, runs, group, exchanger)
-        return issue("reduce", [(buffer[a:b], rank) for a, b, rank in runs], group)
-    world, me = group_size(group), group_rank(group)
-    source = padded(buffer, chunk * world)
-    out = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
-    lo, hi = min(me * chunk, buffer.numel()), min((me + 1) * chunk, buffer.numel())
-
-    def copy_back() -> None:
-        buffer[lo:hi].copy_(out[: hi - lo])
-
-    return start_one(
-        lambda: _reduce_scatter_single(out, source, group=group, async_op=True),
-        [out] if source is buffer else [out, source],
-        group,
-        [copy_back],
-    )
-
-
-def start_broadcast(
-    buffer: Tensor,
-    runs: Sequence[tuple[int, int, int]],
-    group: ProcessGroup,
-    *,
-    chunk: int | None = None,
-) -> Pending:
-    """Start the all-gather of a 1-D ``buffer``: every rank gets each run from its rank.
-
-    ``runs`` are ``(start, stop, rank)`` stretches covering the buffer. With ``chunk`` (even
-    runs), one ``all_gather_single`` (in place when the buffer is padded to
-    ``chunk * world_size``); otherwise one broadcast per run (grouped on NCCL).
-
-    Example:
-        >>> import torch.distributed as dist
-        >>> t = torch.arange(3.0)
-        >>> start_broadcast(t, [(0, 3, 0)], group).wait()
-        >>> t
-        tensor([0., 1., 2.])
-    """
-    if chunk is None:
-        return issue("broadcast", [(buffer[a:b], rank) for a, b, rank in runs], group)
-    world, me = group_size(group), group_rank(group)
-    target = padded(buffer, chunk * world)
-    mine = target[me * chunk : (me + 1) * chunk]
-
-    def copy_back() -> None:
-        buffer.copy_(target[: buffer.numel()])
-
-    if target is buffer:
-        return start_one(
-            lambda: _all_gather_single(target, mine, group=group, async_op=True), [mine], group
-        )
-    return start_one(
-        lambda: _all_gather_single(target, mine, group=group, async_op=True),
-        [target, mine],
-        group,
-        [copy_back],
-    )
 
 
 def start_all_reduce(buffer: Tensor, group: ProcessGroup) -> Pending:
@@ -149,10 +36,11 @@ def start_all_reduce(buffer: Tensor, group: ProcessGroup) -> Pending:
 
 
 def start_all_reduce_spans(
-    buffer: Tensor, spans: Sequence[tuple[int, int]], group: ProcessGroup
+    buffer: Tensor, spans: Sequence[tuple[int, int]], group: ProcessGroup, *, grouped: bool = False
 ) -> Pending:
     """Start summing each ``(start, stop)`` stretch of ``buffer`` over the group, in place, in
-    list order (one coalesced launch on NCCL): a shard's pieces across its replicas.
+    list order (one coalesced launch where ``grouped``: NCCL): a shard's pieces across its
+    replicas.
 
     Example:
         >>> import torch.distributed as dist
@@ -163,7 +51,7 @@ def start_all_reduce_spans(
     """
     pieces = [buffer[a:b] for a, b in spans if b > a]
     held = hold(pieces, group)  # views made here: kept until the backend lets go (issue 20)
-    if len(pieces) > 1 and is_nccl(group):
+    if len(pieces) > 1 and grouped:
         coalescing = dist.distributed_c10d._coalescing_manager
         with coalescing(group, buffer.device, async_ops=True) as cm:
             for t in pieces:
@@ -186,10 +74,13 @@ def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
 
 
 def start_gather_units(
-    units: Sequence[tuple[Sequence[Tensor], int, bool]], group: ProcessGroup
+    units: Sequence[tuple[Sequence[Tensor], int, bool]],
+    group: ProcessGroup,
+    *,
+    grouped: bool = False,
 ) -> Pending:
     """Start one broadcast per unit ``(tensors, owner, packed)``, in list order (one coalesced
-    launch on NCCL): a unit's one tensor in place, or its tensors ``packed`` through one staging
+    launch where ``grouped``: NCCL): a unit's one tensor in place, or its tensors ``packed`` through one staging
     buffer (copied out on arrival). The units come from a plan
     (:func:`~zero_functional.core.plans.sync_plan`); the tensors are final after ``wait()``.
 
@@ -214,7 +105,7 @@ def start_gather_units(
             buffer = torch.empty(numel, device=tensors[0].device, dtype=tensors[0].dtype)
             calls.append((buffer, owner))
             finish.append(functools.partial(unflatten_into, buffer, tensors))
-    return issue("broadcast", calls, group, finish)
+    return issue("broadcast", calls, group, finish, grouped=grouped)
 
 
 def start_sync_params(
@@ -239,16 +130,19 @@ def start_sync_params(
         >>> ps[1]
         tensor([1., 1., 1.])
     """
+    grouped = Wire(group, threaded=False).grouped
     plan = sync_plan(
         owners,
         [t.numel() for t in params],
         [buffer_key(t) for t in params],
         [t.is_contiguous() for t in params],
-        nccl=is_nccl(group),
+        nccl=grouped,
         coalesce_below=coalesce_below,
     )
     batches = [
-        start_gather_units([([params[i] for i in u.members], u.owner, u.packed) for u in b], group)
+        start_gather_units(
+            [([params[i] for i in u.members], u.owner, u.packed) for u in b], group, grouped=grouped
+        )
         for b in plan.batches()
     ]
     return Pending(
@@ -321,20 +215,17 @@ def reduce_to_owners(
     with torch.no_grad():
         for t in tensors:
             t.div_(world)
-    calls = [(t, r) for t, r in zip(tensors, owners) if t.numel()]
-    if not calls or not exchanges(group, calls[0][0]):
-        issue("reduce", calls, group).wait()
-        return
-    # gloo: one exchange per (device, dtype), over the tensors laid end to end
+    # one reduce per (device, dtype), over the tensors laid end to end
     groups: dict[object, list[tuple[Tensor, int]]] = {}
-    for t, r in calls:
-        groups.setdefault(buffer_key(t), []).append((t, r))
+    for t, r in zip(tensors, owners):
+        if t.numel():
+            groups.setdefault(buffer_key(t), []).append((t, r))
+    me = group_rank(group)
     for members in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t, _ in members])
         ends = list(itertools.accumulate(t.numel() for t, _ in members))
         runs = [(end - t.numel(), end, r) for end, (t, r) in zip(ends, members)]
-        start_exchange(flat, runs, group).wait()
-        me = group_rank(group)
+        start_reduce(flat, runs, group).wait()
         with torch.no_grad():
             for (a, b, r), (t, _) in zip(runs, members):
                 if r == me:

@@ -1,24 +1,13 @@
-"""Gradients summed onto their owners through all-to-alls: the reduce at its byte floor, in a
-bounded window of memory.
+"""Gradients summed onto their owners through all-to-alls, in bounded windows: gloo's reduce at
+its byte floor.
 
-Summing each stretch of a buffer onto the rank that owns it needs each rank to send every other
-rank that rank's stretches once: ``S - owned`` bytes per rank, ``(N - 1) S`` in all, the floor
-of a reduce-scatter. gloo's own ``reduce`` and ``reduce_scatter`` send more (measured on a
-loopback shaped to 2 Gbit/s, 32 MB, ``benchmarks/bench_collectives.py --link 2gbit``: a reduce
-per owner 2.28x that floor at 2 ranks and 1.25x at 4, ``reduce_scatter_tensor`` 2.12x and 2.03x).
-gloo's all-to-all sends each rank's stretches straight to their owner over its point-to-point
-pairs, which is that floor; the owner then adds what arrived onto its own values, in rank
-order (only the owner computes a sum, so after the broadcast every rank holds the same bits).
-
-What arrives must be held before it is added. Received in one all-to-all, that is up to the
-bucket's size per bucket in flight (the 8M MLP's peak at 1.24x / 1.61x torch's best at 2 / 4
-ranks, where gloo's reduce stays at 1.04x). So a bucket is exchanged in chunks of at most
-:data:`WINDOW_BYTES` received (:func:`~zero_functional.core.exchange_plan.exchange_chunks`), two in
-flight, through windows kept for the purpose: a thread (:class:`Exchanger`, one per optimizer's
-gradient reduction) issues them on a twin group of its own, adds each chunk while the next
-travels, and completes the bucket's work. Only that thread issues the twin's collectives, in the order the buckets
-were given, which is the same on every rank. NCCL keeps its native reduce (grouped) and
-reduce-scatter.
+Each rank sends each owner that owner's stretches once (the floor of a reduce-scatter, which
+gloo's own ``reduce`` and ``reduce_scatter`` exceed: ``benchmarks/README.md``); the owner adds what
+arrived onto its own values in rank order, so after the broadcast every rank holds the same
+bits. A buffer goes in chunks of at most :data:`WINDOW_BYTES` received
+(:func:`~zero_functional.core.exchange_plan.exchange_chunks`), two in flight, through windows
+kept for the purpose, by a thread (:class:`Exchanger`) that issues them on a twin group of its
+own, in the order the buffers were given: the same on every rank.
 """
 
 from __future__ import annotations
@@ -35,16 +24,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl, twin_group
+from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, twin_group
 from zero_functional.comm.pending import Pending, hold, settle
 from zero_functional.comm.worker import InOrder
 from zero_functional.core.exchange_plan import ChunkLayout, chunk_layout, exchange_chunks
 
 WINDOW_BYTES = 1 << 20
-"""The most one chunk of an exchange receives (two chunks are in flight, so twice this is
-held, and as much again for what is sent where a rank's peers' stretches are not one stretch of
-the buffer). 1 MiB is 0.8% of the 8M MLP's peak per rank under torch's best ZeRO; on a link of
-2 Gbit/s a chunk takes about 4 ms, against about 0.1 ms of a collective's own cost."""
+"""The most one chunk of an exchange receives: the memory/CPU trade (two chunks are in flight,
+and as much again is sent where a rank's peers' stretches are not one stretch of the buffer)."""
 
 
 class _Job:
@@ -205,12 +192,6 @@ class Exchanger:
     def held_bytes(self) -> int:
         """The bytes of the windows kept (at most ``4 x`` :data:`WINDOW_BYTES` per dtype)."""
         return sum(t.numel() * t.element_size() for t in self.windows.kept.values())
-
-
-def exchanges(group: ProcessGroup, buffer: Tensor) -> bool:
-    """Whether a reduce onto owners of ``buffer`` over ``group`` goes through
-    :func:`start_exchange` (a CPU buffer on a backend other than NCCL, more than one rank)."""
-    return not is_nccl(group) and buffer.device.type == "cpu" and group_size(group) > 1
 
 
 def start_exchange(

@@ -161,17 +161,18 @@ def issue(
     calls: Sequence[tuple[Tensor, int]],
     group: ProcessGroup,
     finish: list[Callable[[], None]] | None = None,
+    *,
+    grouped: bool = False,
 ) -> Pending:
     """Start ``dist.<op>(tensor, root, group=..., async_op=True)`` per call, in list order.
 
-    On NCCL several calls go into one coalesced group (one launch, as NCCL's own uneven
-    reduce-scatter and all-gather are built) and the block's handle is what to wait for;
-    elsewhere each is its own collective. ``root`` is a group rank. The collective is looked
-    up when called, so that it is the one any wrapper installed. The tensors are made here (or
-    waited for at once): the :class:`Pending` holds them.
+    ``grouped`` (NCCL): several calls go into one coalesced block (one launch, as NCCL's own
+    uneven reduce-scatter and all-gather are built) and the block's handle is what to wait for;
+    else each is its own collective. ``root`` is a group rank. The collective is looked up when
+    called, so that it is the one any wrapper installed.
     """
     held = hold((tensor for tensor, _ in calls), group)
-    if len(calls) > 1 and is_nccl(group):
+    if len(calls) > 1 and grouped:
         coalescing = dist.distributed_c10d._coalescing_manager
         with coalescing(group, calls[0][0].device, async_ops=True) as cm:
             for tensor, root in calls:

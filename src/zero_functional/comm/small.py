@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zero_functional.comm.buckets import padded
+from zero_functional.comm.collectives import padded
 from zero_functional.comm.groups import (
     ProcessGroup,
     collective_device,

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from zero_functional.core.consolidation import to_cpu
+from zero_functional.core.consolidation import Consolidation, to_cpu
 from zero_functional.core.layout import piece_view
 from zero_functional.core.load_checks import StateSchema, check_shard_state
 from zero_functional.core.main_params import (
@@ -41,11 +41,9 @@ from zero_functional.functional.registry import GROUP_CLASS_KEY
 from zero_functional.shell.amp import unscaled
 from zero_functional.shell.steppers import (
     LocalView,
-    RealStepper,
     Stepper,
     converted_state,
     loaded_group,
-    runs_functional,
     saved_group,
 )
 
@@ -124,41 +122,35 @@ class LocalShard:
         table: ParamTable,
         param_groups: list[dict[str, Any]],
         state: MutableMapping[Tensor, Any],
-        stepper: Stepper | RealStepper,
+        stepper: Stepper,
         name: str,
         main_params_dtype: torch.dtype | None = None,
         remainders: RemainderTies | None = None,
     ) -> None:
-        self.ownership = ownership
-        self.rank = rank
-        self.table = table
-        self.param_groups = param_groups
-        self.state = state
-        self.stepper = stepper
+        self.rank, self.table, self.param_groups, self.state = rank, table, param_groups, state
         self.name = name
         self.main_params_dtype = main_params_dtype
         self.remainders = remainders
-        self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(rank)}
-        self.trainable = [p.requires_grad for p in table.params]
+        self.hooks = UpdateHooks()
+        self.book = Consolidation()  # so that state_dict() needs no collective
+        self.adopt(ownership, stepper)
+
+    def adopt(self, ownership: Ownership, stepper: Stepper) -> None:
+        """Own the pieces ``ownership`` gives this rank, stepped by ``stepper`` (the state
+        moved already: :meth:`incoming`)."""
+        self.ownership, self.stepper = ownership, stepper
+        self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(self.rank)}
+        self.trainable = [p.requires_grad for p in self.table.params]
         self._built_trainable = list(self.trainable)
         self._unchecked: set[int] = set()  # unfrozen, their gradients not yet compared
         self.reduced: dict[int, Tensor] = {}  # a hook's reduce_dtype values: hold_reduced
 
-    def extended(self, ownership: Ownership, table: ParamTable) -> LocalShard:
-        """This shard, its state and its stepper, over more parameters: ``table`` and an
-        ownership :meth:`~zero_functional.core.ownership.Ownership.extended` to them (what
+    def extend(self, ownership: Ownership, table: ParamTable) -> None:
+        """Cover more parameters: ``table``, and an ownership
+        :meth:`~zero_functional.core.ownership.Ownership.extended` to them (what
         ``add_param_group`` reshards from)."""
-        return LocalShard(
-            ownership,
-            self.rank,
-            table,
-            self.param_groups,
-            self.state,
-            self.stepper,
-            self.name,
-            self.main_params_dtype,
-            self.remainders,
-        )
+        self.table = table
+        self.adopt(ownership, self.stepper)
 
     def piece(self, k: Hashable, what: str) -> Piece:
         """The piece of parameter ``k`` this rank owns.
@@ -197,9 +189,9 @@ class LocalShard:
                 (view := piece_view(grad, self.pieces[k])).copy_(wide.view_as(view))
 
     def pieces_stepper(self) -> Stepper:
-        """The stepper, which runs on pieces; a RuntimeError where it is a
-        :class:`~zero_functional.shell.steppers.RealStepper` (whole parameters, ``step()`` only)."""
-        if isinstance(self.stepper, RealStepper):
+        """The stepper, which runs on pieces; a RuntimeError where it steps whole parameters
+        (``step()`` only)."""
+        if self.stepper.whole:
             raise RuntimeError(
                 "update_owned needs an optimizer that runs on pieces; this one runs "
                 f"{self.name} over whole parameters: call step()"
@@ -230,6 +222,7 @@ class LocalShard:
             ss.append(self.state[p])
             ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
             ns.append(p.numel())
+        self.book.changed()
         ties, remainders = self.remainders, self.remainders is not None
         for g, (ps, gs, ss, ds, ns) in sorted(by_group.items()):
             step = functools.partial(stepper.step_pieces, numels=ns)
@@ -238,6 +231,7 @@ class LocalShard:
             )
             if ties is not None and n is not None:
                 ties.add(n)
+        self.hooks.updated(self, grads)
 
     def local_step(
         self,
@@ -247,14 +241,16 @@ class LocalShard:
     ) -> tuple[float | None, dict[int, Tensor] | None]:
         """This rank's part of ``step()`` before the parameter sync, and the closure's loss.
 
-        A :class:`~zero_functional.shell.steppers.RealStepper` steps its whole parameters now
+        A stepper of whole parameters (:class:`~.steppers.WholeParamStepper`) steps them now
         (``closure`` and ``kwargs`` reach the class's ``step``) and no gradients come back;
         otherwise the closure runs and the gradients of the pieces come back, for the sync to
         :meth:`update` in its order: divided by ``grad_scale`` (a GradScaler's, handed to an
         optimizer with main copies) in each piece's main dtype, where fp16 would underflow.
         """
-        if isinstance(self.stepper, RealStepper):
-            return self.stepper.step(self.param_groups, closure, **kwargs), None
+        if self.stepper.whole:
+            loss = self.stepper.step_whole(self.param_groups, closure, **kwargs)
+            self.hooks.updated(self, self.grads())
+            return loss, None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -291,7 +287,7 @@ class LocalShard:
 
     def local_view(self) -> Optimizer | LocalView:
         """This rank's share as a local optimizer shows it (torch's ``optim`` attribute)."""
-        if isinstance(self.stepper, RealStepper):
+        if self.stepper.whole and self.stepper.local is not None:
             return self.stepper.local
         return LocalView.of(self.param_groups, self.pieces, self.state)
 
@@ -406,7 +402,7 @@ class LocalShard:
         self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, object], copy: bool
     ) -> dict[str, object]:
         """``p``'s state with each value where it lives (:func:`~.state_dict.placed`)."""
-        fp32_step = runs_functional(self.stepper, group) or bool(
+        fp32_step = self.stepper.for_group(group).functional or bool(
             group.get("fused") or group.get("capturable")
         )
         dtype = main_dtype_for(p.dtype, self.main_params_dtype)
@@ -433,7 +429,7 @@ class LocalShard:
             # a group's class is this optimizer's (checked): a saved name never adds one
             loaded = loaded_group(self.stepper, g, s)
             g.update({k: v for k, v in loaded.items() if k != GROUP_CLASS_KEY})
-        self.state.clear()  # in place: a RealStepper's instance shares this mapping
+        self.state.clear()  # in place: a whole-parameter instance shares this mapping
         self.state.update(new)
 
     def outgoing(self, plan: ReshardPlan, old: Ownership) -> PieceStates:

@@ -3,20 +3,19 @@
 What :func:`~zero_functional.hooks.hook_with_zero_step` and its interleaved twin keep between
 buckets and iterations (:class:`OverlapState`): a state machine per bucket
 (:class:`BucketStatus`), small records for the work in flight, and the bucket structure adopted
-so far, from which the ownership of each bucket's pieces is built. Each bucket's reduction onto
-its owners is :class:`~zero_functional.shell.grad_sync.GradSync`'s, as under
-:func:`~zero_functional.hooks.reduce_scatter_hook`; its parameter all-gather is
-:class:`~zero_functional.shell.param_sync.ParamSync`'s.
+so far. It drives each bucket's :class:`~zero_functional.shell.bucket_sync.BucketSync` (the
+reduction onto the owners, the all-gather back) and this rank's
+:class:`~zero_functional.shell.local_shard.LocalShard` (the update); the hook, which holds the
+optimizer, adopts a new bucket structure.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -26,13 +25,11 @@ from torch.futures import Future
 
 from zero_functional import comm
 from zero_functional.core.param_table import ParamTable
-from zero_functional.core.plans import Collectives, overlap_ownership
+from zero_functional.core.plans import Collectives
 from zero_functional.shell.amp import ScalerFacade, overlap_verdict
-from zero_functional.shell.classes import pinned_owners
-from zero_functional.shell.grad_sync import GradReduce, GradSync
-
-if TYPE_CHECKING:
-    from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.shell.bucket_sync import BucketSync, DDPBuckets, bucket_indices
+from zero_functional.shell.local_shard import LocalShard
+from zero_functional.shell.param_window import ParamWindow
 
 __all__ = ["BucketStatus", "OverlapState", "threaded"]
 
@@ -71,7 +68,7 @@ class _Bucket:
     indices: tuple[int, ...]
     status: BucketStatus = BucketStatus.ARRIVED
     future: Future[Any] | None = None  # what DDP waits on: ours, or the user's hook's
-    reduce: GradReduce | None = None  # set when reduced onto its owners (by GradSync)
+    sync: BucketSync | None = None  # set when reduced onto its owners (by its BucketSync)
     flat: Tensor | None = None  # its reduced gradients, once REDUCED
     wide: Tensor | None = None  # the user hook's average in the reduce dtype, if any
 
@@ -79,16 +76,16 @@ class _Bucket:
         """Whether its reduction is done (waiting for it would not block)."""
         if self.flat is not None:
             return True
-        if self.reduce is not None:
-            return self.reduce.done()
+        if self.sync is not None:
+            return self.sync.grad_done()
         assert self.future is not None
         return self.future.done()
 
     def wait(self) -> Tensor:
         """Its reduced gradients, waiting for the reduction if need be."""
         if self.flat is None:
-            if self.reduce is not None:
-                self.flat = self.reduce.finish()
+            if self.sync is not None:
+                self.flat = self.sync.finish_grad()
             else:
                 assert self.future is not None
                 value = self.future.wait()
@@ -96,17 +93,6 @@ class _Bucket:
                 self.flat = self.flat if self.wide is None else self.wide  # not its rounding
             self.status = BucketStatus.REDUCED
         return self.flat
-
-    def owned_grads(
-        self, zero: ZeroRedundancyOptimizer, used: set[int] | None
-    ) -> dict[int, Tensor]:
-        """The gradients of the pieces ``zero``'s rank owns (of ``used`` parameters only)."""
-        flat = self.wait()
-        return {
-            k: flat[lo:hi]
-            for k, lo, hi in zero.ownership.owned_slices(self.indices, zero.rank)
-            if used is None or k in used
-        }
 
 
 class _Updater:
@@ -160,7 +146,7 @@ class _Backward:
 
     buckets: list[_Bucket] = field(default_factory=list)
     deferred: bool = False  # a bucket differed from the adopted structure: update at the last
-    gathers: list[tuple[comm.Pending, Sequence[Tensor]]] = field(default_factory=list)
+    gathering: list[BucketSync] = field(default_factory=list)  # all-gathers started
     updater: _Updater | None = None  # updating its buckets on a thread (CPU, interleaved)
 
     def next_update(self) -> int:
@@ -196,47 +182,49 @@ def _used_anywhere(table: ParamTable, group: comm.ProcessGroup) -> set[int]:
     return {k for k, used in enumerate(flags.tolist()) if used}
 
 
-def _gather_group(
-    zero: ZeroRedundancyOptimizer, interleaved: bool
-) -> tuple[comm.ProcessGroup, bool]:
-    """The group the parameter all-gathers run on, and whether it is not ``zero``'s own.
-
-    Interleaved, the all-gathers run on a twin group where one can be made, so a bucket is
-    updated as soon as its reduction is done, never waited for on the autograd thread.
-    """
-    if interleaved and zero.world_size > 1:
-        twin = comm.twin_group(zero.process_group)
-        if twin is not None:
-            return twin, True
-    return zero.process_group, False
-
-
 class OverlapState:
-    """What overlap mode keeps between buckets and iterations (one per optimizer): the gradient
-    reduction's owner (``grad_sync``: the strategy, the bucket plans), the bucket ``structure``
-    adopted (per bucket, its parameters' global indices; ``None`` before the first backward),
-    and counts of ``restructures``, ``reduced_buckets`` (onto their owners, not by the user's
-    hook) and backwards ``skipped`` by a ``GradScaler`` (a non-finite gradient)."""
+    """What overlap mode keeps between buckets and iterations (one per optimizer).
+
+    Args:
+        shard: This rank's pieces and their update.
+        window: Where the parameter all-gathers go when the backward ends.
+        buckets: Each DDP bucket's sync (the strategy, the plans, the wire: its gathers run on
+            a twin group where the buckets are updated without waiting: ``nonblocking``).
+        ddp_group: The group DDP averages over (which parameters some rank used).
+        device: Where the scaler's verdict is agreed when this rank owns nothing.
+        shard_buckets: Torch's rule of splitting each bucket under ``"sorted_greedy"``.
+        interleaved: Update each bucket while backward goes on (else at the last bucket).
+        grad_scaler: The ``GradScaler`` whose verdict every rank shares.
+        find_unused: DDP's ``find_unused_parameters``: update only what some rank used.
+
+    Attributes:
+        structure: The bucket structure adopted (per bucket, its parameters' global indices;
+            ``None`` before the first backward); ``restructures`` counts changes of it,
+            ``reduced_buckets`` the buckets reduced onto their owners (not by the user's hook)
+            and ``skipped`` the backwards a ``GradScaler`` skipped.
+    """
 
     def __init__(
         self,
-        zero: ZeroRedundancyOptimizer,
-        shard_buckets: bool,
-        interleaved: bool,
-        grad_sync: GradSync,
+        shard: LocalShard,
+        window: ParamWindow,
+        buckets: DDPBuckets,
+        ddp_group: comm.ProcessGroup,
+        device: torch.device,
+        *,
+        shard_buckets: bool = False,
+        interleaved: bool = False,
         grad_scaler: GradScaler | None = None,
         find_unused: bool = False,
     ) -> None:
-        # weakly: _STATES is keyed by `zero`; holding it would keep the groups alive (issue 20)
-        self._zero = weakref.ref(zero)
+        self.shard, self.window, self.buckets = shard, window, buckets
+        self.ddp_group, self.device = ddp_group, device
+        self.shard_buckets, self.interleaved = shard_buckets, interleaved
+        self.nonblocking = buckets.wire.gather_group is not buckets.wire.group
+        self.scaler = grad_scaler
         # DDP's find_unused_parameters: which parameters some rank used, at the last bucket
         self.find_unused, self.used = find_unused, cast("set[int] | None", None)
-        self.grad_sync = grad_sync
-        self.shard_buckets = shard_buckets
-        self.interleaved = interleaved
-        self.scaler = grad_scaler
-        self.gather_group, self.nonblocking = _gather_group(zero, interleaved)
-        self.skipped = 0  # backwards whose update the scaler skipped (non-finite gradients)
+        self.skipped = 0
         self._facade = ScalerFacade()
         self.structure: tuple[tuple[int, ...], ...] | None = None
         self.restructures = 0
@@ -245,18 +233,32 @@ class OverlapState:
 
     @property
     def collectives(self) -> Collectives:
-        """The strategy the buckets are reduced and gathered with (the grad sync's)."""
-        return self.grad_sync.collectives
+        """The strategy the buckets are reduced and gathered with."""
+        return self.buckets.collectives
 
     @property
-    def zero(self) -> ZeroRedundancyOptimizer:
-        """The optimizer (held weakly; its hook holds it while DDP runs the hook)."""
-        zero = self._zero()
-        assert zero is not None, "the ZeroRedundancyOptimizer was garbage-collected"
-        return zero
+    def gather_group(self) -> comm.ProcessGroup:
+        """The group the parameter all-gathers run on (a twin where ``nonblocking``)."""
+        return self.buckets.wire.gather_group
 
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
+
+    def _sync(self, indices: tuple[int, ...]) -> BucketSync:
+        """The sync of the bucket of ``indices`` under the shard's ownership now."""
+        shard = self.shard
+        return self.buckets.get(indices, shard.table, shard.ownership, shard.rank)
+
+    def begins(self, bucket: GradBucket) -> bool:
+        """Whether ``bucket`` is the first of a backward (the hook then checks what trains and
+        calls :meth:`new_backward`)."""
+        return bucket.index() == 0 or not self._backward.buckets
+
+    def new_backward(self) -> None:
+        """Forget the backward before (its update thread, if it ended early, is let go)."""
+        if self._backward.updater is not None:
+            self._backward.updater.abandon()
+        self._backward = _Backward()
 
     def start(self, bucket: GradBucket) -> bool:
         """Register ``bucket``; whether to reduce it onto its owners (else the user's hook runs).
@@ -265,12 +267,7 @@ class OverlapState:
         on every rank, so all ranks issue the same collectives in the same order.
         """
         i, bw = bucket.index(), self._backward
-        if i == 0 or not bw.buckets:  # a new backward
-            if bw.updater is not None:  # the last one ended early (an error in backward)
-                bw.updater.abandon()
-            self.zero.check_trainable()  # unfreezing is an error before anything moves
-            bw = self._backward = _Backward()
-        indices = self.grad_sync.indices(bucket.parameters())
+        indices = bucket_indices(self.shard.table, bucket.parameters())
         bw.buckets.append(_Bucket(indices))
         if not bw.deferred and not _known(self.structure, i, indices, bucket.is_last()):
             bw.deferred = True
@@ -278,15 +275,14 @@ class OverlapState:
                 self.restructures += 1
             self._drain()
             # Buckets before this one match the adopted structure and may have been reduced onto
-            # their owners under it: finish them with that ownership before adopt() moves state,
+            # their owners under it: finish them with that ownership before the state moves,
             # or, when a scaler must first see every gradient, give every rank their reduced
             # values (the owners broadcast their runs) so the new owners can step them.
             if self._scaling():
                 for b in bw.buckets[:i]:
                     flat = b.wait()
-                    if self.collectives != "allreduce+broadcast":
-                        runs = self.grad_sync.plan(b.indices).runs
-                        comm.start_broadcast(flat, runs, self.zero.process_group).wait()
+                    if b.sync is not None:
+                        b.sync.gatherer.start(flat).wait()
             else:
                 self._update_until(i)
         return not bw.deferred and self.collectives != "allreduce+broadcast"
@@ -294,7 +290,8 @@ class OverlapState:
     def reduce(self, bucket: GradBucket) -> Future[Tensor]:
         """Average ``bucket`` onto the owners of its pieces; the future DDP waits on."""
         b = self._backward.buckets[bucket.index()]
-        b.reduce = self.grad_sync.start(bucket.buffer(), b.indices)
+        b.sync = self._sync(b.indices)
+        b.sync.start_grad(bucket.buffer())
         self.reduced_buckets += 1
         out = bucket.buffer()
         # set once the bucket is updated (_update), with the reduced values
@@ -302,7 +299,7 @@ class OverlapState:
 
     def on_bucket(self, bucket: GradBucket, fut: Future[Any], wide: Tensor | None = None) -> None:
         """Record the bucket's future (and ``wide``: its average in the reduce dtype, which
-        the update reads); update finished buckets (the last bucket: all of them)."""
+        the update reads); update the buckets whose reduction is done."""
         bw, i = self._backward, bucket.index()
         bw.buckets[i].future, bw.buckets[i].status = fut, BucketStatus.REDUCING
         bw.buckets[i].wide = wide
@@ -316,35 +313,26 @@ class OverlapState:
                 # buckets whose reduction is done, in order; without a twin group, one bucket
                 # behind whatever it takes (its reduction has had one bucket's backward to finish)
                 self._update_until(i, only_ready=self.nonblocking)
-        if bucket.is_last():
-            self._drain()
-            if bw.deferred:
-                self.adopt(tuple(b.indices for b in bw.buckets))
-            if self.find_unused:
-                self.used = _used_anywhere(self.zero.param_table, self.grad_sync.world_group)
-            if self._scaling():
-                self._scaled_step()
-            self._update_until(len(bw.buckets))
-            # waited for now, or (overlap_param_gather) by the next forward
-            self.zero.defer_param_sync(bw.gathers)
-            self._backward = _Backward()
 
-    def adopt(self, structure: tuple[tuple[int, ...], ...]) -> None:
-        """Own the buckets of ``structure`` and move the optimizer's state accordingly.
+    def last_bucket(self) -> tuple[tuple[int, ...], ...] | None:
+        """At the last bucket: wait for the update thread; the bucket structure to adopt
+        before the update (a new one: the hook reshards the state to it), or ``None``."""
+        self._drain()
+        bw = self._backward
+        return tuple(b.indices for b in bw.buckets) if bw.deferred else None
 
-        Collective: every rank calls it with the same structure (the hook does, at the last
-        bucket of a backward whose buckets are new). Tests call it to simulate a rebuild.
-        """
-        zero = self.zero
-        table = zero.param_table
-        # a per-tensor class's tensors (Muon's matrices) stay whole, on the ranks "flat" gives
-        pinned = pinned_owners(zero.param_groups, zero.optimizer_class, table, zero.world_size)
-        blocks = zero.quantization_blocks  # torchao's low-bit state: cut on its blocks
-        ownership = overlap_ownership(
-            structure, zero.partition, table, zero.world_size, self.shard_buckets, pinned, blocks
-        )
-        zero.reshard(ownership)  # the grad sync's plans follow the new ownership
-        self.structure = structure
+    def finish_backward(self) -> None:
+        """Update every bucket not updated yet (all or none, with a scaler), and hand the
+        all-gathers to the window: waited for now, or (overlap_param_gather) by the next forward."""
+        bw = self._backward
+        if self.find_unused:
+            self.used = _used_anywhere(self.shard.table, self.ddp_group)
+        if self._scaling():
+            self._scaled_step()
+        self._update_until(len(bw.buckets))
+        for sync in bw.gathering:
+            sync.finish_params()
+        self._backward = _Backward()
 
     def _drain(self) -> None:
         """Wait for this backward's update thread, if any, to update what it was given."""
@@ -362,28 +350,35 @@ class OverlapState:
     def _update(self, j: int, *, update: bool = True, bw: _Backward | None = None) -> None:
         """Update this rank's pieces of bucket ``j`` (of ``bw``, by default the backward in
         progress) and start the all-gather of the bucket."""
-        bw, zero = bw or self._backward, self.zero
+        bw = bw or self._backward
         b = bw.buckets[j]
-        b.wait()
+        flat = b.wait()
         b.status = BucketStatus.UPDATED
         if update:
-            zero.update_owned(b.owned_grads(zero, self.used))
-            if zero.world_size > 1:
+            sync = self._sync(b.indices)  # under the ownership now (adopted at the last bucket)
+            self.window.finish()  # the last step's all-gathers write what this one updates
+            self.shard.update(sync.owned_grads(flat, self.used))
+            if self.shard.ownership.world_size > 1:
                 # in place: these parameters' grads are final, so backward no longer reads
                 # them; the owners' values are on every rank once the backward has finished
-                plan = self.grad_sync.plan(b.indices)
-                bw.gathers += zero.param_sync.start_gather(b.indices, self.gather_group, plan)
-        if b.reduce is not None:
+                sync.start_params()
+                bw.gathering.append(sync)
+        if b.sync is not None:
             # on each rank only the pieces it owns hold the averaged gradient
             assert b.future is not None
-            b.future.set_result(b.reduce.result())
+            b.future.set_result(b.sync.rounded_back())
 
     def _scaled_step(self) -> None:
         """With a GradScaler: unscale every owned gradient, one verdict on every rank
         (:func:`~zero_functional.shell.amp.overlap_verdict`), then update everything or nothing."""
         assert self.scaler is not None
-        buckets, zero = self._backward.buckets, self.zero
-        owned = [g for b in buckets for g in b.owned_grads(zero, self.used).values()]
-        if overlap_verdict(self.scaler, self._facade, owned, zero.join_device, zero.process_group):
+        buckets = self._backward.buckets
+        owned = [
+            g
+            for b in buckets
+            for g in self._sync(b.indices).owned_grads(b.wait(), self.used).values()
+        ]
+        group = self.buckets.wire.group
+        if overlap_verdict(self.scaler, self._facade, owned, self.device, group):
             self.skipped += 1
             self._update_until(len(buckets), update=False)

@@ -1,20 +1,18 @@
-"""How one rank updates the pieces it owns: the functional core, or a real ``torch.optim`` instance.
+"""How one rank updates the pieces it owns: a stepper per optimizer class, one interface.
 
 The shell hands a stepper, per parameter group, the group (hyperparameters read *now*, so
-schedulers and user edits apply), the views of the owned pieces of the parameters, their
-gradients and their state dicts; the stepper updates parameters and state dicts in place. State
-dicts belong to the shell (``ZeroRedundancyOptimizer.state``); a stepper keeps none of its own.
+schedulers and user edits apply), the owned pieces' views, their gradients and their state dicts
+(the shell's own: ``ZeroRedundancyOptimizer.state``); the stepper updates them in place. Every
+stepper answers the same questions for a group (:meth:`Stepper.for_group`: its class's stepper;
+:attr:`~Stepper.tensor_keys`, :attr:`~Stepper.blockwise`, :attr:`~Stepper.functional`), so no
+caller asks which kind it holds:
 
-* :class:`FunctionalStepper`: SGD, Adam and AdamW through :mod:`zero_functional.functional`
-  (fused kernels where torch has them).
-* :class:`ShadowStepper`: any other elementwise class, as a real instance of it stepping fresh
-  detached views of the pieces ("shadows") whose ``.grad`` is the reduced gradient: the class's
-  own code runs on pieces of tensors, in overlap mode too.
-* :class:`ByClassStepper`: with a class per parameter group, each group through its class's
-  stepper (one of the two above).
-* :class:`RealStepper`: torch's own arrangement, one instance over this rank's whole parameters,
-  for whole-tensor ownership outside overlap mode: closures (LBFGS, at world size 1) and step
-  keyword arguments pass through, exactly as in ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+* :class:`FunctionalStepper`: SGD, Adam and AdamW through :mod:`zero_functional.functional`;
+* :class:`PieceViewStepper`: any other elementwise class, a real instance of it stepping detached
+  views of the pieces (in overlap mode too);
+* :class:`WholeParamStepper`: torch's own arrangement, one instance over this rank's whole
+  parameters (whole-tensor ownership after backward): closures and step keywords pass through;
+* :class:`PerClassStepper`: a class per parameter group, each group through its class's stepper.
 """
 
 from __future__ import annotations
@@ -41,21 +39,18 @@ from zero_functional.functional.lowbit import quantized
 from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name, update_block
 
 __all__ = [
-    "ByClassStepper",
     "FunctionalStepper",
     "LocalView",
-    "RealStepper",
-    "ShadowStepper",
+    "PerClassStepper",
+    "PieceViewStepper",
     "Stepper",
+    "WholeParamStepper",
     "choose_stepper",
     "converted_state",
-    "low_bit_local",
-    "instance_keys",
+    "hyperparameters",
     "loaded_group",
-    "saved_group",
-    "class_steppers",
-    "runs_functional",
     "probe_state",
+    "saved_group",
     "state_schema",
     "state_schemas",
 ]
@@ -69,7 +64,34 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Stepper:
-    """Updates pieces in place: ``step_pieces(group, params, grads, states)``."""
+    """How pieces of one class's parameters are updated; what the shell asks of any stepper.
+
+    Attributes:
+        whole: Steps whole parameters itself (:meth:`step_whole`), not pieces.
+        local: The real instance that steps, if any (``ZeroRedundancyOptimizer.optim``).
+    """
+
+    whole = False
+    local: Optimizer | None = None
+
+    def for_group(self, group: Mapping[str, Any]) -> Stepper:
+        """The stepper of ``group``'s class (itself, but for a class per group)."""
+        return self
+
+    @property
+    def tensor_keys(self) -> dict[str, torch.dtype]:
+        """The hyperparameters its class keeps as 0-d tensors (torchao's ``lr``), with dtypes."""
+        return {}
+
+    @property
+    def blockwise(self) -> Optimizer | None:
+        """The instance, where its class quantizes its state per block (torchao's low-bit)."""
+        return None
+
+    @property
+    def functional(self) -> bool:
+        """Whether it runs the functional core (whose state keeps ``step`` as fp32)."""
+        return False
 
     def step_pieces(
         self,
@@ -81,22 +103,34 @@ class Stepper:
     ) -> None:
         """Update ``params`` and ``states`` (one dict per param, possibly empty) in place;
         ``numels``: each piece's whole parameter's size, where a class decides its state on
-        the whole parameter (torchao's low-bit state: :class:`ShadowStepper`)."""
-        raise NotImplementedError
+        the whole parameter (torchao's low-bit state)."""
+        raise RuntimeError(
+            f"update_owned needs an optimizer that runs on pieces; this one runs "
+            f"{type(self.local).__name__} over whole parameters: call step()"
+        )
+
+    def step_whole(
+        self, groups: Sequence[dict[str, Any]], closure: Callable[[], float] | None, **kwargs: Any
+    ) -> float | None:
+        """Step the whole parameters (:class:`WholeParamStepper` only)."""
+        raise RuntimeError("this optimizer steps pieces: step_pieces")
 
 
 class FunctionalStepper(Stepper):
-    """The functional core's in-place update, state as torch's dicts.
+    """The functional core's in-place update over torch's state dicts.
 
-    ``compile`` picks the kernel (the ``compile`` flag of the spec's ``apply_``): ``None``
-    compiles only where it measures faster (nowhere on CPU: torch's fused Adam wins),
-    ``True`` always where it applies (falling back to eager, with one warning, where compiling
+    ``compile`` picks the kernel (the spec's ``apply_``): ``None`` compiles only where it
+    measures faster, ``True`` wherever it applies (eager, with one warning, where compiling
     fails), ``False`` never.
     """
 
     def __init__(self, spec: FunctionalSpec, compile: bool | None = None) -> None:
         self.spec = spec
         self.compile = compile
+
+    @property
+    def functional(self) -> bool:
+        return True
 
     def step_pieces(
         self,
@@ -109,35 +143,40 @@ class FunctionalStepper(Stepper):
         """One step of the functional optimizer over ``params`` (see :class:`Stepper`)."""
         if not params:
             return
-        spec = self.spec
-        hyper = group_hyperparams(spec, group)
-        fresh = [i for i, s in enumerate(states) if not s]
-        if fresh:
-            born = spec.state_to_dicts(spec.init([params[i] for i in fresh], **hyper))
-            for i, d in zip(fresh, born):
-                states[i].update(d)
+        spec, hyper = self.spec, group_hyperparams(self.spec, group)
+        # the state's tensors are the dicts' own (fresh where a dict is empty): the update
+        # changes them in place, and only what it made anew is written back
         state = spec.state_from_dicts(states, params, **hyper)
-        # the lists are built by the shell: the update without its per-tensor checks
         spec.apply_(params, grads, state, spec.record(hyper), compile=self.compile)
         for s, d in zip(states, spec.state_to_dicts(state)):
-            s.update(d)
+            for key, value in d.items():
+                if s.get(key) is not value:
+                    s[key] = value
 
 
-class ShadowStepper(Stepper):
-    """A real ``optimizer_class`` instance run on detached views of the pieces.
+class PieceViewStepper(Stepper):
+    """A real ``optimizer_class`` instance stepping detached views of the pieces.
 
-    Each call builds fresh leaf tensors that share storage with the pieces (so the class's
-    in-place update writes the parameters), sets their ``.grad`` to the given gradients, links
-    the instance's ``state`` to the shell's dicts and its only param group to the group's
-    current hyperparameters, steps, and lets go of all of it.
+    Each call builds fresh leaf tensors sharing storage with the pieces (so the class's
+    in-place update writes the parameters), sets their ``.grad``, links the instance's
+    ``state`` to the shell's dicts and its only group to the group's hyperparameters now,
+    steps, and lets go of all of it.
     """
 
     def __init__(self, local: Optimizer, defaults: Mapping[str, Any]) -> None:
         if len(local.param_groups) != 1:
-            raise ValueError("ShadowStepper takes an instance built with one parameter group")
+            raise ValueError("PieceViewStepper takes an instance built with one parameter group")
         self.local = local
         self.defaults = dict(defaults)
-        self.tensor_keys = tensor_keys(local)
+        self._tensor_keys = tensor_keys(local)
+
+    @property
+    def tensor_keys(self) -> dict[str, torch.dtype]:
+        return dict(self._tensor_keys)
+
+    @property
+    def blockwise(self) -> Optimizer | None:
+        return self.local if update_block(type(self.local)) > 1 else None
 
     def step_pieces(
         self,
@@ -147,34 +186,249 @@ class ShadowStepper(Stepper):
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        """One step of the instance over shadows of ``params`` (see :class:`Stepper`); a
-        class with quantization blocks gets its fresh state decided on the whole parameters
-        of ``numels`` (:func:`lowbit_state`), not on the pieces."""
+        """One step of the instance over views of ``params`` (see :class:`Stepper`); a class
+        with quantization blocks decides fresh state on the whole parameters of ``numels``
+        (:func:`lowbit_state`), not on the pieces."""
         if not params:
             return
-        shadows = []
+        views = []
         for p, g in zip(params, grads, strict=True):
-            shadow = p.detach()
-            shadow.grad = g.detach()
-            shadows.append(shadow)
-        if numels is not None and update_block(type(self.local)) > 1:
-            for shadow, s, n in zip(shadows, states, numels, strict=True):
-                if not s:
-                    s.update(lowbit_state(self.local, group, shadow, n))
-        fresh = [(shadow, s) for shadow, s in zip(shadows, states) if not s]
-        if fresh:
-            _initial_state(type(self.local), group, fresh, self.defaults)
+            view = p.detach()
+            view.grad = g.detach()
+            views.append(view)
         local = self.local
-        local.param_groups[0] = {**instance_hyper(self.tensor_keys, group), "params": shadows}
-        local.state = defaultdict(dict, zip(shadows, states))
+        assert local is not None
+        if numels is not None and self.blockwise is not None:
+            for view, s, n in zip(views, states, numels, strict=True):
+                if not s:
+                    s.update(lowbit_state(local, group, view, n))
+        fresh = [(view, s) for view, s in zip(views, states) if not s]
+        if fresh:
+            _initial_state(type(local), group, fresh, self.defaults)
+        local.param_groups[0] = {**instance_hyper(self._tensor_keys, group), "params": views}
+        local.state = defaultdict(dict, zip(views, states))
         try:
             with torch.no_grad():
                 local.step()
         finally:
             # the instance keeps its own kinds (torchao's tensor lr): a stepper built on it
             # later (a reshard) reads them from it
-            local.param_groups[0] = {**instance_hyper(self.tensor_keys, group), "params": []}
+            local.param_groups[0] = {**instance_hyper(self._tensor_keys, group), "params": []}
             local.state = defaultdict(dict)
+
+
+class WholeParamStepper(Stepper):
+    """torch's own arrangement: one instance over this rank's whole parameters, whose
+    ``state`` is the shell's mapping itself, so that a closure (LBFGS) or step keywords reach
+    ``optimizer_class.step`` unchanged."""
+
+    whole = True
+
+    def __init__(
+        self,
+        optimizer_class: type[Optimizer],
+        groups: Sequence[Mapping[str, Any]],
+        owned: Sequence[Sequence[Tensor]],
+        state: MutableMapping[Tensor, Any],
+        defaults: Mapping[str, Any],
+    ) -> None:
+        placeholder = torch.nn.Parameter(torch.zeros(1))
+        local_groups = [
+            {**hyperparameters(g), "params": list(ps) or [placeholder]}
+            for g, ps in zip(groups, owned, strict=True)
+        ]
+        local = optimizer_class(local_groups, **defaults)
+        self.local = local
+        self._tensor_keys = tensor_keys(local)
+        # a rank may own nothing of a group: the placeholder only got the constructor through
+        for lg, ps in zip(local.param_groups, owned):
+            lg["params"] = list(ps)
+        for p, s in local.state.items():  # state a constructor made (Adagrad's sum)
+            if p is not placeholder and not state.get(p):
+                state[p] = s
+        local.state = state  # type: ignore[assignment]
+
+    @property
+    def tensor_keys(self) -> dict[str, torch.dtype]:
+        return dict(self._tensor_keys)
+
+    @property
+    def blockwise(self) -> Optimizer | None:
+        return self.local if update_block(type(self.local)) > 1 else None
+
+    def step_whole(
+        self, groups: Sequence[dict[str, Any]], closure: Callable[[], float] | None, **kwargs: Any
+    ) -> float | None:
+        """``optimizer_class.step`` with the shell's hyperparameters; they are copied back."""
+        local = self.local
+        assert local is not None
+        for g, lg in zip(groups, local.param_groups, strict=True):
+            lg.update(instance_hyper(self._tensor_keys, g))
+        loss = local.step(closure, **kwargs) if closure is not None else local.step(**kwargs)
+        for g, lg in zip(groups, local.param_groups, strict=True):
+            # the shell keeps a number where the instance keeps a tensor (torchao's lr)
+            g.update(
+                {
+                    k: v
+                    for k, v in hyperparameters(lg).items()
+                    if k not in self._tensor_keys or isinstance(g.get(k), Tensor)
+                }
+            )
+        return cast("float | None", loss)
+
+
+class PerClassStepper(Stepper):
+    """Each group through the stepper of its class (its ``"optimizer_class"`` name)."""
+
+    def __init__(self, steppers: Mapping[str, Stepper]) -> None:
+        self.steppers = dict(steppers)
+        self._none = Stepper()  # a group added since: not stepped yet
+
+    def for_group(self, group: Mapping[str, Any]) -> Stepper:
+        return self.steppers.get(group.get(GROUP_CLASS_KEY, ""), self._none)
+
+    def step_pieces(
+        self,
+        group: Mapping[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: StateDicts,
+        numels: Sequence[int] | None = None,
+    ) -> None:
+        self.steppers[group[GROUP_CLASS_KEY]].step_pieces(group, params, grads, states, numels)
+
+
+def per_class_stepper(
+    param_groups: Sequence[Mapping[str, Any]],
+    default: type[Optimizer],
+    compile: bool | None,
+    defaults: Mapping[str, Any],
+) -> PerClassStepper:
+    """Per class of ``param_groups`` (a class per group): the functional core where it covers
+    every group of the class, else a real instance over piece views (the constructor's keyword
+    ``defaults`` reach ``default``'s only).
+
+    Example:
+        >>> groups = [{"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"},
+        ...           {"params": [torch.zeros(2)], "lr": 0.1, "optimizer_class": "torch.optim.AdamW"}]
+        >>> stepper = per_class_stepper(groups, torch.optim.AdamW, False, {})
+        >>> sorted((k, type(v).__name__) for k, v in stepper.steppers.items())
+        [('torch.optim.AdamW', 'FunctionalStepper'), ('torch.optim.Muon', 'PieceViewStepper')]
+    """
+    by_class: dict[type[Optimizer], list[Mapping[str, Any]]] = {}
+    for g in param_groups:
+        by_class.setdefault(group_class(g, default), []).append(g)
+    steppers: dict[str, Stepper] = {}
+    for cls, groups in by_class.items():
+        spec = functional_spec(cls)
+        if spec is not None and all(supports_group(spec, g) for g in groups):
+            steppers[optimizer_name(cls)] = FunctionalStepper(spec, compile)
+            continue
+        # an instance over one of its own parameters (a class may refuse other shapes)
+        own = {**hyperparameters(groups[0]), "params": list(groups[0]["params"])[:1]}
+        local = cls([own], **(defaults if cls is default else {}))
+        local.param_groups[0]["params"] = []
+        steppers[optimizer_name(cls)] = PieceViewStepper(local, defaults if cls is default else {})
+    return PerClassStepper(steppers)
+
+
+def choose_stepper(
+    spec: FunctionalSpec | None,
+    compile: bool | None,
+    probe: Optimizer,
+    whole: bool,
+    param_groups: list[dict[str, Any]],
+    own: Container[int],
+    state: Any,
+    defaults: Mapping[str, Any],
+) -> Stepper:
+    """How this rank updates its pieces: the functional core where ``spec`` covers the class;
+    else, where this rank owns ``whole`` parameters (after backward), a real instance of the
+    class over them sharing ``state``; else a real instance over views of the pieces. With a
+    class per group, each group through its class (:func:`per_class_stepper`)."""
+    if is_mixed(param_groups):
+        return per_class_stepper(param_groups, type(probe), compile, defaults)
+    if spec is not None:
+        return FunctionalStepper(spec, compile)
+    if whole:
+        owned: list[list[Tensor]] = []
+        start = 0
+        for g in param_groups:
+            owned.append([p for i, p in enumerate(g["params"]) if start + i in own])
+            start += len(g["params"])
+        return WholeParamStepper(type(probe), param_groups, owned, state, dict(defaults))
+    return PieceViewStepper(probe, dict(defaults))
+
+
+def converted_state(
+    stepper: Stepper, group: Mapping[str, Any], state: Mapping[str, Any], numel: int
+) -> tuple[dict[str, Any], str | None]:
+    """A loaded piece state of a parameter of ``numel`` elements as ``group``'s class keeps
+    it, and how it was converted (``None``: as it was): quantized state where the class keeps
+    fp32 is dequantized; fp32 moments where a low-bit class quantizes the whole parameter are
+    quantized (torchao's ``copy_`` into its zero state quantizes).
+
+    Example:
+        >>> from torchao.optim import AdamW8bit
+        >>> stepper = PieceViewStepper(AdamW8bit([torch.zeros(1)]), {})
+        >>> state = {"step": torch.tensor(1.0), "exp_avg": torch.ones(4096), "exp_avg_sq": torch.ones(4096)}
+        >>> new, how = converted_state(stepper, {}, state, 4096)
+        >>> type(new["exp_avg"]).__name__, how
+        ('OptimState8bit', 'quantized')
+        >>> back, how = converted_state(PieceViewStepper(torch.optim.AdamW([torch.zeros(1)]), {}), {}, new, 4096)
+        >>> type(back["exp_avg"]).__name__, torch.equal(back["exp_avg"], torch.ones(4096)), how
+        ('Tensor', True, 'dequantized')
+    """
+    local = stepper.for_group(group).blockwise
+    out, how = dict(state), None
+    if local is None:
+        for key, value in state.items():
+            if is_blockwise(value):
+                out[key], how = value.dequantize(), "dequantized"
+        return out, how
+    block = int(getattr(local, "block_size", 1))  # torchao's instance attribute
+    moments = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
+    plain = [k for k in moments if isinstance(state[k], Tensor) and not is_blockwise(state[k])]
+    if plain and quantized(numel, block):
+        piece = cast(Tensor, state[plain[0]]).detach()
+        zeros = lowbit_state(local, {**group, "amsgrad": "max_exp_avg_sq" in state}, piece, numel)
+        for key in plain:
+            out[key] = zeros[key].copy_(cast(Tensor, state[key]).detach())
+        how = "quantized"
+    return out, how
+
+
+def saved_group(stepper: Stepper, group: Mapping[str, Any]) -> dict[str, Any]:
+    """``group`` as a state dict carries it: a hyperparameter its class keeps as a 0-d tensor
+    (torchao's ``lr``) as one, so that a plain instance of the class loads it.
+
+    Example:
+        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
+        >>> saved_group(PieceViewStepper(local, {}), {"params": [0], "lr": 0.5})
+        {'lr': tensor(0.5000), 'params': [0]}
+    """
+    keys = stepper.for_group(group).tensor_keys
+    return {**instance_hyper(keys, group), "params": group["params"]}
+
+
+def loaded_group(
+    stepper: Stepper, group: Mapping[str, Any], saved: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``saved``'s hyperparameters as the shell's ``group`` keeps them: a 0-d tensor of a key
+    the class keeps as a tensor becomes a number where ``group`` holds a number.
+
+    Example:
+        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
+        >>> loaded_group(PieceViewStepper(local, {}), {"lr": 0.1}, {"lr": torch.tensor(0.5)})
+        {'lr': 0.5}
+    """
+    keys = stepper.for_group(group).tensor_keys
+    return {
+        k: v.item()
+        if k in keys and isinstance(v, Tensor) and not isinstance(group.get(k), Tensor)
+        else v
+        for k, v in hyperparameters(saved).items()
+    }
 
 
 def lowbit_state(
@@ -220,62 +474,6 @@ def lowbit_state(
     return state
 
 
-def low_bit_local(stepper: object, group: Mapping[str, Any]) -> Optimizer | None:
-    """The instance that steps ``group`` where its class quantizes its state per block
-    (torchao's low-bit classes: ``update_block`` above 1), else ``None``.
-
-    Example:
-        >>> low_bit_local(ShadowStepper(torch.optim.SGD([torch.zeros(1)]), {}), {}) is None
-        True
-    """
-    if isinstance(stepper, ByClassStepper):
-        stepper = stepper.steppers.get(group.get(GROUP_CLASS_KEY, ""))
-    if isinstance(stepper, (ShadowStepper, RealStepper)):
-        if update_block(type(stepper.local)) > 1:
-            return stepper.local
-    return None
-
-
-def converted_state(
-    stepper: object, group: Mapping[str, Any], state: Mapping[str, Any], numel: int
-) -> tuple[dict[str, Any], str | None]:
-    """A loaded piece state of a parameter of ``numel`` elements as ``group``'s class keeps
-    it, and how it was converted (``None``: as it was). Quantized state where the class keeps
-    fp32 is dequantized; fp32 moments where a low-bit class quantizes the whole parameter are
-    quantized (torchao's ``copy_`` into its zero state quantizes); a parameter too small for
-    quantized state keeps fp32 either way.
-
-    Example:
-        >>> from torchao.optim import AdamW8bit
-        >>> local = AdamW8bit([torch.zeros(1)])
-        >>> stepper = ShadowStepper(local, {})
-        >>> state = {"step": torch.tensor(1.0), "exp_avg": torch.ones(4096), "exp_avg_sq": torch.ones(4096)}
-        >>> new, how = converted_state(stepper, {}, state, 4096)
-        >>> type(new["exp_avg"]).__name__, how
-        ('OptimState8bit', 'quantized')
-        >>> back, how = converted_state(ShadowStepper(torch.optim.AdamW([torch.zeros(1)]), {}), {}, new, 4096)
-        >>> type(back["exp_avg"]).__name__, torch.equal(back["exp_avg"], torch.ones(4096)), how
-        ('Tensor', True, 'dequantized')
-    """
-    local = low_bit_local(stepper, group)
-    out, how = dict(state), None
-    if local is None:
-        for key, value in state.items():
-            if is_blockwise(value):
-                out[key], how = value.dequantize(), "dequantized"
-        return out, how
-    block = int(getattr(local, "block_size", 1))  # torchao's instance attribute
-    moments = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
-    plain = [k for k in moments if isinstance(state[k], Tensor) and not is_blockwise(state[k])]
-    if plain and quantized(numel, block):
-        piece = cast(Tensor, state[plain[0]]).detach()
-        zeros = lowbit_state(local, {**group, "amsgrad": "max_exp_avg_sq" in state}, piece, numel)
-        for key in plain:
-            out[key] = zeros[key].copy_(cast(Tensor, state[key]).detach())
-        how = "quantized"
-    return out, how
-
-
 def tensor_keys(local: Optimizer) -> dict[str, torch.dtype]:
     """The hyperparameters ``local``'s group holds as 0-d tensors (torchao's ``lr``), with
     their dtypes.
@@ -306,126 +504,6 @@ def instance_hyper(keys: Mapping[str, torch.dtype], group: Mapping[str, Any]) ->
     }
 
 
-def instance_keys(stepper: object, group: Mapping[str, Any]) -> dict[str, torch.dtype]:
-    """The hyperparameters that ``group``'s class keeps as 0-d tensors where a real instance
-    of it steps (torchao's ``lr``; :func:`tensor_keys`); none for the functional core.
-
-    Example:
-        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
-        >>> instance_keys(ShadowStepper(local, {}), {}), instance_keys(None, {})
-        ({'lr': torch.float32}, {})
-    """
-    if isinstance(stepper, ByClassStepper):
-        stepper = stepper.steppers.get(group.get(GROUP_CLASS_KEY, ""))
-    if isinstance(stepper, (ShadowStepper, RealStepper)):
-        return dict(stepper.tensor_keys)
-    return {}
-
-
-def saved_group(stepper: object, group: Mapping[str, Any]) -> dict[str, Any]:
-    """``group`` as a state dict carries it: where the class keeps a hyperparameter as a 0-d
-    tensor (:func:`instance_keys`), as one, so that a plain instance of the class loads and
-    steps it (torchao refuses a number ``lr``); the shell's group keeps numbers.
-
-    Example:
-        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
-        >>> saved_group(ShadowStepper(local, {}), {"params": [0], "lr": 0.5})
-        {'lr': tensor(0.5000), 'params': [0]}
-    """
-    return {**instance_hyper(instance_keys(stepper, group), group), "params": group["params"]}
-
-
-def loaded_group(
-    stepper: object, group: Mapping[str, Any], saved: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``saved``'s hyperparameters as the shell's ``group`` keeps them: a 0-d tensor that the
-    class's instance keeps as a tensor (torchao's ``lr``) becomes a number where ``group``
-    holds a number, so a dict saved by the plain class or by us loads alike.
-
-    Example:
-        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
-        >>> loaded_group(ShadowStepper(local, {}), {"lr": 0.1}, {"lr": torch.tensor(0.5)})
-        {'lr': 0.5}
-    """
-    keys = instance_keys(stepper, group)
-    return {
-        k: v.item()
-        if k in keys and isinstance(v, Tensor) and not isinstance(group.get(k), Tensor)
-        else v
-        for k, v in hyperparameters(saved).items()
-    }
-
-
-class ByClassStepper(Stepper):
-    """Each group through the stepper of its class (the group's ``"optimizer_class"`` name):
-    a class per parameter group (:func:`class_steppers` builds it)."""
-
-    def __init__(self, steppers: Mapping[str, Stepper]) -> None:
-        self.steppers = dict(steppers)
-
-    def of(self, group: Mapping[str, Any]) -> Stepper:
-        """The stepper of ``group``'s class."""
-        return self.steppers[group[GROUP_CLASS_KEY]]
-
-    def step_pieces(
-        self,
-        group: Mapping[str, Any],
-        params: Sequence[Tensor],
-        grads: Sequence[Tensor],
-        states: StateDicts,
-        numels: Sequence[int] | None = None,
-    ) -> None:
-        """One step of ``group``'s class over ``params`` (see :class:`Stepper`)."""
-        self.of(group).step_pieces(group, params, grads, states, numels)
-
-
-def class_steppers(
-    param_groups: Sequence[Mapping[str, Any]],
-    default: type[Optimizer],
-    compile: bool | None,
-    defaults: Mapping[str, Any],
-) -> ByClassStepper:
-    """Per class of ``param_groups`` (a class per group): the functional core where it covers
-    every group of the class, else a real instance over shadows (the constructor's keyword
-    ``defaults`` reach ``default``'s only).
-
-    Example:
-        >>> import torch
-        >>> groups = [{"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"},
-        ...           {"params": [torch.zeros(2)], "lr": 0.1, "optimizer_class": "torch.optim.AdamW"}]
-        >>> stepper = class_steppers(groups, torch.optim.AdamW, False, {})
-        >>> sorted((k, type(v).__name__) for k, v in stepper.steppers.items())
-        [('torch.optim.AdamW', 'FunctionalStepper'), ('torch.optim.Muon', 'ShadowStepper')]
-    """
-    by_class: dict[type[Optimizer], list[Mapping[str, Any]]] = {}
-    for g in param_groups:
-        by_class.setdefault(group_class(g, default), []).append(g)
-    steppers: dict[str, Stepper] = {}
-    for cls, groups in by_class.items():
-        spec = functional_spec(cls)
-        if spec is not None and all(supports_group(spec, g) for g in groups):
-            steppers[optimizer_name(cls)] = FunctionalStepper(spec, compile)
-            continue
-        # an instance over one of its own parameters (a class may refuse other shapes)
-        own = {**hyperparameters(groups[0]), "params": list(groups[0]["params"])[:1]}
-        local = cls([own], **(defaults if cls is default else {}))
-        local.param_groups[0]["params"] = []
-        steppers[optimizer_name(cls)] = ShadowStepper(local, defaults if cls is default else {})
-    return ByClassStepper(steppers)
-
-
-def runs_functional(stepper: object, group: Mapping[str, Any]) -> bool:
-    """Whether ``group`` steps through the functional core (its state's ``step`` is fp32).
-
-    Example:
-        >>> runs_functional(ShadowStepper(torch.optim.SGD([torch.zeros(1)]), {}), {})
-        False
-    """
-    if isinstance(stepper, ByClassStepper):  # a group added since: not stepped yet
-        stepper = stepper.steppers.get(group.get(GROUP_CLASS_KEY, ""))
-    return isinstance(stepper, FunctionalStepper)
-
-
 def _initial_state(
     optimizer_class: type[Optimizer],
     group: Mapping[str, Any],
@@ -441,60 +519,6 @@ def _initial_state(
     )
     for t, s in fresh:
         s.update(born.state.get(t, {}))
-
-
-class RealStepper:
-    """torch's own arrangement: one instance over this rank's whole parameters, state shared.
-
-    ``state`` is the shell's mapping itself, so the instance reads and writes the shell's dicts
-    directly and a closure (LBFGS) or step keywords reach ``optimizer_class.step`` unchanged.
-    """
-
-    def __init__(
-        self,
-        optimizer_class: type[Optimizer],
-        groups: Sequence[Mapping[str, Any]],
-        owned: Sequence[Sequence[Tensor]],
-        state: MutableMapping[Tensor, Any],
-        defaults: Mapping[str, Any],
-    ) -> None:
-        placeholder = torch.nn.Parameter(torch.zeros(1))
-        local_groups = [
-            {**hyperparameters(g), "params": list(ps) or [placeholder]}
-            for g, ps in zip(groups, owned, strict=True)
-        ]
-        self.local = optimizer_class(local_groups, **defaults)
-        self.tensor_keys = tensor_keys(self.local)
-        # a rank may own nothing of a group: the placeholder only got the constructor through
-        for lg, ps in zip(self.local.param_groups, owned):
-            lg["params"] = list(ps)
-        for p, s in self.local.state.items():  # state a constructor made (Adagrad's sum)
-            if p is not placeholder and not state.get(p):
-                state[p] = s
-        self.local.state = state  # type: ignore[assignment]
-
-    def step(
-        self,
-        groups: Sequence[dict[str, Any]],
-        closure: Callable[[], float] | None,
-        **kwargs: Any,
-    ) -> float | None:
-        """``optimizer_class.step`` with the shell's hyperparameters; they are copied back."""
-        for g, lg in zip(groups, self.local.param_groups, strict=True):
-            lg.update(instance_hyper(self.tensor_keys, g))
-        loss = (
-            self.local.step(closure, **kwargs) if closure is not None else self.local.step(**kwargs)
-        )
-        for g, lg in zip(groups, self.local.param_groups, strict=True):
-            # the shell keeps a number where the instance keeps a tensor (torchao's lr)
-            g.update(
-                {
-                    k: v
-                    for k, v in hyperparameters(lg).items()
-                    if k not in self.tensor_keys or isinstance(g.get(k), Tensor)
-                }
-            )
-        return cast("float | None", loss)
 
 
 def probe_state(
@@ -596,31 +620,3 @@ class LocalView:
             groups.append({**hyperparameters(g), "params": owned})
             start += len(g["params"])
         return cls(groups, state)
-
-
-def choose_stepper(
-    spec: FunctionalSpec | None,
-    compile: bool | None,
-    probe: Optimizer,
-    whole: bool,
-    param_groups: list[dict[str, Any]],
-    own: Container[int],
-    state: Any,
-    defaults: Mapping[str, Any],
-) -> Stepper | RealStepper:
-    """How this rank updates its pieces: the functional core where ``spec`` covers the class;
-    else, where this rank owns ``whole`` parameters (after backward), a real instance of the
-    class over them sharing ``state``; else a real instance over shadows of the pieces. With a
-    class per group, each group through its class (:func:`class_steppers`)."""
-    if is_mixed(param_groups):
-        return class_steppers(param_groups, type(probe), compile, defaults)
-    if spec is not None:
-        return FunctionalStepper(spec, compile)
-    if whole:
-        owned: list[list[Tensor]] = []
-        start = 0
-        for g in param_groups:
-            owned.append([p for i, p in enumerate(g["params"]) if start + i in own])
-            start += len(g["params"])
-        return RealStepper(type(probe), param_groups, owned, state, dict(defaults))
-    return ShadowStepper(probe, dict(defaults))

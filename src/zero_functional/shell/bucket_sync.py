@@ -1,0 +1,384 @@
+"""BucketSync: one bucket's two directions, gradients onto their owners and parameters back.
+
+Megatron-LM's bucket group has ``start_grad_sync``/``finish_grad_sync`` beside
+``start_param_sync``/``finish_param_sync``; here a :class:`BucketSync` is that owner for one
+bucket of parameters laid end to end (a DDP bucket, a bucket view, or all of ``step()``'s
+parameters), with the collectives :meth:`~zero_functional.comm.Wire.choose` gave its plan. The
+gradient reduction is written once: the bucket is widened to the reduce dtype (if any), divided by
+DDP's world, summed onto the owner of each run, under a device mesh summed across replicas, and
+rounded back into the bucket once. The parameter all-gather goes unit by unit
+(:attr:`BucketSync.units`), so that an owner can update a unit just before it is sent; finished
+gathers are handed to the :class:`~zero_functional.shell.param_window.ParamWindow`, which waits
+now or (``overlap_param_gather``) when the parameters are next read. Every collective is issued
+by the caller's thread, in bucket order on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+from zero_functional import comm
+from zero_functional.core.layout import bucket_layout, piece_view, views
+from zero_functional.core.ownership import Ownership
+from zero_functional.core.param_table import ParamTable
+from zero_functional.core.plans import (
+    BufferPlan,
+    Collectives,
+    SyncUnit,
+    bucket_view_groups,
+    buffer_plan,
+    sync_plan,
+)
+from zero_functional.shell.param_window import InFlight, ParamWindow
+
+__all__ = [
+    "BucketSync",
+    "DDPBuckets",
+    "GatherUnit",
+    "all_reduce_widened",
+    "bucket_indices",
+    "step_syncs",
+    "widened",
+]
+
+
+def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``t`` itself, or a copy in ``dtype`` where that is another dtype (a reduce dtype).
+
+    Example:
+        >>> t = torch.ones(2, dtype=torch.bfloat16)
+        >>> widened(t, None) is t, widened(t, torch.float32).dtype
+        (True, torch.float32)
+    """
+    return t if dtype is None or dtype == t.dtype else t.to(dtype)
+
+
+def all_reduce_widened(
+    flat: Tensor, dtype: torch.dtype | None, group: comm.ProcessGroup
+) -> tuple[Future[Tensor], Tensor]:
+    """DDP's average of a bucket's buffer ``flat`` over ``group``, summed in ``dtype`` and
+    rounded back once (a hook's ``reduce_dtype`` while the buckets are not known yet): DDP's
+    future, and the average in ``dtype``, which the update reads rather than its rounding.
+
+    Example:
+        >>> fut, wide = all_reduce_widened(torch.ones(2, dtype=torch.bfloat16), torch.float32, group)
+        >>> fut.wait(), wide.dtype
+        (tensor([1., 1.], dtype=torch.bfloat16), torch.float32)
+    """
+    wide = widened(flat, dtype).div_(comm.group_size(group))
+    return comm.start_all_reduce(wide, group).copy_after(flat, wide).future(flat), wide
+
+
+def bucket_indices(table: ParamTable, params: Sequence[Tensor]) -> tuple[int, ...]:
+    """The global indices of a DDP bucket's ``params``, or an error naming the fix.
+
+    Example:
+        >>> a, b = torch.zeros(1), torch.zeros(2)
+        >>> bucket_indices(ParamTable.of([{"params": [a, b]}]), [b, a])
+        (1, 0)
+    """
+    try:
+        return tuple(table.index(p) for p in params)
+    except KeyError as e:
+        raise RuntimeError(
+            "a DDP gradient bucket holds a parameter this ZeroRedundancyOptimizer does not "
+            "manage: build it from ddp.parameters() (or model.parameters())"
+        ) from e
+
+
+@dataclass(frozen=True, slots=True)
+class GatherUnit:
+    """One launch of a bucket's parameter all-gather: the parameters it writes (global
+    indices) and the ranks that send (an owner updates its pieces of them before)."""
+
+    indices: tuple[int, ...]
+    senders: frozenset[int]
+
+
+class BucketSync:
+    """One bucket of parameters laid end to end, under one ownership: its gradient reduction
+    and its parameter all-gather, each a start/finish pair.
+
+    Args:
+        indices: The parameters' global indices, in bucket order.
+        table: The optimizer's parameters.
+        ownership: Who owns which piece; ``rank`` is this rank.
+        wire: The shard group's collectives.
+        collectives: The strategy (:func:`~zero_functional.core.plans.choose_collectives`).
+        window: Where finished all-gathers go.
+        ranks: The ranks gradients are averaged over (DDP's world).
+        reduce_dtype: Sum the gradients in this dtype (``None``: the bucket's).
+        replicate: Under a device mesh, the group the owned runs are summed across.
+        view: Make the parameters views of one buffer (``parameters_as_bucket_view``) and
+            gather that buffer in place.
+
+    Example:
+        >>> ps = [torch.ones(3), torch.ones(2)]
+        >>> table = ParamTable.of([{"params": ps}])
+        >>> from zero_functional.core.ownership import flat_ownership
+        >>> window = ParamWindow(table, lambda name: comm.call(name, group), deferred=False)
+        >>> sync = BucketSync((0, 1), table, flat_ownership([3, 2], 1), 0,
+        ...                   comm.Wire(group), "allreduce+broadcast", window)
+        >>> sync.start_grad(torch.full((5,), 2.0)); sync.finish_grad()
+        tensor([2., 2., 2., 2., 2.])
+    """
+
+    def __init__(
+        self,
+        indices: Sequence[int],
+        table: ParamTable,
+        ownership: Ownership,
+        rank: int,
+        wire: comm.Wire,
+        collectives: Collectives,
+        window: ParamWindow,
+        *,
+        ranks: int = 1,
+        reduce_dtype: torch.dtype | None = None,
+        replicate: comm.ProcessGroup | None = None,
+        view: bool = False,
+    ) -> None:
+        self.indices = tuple(indices)
+        self.table, self.ownership, self.rank = table, ownership, rank
+        self.wire, self.window = wire, window
+        self.ranks, self.reduce_dtype, self.replicate = ranks, reduce_dtype, replicate
+        self.plan: BufferPlan = buffer_plan(ownership, self.indices, collectives)
+        params = [table.params[k] for k in self.indices]
+        device = params[0].device if params else torch.device("cpu")
+        self.reducer, self.gatherer = wire.choose(self.plan, device)
+        self.buffer = self._make_view(params) if view else None
+        self._sends = [(k, r, piece) for k in self.indices for r, piece in ownership.holders(k)]
+        self.units, self._batches = self._gather_units()
+        self._in_flight: list[InFlight] = []
+        # the reduction in flight: (what is reduced, the bucket it rounds back into, pending)
+        self._grad: tuple[Tensor, Tensor] | None = None
+        self._pending = comm.Pending([])
+        self._replicas_left = False
+
+    # ------------------------------------------------------------------ gradients
+
+    def start_grad(self, bucket: Tensor) -> None:
+        """Start averaging the 1-D gradient ``bucket`` (DDP's buffer) onto the owners of its
+        runs (``start_grad_sync``)."""
+        flat = widened(bucket, self.reduce_dtype).div_(self.ranks)  # as DDP: divide, then sum
+        self._grad = (flat, bucket)
+        self._pending = self.reducer.start(flat)
+        self._replicas_left = self.replicate is not None
+
+    def grad_done(self) -> bool:
+        """Whether the reduce onto the owners has completed (never blocks)."""
+        return self._pending.done()
+
+    def _across_replicas(self) -> None:
+        # issued on the caller's thread, in bucket order on every replica
+        if self._replicas_left and self._grad is not None and self.replicate is not None:
+            self._replicas_left = False
+            self._pending.wait()
+            spans = self.plan.spans_of(self.rank)
+            grouped = self.wire.grouped
+            self._pending = comm.start_all_reduce_spans(
+                self._grad[0], spans, self.replicate, grouped=grouped
+            )
+
+    def finish_grad(self) -> Tensor:
+        """Wait for the whole reduction (``finish_grad_sync``): the reduced values, in the
+        reduce dtype; on this rank only the runs it owns hold the average."""
+        assert self._grad is not None, "finish_grad() without start_grad()"
+        self._across_replicas()
+        self._pending.wait()
+        return self._grad[0]
+
+    @property
+    def widened(self) -> bool:
+        """Whether the reduction runs in a copy wider than the bucket (a reduce dtype)."""
+        return self._grad is not None and self._grad[0] is not self._grad[1]
+
+    def owned_grads(
+        self, flat: Tensor | None = None, used: set[int] | None = None
+    ) -> dict[int, Tensor]:
+        """Global index -> the reduced gradient of this rank's piece, a view of ``flat`` (by
+        default what this bucket reduced); ``used``: of those parameters only."""
+        flat = self._grad[0] if flat is None and self._grad is not None else flat
+        assert flat is not None
+        return {
+            k: flat[lo:hi]
+            for k, lo, hi in self.ownership.owned_slices(self.indices, self.rank)
+            if used is None or k in used
+        }
+
+    def rounded_back(self) -> Tensor:
+        """The bucket holding the reduced values (rounded back from the reduce dtype once);
+        after :meth:`finish_grad`."""
+        assert self._grad is not None
+        flat, bucket = self._grad
+        if bucket is not flat:
+            bucket.copy_(flat)
+        return bucket
+
+    def grad_pending(self) -> comm.Pending:
+        """Stepping after backward: what DDP's future waits on, after which the reduction is
+        done and rounded back into the bucket."""
+        assert self._grad is not None
+        self._across_replicas()
+        return self._pending.copy_after(self._grad[1], self._grad[0])
+
+    # ------------------------------------------------------------------ parameters
+
+    def _make_view(self, params: list[Tensor]) -> Tensor:
+        """Make ``params`` views of one buffer (padded to even shards), one parameter at a time:
+        each old tensor is freed once its slot is filled, so this costs one buffer."""
+        total = sum(p.numel() for p in params)
+        chunk = self.plan.chunk
+        size = chunk * self.ownership.world_size if chunk is not None else total
+        buffer = torch.empty(size, dtype=params[0].dtype, device=params[0].device)
+        buffer[total:].zero_()
+        layout = bucket_layout([p.numel() for p in params])
+        for p, view in zip(params, views(buffer, layout, [p.shape for p in params])):
+            view.copy_(p.detach())
+            p.data = view
+        return buffer
+
+    def _gather_units(self) -> tuple[tuple[GatherUnit, ...], list[tuple[SyncUnit, ...]]]:
+        """The all-gather's units and, where the bucket's pieces travel on their own (no
+        buffer, no even shards), each unit's broadcasts (:func:`~.plans.sync_plan`)."""
+        if self.ownership.world_size == 1:
+            return (), []
+        if self.buffer is not None or self.plan.chunk is not None:
+            owners = frozenset(run.rank for run in self.plan.runs)
+            return (GatherUnit(self.indices, owners),), []
+        params = self.table.params
+        sends = self._sends
+        plan = sync_plan(
+            [r for _, r, _ in sends],
+            [piece.numel for _, _, piece in sends],
+            [self.table.keys[k] for k, _, _ in sends],
+            [not piece.is_whole or params[k].is_contiguous() for k, _, piece in sends],
+            nccl=self.wire.grouped,
+        )
+        units = tuple(
+            GatherUnit(
+                tuple(sends[i][0] for u in batch for i in u.members),
+                frozenset(u.owner for u in batch),
+            )
+            for batch in plan.batches()
+        )
+        return units, list(plan.batches())
+
+    def start_params(self, unit: GatherUnit | None = None) -> None:
+        """Start the all-gather of ``unit`` (default: every unit) from its owners
+        (``start_param_sync``); :meth:`finish_params` hands it over."""
+        params = self.table.params
+        for j, u in enumerate(self.units):
+            if unit is not None and u is not unit:
+                continue
+            covered = [params[k] for k in u.indices]
+            if self.buffer is not None:
+                pending = self.gatherer.start(self.buffer)
+            elif self.plan.chunk is not None:  # pack, gather the even shards, unpack
+                with torch.no_grad():
+                    staging = torch.cat([p.detach().reshape(-1) for p in covered])
+                pending = self.gatherer.start(staging)
+                pending.finish.append(functools.partial(comm.unflatten_into, staging, covered))
+            else:
+                pending = self._start_pieces(self._batches[j])
+            self._in_flight.append((pending, covered))
+
+    def _start_pieces(self, batch: tuple[SyncUnit, ...]) -> comm.Pending:
+        """One launch of pieces: each unit's in place, or packed (``comm.start_gather_units``)."""
+        params, sends = self.table.params, self._sends
+        calls = [
+            ([piece_view(params[sends[i][0]], sends[i][2]) for i in u.members], u.owner, u.packed)
+            for u in batch
+        ]
+        return comm.start_gather_units(calls, self.wire.gather_group, grouped=self.wire.grouped)
+
+    def finish_params(self) -> None:
+        """Hand the all-gathers started to the window (``finish_param_sync``): waited for now,
+        or, deferred, when their parameters are next read."""
+        in_flight, self._in_flight = self._in_flight, []
+        if in_flight:
+            self.window.defer(in_flight)
+
+
+class DDPBuckets:
+    """The :class:`BucketSync` of each DDP bucket (by its parameters' indices) under an
+    ownership, built once per bucket and ownership.
+
+    Args:
+        wire: The shard group's collectives; ``collectives``: the strategy.
+        window: Where finished all-gathers go.
+        ranks, reduce_dtype, replicate: As :class:`BucketSync`'s.
+    """
+
+    def __init__(
+        self,
+        wire: comm.Wire,
+        collectives: Collectives,
+        window: ParamWindow,
+        *,
+        ranks: int = 1,
+        reduce_dtype: torch.dtype | None = None,
+        replicate: comm.ProcessGroup | None = None,
+    ) -> None:
+        self.wire, self.collectives, self.window = wire, collectives, window
+        self.ranks, self.reduce_dtype, self.replicate = ranks, reduce_dtype, replicate
+        self._syncs: dict[tuple[int, ...], BucketSync] = {}
+        self._ownership: Ownership | None = None
+
+    def get(
+        self, indices: tuple[int, ...], table: ParamTable, ownership: Ownership, rank: int
+    ) -> BucketSync:
+        """The sync of the bucket of parameters ``indices`` under ``ownership``."""
+        if ownership is not self._ownership:
+            self._syncs, self._ownership = {}, ownership
+        sync = self._syncs.get(indices)
+        if sync is None:
+            sync = self._syncs[indices] = BucketSync(
+                indices,
+                table,
+                ownership,
+                rank,
+                self.wire,
+                self.collectives,
+                self.window,
+                ranks=self.ranks,
+                reduce_dtype=self.reduce_dtype,
+                replicate=self.replicate,
+            )
+        return sync
+
+
+def step_syncs(
+    table: ParamTable,
+    ownership: Ownership,
+    rank: int,
+    wire: comm.Wire,
+    collectives: Collectives,
+    window: ParamWindow,
+    bucket_view: bool,
+) -> list[BucketSync]:
+    """The syncs of ``step()``'s parameter all-gather: with ``bucket_view``, one per bucket
+    view (:func:`~zero_functional.core.plans.bucket_view_groups`; the parameters become views of
+    its buffer); else one over every trainable parameter."""
+    window.finish()  # the old views may still be being written
+    params = table.params
+    trainable = [p.requires_grad for p in params]
+    if not bucket_view:
+        # the parameters are separate tensors: their pieces travel on their own, never
+        # packed into one staging copy of the whole model (no even shards)
+        live = [k for k, t in enumerate(trainable) if t]
+        return [BucketSync(live, table, ownership, rank, wire, "reduce+broadcast", window)]
+    if ownership.is_whole:
+        for p in params:
+            if not p.requires_grad and p.data._base is not None:
+                p.data = p.data.detach().clone()  # leave a bucket without losing the value
+    return [
+        BucketSync(members, table, ownership, rank, wire, collectives, window, view=True)
+        for members in bucket_view_groups(ownership, table.keys, trainable)
+    ]
