@@ -16,7 +16,7 @@ from torchao.optim import AdamW8bit
 
 from zero_functional import ZeroRedundancyOptimizer
 from zero_functional.comm.testing import fake_world
-from zero_functional.core.ownership import piece_view
+from zero_functional.core.layout import piece_view
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from _common import TinyGPT, mlp, run_ranks, start_peak, status_mib
-from zero_functional.core.ownership import piece_view
+from zero_functional.core.layout import piece_view
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 DDP_FUSED = "ddp + fused"

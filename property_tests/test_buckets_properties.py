@@ -6,7 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero_functional.core.layout import bucket_layout, ddp_bucket_assignments, flatten, views
+from zero_functional.core.layout import bucket_layout, flatten, views
+from zero_functional.core.partition import ddp_bucket_assignments
 
 from tests.torch_reference import torch_bucket_assignments
 

@@ -11,11 +11,11 @@ from zero_functional.core.cost import (
     ADAMW_STATE_BYTES,
     MUON_STATE_BYTES,
     cost_greedy,
-    max_over_mean,
     muon_plan,
     newton_schulz_cost,
 )
-from zero_functional.core.partition import balance_report, owners
+from zero_functional.core.loads import balance_report, max_over_mean
+from zero_functional.core.partition import owners
 
 costs_st = st.lists(st.integers(0, 10**9), max_size=40)
 world_st = st.integers(1, 9)

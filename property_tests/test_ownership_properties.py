@@ -8,12 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_functional.core._validate import ceil_div, round_up
+from zero_functional.core.layout import piece_view, piece_views
 from zero_functional.core.ownership import (
     Ownership,
     bucket_ownership,
     flat_ownership,
-    piece_view,
-    piece_views,
     sorted_greedy_ownership,
     whole_ownership,
 )
@@ -85,7 +84,7 @@ def test_whole_ownership_puts_each_parameter_whole_on_its_owner(
     _every_element_once(o)
     assert o.is_whole
     for k, (m, r) in enumerate(items):
-        assert o.holders(k) == ((r, Piece(k, 0, m)),)
+        assert o.holders(k) == ((r, Piece(k, 0, m, m)),)
 
 
 @given(st.lists(st.lists(st.integers(0, 100), max_size=6), min_size=1, max_size=4), world_st)
@@ -237,17 +236,17 @@ def test_piece_views_alias_the_tensors_and_slice_join_round_trips(shape: list[in
 
 def test_ownership_validates_itself() -> None:
     with pytest.raises(ValueError, match="exactly one owner"):
-        Ownership((4,), 2, ((Piece(0, 0, 2),), ()))
+        Ownership((4,), 2, ((Piece(0, 0, 2, 4),), ()))
     with pytest.raises(ValueError, match="tile it exactly once"):
-        Ownership((4,), 2, ((Piece(0, 0, 3),), (Piece(0, 2, 4),)))
+        Ownership((4,), 2, ((Piece(0, 0, 3, 4),), (Piece(0, 2, 4, 4),)))
     with pytest.raises(ValueError, match="at most one piece"):
-        Ownership((4,), 1, ((Piece(0, 0, 2), Piece(0, 2, 4)),))
+        Ownership((4,), 1, ((Piece(0, 0, 2, 4), Piece(0, 2, 4, 4)),))
     with pytest.raises(ValueError, match="piece lists"):
-        Ownership((4,), 2, ((Piece(0, 0, 4),),))
+        Ownership((4,), 2, ((Piece(0, 0, 4, 4),),))
     with pytest.raises(ValueError, match="split across ranks"):
         flat_ownership([4], 2).owner(0)
     with pytest.raises(ValueError, match="outside"):
-        piece_view(torch.zeros(3), Piece(0, 0, 4))
+        piece_view(torch.zeros(3), Piece(0, 0, 4, 4))
 
 
 @given(numels_st, numels_st, world_st)

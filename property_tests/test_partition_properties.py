@@ -5,14 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero_functional.core.partition import (
-    balance_report,
-    flat,
-    owners,
-    rank_loads,
-    sorted_greedy,
-    sorted_greedy_groups,
-)
+from zero_functional.core.loads import balance_report, rank_loads
+from zero_functional.core.partition import flat, owners, sorted_greedy, sorted_greedy_groups
 
 from tests.torch_reference import torch_partition
 

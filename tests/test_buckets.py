@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_functional.core.layout import (
-    BucketAssignment,
-    BucketLayout,
-    bucket_layout,
-    ddp_bucket_assignments,
-    flatten,
-    views,
-)
+from zero_functional.core.layout import BucketLayout, bucket_layout, flatten, views
+from zero_functional.core.partition import BucketAssignment, ddp_bucket_assignments
 
 from tests.torch_reference import torch_bucket_assignments
 

@@ -21,7 +21,7 @@ from torch import nn
 from zero_functional import ZeroRedundancyOptimizer, comm
 from zero_functional.comm import calls
 from zero_functional.comm.testing import fake_world
-from zero_functional.core.checks import agreement_verdict
+from zero_functional.core.fingerprint import agreement_verdict
 from zero_functional.core.plans import ownership_for
 from zero_functional.hooks import reduce_scatter_hook
 
@@ -160,9 +160,9 @@ def test_every_failure_names_itself_in_2_kb_at_4096_ranks(partition: Any, tmp_pa
     parameters 2,249; owned_slices of no parameter was an IndexError."""
     from zero_functional import checkpoint
     from zero_functional.checkpoint.storage import CheckpointError
+    from zero_functional.core.consolidation import PARTIAL_KEY
     from zero_functional.core.ownership import Ownership, flat_ownership
     from zero_functional.core.partition import Piece
-    from zero_functional.core.piece_state import PARTIAL_KEY
 
     world, me, n = 4096, 5, 450
     saved = tmp_path / "saved"  # a checkpoint of the model, by a one-rank job (DCP's save
@@ -215,7 +215,7 @@ def test_every_failure_names_itself_in_2_kb_at_4096_ranks(partition: Any, tmp_pa
             tuple(s for s in ownership.owned(r) if r != dropped or s.param != split)
             for r in range(world)
         )
-        outside = ((Piece(10**6, 0, 1),),) + ownership.pieces[1:]
+        outside = ((Piece(10**6, 0, 1, 1),),) + ownership.pieces[1:]
         queries = {
             "add_param_group duplicates": (
                 lambda: zero.add_param_group({"params": params[:50]}),

@@ -10,7 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import comm
-from zero_functional.core.ownership import piece_view
+from zero_functional.core.layout import piece_view
 from zero_functional.hooks import hook_with_zero_step, overlap_state, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.bucket_sync import DDPBuckets

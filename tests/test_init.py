@@ -28,10 +28,11 @@ def test_one_checkpoint_error_caught_as_either_base_it_had() -> None:
     assert issubclass(storage.CheckpointCorruptError, error)
 
 
-def test_a_piece_has_one_name_and_the_old_one_still_resolves() -> None:
+def test_a_piece_has_one_name_and_knows_its_parameters_size() -> None:
     from zero_functional.core import partition
 
-    assert partition.Segment is partition.Piece
+    assert not hasattr(partition, "Segment")  # issue 40: the old name went
     part = partition.flat([3, 5], 2)
-    assert part.segments is part.pieces
-    assert part.pieces[1][0] == partition.Piece(param=1, start=1, stop=5)
+    assert not hasattr(part, "segments")
+    assert part.pieces[1][0] == partition.Piece(param=1, start=1, stop=5, param_numel=5)
+    assert part.pieces[1][0].param_numel == 5 and not part.pieces[1][0].is_whole

@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from zero_functional.core.grad_norm import local_norm, total_norm
-from zero_functional.core.ownership import Ownership, flat_ownership, sorted_greedy_ownership
-from zero_functional.core.param_table import ParamTable
-from zero_functional.core.piece_state import (
+from zero_functional.core.consolidation import (
     PARTIAL_KEY,
     Consolidation,
     merge_shards,
     rank_state_dict,
 )
+from zero_functional.core.grad_norm import local_norm, total_norm
+from zero_functional.core.ownership import Ownership, flat_ownership, sorted_greedy_ownership
+from zero_functional.core.param_table import ParamTable
 from zero_functional.core.plans import plan_moves
 from zero_functional.functional import functional_spec
 from zero_functional.shell.local_shard import LocalShard

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_functional import ZeroRedundancyOptimizer, checkpoint
 from zero_functional.checkpoint import storage
 from zero_functional.comm.testing import fake_world
-from zero_functional.core.ownership import piece_view
+from zero_functional.core.layout import piece_view
 from zero_functional.core.piece_state import slice_state
 from zero_functional.functional.lowbit import LOW_BIT
 from zero_functional.functional.registry import update_block, update_kind

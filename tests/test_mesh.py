@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import ZeroRedundancyOptimizer, checkpoint
-from zero_functional.core.partition import rank_traffic
+from zero_functional.core.loads import rank_traffic
 from zero_functional.core.plans import ownership_for
 from zero_functional.hooks import (
     hook_with_zero_step,

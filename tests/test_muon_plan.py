@@ -10,13 +10,9 @@ import torch
 from torch import nn
 
 from zero_functional.app.models import MODELS, OUTSIDE_BLOCKS, model_shapes, muon_params
-from zero_functional.core.cost import (
-    cost_greedy,
-    max_over_mean,
-    muon_plan,
-    newton_schulz_cost,
-)
-from zero_functional.core.partition import balance_report, sorted_greedy
+from zero_functional.core.cost import cost_greedy, muon_plan, newton_schulz_cost
+from zero_functional.core.loads import balance_report, max_over_mean
+from zero_functional.core.partition import sorted_greedy
 
 from tests.helpers import run_cli
 

@@ -6,17 +6,19 @@ import time
 
 import pytest
 
-from zero_functional.core.partition import (
+from zero_functional.core.loads import (
     BalanceReport,
-    FlatPartition,
-    Piece,
     balance_report,
-    flat,
     hybrid_shape,
-    owners,
     rank_bytes,
     rank_loads,
     rank_traffic,
+)
+from zero_functional.core.partition import (
+    FlatPartition,
+    Piece,
+    flat,
+    owners,
     sorted_greedy,
     sorted_greedy_groups,
 )
@@ -121,8 +123,8 @@ def test_flat_example_straddles() -> None:
     p = flat([6, 3], 2)
     assert p.bounds == ((0, 5), (5, 9))
     assert p.pieces == (
-        (Piece(0, 0, 5),),
-        (Piece(0, 5, 6), Piece(1, 0, 3)),
+        (Piece(0, 0, 5, 6),),
+        (Piece(0, 5, 6, 6), Piece(1, 0, 3, 3)),
     )
     assert p.loads == (5, 4)
 
@@ -137,7 +139,7 @@ def test_flat_align_rounds_ranges_up_and_last_ranks_may_be_empty() -> None:
 
 def test_flat_skips_zero_size_params_and_handles_empty() -> None:
     p = flat([0, 3, 0, 1], 2)
-    assert p.pieces == ((Piece(1, 0, 2),), (Piece(1, 2, 3), Piece(3, 0, 1)))
+    assert p.pieces == ((Piece(1, 0, 2, 3),), (Piece(1, 2, 3, 3), Piece(3, 0, 1, 1)))
     assert flat([], 3).bounds == ((0, 0), (0, 0), (0, 0))
 
 
@@ -152,8 +154,8 @@ def test_flat_partition_validates_itself() -> None:
     with pytest.raises(ValueError, match="align=2"):
         FlatPartition(good.numels, 2, 2, good.bounds, good.pieces)
     with pytest.raises(ValueError, match="0 <= start <= stop"):
-        Piece(0, 4, 3)
-    assert Piece(0, 3, 3).numel == 0  # the piece a zero-size parameter is owned as
+        Piece(0, 4, 3, 4)
+    assert Piece(0, 3, 3, 3).numel == 0  # the piece a zero-size parameter is owned as
 
 
 def test_balance_report_sorted_greedy_and_flat() -> None:

@@ -9,7 +9,8 @@ from torch.func import functional_call, grad
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import comm
-from zero_functional.core.ownership import flat_ownership, piece_views
+from zero_functional.core.layout import piece_views
+from zero_functional.core.ownership import flat_ownership
 from zero_functional.core.partition import owners, sorted_greedy
 from zero_functional.core.sharded import shard_init, shard_update
 from zero_functional.functional import adam

@@ -100,7 +100,7 @@ import time
 
 import torch.distributed as dist
 
-from zero_functional import storage
+from zero_functional.checkpoint import storage
 
 _write = storage._ChecksummedWriter.write_data
 

@@ -23,8 +23,9 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from zero_functional import comm
 from zero_functional.core._validate import first_of
+from zero_functional.core.layout import piece_view
 from zero_functional.core.main_params import main_dtype_for
-from zero_functional.core.ownership import Ownership, Transfer, piece_view
+from zero_functional.core.ownership import Ownership, Transfer
 from zero_functional.core.partition import Piece
 from zero_functional.core.plans import plan_moves
 

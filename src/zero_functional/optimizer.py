@@ -24,16 +24,14 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from zero_functional import comm
-from zero_functional.core.checks import check_new_group, param_blocks, warn_ignored_bucket_view
+from zero_functional.core.checks import check_new_group, warn_ignored_bucket_view
+from zero_functional.core.classes import param_blocks
+from zero_functional.core.consolidation import PARTIAL_KEY, not_consolidated_message
 from zero_functional.core.grad_norm import clip_, local_norm, total_norm
+from zero_functional.core.load_checks import validated_state
 from zero_functional.core.ownership import Ownership, PartitionName, Transfer
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
-from zero_functional.core.piece_state import (
-    PARTIAL_KEY,
-    not_consolidated_message,
-    validated_state,
-)
 from zero_functional.core.plans import (
     Collectives,
     choose_collectives,
@@ -220,7 +218,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         main = self._main_params_dtype
         whole = ownership.is_whole and not self._overlap_with_ddp and main is None
         groups, state = self.param_groups, self.state
-        return self._stepper_for(whole, groups, owned, state, self._user_defaults)  # type: ignore[no-any-return]
+        return self._stepper_for(whole, groups, owned, state, self._user_defaults)
 
     def _set_ownership(self, ownership: Ownership) -> None:
         """Adopt ``ownership``: this rank's pieces, their stepper, the bucket views (no state

@@ -25,7 +25,7 @@ from zero_functional.app.plan_format import (
     format_muon,
     format_plan,
 )
-from zero_functional.core.partition import hybrid_shape
+from zero_functional.core.loads import hybrid_shape
 
 DEMO_WORLD_SIZES = (2, 8, 64)  # the world sizes ``plan`` reports by default, and the demo's plan
 MAX_SIMULATED_RANKS = 64

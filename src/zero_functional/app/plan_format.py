@@ -9,16 +9,15 @@ import math
 from collections.abc import Sequence
 
 from zero_functional.core.cost import muon_plan
-from zero_functional.core.partition import (
+from zero_functional.core.loads import (
     balance_report,
-    flat,
     hybrid_shape,
     max_over_mean,
     rank_bytes,
     rank_loads,
     rank_traffic,
-    sorted_greedy,
 )
+from zero_functional.core.partition import flat, sorted_greedy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of the dtypes ``--dtype`` and ``--main-params`` take."""

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from zero_functional.app.models import Shape
 from zero_functional.app.plan_format import format_bytes
 from zero_functional.comm.testing import fake_world
-from zero_functional.core.partition import hybrid_shape
+from zero_functional.core.loads import hybrid_shape
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 MAX_SIMULATE_BYTES = 16 << 30  # of parameters and gradients (2B fp32 parameters), shared by all

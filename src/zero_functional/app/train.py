@@ -35,8 +35,8 @@ from zero_functional.app.launch import TERM_GRACE_S, Terminated, process_group, 
 from zero_functional.app.plan_format import format_bytes
 from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
 from zero_functional.app.train_options import OURS, TrainConfig
+from zero_functional.core.loads import hybrid_shape
 from zero_functional.core.ownership import check_partition
-from zero_functional.core.partition import hybrid_shape
 from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 

@@ -223,7 +223,7 @@ def train_config(
             "pip install 'zero_functional[demo]'"
         )
     if cfg.shard_size is not None:
-        from zero_functional.core.partition import hybrid_shape
+        from zero_functional.core.loads import hybrid_shape
 
         try:
             hybrid_shape(where.world_size if where else cfg.nproc, cfg.shard_size)

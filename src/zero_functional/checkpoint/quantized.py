@@ -80,7 +80,7 @@ def items(
     Example:
         >>> from torchao.optim.subclass_4bit import OptimState4bit
         >>> v = OptimState4bit.zeros((256,), signed=True, block_size=128)
-        >>> pieces, objects = items("w", (2, 256), Piece(0, 256, 512), "exp_avg", v)
+        >>> pieces, objects = items("w", (2, 256), Piece(0, 256, 512, 512), "exp_avg", v)
         >>> [(k, s, r[0][:2]) for k, (s, _, r) in pieces.items()]
         [('quantized.w.exp_avg.codes', (256,), (128, 256)), ('quantized.w.exp_avg.scale', (4,), (2, 4))]
         >>> objects["quantized.w.exp_avg"]["class"]
@@ -131,7 +131,7 @@ def reads(
     Example:
         >>> saved = {"quantized.w.m": None, "quantized.w.m.codes": ((1024,), torch.uint8),
         ...          "quantized.w.m.scale": ((4,), torch.float32)}
-        >>> plan, wanted = reads(saved, "w", (4, 256), Piece(0, 300, 700))
+        >>> plan, wanted = reads(saved, "w", (4, 256), Piece(0, 300, 700, 1024))
         >>> plan, sorted((k, r) for k, (_, _, r) in wanted.items())
         ([QuantizedRead(key='m', start=256, stop=768, code_bytes=256)], [('quantized.w.m.codes', [(256, 768)]), ('quantized.w.m.scale', [(1, 3)])])
     """
@@ -187,7 +187,7 @@ def rebuilt(
         CheckpointError: A class that cannot be imported.
 
     Example:
-        >>> # rebuilt("w", plan, tensors, objects, Piece(0, 0, 1024), (4, 256))["m"]
+        >>> # rebuilt("w", plan, tensors, objects, Piece(0, 0, 1024, 1024), (4, 256))["m"]
     """
     out: dict[str, Tensor] = {}
     for read in plan:

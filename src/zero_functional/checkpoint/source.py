@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from zero_functional import comm
 from zero_functional.checkpoint.storage import CheckpointError
 from zero_functional.comm import ProcessGroup
-from zero_functional.core.checks import group_class
+from zero_functional.core.classes import group_class
 from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import Ownership
 from zero_functional.core.param_table import ParamTable

@@ -58,7 +58,7 @@ from torch.futures import Future
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir
 from zero_functional.core._validate import by_rank, first_of
-from zero_functional.core.ownership import Box, flat_range_boxes
+from zero_functional.core.layout import Box, flat_range_boxes
 
 Pieces = Mapping[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int, Tensor]]]]
 """Per key: the global shape, the dtype, and the ``(start, stop, 1-D tensor)`` ranges held."""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__: list[str] = []
-
 
 def check_world_size(world_size: object) -> None:
     """Raise a ValueError naming the fix unless ``world_size`` is an int >= 1."""
@@ -56,9 +54,7 @@ def round_up(a: int, multiple: int) -> int:
 
 
 def first_of(items: Sequence[object], shown: int = 8) -> str:
-    """``items`` as one short text at any length: the first ``shown``, then how many more
-    (what every message that names ranks, parameters or pieces says, so that it stays short
-    at any world size and model size).
+    """``items`` as one short text at any length: the first ``shown``, then how many more.
 
     Example:
         >>> first_of(range(1270))
@@ -71,17 +67,13 @@ def first_of(items: Sequence[object], shown: int = 8) -> str:
 
 
 MESSAGES_SHOWN = 3
-MESSAGE_CHARS = 1500
-"""What the different messages shown share, in characters: one message may use all of it, three
-a third each (a message naming two long paths stays whole; 4,096 different ones stay <= 2 KB)."""
+MESSAGE_CHARS = 1500  # what the different messages shown share (4,096 stay <= 2 KB)
 
 
 def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": ") -> str:
-    """``(rank, message)`` pairs as one short text at any world size: ranks that say the same
-    thing share one entry, naming its first ``shown`` ranks and counting the rest; ``sep``
-    goes between the ranks and what they say. The first ``MESSAGES_SHOWN`` different
-    messages are shown, sharing ``MESSAGE_CHARS`` characters (each cut at its share); the rest
-    are counted.
+    """``(rank, message)`` pairs as one short text at any world size: ranks saying the same
+    share an entry (its first ``shown`` ranks named); the first ``MESSAGES_SHOWN`` messages
+    share ``MESSAGE_CHARS`` characters, the rest are counted.
 
     Example:
         >>> by_rank([(r, "timed out") for r in range(1, 1024)] + [(0, "bad key")])

@@ -1,14 +1,8 @@
-"""Block-wise quantized tensors cut and joined through their inner tensors (pure).
+"""Block-wise quantized tensors cut and joined bitwise through their codes and scales (pure).
 
-torchao's low-bit optimizer state (``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``)
-is a wrapper tensor subclass of ``codes`` (one per element, 4-bit: two to a byte) and
-``scale`` (one fp32 per block of elements, counted from the tensor's start), beside constants
-(a code table). It has no ``cat`` and no slice off a block; a piece of whole blocks, though, is
-exactly a slice of the codes and of the scales. :func:`sliced_blocks` and :func:`joined_blocks`
-cut and join such values bitwise, generic over the classes (``__tensor_flatten__`` /
-``__tensor_unflatten__``; nothing here imports torchao); :func:`block_parts` takes one apart
-(what a sharded checkpoint stores) and :func:`from_block_parts` builds one back.
-"""
+torchao's low-bit state (``OptimState8bit``, ``4bit``, ``Fp8``) is a wrapper tensor subclass of
+``codes`` (per element) and one ``scale`` per block from the tensor's start; it has no ``cat``,
+but a piece of whole blocks is a slice of both. Nothing here imports torchao."""
 
 from __future__ import annotations
 
@@ -19,26 +13,13 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-__all__ = [
-    "BlockParts",
-    "block_parts",
-    "from_block_parts",
-    "is_blockwise",
-    "joined_blocks",
-    "sliced_blocks",
-]
-
 Range = tuple[int, int]
 
 
 def is_blockwise(value: object) -> bool:
-    """Whether ``value`` is a block-wise quantized tensor: a wrapper tensor subclass whose
-    inner tensors (``__tensor_flatten__``) are ``codes`` (per element, possibly packed several
-    to a byte) and ``scale`` (one per block of elements), beside constants such as a code
-    table (torchao's ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``).
+    """Whether ``value`` is a wrapper tensor subclass with inner ``codes`` and ``scale``.
 
     Example:
-        >>> import torch
         >>> is_blockwise(torch.zeros(2))
         False
     """
@@ -49,24 +30,13 @@ def is_blockwise(value: object) -> bool:
 
 
 def _inner(value: Tensor) -> tuple[dict[str, Tensor], Any]:
-    """A block-wise tensor's inner tensors by name, and its flatten context."""
     names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
     return {n: getattr(value, n) for n in names}, ctx
 
 
 class BlockParts(NamedTuple):
-    """A block-wise tensor taken apart (:func:`block_parts`).
-
-    Attributes:
-        cls: Its class.
-        codes: Its codes, flat (``code_bytes`` per block).
-        scale: Its scales, flat (one per block).
-        constants: Its other inner tensors by name (a code table).
-        context: Its flatten context, as a tensor of ``shape`` has it.
-        shape: The shape ``context`` speaks of.
-        block: Elements per scale.
-        code_bytes: Code entries per block (4-bit: half the block).
-    """
+    """A block-wise tensor taken apart: its class, flat ``codes`` (``code_bytes`` per block) and
+    ``scale`` (one per ``block`` elements), ``constants``, and its ``context`` for ``shape``."""
 
     cls: type
     codes: Tensor
@@ -79,17 +49,13 @@ class BlockParts(NamedTuple):
 
 
 def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockParts:
-    """The parts of the block-wise ``value`` (no copies), its context as a tensor of ``shape``
-    (default: its own) would have it: the same parts on every piece of one tensor.
-
-    Raises:
-        TypeError: ``value`` is not block-wise.
+    """The parts of the block-wise ``value`` (no copies), its context as for ``shape``.
 
     Example:
-        >>> block_parts(torch.zeros(2))
-        Traceback (most recent call last):
-        ...
-        TypeError: the value is not a block-wise quantized tensor
+        >>> from torchao.optim.subclass_8bit import OptimState8bit
+        >>> parts = block_parts(OptimState8bit.zeros((512,), signed=True, block_size=256))
+        >>> parts.block, parts.code_bytes, parts.scale.shape
+        (256, 256, torch.Size([2]))
     """
     if not is_blockwise(value):
         raise TypeError("the value is not a block-wise quantized tensor")
@@ -110,16 +76,14 @@ def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockPar
 
 
 def from_block_parts(parts: BlockParts, shape: tuple[int, ...]) -> Tensor:
-    """A tensor of ``parts.cls`` and ``shape`` from ``parts`` (their codes and scales are its
-    elements'): codes of one per element take the shape (packed ones stay flat), and a
-    context entry that is ``parts.shape`` becomes ``shape``.
+    """A tensor of ``parts.cls`` and ``shape`` from ``parts``.
 
     Example:
         >>> from torchao.optim.subclass_8bit import OptimState8bit
         >>> v = OptimState8bit.zeros((512,), signed=True, block_size=256)
         >>> w = from_block_parts(block_parts(v, (2, 256)), (2, 256))
-        >>> type(w).__name__, tuple(w.shape), torch.equal(w.dequantize(), v.dequantize().view(2, 256))
-        ('OptimState8bit', (2, 256), True)
+        >>> type(w).__name__, torch.equal(w.dequantize(), v.dequantize().view(2, 256))
+        ('OptimState8bit', True)
     """
     numel = math.prod(shape)
     ctx = [shape if isinstance(c, tuple) and tuple(c) == parts.shape else c for c in parts.context]
@@ -148,17 +112,13 @@ def _block(value: Tensor) -> int:
 
 
 def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
-    """Elements ``want`` of the block-wise ``value`` of piece ``held``: a copy of their codes
-    and scales (bitwise).
-
-    Raises:
-        ValueError: ``want`` does not start and stop on a block.
+    """A copy of elements ``want`` of the block-wise ``value`` of piece ``held`` (on its blocks).
 
     Example:
-        >>> sliced_blocks("v", torch.zeros(2), (0, 2), (0, 1))
-        Traceback (most recent call last):
-        ...
-        TypeError: 'v' is not a block-wise quantized tensor
+        >>> from torchao.optim.subclass_8bit import OptimState8bit
+        >>> v = OptimState8bit.zeros((512,), block_size=256)
+        >>> sliced_blocks("v", v, (0, 512), (256, 512)).shape
+        torch.Size([256])
     """
     if not is_blockwise(value):
         raise TypeError(f"{key!r} is not a block-wise quantized tensor")
@@ -181,17 +141,13 @@ def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
 
 
 def joined_blocks(key: str, values: Sequence[Tensor], shape: tuple[int, ...]) -> Tensor:
-    """One block-wise tensor of ``shape`` from block-wise ``values`` in element order: codes
-    and scales concatenated (bitwise).
-
-    Raises:
-        ValueError: Values of other classes, blocks or kinds (signed or not).
+    """One block-wise tensor of ``shape`` from block-wise ``values`` in element order.
 
     Example:
-        >>> joined_blocks("v", [torch.zeros(2)], (2,))
-        Traceback (most recent call last):
-        ...
-        TypeError: 'v' is not a block-wise quantized tensor
+        >>> from torchao.optim.subclass_8bit import OptimState8bit
+        >>> v = OptimState8bit.zeros((256,), block_size=256)
+        >>> joined_blocks("v", [v, v], (2, 256)).shape
+        torch.Size([2, 256])
     """
     if not all(is_blockwise(v) for v in values):
         raise TypeError(f"{key!r} is not a block-wise quantized tensor")

@@ -1,9 +1,8 @@
 """Gradient norms from the pieces a rank owns, in torch's arithmetic (pure, but for ``clip_``).
 
-``torch.nn.utils.clip_grad_norm_`` takes each tensor's norm (the foreach kernel, per device and
-dtype), then the norm of those norms. A sharded optimizer does the same on each rank over the
-pieces it owns, then the norm of the ranks' norms, so that one rank owning whole tensors gives
-torch's total bit for bit.
+As ``clip_grad_norm_``: each tensor's norm (foreach, per device and dtype), then the norm of
+those; per rank over its pieces, then over the ranks, so that whole tensors give torch's total
+bit for bit.
 """
 
 from __future__ import annotations
@@ -15,49 +14,12 @@ from torch import Tensor
 
 from zero_functional.functional import group_indices
 
-__all__ = ["clip_", "local_norm", "norm_dtype", "pieces_norm", "total_norm"]
-
-
-def norm_dtype(grads: Sequence[Tensor]) -> torch.dtype:
-    """The dtype the ranks' norms travel in: float64 where any gradient is, else float32.
-
-    Example:
-        >>> norm_dtype([torch.zeros(2), torch.zeros(1, dtype=torch.float64)])
-        torch.float64
-    """
-    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-
-
-def pieces_norm(
-    pieces: Sequence[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
-) -> Tensor:
-    """The ``norm_type``-norm of ``pieces`` (0 when there are none), as torch totals tensors.
-
-    Example:
-        >>> pieces_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, torch.device("cpu"),
-        ...             torch.float32)
-        tensor(5.)
-    """
-    with torch.no_grad():
-        norms = [
-            n.to(device)
-            for idx in group_indices(pieces).values()
-            for n in torch._foreach_norm([pieces[i].detach() for i in idx], norm_type)
-        ]
-        if not norms:
-            return torch.zeros((), device=device, dtype=dtype)
-        total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type).to(dtype)
-        return total
-
 
 def local_norm(
     grads: Sequence[Tensor], pieces: Sequence[Tensor], norm_type: float, device: torch.device
 ) -> Tensor:
-    """This rank's share of the total: the norm of the gradient ``pieces`` it owns, in the dtype
-    :func:`norm_dtype` gives all ``grads``, on their device (``device`` when there are none).
-
-    Raises:
-        ValueError: ``norm_type`` is not positive.
+    """This rank's share of the total: the norm of the gradient ``pieces`` it owns (0 if none),
+    on the device of all ``grads`` (else ``device``), in float64 where any of them is.
 
     Example:
         >>> g = torch.tensor([3.0, 4.0, 12.0])
@@ -68,14 +30,21 @@ def local_norm(
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     at = grads[0].device if grads else device
-    return pieces_norm(pieces, norm_type, at, norm_dtype(grads))
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    with torch.no_grad():
+        norms = [
+            n.to(at)
+            for idx in group_indices(pieces).values()
+            for n in torch._foreach_norm([pieces[i].detach() for i in idx], norm_type)
+        ]
+        if not norms:
+            return torch.zeros((), device=at, dtype=dtype)
+        total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        return total.to(dtype)
 
 
 def total_norm(rank_norms: Tensor, norm_type: float, error_if_nonfinite: bool = False) -> Tensor:
-    """The norm of the ranks' norms, as torch totals tensors' norms.
-
-    Raises:
-        RuntimeError: ``error_if_nonfinite`` and the total is nan or inf.
+    """The norm of the ranks' norms (a RuntimeError where non-finite and ``error_if_nonfinite``).
 
     Example:
         >>> total_norm(torch.tensor([3.0, 4.0]), 2.0)
@@ -91,8 +60,7 @@ def total_norm(rank_norms: Tensor, norm_type: float, error_if_nonfinite: bool = 
 
 
 def clip_(grads: Sequence[Tensor], total: Tensor, max_norm: float) -> None:
-    """Scale ``grads`` in place by ``max_norm / (total + 1e-6)`` where that is below 1 (torch's
-    rule), one foreach kernel per (device, dtype).
+    """Scale ``grads`` in place by ``max_norm / (total + 1e-6)`` where below 1 (torch's rule).
 
     Example:
         >>> g = [torch.tensor([3.0, 4.0])]

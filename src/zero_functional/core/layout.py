@@ -1,13 +1,8 @@
-"""Flat-buffer layouts and the assignment of DDP gradient buckets to ranks (pure).
-
-A :class:`BucketLayout` says where each tensor sits in one contiguous buffer; :func:`flatten`
-builds such a buffer and :func:`views` makes tensors that alias it (what
-``parameters_as_bucket_view`` does to parameters). :func:`ddp_bucket_assignments` is torch's rule
-for which ranks update which part of each DDP gradient bucket in overlap mode.
-"""
+"""Where elements sit (pure): tensors in flat buffers, pieces as views, flat ranges as boxes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,24 +12,16 @@ from torch import Tensor
 from zero_functional.core._validate import (
     check_align,
     check_numels,
-    check_world_size,
     first_of,
     round_up,
 )
-
-__all__ = [
-    "BucketAssignment",
-    "BucketLayout",
-    "bucket_layout",
-    "ddp_bucket_assignments",
-    "flatten",
-    "views",
-]
+from zero_functional.core.ownership import Ownership
+from zero_functional.core.partition import Piece
 
 
 @dataclass(frozen=True, slots=True)
 class BucketLayout:
-    """Offsets of tensors in one 1-D buffer of ``size`` elements; offsets multiples of ``align``."""
+    """Offsets of tensors in one 1-D buffer of ``size`` elements, on multiples of ``align``."""
 
     numels: tuple[int, ...]
     offsets: tuple[int, ...]
@@ -59,17 +46,7 @@ class BucketLayout:
 
 
 def bucket_layout(numels: Sequence[int], *, align: int = 1) -> BucketLayout:
-    """Lay tensors of ``numels`` elements end to end, each start rounded up to ``align``.
-
-    Args:
-        numels: Number of elements of each tensor, in buffer order.
-        align: Every offset, and the total size, is a multiple of this many elements.
-
-    Returns:
-        The offsets and the padded size of the buffer.
-
-    Raises:
-        ValueError: ``align < 1`` or a negative size.
+    """Tensors of ``numels`` elements end to end, offsets and size on multiples of ``align``.
 
     Example:
         >>> bucket_layout([3, 5, 2], align=4)
@@ -87,17 +64,7 @@ def bucket_layout(numels: Sequence[int], *, align: int = 1) -> BucketLayout:
 
 
 def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` at the layout's offsets (padding zero); pure.
-
-    Args:
-        tensors: Tensors of one dtype on one device, any shapes.
-        layout: Where each tensor goes; by default end to end (``bucket_layout`` of the sizes).
-
-    Returns:
-        A new buffer of ``layout.size`` elements; the inputs are not touched.
-
-    Raises:
-        ValueError: No tensors, mixed dtypes or devices, or sizes that differ from the layout.
+    """A new 1-D buffer of ``tensors`` (one dtype and device) at ``layout``'s offsets, padding 0.
 
     Example:
         >>> flatten([torch.ones(2, 2), torch.zeros(1)]).tolist()
@@ -125,26 +92,11 @@ def flatten(tensors: Sequence[Tensor], layout: BucketLayout | None = None) -> Te
 
 
 def views(buffer: Tensor, layout: BucketLayout, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
-    """Tensors of ``shapes`` that alias ``buffer`` at the layout's offsets.
-
-    Writing to a view writes to the buffer, and back: ``views(flatten(ts, l), l, shapes)``
-    equals ``ts``.
-
-    Args:
-        buffer: A contiguous 1-D tensor of at least ``layout.size`` elements.
-        layout: Where each tensor sits in ``buffer``.
-        shapes: The shape of each tensor; ``shapes[i]`` must hold ``layout.numels[i]`` elements.
-
-    Returns:
-        One view per tensor, sharing storage with ``buffer``.
-
-    Raises:
-        ValueError: A buffer too small, not 1-D or not contiguous, or shapes that do not fit.
+    """Tensors of ``shapes`` aliasing ``buffer`` at the layout's offsets (bucket views).
 
     Example:
-        >>> buf = torch.arange(6.0)
-        >>> [v.tolist() for v in views(buf, bucket_layout([4, 2]), [(2, 2), (2,)])]
-        [[[0.0, 1.0], [2.0, 3.0]], [4.0, 5.0]]
+        >>> [v.shape for v in views(torch.arange(6.0), bucket_layout([4, 2]), [(2, 2), (2,)])]
+        [torch.Size([2, 2]), torch.Size([2])]
     """
     if buffer.dim() != 1 or buffer.numel() < layout.size or not buffer.is_contiguous():
         raise ValueError(
@@ -161,104 +113,105 @@ def views(buffer: Tensor, layout: BucketLayout, shapes: Sequence[Sequence[int]])
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class BucketAssignment:
-    """Parameters ``[offset, offset + length)`` of DDP bucket ``bucket`` are updated by ``rank``."""
-
-    bucket: int
-    rank: int
-    offset: int
-    length: int
-
-    def __post_init__(self) -> None:
-        if self.length < 1 or self.offset < 0 or self.rank < 0 or self.bucket < 0:
-            raise ValueError(
-                f"{self} needs length >= 1 and bucket, rank, offset >= 0: "
-                "build it with ddp_bucket_assignments()"
-            )
-
-
-def _least_loaded(loads: Sequence[int], excluded: set[int], bucket: int) -> int:
-    # compat: torch's `_get_min_index`: the first rank of minimal load not yet in this bucket.
-    best = -1
-    for r, load in enumerate(loads):
-        if r not in excluded and (best < 0 or load < loads[best]):
-            best = r
-    if best < 0:
-        # compat: torch fails here too (AssertionError "All indices are disallowed").
-        raise ValueError(
-            f"torch's shard_buckets rule cuts DDP bucket {bucket} into more than "
-            f"{len(loads)} pieces, one per rank at most (many parameters each near "
-            "total / world_size): pass shard_buckets=False, or a larger bucket_cap_mb to DDP"
-        )
-    return best
-
-
-def ddp_bucket_assignments(
-    bucket_numels: Sequence[Sequence[int]], world_size: int, *, shard_buckets: bool = False
-) -> tuple[tuple[BucketAssignment, ...], ...]:
-    """torch's assignment of DDP gradient buckets to ranks, per rank in creation order.
-
-    Without ``shard_buckets``, bucket ``i`` goes whole to rank ``i % world_size``. With it,
-    buckets are taken smallest first (stable); each is cut into runs of consecutive parameters
-    that stay under ``total / world_size`` elements, each run to the least-loaded rank that holds
-    no part of that bucket yet.
-
-    Args:
-        bucket_numels: For each DDP bucket (in DDP's bucket index order), the number of
-            elements of each of its parameters, in bucket order.
-        world_size: Number of ranks.
-        shard_buckets: Whether a bucket may be split among several ranks (the
-            ``shard_buckets`` argument of torch's ``hook_with_zero_step``).
-
-    Returns:
-        For each rank, its assignments in the order torch creates them.
-
-    Raises:
-        ValueError: ``world_size < 1``, an empty bucket, a negative size, or (as torch) a
-            bucket that the sharding rule would cut into more pieces than there are ranks.
+def check_splittable(tensors: Sequence[Tensor]) -> None:
+    """A ValueError naming the fix unless every tensor is contiguous (a piece is a view of it).
 
     Example:
-        >>> ddp_bucket_assignments([[4, 4], [2]], 2)
-        ((BucketAssignment(bucket=0, rank=0, offset=0, length=2),), (BucketAssignment(bucket=1, rank=1, offset=0, length=1),))
-        >>> [len(r) for r in ddp_bucket_assignments([[4, 4], [2]], 2, shard_buckets=True)]
-        [2, 1]
+        >>> check_splittable([torch.zeros(2, 3)])
     """
-    check_world_size(world_size)
-    for b, numels in enumerate(bucket_numels):
-        if len(numels) == 0:
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
             raise ValueError(
-                f"DDP bucket {b} is empty; every bucket holds at least one parameter: "
-                "pass bucket.parameters() sizes for each bucket"
+                f"parameter {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
+                "contiguous, so a piece of it has no view: call .contiguous() on it (e.g. "
+                "model.to(memory_format=torch.contiguous_format)) or use "
+                "partition='sorted_greedy'"
             )
-        if any(n < 0 for n in numels):
-            raise ValueError(
-                f"DDP bucket {b} has a negative size among {first_of(numels)}: pass p.numel()"
-            )
-    per_rank: list[list[BucketAssignment]] = [[] for _ in range(world_size)]
-    if not shard_buckets:
-        for b, numels in enumerate(bucket_numels):
-            per_rank[b % world_size].append(BucketAssignment(b, b % world_size, 0, len(numels)))
-        return tuple(tuple(r) for r in per_rank)
-    threshold = sum(sum(b) for b in bucket_numels) / world_size
-    loads = [0] * world_size
-    # compat: torch visits buckets smallest first with a stable sort (ties keep bucket order).
-    for b in sorted(range(len(bucket_numels)), key=lambda i: sum(bucket_numels[i])):
-        numels = bucket_numels[b]
-        taken: set[int] = set()
-        start, size = 0, 0
-        for i, n in enumerate(numels):
-            # compat: torch closes a piece when adding the next parameter would reach (>=,
-            # not >) the threshold, so pieces can be much smaller than total / world_size.
-            if size + n >= threshold and i > start:
-                r = _least_loaded(loads, taken, b)
-                per_rank[r].append(BucketAssignment(b, r, start, i - start))
-                taken.add(r)
-                loads[r] += size
-                start, size = i, 0
-            size += n
-        r = _least_loaded(loads, taken, b)
-        per_rank[r].append(BucketAssignment(b, r, start, len(numels) - start))
-        taken.add(r)
-        loads[r] += size
-    return tuple(tuple(r) for r in per_rank)
+
+
+def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
+    """``piece``'s elements in ``tensor``, aliasing it: itself when whole, else a 1-D view.
+
+    Example:
+        >>> piece_view(torch.arange(6.0).view(2, 3), Piece(0, 2, 5, 6)).tolist()
+        [2.0, 3.0, 4.0]
+    """
+    n = tensor.numel()
+    if piece.param_numel != n:
+        raise ValueError(
+            f"{piece} is a piece of a parameter of {piece.param_numel} elements, not of this "
+            f"tensor of {n} (it may lie outside it): pass the piece's own parameter"
+        )
+    if piece.is_whole:
+        return tensor
+    check_splittable([tensor])
+    with torch.no_grad():
+        return tensor.detach().view(-1)[piece.start : piece.stop]
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in an N-d tensor
+
+
+def flat_range_boxes(
+    shape: Sequence[int], start: int, stop: int, *, max_numel: int | None = None
+) -> list[tuple[Box, int]]:
+    """The contiguous N-d boxes ``(offsets, sizes)`` a row-major flat range covers, each with its
+    first flat index, in order (at most ``2 * ndim - 1``; cut at multiples of ``max_numel``).
+
+    Example:
+        >>> flat_range_boxes((6, 5), 7, 23)
+        [(((1, 2), (1, 3)), 7), (((2, 0), (2, 5)), 10), (((4, 0), (1, 3)), 20)]
+    """
+    shape = tuple(int(d) for d in shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"range [{start}, {stop}) is outside a tensor of shape {shape}")
+    cuts = [start]
+    if max_numel is not None:
+        if max_numel < 1:
+            raise ValueError(f"max_numel must be >= 1, got {max_numel}")
+        cuts += range((start // max_numel + 1) * max_numel, stop, max_numel)
+    out: list[tuple[Box, int]] = []
+    for a, b in zip(cuts, [*cuts[1:], stop]):
+        for box in _boxes(shape, a, b):  # in flat order, each contiguous: box starts at a
+            out.append((box, a))
+            a += math.prod(box[1])
+    return out
+
+
+def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    if start == stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner_shape = shape[1:]
+    inner = math.prod(inner_shape)
+    (i0, r0), (i1, r1) = divmod(start, inner), divmod(stop, inner)
+    if i0 == i1:
+        return [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, r1)]
+    out: list[Box] = []
+    if r0:
+        out += [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, inner)]
+        i0 += 1
+    if i1 > i0:
+        out.append(((i0, *(0,) * len(inner_shape)), (i1 - i0, *inner_shape)))
+    if r1:
+        out += [((i1, *o), (1, *s)) for o, s in _boxes(inner_shape, 0, r1)]
+    return out
+
+
+def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[Tensor], list[int]]:
+    """Every piece of every tensor, and the rank owning it: what ``comm.sync_params`` takes.
+
+    Example:
+        >>> from zero_functional.core.ownership import flat_ownership
+        >>> piece_views([torch.arange(4.0)], flat_ownership([4], 2))
+        ([tensor([0., 1.]), tensor([2., 3.])], [0, 1])
+    """
+    if len(tensors) != len(ownership.numels):
+        raise ValueError(
+            f"got {len(tensors)} tensors for an ownership of {len(ownership.numels)} "
+            "parameters: pass one tensor per parameter, in the ownership's order"
+        )
+    held = [(t, rank, piece) for k, t in enumerate(tensors) for rank, piece in ownership.holders(k)]
+    return [piece_view(t, piece) for t, _, piece in held], [rank for _, rank, _ in held]

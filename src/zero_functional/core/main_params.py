@@ -1,22 +1,10 @@
-"""Main parameters: the higher-precision copy of the owned pieces of low-precision parameters.
+"""Main parameters (pure): a wider copy of the owned pieces of bf16/fp16 parameters.
 
-With ``main_params_dtype=torch.float32`` a bf16 (or fp16) parameter's owned piece is updated
-through an fp32 copy kept in the piece's optimizer state under :data:`MAIN_KEY` (Megatron-LM's
-and Apex's "main" or "master" parameters, sharded with the state as in their distributed
-optimizers): the gradient piece is upcast, the optimizer updates the fp32 copy with fp32 state,
-and the parameter's piece receives ``main.to(param.dtype)``, so the parameter all-gather moves
-2 bytes per element. Living in the state dict, the copy travels with every state move there is
-(consolidation, resharding, sharded checkpoints) with no code of its own.
-
-With ``store_param_remainders=True`` (Megatron-LM's and TransformerEngine's option, bf16
-parameters only) the state keeps an int16 remainder under :data:`REMAINDER_KEY` instead: the
-fp32 main value's bits are the bf16 parameter's bits shifted up 16, plus the remainder
-(:func:`join_main`), the parameter being the main value rounded to nearest, ties away from zero
-(:func:`split_main`), which differs from torch's ``.to(torch.bfloat16)`` on exact ties only
-(:func:`tie_count`). The remainder never leaves its rank: every state that does carries the
-fp32 main under :data:`MAIN_KEY` (:func:`with_main`), and a loaded main is kept until the
-piece's next step splits it.
-"""
+An owned piece is updated through a ``main_params_dtype`` copy kept in its state under
+:data:`MAIN_KEY` (Megatron-LM's and Apex's sharded "main" params), so it travels with every state
+move; with ``store_param_remainders`` (bf16) the state keeps an int16 remainder instead, the
+fp32 bits being the bf16's shifted up 16 plus it (TransformerEngine's rule), and never leaves its
+rank: what does carries the fp32 main (:func:`with_main`)."""
 
 from __future__ import annotations
 
@@ -26,38 +14,16 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-__all__ = [
-    "MAIN_KEY",
-    "REMAINDER_KEY",
-    "check_main_params_dtype",
-    "check_remainders",
-    "join_main",
-    "main_dtype_for",
-    "main_value",
-    "split_main",
-    "step_through_main_",
-    "tie_count",
-    "with_main",
-]
-
-MAIN_KEY = "main_param"
-"""The state key of a piece's main copy (in the parameter's shape in a consolidated dict)."""
-
-REMAINDER_KEY = "main_param_remainder"
-"""The state key of a piece's int16 remainder (``store_param_remainders``; never saved)."""
+MAIN_KEY = "main_param"  # the state key of a piece's main copy
+REMAINDER_KEY = "main_param_remainder"  # ... of its int16 remainder (never saved)
 
 
 def check_main_params_dtype(value: object) -> torch.dtype | None:
-    """``value`` if it is a valid ``main_params_dtype`` (``None`` or a floating dtype of at least
-    4 bytes), else a ``TypeError``/``ValueError`` naming the choices.
+    """``value`` if it is a valid ``main_params_dtype`` (``None``, or floating of >= 4 bytes).
 
     Example:
         >>> check_main_params_dtype(torch.float32)
         torch.float32
-        >>> check_main_params_dtype(torch.bfloat16)
-        Traceback (most recent call last):
-        ...
-        ValueError: main_params_dtype=torch.bfloat16 is not wider than bf16/fp16 parameters: pass torch.float32 (or None to update the parameters in their own dtype)
     """
     if value is None:
         return None
@@ -76,12 +42,11 @@ def check_main_params_dtype(value: object) -> torch.dtype | None:
 def main_dtype_for(
     param_dtype: torch.dtype, main_params_dtype: torch.dtype | None
 ) -> torch.dtype | None:
-    """The dtype of a parameter's main copy: ``main_params_dtype`` for a floating parameter of a
-    narrower dtype, else ``None`` (the parameter is updated in place).
+    """A parameter's main dtype: ``main_params_dtype`` where wider, else ``None`` (in place).
 
     Example:
-        >>> main_dtype_for(torch.bfloat16, torch.float32), main_dtype_for(torch.float32, torch.float32)
-        (torch.float32, None)
+        >>> main_dtype_for(torch.bfloat16, torch.float32)
+        torch.float32
     """
     if main_params_dtype is None or not param_dtype.is_floating_point:
         return None
@@ -91,16 +56,11 @@ def main_dtype_for(
 def check_remainders(
     store: object, main_params_dtype: torch.dtype | None, dtypes: Iterable[torch.dtype]
 ) -> bool:
-    """``store`` (``store_param_remainders``) if it may be on for parameters of ``dtypes`` with
-    ``main_params_dtype``, else a ``TypeError``/``ValueError`` naming the fix.
+    """``store`` (``store_param_remainders``) if it may be on: bf16 parameters, an fp32 main.
 
     Example:
         >>> check_remainders(True, torch.float32, [torch.bfloat16, torch.float32])
         True
-        >>> check_remainders(True, torch.float32, [torch.float16])
-        Traceback (most recent call last):
-        ...
-        ValueError: store_param_remainders=True needs bf16 parameters (the fp32 main value is the bf16 bits plus a 16-bit remainder); these have torch.float16 main copies: cast them to torch.bfloat16 or pass store_param_remainders=False
     """
     if not isinstance(store, bool):
         raise TypeError(f"store_param_remainders must be True or False; got {store!r}")
@@ -123,17 +83,12 @@ def check_remainders(
 
 
 def split_main(main: Tensor) -> tuple[Tensor, Tensor]:
-    """An fp32 tensor as (bf16 rounded to nearest, ties away from zero; the int16 remainder),
-    new tensors, :func:`join_main`'s inverse for every bit pattern (TransformerEngine's rule: a
-    remainder's top bit set rounds the bf16 bits up, so every remainder fits in 16 bits).
+    """An fp32 tensor as (bf16 rounded to nearest, ties away from zero; the int16 remainder).
 
     Example:
-        >>> x = torch.tensor([1.0 + 2**-8, -(1.0 + 2**-8), 1.0 + 2**-9])  # two ties, one not
-        >>> p, r = split_main(x)
-        >>> p.tolist(), x.to(torch.bfloat16).tolist(), r.tolist()
-        ([1.0078125, -1.0078125, 1.0], [1.0, -1.0, 1.0], [-32768, -32768, 16384])
-        >>> torch.equal(join_main(p, r), x)
-        True
+        >>> x = torch.tensor([1.0 + 2**-8, 1.0 + 2**-9])  # a tie, then not
+        >>> [t.tolist() for t in split_main(x)], torch.equal(join_main(*split_main(x)), x)
+        ([[1.0078125, 1.0], [-32768, 16384]], True)
     """
     bits = main.view(torch.int32)
     remainder = (bits & 0xFFFF).to(torch.int16)  # the low 16 bits, read as signed
@@ -142,22 +97,19 @@ def split_main(main: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def join_main(param: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``
-    (int16, signed): :func:`split_main`'s inverse; a new tensor.
+    """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``.
 
     Example:
-        >>> join_main(torch.tensor([1.0078125], dtype=torch.bfloat16),
-        ...           torch.tensor([-32768], dtype=torch.int16)).item()
-        1.00390625
+        >>> one = torch.ones(1, dtype=torch.bfloat16)
+        >>> join_main(one, torch.tensor([1], dtype=torch.int16)).item()
+        1.0000001192092896
     """
     bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
     return bits.view(torch.float32)
 
 
 def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
-    """How many elements of a :func:`split_main` pair differ from torch's rounding of the main
-    value (round to nearest, ties to even): exact ties whose rounded-up bits are odd. A 0-dim
-    int64 tensor on their device (counted without a device sync).
+    """How many elements of a :func:`split_main` pair differ from torch's rounding (ties to even).
 
     Example:
         >>> tie_count(*split_main(torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.5]))).item()
@@ -168,14 +120,12 @@ def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
 
 
 def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Tensor:
-    """A piece's main value: its state's :data:`MAIN_KEY` (the tensor itself), else joined
-    from its :data:`REMAINDER_KEY` and the piece ``view``, else ``view`` in ``dtype`` (new).
+    """A piece's main value: its :data:`MAIN_KEY`, or joined from its remainder and ``view``, or
+    ``view`` in ``dtype`` (a copy).
 
     Example:
-        >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
-        >>> main_value(p, {REMAINDER_KEY: torch.tensor([-32768], dtype=torch.int16)},
-        ...            torch.float32).item()
-        1.00390625
+        >>> main_value(torch.ones(1, dtype=torch.bfloat16), {}, torch.float32)
+        tensor([1.])
     """
     main = state.get(MAIN_KEY)
     if main is not None:
@@ -187,13 +137,12 @@ def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Te
 
 
 def with_main(view: Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` as it leaves its rank: its remainder replaced by the fp32 main value it makes
-    with the piece ``view`` (a new dict; the same entries where it has no remainder).
+    """``state`` as it leaves its rank: a remainder replaced by the fp32 main it makes.
 
     Example:
-        >>> p = torch.tensor([1.0078125], dtype=torch.bfloat16)
-        >>> with_main(p, {"step": 1, REMAINDER_KEY: torch.tensor([-32768], dtype=torch.int16)})
-        {'step': 1, 'main_param': tensor([1.0039])}
+        >>> remainder = torch.zeros(1, dtype=torch.int16)
+        >>> with_main(torch.ones(1, dtype=torch.bfloat16), {REMAINDER_KEY: remainder})
+        {'main_param': tensor([1.])}
     """
     out = {k: v for k, v in state.items() if k != REMAINDER_KEY}
     if REMAINDER_KEY in state:
@@ -216,37 +165,18 @@ def step_through_main_(
     *,
     remainders: bool = False,
 ) -> Tensor | None:
-    """Run ``step_pieces(group, params, grads, states)`` over the pieces ``views``, each through
-    its main copy where ``dtypes`` names one: in place on ``states`` and ``views``.
-
-    A piece with a main dtype is stepped as its main copy (``states[i][MAIN_KEY]``, made from the
-    piece on its first step), with its gradient upcast and its other state in the main dtype;
-    the piece then receives the copy rounded to its own dtype. The stepper never sees
-    :data:`MAIN_KEY` (torch's optimizers take a non-empty state for an initialized one).
-
-    With ``remainders`` (bf16 pieces, fp32 main) the main value is :func:`main_value`'s, and
-    after the step the piece and its :data:`REMAINDER_KEY` receive :func:`split_main`'s pair (a
-    :data:`MAIN_KEY` loaded is consumed); the stepper sees neither key.
-
-    Returns:
-        With ``remainders``, :func:`tie_count` summed over the pieces (0-dim), else ``None``.
+    """``step_pieces(group, params, grads, states)`` over ``views`` in place, each through its main
+    copy where ``dtypes`` names one (gradient upcast; the piece then gets the copy rounded). With
+    ``remainders``: split instead, returning the summed :func:`tie_count`.
 
     Example:
-        >>> p = torch.tensor([1.0], dtype=torch.bfloat16)
+        >>> p, state = torch.tensor([1.0], dtype=torch.bfloat16), {}
         >>> def sgd(group, params, grads, states):
-        ...     for q, g in zip(params, grads):
-        ...         q.sub_(group["lr"] * g)
-        >>> state = {}
-        >>> step_through_main_(sgd, {"lr": 1e-3}, [p], [torch.ones(1, dtype=torch.bfloat16)],
-        ...                    [state], [torch.float32])
+        ...     params[0].sub_(group["lr"] * grads[0])
+        >>> grad = torch.ones(1, dtype=p.dtype)
+        >>> step_through_main_(sgd, {"lr": 1e-3}, [p], [grad], [state], [torch.float32])
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
-        >>> state = {}  # a step to an exact tie: torch's rounding would give 1.0
-        >>> step_through_main_(sgd, {"lr": 2**-8}, [p], [-torch.ones(1, dtype=torch.bfloat16)],
-        ...                    [state], [torch.float32], remainders=True).item()
-        1
-        >>> p.item(), state[REMAINDER_KEY].item(), main_value(p, state, torch.float32).item()
-        (1.0078125, -32768, 1.00390625)
     """
     if not any(d is not None for d in dtypes):
         step_pieces(group, views, grads, list(states))

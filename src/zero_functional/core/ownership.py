@@ -1,36 +1,14 @@
-"""Who owns what: one frozen value that every mode of the optimizer asks (pure).
+"""Who owns what (pure): the one frozen :class:`Ownership` every mode asks, and its builders.
 
-An :class:`Ownership` says, for each rank, which pieces of which parameters it owns: a piece is a
-:class:`~zero_functional.core.partition.Piece` ``(param, start, stop)`` of the flattened (row-major)
-parameter. Whole-tensor ownership (torch's sorted-greedy, DDP buckets assigned whole) is the
-case where every piece is a whole parameter; the flat split lets a parameter straddle ranks.
-Each rank owns at most one piece of each parameter, so a rank's optimizer state is one dict per
-parameter, as in ``torch.optim``.
-
-Three builders give every mode its value: :func:`sorted_greedy_ownership` (torch's assignment,
-the default), :func:`flat_ownership` (an even split of each (device, dtype) group) and
-:func:`bucket_ownership` (overlap mode: DDP's gradient buckets, whole or split evenly). Two
-queries serve the collectives and the state moves: :meth:`Ownership.runs` (which rank owns which
-stretch of a buffer of parameters laid end to end) and :meth:`Ownership.transfers` (which
-elements change hands from one ownership to another).
-
-Example:
-    >>> o = flat_ownership([6, 3], world_size=2)
-    >>> o.owned(0), o.owned(1)
-    ((Piece(param=0, start=0, stop=5),), (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3)))
-    >>> o.runs([1, 0])  # a buffer holding parameter 1, then parameter 0
-    (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
-"""
+Per rank, its :class:`~zero_functional.core.partition.Piece` of each parameter it owns (at most
+one each, so its state is one dict per parameter, as in ``torch.optim``): whole parameters
+(torch's :func:`sorted_greedy_ownership`), :func:`flat_ownership`, or :func:`bucket_ownership`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
-
-import torch
-from torch import Tensor
 
 from zero_functional.core._validate import (
     check_numels,
@@ -39,43 +17,25 @@ from zero_functional.core._validate import (
     first_of,
     prefix_sums,
 )
-from zero_functional.core.layout import ddp_bucket_assignments
 from zero_functional.core.partition import (
     Piece,
     check_tiling,
+    ddp_bucket_assignments,
     flat,
     owners,
     sorted_greedy,
     sorted_greedy_groups,
 )
 
-__all__ = [
-    "PARTITIONS",
-    "Ownership",
-    "PartitionName",
-    "Run",
-    "Transfer",
-    "bucket_ownership",
-    "check_partition",
-    "check_splittable",
-    "flat_range_boxes",
-    "flat_ownership",
-    "piece_view",
-    "piece_views",
-    "sorted_greedy_ownership",
-    "whole_ownership",
-]
-
 PartitionName = Literal["sorted_greedy", "flat"]
 PARTITIONS: tuple[PartitionName, ...] = ("sorted_greedy", "flat")
+Held = Sequence[tuple[int, Piece]]  # a parameter's (rank, piece), in element order
 
 
 def check_partition(partition: object) -> PartitionName:
     """``partition`` if it names a partition, else a ValueError listing the names.
 
     Example:
-        >>> check_partition("flat")
-        'flat'
         >>> check_partition("even")
         Traceback (most recent call last):
         ...
@@ -88,7 +48,7 @@ def check_partition(partition: object) -> PartitionName:
 
 
 class Run(NamedTuple):
-    """Elements ``[start, stop)`` of a buffer are owned by ``rank`` (a plain tuple for comm)."""
+    """Elements ``[start, stop)`` of a buffer are owned by ``rank``."""
 
     start: int
     stop: int
@@ -107,13 +67,14 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Ownership:
-    """For each rank, the pieces of parameters it owns; every element is owned exactly once.
+    """``pieces[rank]``: that rank's pieces by ascending parameter; each element owned once.
 
-    Attributes:
-        numels: Number of elements of each parameter, by global index (state-dict order).
-        world_size: Number of ranks.
-        pieces: ``pieces[rank]``: that rank's pieces, in ascending parameter order, at most one
-            per parameter. A zero-size parameter is owned by one rank as the piece ``[0, 0)``.
+    Example:
+        >>> o = flat_ownership([6, 3], 2)
+        >>> o.owned(1)
+        (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3))
+        >>> o.holders(0)[1], o.piece(0, 1), o.loads
+        ((1, Piece(param=0, start=5, stop=6)), None, (5, 4))
     """
 
     numels: tuple[int, ...]
@@ -133,19 +94,13 @@ class Ownership:
             )
         n = len(self.numels)
         holders: list[list[tuple[int, Piece]]] = [[] for _ in range(n)]
-        sized: list[tuple[Piece, ...]] = []  # every piece knowing its parameter's size
         for rank, rank_pieces in enumerate(self.pieces):
             last = -1
             for piece in rank_pieces:
-                if not 0 <= piece.param < n or piece.stop > self.numels[piece.param]:
-                    raise ValueError(
-                        f"rank {rank} owns {piece}, outside the {n} parameters of sizes "
-                        f"{first_of(self.numels)}"
-                    )
-                if piece.param_numel not in (None, self.numels[piece.param]):
+                if not 0 <= piece.param < n or piece.param_numel != self.numels[piece.param]:
                     raise ValueError(
                         f"rank {rank} owns {piece} of a parameter of {piece.param_numel} "
-                        f"elements, but parameter {piece.param} has {self.numels[piece.param]}"
+                        f"elements, outside the {n} parameters of sizes {first_of(self.numels)}"
                     )
                 if piece.param <= last:
                     raise ValueError(
@@ -153,55 +108,30 @@ class Ownership:
                         "most one piece of each parameter, in ascending parameter order"
                     )
                 last = piece.param
-            sized.append(tuple(replace(s, param_numel=self.numels[s.param]) for s in rank_pieces))
-            for piece in sized[-1]:
                 holders[piece.param].append((rank, piece))
-        object.__setattr__(self, "pieces", tuple(sized))
         for k, held in enumerate(holders):
-            check_tiling(k, self.numels[k], sorted(held, key=lambda rs: rs[1].start))
+            held.sort(key=lambda rs: rs[1].start)
+            check_tiling(k, self.numels[k], held)
         object.__setattr__(self, "_holders", tuple(tuple(h) for h in holders))
 
-    # ---------------------------------------------------------------- queries
-
     def owned(self, rank: int) -> tuple[Piece, ...]:
-        """The pieces ``rank`` owns, in ascending parameter order.
-
-        Example:
-            >>> sorted_greedy_ownership([[5, 1, 7]], 2).owned(1)
-            (Piece(param=0, start=0, stop=5), Piece(param=1, start=0, stop=1))
-        """
+        """The pieces ``rank`` owns."""
         check_rank(rank, self.world_size)
         return self.pieces[rank]
 
     def holders(self, param: int) -> tuple[tuple[int, Piece], ...]:
-        """``(rank, piece)`` for each piece of parameter ``param``, in element order.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).holders(0)
-            ((0, Piece(param=0, start=0, stop=5)), (1, Piece(param=0, start=5, stop=6)))
-        """
+        """``(rank, piece)`` for each piece of parameter ``param``, in element order."""
         if not 0 <= param < len(self.numels):
             raise ValueError(f"parameter {param} is not one of the {len(self.numels)} parameters")
         return self._holders[param]
 
     def piece(self, rank: int, param: int) -> Piece | None:
-        """The piece of ``param`` that ``rank`` owns, or ``None``.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).piece(1, 0)
-            Piece(param=0, start=5, stop=6)
-        """
+        """The piece of ``param`` that ``rank`` owns, or ``None``."""
         check_rank(rank, self.world_size)
-        for r, piece in self.holders(param):
-            if r == rank:
-                return piece
-        return None
+        return next((piece for r, piece in self.holders(param) if r == rank), None)
 
     def owner(self, param: int) -> int:
-        """The one rank that owns all of ``param``.
-
-        Raises:
-            ValueError: ``param`` straddles ranks.
+        """The one rank that owns all of ``param`` (a ValueError where it is split).
 
         Example:
             >>> sorted_greedy_ownership([[5, 1, 7]], 2).owner(0)
@@ -211,38 +141,23 @@ class Ownership:
         if len(held) != 1:
             raise ValueError(
                 f"parameter {param} is split across ranks {first_of([r for r, _ in held])}; ask "
-                "holders() for its pieces "
-                "(whole-tensor ownership is partition='sorted_greedy')"
+                "holders() for its pieces (whole-tensor ownership is partition='sorted_greedy')"
             )
         return held[0][0]
 
     @property
     def is_whole(self) -> bool:
-        """Whether every parameter is owned whole by one rank.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).is_whole, sorted_greedy_ownership([[6, 3]], 2).is_whole
-            (False, True)
-        """
+        """Whether every parameter is owned whole by one rank."""
         return all(len(h) == 1 for h in self._holders)
 
     @property
     def loads(self) -> tuple[int, ...]:
-        """Elements each rank owns.
-
-        Example:
-            >>> flat_ownership([6, 3], 2).loads
-            (5, 4)
-        """
-        return tuple(sum(s.stop - s.start for s in rank_pieces) for rank_pieces in self.pieces)
+        """Elements each rank owns."""
+        return tuple(sum(s.numel for s in rank_pieces) for rank_pieces in self.pieces)
 
     def owned_slices(self, order: Sequence[int], rank: int) -> tuple[tuple[int, int, int], ...]:
-        """Where ``rank``'s pieces sit in a buffer holding the parameters ``order`` end to end.
-
-        Returns:
-            ``(param, start, stop)`` for each piece ``rank`` owns, with ``start``/``stop``
-            offsets into the buffer, in buffer order: what a hook slices out of a DDP bucket
-            to hand the owner its gradients.
+        """``(param, start, stop)`` of ``rank``'s pieces in a buffer holding the parameters
+        ``order`` end to end, in buffer order.
 
         Example:
             >>> flat_ownership([6, 3], 2).owned_slices([1, 0], 1)
@@ -259,18 +174,11 @@ class Ownership:
         )
 
     def extended(self, new: Ownership) -> Ownership:
-        """This ownership grown to ``new``'s parameters: those it has keep their pieces, those
-        ``new`` adds (indices past this one's) sit where ``new`` puts them.
-
-        What ``add_param_group`` reshards from, so that only the pieces that change hands move.
-
-        Raises:
-            ValueError: ``new`` is over another world size or does not start with these
-                parameters.
+        """This ownership grown to ``new``'s parameters, its own keeping their pieces (what
+        ``add_param_group`` reshards from, so that only what changes hands moves).
 
         Example:
-            >>> old = flat_ownership([4], 2)
-            >>> old.extended(flat_ownership([4, 4], 2)).owned(1)
+            >>> flat_ownership([4], 2).extended(flat_ownership([4, 4], 2)).owned(1)
             (Piece(param=0, start=2, stop=4), Piece(param=1, start=0, stop=4))
         """
         n = len(self.numels)
@@ -281,38 +189,27 @@ class Ownership:
                 f"{len(new.numels)} of sizes {first_of(new.numels)} over {new.world_size}: pass "
                 "one over these parameters and more, at the same world size"
             )
-        return Ownership(
-            new.numels,
-            self.world_size,
-            tuple(
-                self.pieces[r] + tuple(s for s in new.pieces[r] if s.param >= n)
-                for r in range(self.world_size)
-            ),
-        )
+        grown = [
+            mine + tuple(s for s in theirs if s.param >= n)
+            for mine, theirs in zip(self.pieces, new.pieces)
+        ]
+        return Ownership(new.numels, self.world_size, tuple(grown))
 
     def runs(self, order: Sequence[int]) -> tuple[Run, ...]:
-        """Who owns which stretch of a buffer holding the parameters ``order`` end to end.
-
-        Adjacent stretches of one rank merge into one run; zero-size parameters make none.
-        This is the unit of the gradient reduce-scatter and of the parameter all-gather.
-
-        Args:
-            order: Parameter indices in buffer order (a DDP bucket's, or a flat group's).
-
-        Returns:
-            The runs, in buffer order, covering ``[0, total)``.
+        """Who owns which stretch of a buffer holding the parameters ``order`` end to end (a rank's
+        adjacent stretches merged): the unit of the collectives.
 
         Example:
-            >>> flat_ownership([4, 4], 2).runs([1, 0])
-            (Run(start=0, stop=4, rank=1), Run(start=4, stop=8, rank=0))
+            >>> flat_ownership([6, 3], 2).runs([1, 0])
+            (Run(start=0, stop=3, rank=1), Run(start=3, stop=8, rank=0), Run(start=8, stop=9, rank=1))
         """
         out: list[Run] = []
         base = 0
         for k in order:
             for rank, piece in self.holders(k):
-                if piece.stop == piece.start:
-                    continue
                 a, b = base + piece.start, base + piece.stop
+                if a == b:
+                    continue
                 if out and out[-1].rank == rank and out[-1].stop == a:
                     out[-1] = Run(out[-1].start, b, rank)
                 else:
@@ -321,18 +218,11 @@ class Ownership:
         return tuple(out)
 
     def transfers(self, new: Ownership) -> tuple[Transfer, ...]:
-        """Every stretch of every parameter, with its owner here and its owner in ``new``.
-
-        ``src == dst`` stretches stay on their rank (a piece may still change its bounds);
-        the others are what moves. Sorted by parameter and element, the same on every rank.
-
-        Raises:
-            ValueError: ``new`` is over other parameters or another world size.
+        """Every stretch of every parameter with its owner here and in ``new`` (the same: stays).
 
         Example:
-            >>> old = sorted_greedy_ownership([[4, 4]], 2)
-            >>> old.transfers(flat_ownership([4, 4], 2))
-            (Transfer(param=0, start=0, stop=4, src=0, dst=0), Transfer(param=1, start=0, stop=4, src=1, dst=1))
+            >>> sorted_greedy_ownership([[4, 4]], 2).transfers(flat_ownership([4, 4], 2))[1]
+            Transfer(param=1, start=0, stop=4, src=1, dst=1)
         """
         if new.numels != self.numels or new.world_size != self.world_size:
             raise ValueError(
@@ -341,26 +231,18 @@ class Ownership:
                 "state moves between ownerships of the same parameters and ranks"
             )
         out: list[Transfer] = []
-        for k in range(len(self.numels)):
+        for k, (here, there) in enumerate(zip(self._holders, new._holders)):
             if self.numels[k] == 0:
-                (src, _), (dst, _) = self._holders[k][0], new._holders[k][0]
-                out.append(Transfer(k, 0, 0, src, dst))
-                continue
-            for src, a in self._holders[k]:
-                for dst, b in new._holders[k]:
+                out.append(Transfer(k, 0, 0, here[0][0], there[0][0]))
+            for src, a in here:
+                for dst, b in there:
                     lo, hi = max(a.start, b.start), min(a.stop, b.stop)
                     if lo < hi:
                         out.append(Transfer(k, lo, hi, src, dst))
         return tuple(out)
 
 
-# -------------------------------------------------------------------- builders
-
-
-def _from_holders(
-    numels: Sequence[int], world_size: int, per_param: Sequence[Sequence[tuple[int, Piece]]]
-) -> Ownership:
-    """The ownership where parameter ``k``'s pieces are ``per_param[k]``, as (rank, piece)."""
+def _from_holders(numels: Sequence[int], world_size: int, per_param: Sequence[Held]) -> Ownership:
     per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
     for held in per_param:
         for rank, piece in held:
@@ -368,30 +250,23 @@ def _from_holders(
     return Ownership(tuple(numels), world_size, tuple(tuple(s) for s in per_rank))
 
 
+def _whole(k: int, numel: int) -> Piece:
+    return Piece(k, 0, numel, numel)
+
+
 def whole_ownership(numels: Sequence[int], owner: Sequence[int], world_size: int) -> Ownership:
-    """Whole parameters, parameter ``k`` (of ``numels[k]`` elements) on rank ``owner[k]``.
+    """Whole parameters, parameter ``k`` on rank ``owner[k]``.
 
     Example:
         >>> whole_ownership([4, 2, 3], [1, 0, 1], 2).owned(1)
         (Piece(param=0, start=0, stop=4), Piece(param=2, start=0, stop=3))
     """
-    return _from_holders(
-        numels,
-        world_size,
-        [[(r, Piece(k, 0, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))],
-    )
+    held = [[(r, _whole(k, n))] for k, (n, r) in enumerate(zip(numels, owner, strict=True))]
+    return _from_holders(numels, world_size, held)
 
 
 def sorted_greedy_ownership(group_numels: Sequence[Sequence[int]], world_size: int) -> Ownership:
-    """torch's assignment: whole parameters, largest first, loads carried across groups.
-
-    Args:
-        group_numels: For each parameter group, the number of elements of each parameter;
-            global indices run through the groups in order.
-        world_size: Number of ranks.
-
-    Returns:
-        The whole-tensor ownership ``torch.distributed.optim.ZeroRedundancyOptimizer`` uses.
+    """torch's whole-tensor ownership of the groups' parameters (``sorted_greedy_groups``).
 
     Example:
         >>> sorted_greedy_ownership([[4, 2], [3]], 2).owned(1)
@@ -411,28 +286,11 @@ def flat_ownership(
     align: int | Mapping[Hashable, int] = 1,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
-    """Even split: the parameters of each key, end to end in index order, cut into ranges.
-
-    Each key's parameters (one key per (device, dtype) in the optimizer) form one flat
-    sequence split by :func:`~zero_functional.core.partition.flat` into ``world_size`` contiguous
-    ranges on multiples of ``align``: a parameter may straddle ranks, and every rank's load is
-    within ``align`` elements of ``total / world_size`` per key. A zero-size parameter goes to
-    the rank whose range holds its position.
-
-    Args:
-        numels: Number of elements of each parameter, by global index.
-        world_size: Number of ranks.
-        keys: One hashable per parameter; parameters of equal keys are split together
-            (default: all together).
-        align: Range bounds are multiples of this many elements (per key, if a mapping).
-        blocks: Per parameter, a quantization block no bound cuts (:func:`.partition.block_bounds`).
-
-    Returns:
-        The ownership.
+    """The parameters of each of ``keys`` (a (device, dtype) each) split by
+    :func:`~zero_functional.core.partition.flat`; a zero-size one goes where its position falls.
 
     Example:
-        >>> o = flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"])
-        >>> o.owned(0)
+        >>> flat_ownership([3, 3, 2], 2, keys=["f32", "f64", "f32"]).owned(0)
         (Piece(param=0, start=0, stop=3), Piece(param=1, start=0, stop=2))
     """
     check_world_size(world_size)
@@ -451,19 +309,23 @@ def flat_ownership(
         step = align[key] if isinstance(align, Mapping) else align
         sub = [blocks[k] for k in members] if blocks is not None else None
         part = flat([numels[k] for k in members], world_size, align=step, blocks=sub)
-        for rank, rank_pieces in enumerate(part.pieces):
-            for s in rank_pieces:
-                k = members[s.param]
-                per_param[k].append((rank, Piece(k, s.start, s.stop)))
+        _place(per_param, members, part.pieces)
         starts = prefix_sums([numels[k] for k in members])
         for j, k in enumerate(members):
             if numels[k] == 0:
-                rank = next(
-                    (r for r, (lo, hi) in enumerate(part.bounds) if lo <= starts[j] < hi),
-                    world_size - 1,
-                )
-                per_param[k].append((rank, Piece(k, 0, 0)))
+                at = (r for r, (lo, hi) in enumerate(part.bounds) if lo <= starts[j] < hi)
+                per_param[k].append((next(at, world_size - 1), Piece(k, 0, 0, 0)))
     return _from_holders(numels, world_size, per_param)
+
+
+def _place(
+    per_param: list[list[tuple[int, Piece]]],
+    members: Sequence[int],
+    pieces: Sequence[Sequence[Piece]],
+) -> None:
+    for rank, rank_pieces in enumerate(pieces):
+        for s in rank_pieces:
+            per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))
 
 
 def bucket_ownership(
@@ -478,34 +340,12 @@ def bucket_ownership(
     align: int | Mapping[Hashable, int] = 1,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
-    """Overlap mode's ownership: DDP's gradient buckets, assigned as torch does or split evenly.
-
-    With ``partition="sorted_greedy"``, torch's rule (``ddp_bucket_assignments``): bucket ``i``
-    whole to rank ``i % world_size``, or with ``shard_buckets`` cut into runs of parameters
-    spread by load (falling back to whole buckets where torch's rule cannot place a bucket).
-    With ``partition="flat"``, each bucket's parameters, end to end in bucket order, are split
-    into ``world_size`` even ranges: every rank updates ``1 / world_size`` of every bucket,
-    however few buckets the model has. Parameters in no bucket (frozen ones, which DDP leaves
-    out) are partitioned among themselves the same way.
-
-    Args:
-        buckets: For each DDP bucket (in index order), the global indices of its parameters,
-            in bucket order.
-        numels: Number of elements of each parameter, by global index.
-        world_size: Number of ranks.
-        partition: ``"sorted_greedy"`` (whole parameters) or ``"flat"``.
-        shard_buckets: With ``"sorted_greedy"``, split buckets by torch's rule.
-        pinned: With ``"flat"``, parameters owned whole: global index to rank.
-        keys, align, blocks: With ``"flat"``, as :func:`flat_ownership`'s (a bucket: one key).
-
-    Returns:
-        The ownership.
+    """Overlap mode's ownership of DDP's ``buckets`` (their global indices): torch's
+    ``ddp_bucket_assignments`` (whole buckets where ``shard_buckets`` fails), or with ``"flat"``
+    each bucket split as :func:`flat_ownership` (``pinned``: index -> rank, whole); parameters in
+    no bucket are split among themselves.
 
     Example:
-        >>> bucket_ownership([[1, 0]], [4, 4], 2).owned(0)  # one bucket: rank 0 owns it all
-        (Piece(param=0, start=0, stop=4), Piece(param=1, start=0, stop=4))
-        >>> bucket_ownership([[1, 0]], [4, 4], 2, partition="flat").owned(0)
-        (Piece(param=1, start=0, stop=4),)
         >>> bucket_ownership([[0, 1, 2]], [4, 4, 9], 2, partition="flat", pinned={2: 1}).owned(1)
         (Piece(param=1, start=0, stop=4), Piece(param=2, start=0, stop=9))
     """
@@ -526,174 +366,29 @@ def bucket_ownership(
         if not (0 <= k < len(numels) and 0 <= rank < world_size):
             raise ValueError(f"pinned maps parameter {k} to rank {rank}, out of range")
     rest = [k for k in range(len(numels)) if not seen[k]]
-    groups = [list(b) for b in buckets] + ([rest] if rest else [])
     per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
     if partition == "flat":
         for k, rank in pinned.items():
-            per_param[k].append((rank, Piece(k, 0, numels[k])))
-        for members in ([k for k in g if k not in pinned] for g in groups if g):
+            per_param[k].append((rank, _whole(k, numels[k])))
+        for group in [*buckets, rest]:
+            members = [k for k in group if k not in pinned]
             ks = [keys[k] for k in members] if keys is not None else None
             bs = [blocks[k] for k in members] if blocks is not None else None
             ns = [numels[k] for k in members]
-            sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs) if ns else None
-            for rank, rank_pieces in enumerate(sub.pieces if sub else ()):
-                for s in rank_pieces:
-                    k = members[s.param]
-                    per_param[k].append((rank, Piece(k, s.start, s.stop)))
-    else:
-        sizes = [[numels[k] for k in b] for b in buckets]
-        try:
-            assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=shard_buckets)
-        except ValueError:
-            # torch's shard_buckets rule cannot cut some bucket into at most world_size pieces
-            # (DDP's first-iteration buckets are often one big bucket); whole buckets always fit.
-            assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=False)
-        for assignments in assigned:
-            for a in assignments:
-                for k in buckets[a.bucket][a.offset : a.offset + a.length]:
-                    per_param[k].append((a.rank, Piece(k, 0, numels[k])))
-        for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
-            for i in indices:
-                per_param[rest[i]].append((rank, Piece(rest[i], 0, numels[rest[i]])))
+            sub = flat_ownership(ns, world_size, keys=ks, align=align, blocks=bs)
+            _place(per_param, members, sub.pieces)
+        return _from_holders(numels, world_size, per_param)
+    sizes = [[numels[k] for k in b] for b in buckets]
+    try:
+        assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=shard_buckets)
+    except ValueError:
+        # torch's shard_buckets rule cannot cut some bucket into at most world_size pieces
+        # (DDP's first-iteration buckets are often one big bucket); whole buckets always fit.
+        assigned = ddp_bucket_assignments(sizes, world_size, shard_buckets=False)
+    for a in (a for assignments in assigned for a in assignments):
+        for k in buckets[a.bucket][a.offset : a.offset + a.length]:
+            per_param[k].append((a.rank, _whole(k, numels[k])))
+    for rank, indices in enumerate(sorted_greedy([numels[k] for k in rest], world_size)):
+        for i in indices:
+            per_param[rest[i]].append((rank, _whole(rest[i], numels[rest[i]])))
     return _from_holders(numels, world_size, per_param)
-
-
-# -------------------------------------------------------------------- tensors
-
-
-def check_splittable(tensors: Sequence[Tensor]) -> None:
-    """Raise a ValueError naming the fix unless every tensor can be cut into piece views.
-
-    A piece is a view of the row-major flattening, which only a contiguous tensor has.
-
-    Example:
-        >>> check_splittable([torch.zeros(2, 3)])
-        >>> check_splittable([torch.zeros(2, 3).t()])
-        Traceback (most recent call last):
-        ...
-        ValueError: parameter 0 (shape (3, 2), strides (1, 3)) is not contiguous, so a piece of it has no view: call .contiguous() on it (e.g. model.to(memory_format=torch.contiguous_format)) or use partition='sorted_greedy'
-    """
-    for i, t in enumerate(tensors):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"parameter {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
-                "contiguous, so a piece of it has no view: call .contiguous() on it (e.g. "
-                "model.to(memory_format=torch.contiguous_format)) or use "
-                "partition='sorted_greedy'"
-            )
-
-
-def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
-    """The elements of ``piece`` in ``tensor``, aliasing it: the tensor itself when whole.
-
-    A partial piece is a 1-D view of the row-major flattening, so writing to it writes the
-    tensor (the optimizer updates a parameter through the views of its owned piece).
-
-    Raises:
-        ValueError: A partial piece of a non-contiguous tensor (no such view exists), or a
-            piece outside the tensor.
-
-    Example:
-        >>> t = torch.arange(6.0).view(2, 3)
-        >>> piece_view(t, Piece(0, 2, 5)).tolist()
-        [2.0, 3.0, 4.0]
-        >>> piece_view(t, Piece(0, 0, 6)) is t
-        True
-    """
-    n = tensor.numel()
-    if piece.stop > n:
-        raise ValueError(f"{piece} is outside a tensor of {n} elements")
-    if replace(piece, param_numel=n).is_whole:
-        return tensor
-    check_splittable([tensor])
-    with torch.no_grad():
-        return tensor.detach().view(-1)[piece.start : piece.stop]
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""A box of an N-d tensor: ``(offsets, sizes)``."""
-
-
-def flat_range_boxes(
-    shape: Sequence[int], start: int, stop: int, *, max_numel: int | None = None
-) -> list[tuple[Box, int]]:
-    """The contiguous N-d boxes a row-major flat range covers, each with its first flat index.
-
-    In flat order: a partial row (or plane) at the start, whole rows in the middle, a partial
-    one at the end, recursively, so at most ``2 * ndim - 1`` boxes and never an empty one.
-    Every box is one contiguous run of the range, so ``piece[a - start : b - start].view(sizes)``
-    is the box without a copy: what a checkpoint writes for a piece that straddles rows. With
-    ``max_numel`` the range is first cut at multiples of it (so no box is larger).
-
-    Example:
-        >>> flat_range_boxes((6, 5), 7, 23)
-        [(((1, 2), (1, 3)), 7), (((2, 0), (2, 5)), 10), (((4, 0), (1, 3)), 20)]
-    """
-    shape = tuple(int(d) for d in shape)
-    numel = math.prod(shape)
-    if not 0 <= start <= stop <= numel:
-        raise ValueError(f"range [{start}, {stop}) is outside a tensor of shape {shape}")
-    cuts = [start]
-    if max_numel is not None:
-        if max_numel < 1:
-            raise ValueError(f"max_numel must be >= 1, got {max_numel}")
-        cuts += range((start // max_numel + 1) * max_numel, stop, max_numel)
-    out: list[tuple[Box, int]] = []
-    for a, b in zip(cuts, [*cuts[1:], stop]):
-        for box in _boxes(shape, a, b):
-            first = 0
-            for size, offset in zip(shape, box[0]):
-                first = first * size + offset
-            out.append((box, first))
-    return out
-
-
-def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    if start == stop:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (stop - start,))] if shape else [((), ())]
-    inner_shape = shape[1:]
-    inner = math.prod(inner_shape)
-    (i0, r0), (i1, r1) = divmod(start, inner), divmod(stop, inner)
-    if i0 == i1:
-        return [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, r1)]
-    out: list[Box] = []
-    if r0:
-        out += [((i0, *o), (1, *s)) for o, s in _boxes(inner_shape, r0, inner)]
-        i0 += 1
-    if i1 > i0:
-        out.append(((i0, *(0,) * len(inner_shape)), (i1 - i0, *inner_shape)))
-    if r1:
-        out += [((i1, *o), (1, *s)) for o, s in _boxes(inner_shape, 0, r1)]
-    return out
-
-
-def piece_views(tensors: Sequence[Tensor], ownership: Ownership) -> tuple[list[Tensor], list[int]]:
-    """Every piece of every tensor with the rank that owns it, in parameter then element order.
-
-    The same lists on every rank: what :func:`zero_functional.comm.sync_params` and
-    :func:`zero_functional.comm.reduce_to_owners` take to move pieces between their owners.
-
-    Example:
-        >>> views, ranks = piece_views([torch.arange(6.0)], flat_ownership([6], 2))
-        >>> [v.tolist() for v in views], ranks
-        ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [0, 1])
-    """
-    if len(tensors) != len(ownership.numels):
-        raise ValueError(
-            f"got {len(tensors)} tensors for an ownership of {len(ownership.numels)} "
-            "parameters: pass one tensor per parameter, in the ownership's order"
-        )
-    views: list[Tensor] = []
-    ranks: list[int] = []
-    for k, t in enumerate(tensors):
-        if t.numel() != ownership.numels[k]:
-            raise ValueError(
-                f"tensor {k} has {t.numel()} elements but the ownership was built for "
-                f"{ownership.numels[k]}: pass the tensors it was built from, in order"
-            )
-        for rank, piece in ownership.holders(k):
-            views.append(piece_view(t, piece))
-            ranks.append(rank)
-    return views, ranks

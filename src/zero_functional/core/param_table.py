@@ -1,21 +1,7 @@
-"""The optimizer's parameters as one frozen table: order, index, group, spans, buffer keys (pure).
+"""The optimizer's parameters as one frozen table (pure): order, index, group, spans, keys.
 
-Every collaborator of the shell asks the same questions of the parameter groups: every
-parameter in global index order (state-dict order), the index of a parameter, the group of an
-index, each group's span of indices, and the (device, dtype) key that decides which buffer a
-parameter travels in. :class:`ParamTable` answers them from one value, built once per ownership
-by the optimizer (torch keeps ``_param_to_index``, Megatron-LM a ``BufferKey``) and handed to
-the local shard, the parameter sync, the hooks and the checkpoint code.
-
-Example:
-    >>> import torch
-    >>> a, b, c = torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(4)
-    >>> table = ParamTable.of([{"params": [a, b]}, {"params": [c]}])
-    >>> table.index(c), table.group_of(2), table.spans
-    (2, 1, ((0, 2), (2, 1)))
-    >>> table.keys[1]
-    BufferKey(device='cpu', dtype='torch.float64')
-"""
+Built once per ownership (torch keeps ``_param_to_index``, Megatron-LM a ``BufferKey``) for
+every collaborator that asks which parameter is where."""
 
 from __future__ import annotations
 
@@ -27,13 +13,9 @@ from torch import Tensor, nn
 
 from zero_functional.core._validate import first_of
 
-__all__ = ["BufferKey", "ParamTable", "buffer_key"]
-
 
 class BufferKey(NamedTuple):
-    """The (device, dtype) a parameter's buffer is kept by: parameters of one key can share a
-    flat buffer (bucket views, the flat partition, packed all-gathers); ordered, the same on
-    every rank."""
+    """The (device, dtype) of a parameter: parameters of one key can share a flat buffer."""
 
     device: str
     dtype: str
@@ -43,7 +25,6 @@ def buffer_key(t: Tensor) -> BufferKey:
     """The buffer key of tensor ``t``.
 
     Example:
-        >>> import torch
         >>> buffer_key(torch.zeros(2, dtype=torch.bfloat16))
         BufferKey(device='cpu', dtype='torch.bfloat16')
     """
@@ -52,11 +33,14 @@ def buffer_key(t: Tensor) -> BufferKey:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ParamTable:
-    """The parameters of an optimizer's groups, in global index order, and what is derived.
+    """Every parameter in global index order (a state dict's), and per group its ``spans``
+    ``(first index, number of parameters)``.
 
-    Attributes:
-        params: Every parameter, group after group (global index order).
-        spans: Each group's ``(first global index, number of parameters)``.
+    Example:
+        >>> a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(4)
+        >>> table = ParamTable.of([{"params": [a, b]}, {"params": [c]}])
+        >>> table.index(c), table.group_of(2), table.spans
+        (2, 1, ((0, 2), (2, 1)))
     """
 
     params: tuple[Tensor, ...]
@@ -89,13 +73,7 @@ class ParamTable:
 
     @classmethod
     def of(cls, param_groups: Sequence[Mapping[str, Any]]) -> ParamTable:
-        """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's).
-
-        Example:
-            >>> import torch
-            >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": []}]).spans
-            ((0, 1), (1, 0))
-        """
+        """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's)."""
         params: list[Tensor] = []
         spans: list[tuple[int, int]] = []
         for g in param_groups:
@@ -110,43 +88,21 @@ class ParamTable:
         return isinstance(p, Tensor) and p in self._index
 
     def index(self, p: Tensor) -> int:
-        """The global index of parameter ``p``.
-
-        Raises:
-            KeyError: ``p`` is not one of these parameters.
-
-        Example:
-            >>> import torch
-            >>> a, b = torch.zeros(1), torch.zeros(1)
-            >>> ParamTable.of([{"params": [a, b]}]).index(b)
-            1
-        """
+        """The global index of parameter ``p`` (a KeyError if it is none of these)."""
         return self._index[p]
 
     def group_of(self, k: int) -> int:
-        """The group of the parameter of global index ``k``.
-
-        Example:
-            >>> import torch
-            >>> ParamTable.of([{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)]}]).group_of(1)
-            1
-        """
+        """The group of the parameter of global index ``k``."""
         return self._group_of[k]
 
     def names(self, model: nn.Module | None, *, strict: bool = True) -> list[str]:
-        """Each parameter's name in ``model`` (in the module a DDP wraps; a tied weight by its
-        first name), by global index: the one place parameters get their model's names. Without
-        a model, or (``strict=False``) for a parameter not in it, its index.
-
-        Raises:
-            ValueError: ``strict`` and parameters that are not ``model``'s, named by index.
+        """Each parameter's name in ``model`` (the module a DDP wraps; a tied weight by its first
+        name); its index without a model or, unless ``strict``, outside it.
 
         Example:
-            >>> import torch
             >>> model = torch.nn.Linear(2, 1)
-            >>> table = ParamTable.of([{"params": [model.bias, model.weight]}])
-            >>> table.names(model), table.names(None)
-            (['bias', 'weight'], ['0', '1'])
+            >>> ParamTable.of([{"params": [model.bias, model.weight]}]).names(model)
+            ['bias', 'weight']
         """
         if model is None:
             return [str(k) for k in range(len(self.params))]
@@ -164,20 +120,12 @@ class ParamTable:
 
     @property
     def keys(self) -> tuple[BufferKey, ...]:
-        """Each parameter's :class:`BufferKey`, by global index."""
         return self._keys
 
     @property
     def numels(self) -> tuple[int, ...]:
-        """Each parameter's number of elements, by global index."""
         return tuple(p.numel() for p in self.params)
 
     def group_numels(self) -> list[list[int]]:
-        """Per group, its parameters' numbers of elements (what ``sorted_greedy`` takes).
-
-        Example:
-            >>> import torch
-            >>> ParamTable.of([{"params": [torch.zeros(2)]}, {"params": [torch.zeros(3)]}]).group_numels()
-            [[2], [3]]
-        """
+        """Per group, its parameters' numbers of elements (what ``sorted_greedy_groups`` takes)."""
         return [[p.numel() for p in self.params[a : a + n]] for a, n in self.spans]

@@ -1,14 +1,4 @@
-"""Which rank owns what: pure partitions of parameter sizes, and their balance.
-
-Two partitions:
-
-* :func:`sorted_greedy` keeps parameters whole, as torch's ``ZeroRedundancyOptimizer`` does
-  (largest first, each to the least-loaded rank), so state dicts line up with torch's.
-* :func:`flat` splits the concatenation of all parameters evenly (a parameter may straddle
-  ranks, as in DeepSpeed and Apex): perfect balance whatever the largest parameter.
-
-:func:`balance_report` says how far a partition is from the best possible.
-"""
+"""Sizes to ranks (pure): torch's sorted-greedy, the flat split, torch's DDP-bucket assignment."""
 
 from __future__ import annotations
 
@@ -27,45 +17,12 @@ from zero_functional.core._validate import (
     round_up,
 )
 
-__all__ = [
-    "BalanceReport",
-    "max_over_mean",
-    "FlatPartition",
-    "RankBytes",
-    "RankTraffic",
-    "Piece",
-    "balance_report",
-    "check_tiling",
-    "block_bounds",
-    "flat",
-    "hybrid_shape",
-    "owners",
-    "rank_bytes",
-    "rank_loads",
-    "rank_traffic",
-    "sorted_greedy",
-    "sorted_greedy_groups",
-]
-
 
 def sorted_greedy(
     numels: Sequence[int], world_size: int, *, initial_loads: Sequence[int] | None = None
 ) -> tuple[tuple[int, ...], ...]:
-    """torch's partition: largest parameter first, each to the first least-loaded rank.
-
-    The sort is stable (equal sizes keep their order) and ties between ranks go to the lowest
-    rank, exactly as torch's ``ZeroRedundancyOptimizer`` assigns them.
-
-    Args:
-        numels: Number of elements of each parameter.
-        world_size: Number of ranks.
-        initial_loads: Load each rank already carries (from earlier parameter groups).
-
-    Returns:
-        For each rank, the indices of the parameters it owns, in assignment order.
-
-    Raises:
-        ValueError: ``world_size < 1``, a negative size, or ``initial_loads`` of the wrong length.
+    """torch's partition: per rank the indices it owns, largest first to the least-loaded rank
+    (stable; ties to the lowest rank), from ``initial_loads``.
 
     Example:
         >>> sorted_greedy([5, 1, 7, 3], world_size=2)
@@ -102,20 +59,10 @@ def sorted_greedy(
 def sorted_greedy_groups(
     group_numels: Sequence[Sequence[int]], world_size: int
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """:func:`sorted_greedy` over several parameter groups, loads carrying over between groups.
-
-    torch partitions ``param_groups`` one after another with one running load per rank, so a
-    rank that took a big parameter in group 0 is passed over in group 1.
-
-    Args:
-        group_numels: For each parameter group, the number of elements of each parameter.
-        world_size: Number of ranks.
-
-    Returns:
-        ``result[group][rank]``: indices within that group owned by ``rank``.
+    """:func:`sorted_greedy` group after group, loads carrying over as torch's do.
 
     Example:
-        >>> sorted_greedy_groups([[4, 2], [3]], world_size=2)
+        >>> sorted_greedy_groups([[4, 2], [3]], world_size=2)  # [group][rank]: indices in the group
         (((0,), (1,)), ((), (0,)))
     """
     check_world_size(world_size)
@@ -129,17 +76,7 @@ def sorted_greedy_groups(
 
 
 def owners(partition: Sequence[Sequence[int]], num_params: int) -> tuple[int, ...]:
-    """For each parameter index, the rank that owns it.
-
-    Args:
-        partition: For each rank, the indices of the parameters it owns.
-        num_params: Number of parameters.
-
-    Returns:
-        ``result[i]`` is the rank that owns parameter ``i``.
-
-    Raises:
-        ValueError: An index out of range, owned twice, or not owned.
+    """For each parameter index, the rank of ``partition`` that owns it.
 
     Example:
         >>> owners(((2, 1), (0, 3)), 4)
@@ -158,45 +95,10 @@ def owners(partition: Sequence[Sequence[int]], num_params: int) -> tuple[int, ..
     return tuple(owner)
 
 
-def rank_loads(numels: Sequence[int], partition: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """Total elements per rank.
-
-    Args:
-        numels: Number of elements of each parameter.
-        partition: For each rank, the indices of the parameters it owns.
-
-    Returns:
-        For each rank, the sum of ``numels`` over the parameters it owns.
-
-    Raises:
-        ValueError: An index outside ``range(len(numels))``.
-
-    Example:
-        >>> rank_loads([5, 1, 7, 3], ((2, 1), (0, 3)))
-        (8, 8)
-    """
-    n = len(numels)
-    loads = []
-    for rank, indices in enumerate(partition):
-        load = 0
-        for i in indices:
-            if not 0 <= i < n:
-                raise ValueError(
-                    f"rank {rank} owns index {i}, outside 0..{n - 1}: "
-                    "the partition was computed for other numels"
-                )
-            load += numels[i]
-        loads.append(load)
-    return tuple(loads)
-
-
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Elements ``[start, stop)`` of the flattened (row-major) parameter ``param``.
-
-    Empty only for a zero-size parameter, which is owned as the empty piece ``[0, 0)``.
-    ``param_numel`` is the whole parameter's size (what :attr:`is_whole` compares with): every
-    piece an :class:`~zero_functional.core.ownership.Ownership` holds knows it.
+    """Elements ``[start, stop)`` of the flattened parameter ``param`` of ``param_numel`` elements
+    (empty only for a zero-size parameter).
 
     Example:
         >>> Piece(0, 0, 6, param_numel=6).is_whole, Piece(0, 2, 6, param_numel=6).is_whole
@@ -206,7 +108,7 @@ class Piece:
     param: int
     start: int
     stop: int
-    param_numel: int | None = field(default=None, repr=False, compare=False)
+    param_numel: int = field(repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.param < 0 or not 0 <= self.start <= self.stop:
@@ -214,50 +116,27 @@ class Piece:
                 f"Piece(param={self.param}, start={self.start}, stop={self.stop}) needs "
                 "param >= 0 and 0 <= start <= stop"
             )
-        if self.param_numel is not None and self.stop > self.param_numel:
+        if self.stop > self.param_numel:
             raise ValueError(
                 f"Piece(param={self.param}, start={self.start}, stop={self.stop}) ends past "
                 f"its parameter's {self.param_numel} elements"
             )
 
-    def __setstate__(self, state: Sequence[object]) -> None:
-        # compat: a Piece pickled before it knew its parameter's size has three fields
-        names = ("param", "start", "stop", "param_numel")
-        for name, value in zip(names, [*state, None][: len(names)]):
-            object.__setattr__(self, name, value)
-
     @property
     def numel(self) -> int:
-        """Number of elements in the piece."""
         return self.stop - self.start
 
     @property
     def is_whole(self) -> bool:
-        """Whether the piece is all of its parameter (a ValueError where its size is unknown:
-        a piece built by hand without ``param_numel``)."""
-        if self.param_numel is None:
-            raise ValueError(
-                f"{self} was built without its parameter's size: pass param_numel=, or take "
-                "the piece from an Ownership"
-            )
         return self.start == 0 and self.stop == self.param_numel
 
 
-Segment = Piece
-"""compat: :class:`Piece`'s name before a piece had one name (checkpoints may pickle it)."""
-
-
 def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> None:
-    """Raise a ValueError naming the first misfit unless ``held``, the ``(rank, piece)`` of a
-    parameter of ``numel`` elements in element order, tiles it exactly once (a zero-size
-    parameter: one empty piece). The message names the first 8 pieces, at any world size.
+    """A ValueError unless ``held``, the ``(rank, piece)`` of a parameter in element order, tiles
+    it exactly once (a zero-size parameter: one empty piece).
 
     Example:
-        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2)), (1, Piece(0, 2, 4))])
-        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2))])
-        Traceback (most recent call last):
-        ...
-        ValueError: parameter 0 (4 elements) is owned as (0, 0, 2) (rank, start, stop): every element must have exactly one owner (a zero-size parameter one empty piece)
+        >>> check_tiling(0, 4, [(0, Piece(0, 0, 2, 4)), (1, Piece(0, 2, 4, 4))])
     """
 
     def owned_as() -> str:  # only once it fails: at 4,096 ranks the pieces are many
@@ -281,18 +160,13 @@ def check_tiling(param: int, numel: int, held: Sequence[tuple[int, Piece]]) -> N
 
 @dataclass(frozen=True, slots=True)
 class FlatPartition:
-    """An even split of the concatenation of all parameters into contiguous per-rank ranges."""
+    """Per rank a contiguous range of the concatenated parameters, and its pieces (:func:`flat`)."""
 
     numels: tuple[int, ...]
     world_size: int
     align: int
     bounds: tuple[tuple[int, int], ...]
     pieces: tuple[tuple[Piece, ...], ...]
-
-    @property
-    def segments(self) -> tuple[tuple[Piece, ...], ...]:
-        """compat: :attr:`pieces`' name before a piece had one name."""
-        return self.pieces
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
@@ -339,7 +213,6 @@ class FlatPartition:
 
     @property
     def loads(self) -> tuple[int, ...]:
-        """Elements per rank."""
         return tuple(stop - start for start, stop in self.bounds)
 
 
@@ -350,33 +223,13 @@ def flat(
     align: int = 1,
     blocks: Sequence[int] | None = None,
 ) -> FlatPartition:
-    """Split the concatenation of all parameters into ``world_size`` contiguous ranges.
-
-    Each rank gets at most ``ceil(total / world_size)`` elements rounded up to a multiple of
-    ``align`` (the last ranks may get less, or nothing); range bounds are multiples of ``align``
-    except the end of the data. A parameter may straddle ranks; zero-size parameters appear in
-    no piece.
-
-    Args:
-        numels: Number of elements of each parameter, in concatenation order.
-        world_size: Number of ranks.
-        align: Every range starts on a multiple of this many elements.
-        blocks: Per parameter, its optimizer's quantization block: a bound inside a parameter
-            moves up to a block boundary counted from its start (:func:`block_bounds`), which
-            wins over ``align`` (the result's ``align`` is then 1).
-
-    Returns:
-        The ranges and, per rank, the pieces of parameters that fill its range in order.
-
-    Raises:
-        ValueError: ``world_size < 1``, ``align < 1`` or a negative size.
+    """The concatenated parameters cut into ``world_size`` ranges of at most ``ceil(total /
+    world_size)`` elements on multiples of ``align`` (or of each parameter's block in ``blocks``).
 
     Example:
         >>> p = flat([6, 3], world_size=2)
-        >>> p.bounds
-        ((0, 5), (5, 9))
-        >>> p.pieces[1]
-        (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3))
+        >>> p.bounds, p.pieces[1]
+        (((0, 5), (5, 9)), (Piece(param=0, start=5, stop=6), Piece(param=1, start=0, stop=3)))
     """
     check_world_size(world_size)
     check_numels(numels)
@@ -408,9 +261,7 @@ def flat(
 def block_bounds(
     bounds: Sequence[tuple[int, int]], numels: Sequence[int], blocks: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
-    """Contiguous ranges ``bounds`` over the concatenation of parameters of ``numels``, each
-    bound inside a parameter moved up to the next multiple of that parameter's block counted
-    from its start (or to its end): ranges that cut no quantization block in two.
+    """``bounds`` with each bound inside a parameter moved up to its next block boundary.
 
     Example:
         >>> block_bounds(((0, 7), (7, 14)), [2, 12], [1, 4])  # 7 is element 5 of the second
@@ -428,228 +279,85 @@ def block_bounds(
     return tuple(zip(cuts[:-1], cuts[1:]))
 
 
-def max_over_mean(loads: Sequence[int]) -> float:
-    """The busiest rank's load over the mean load (1.0 is perfect; 1.0 when all are 0).
-
-    Raises:
-        ValueError: No loads.
-
-    Example:
-        >>> max_over_mean([3, 5]), max_over_mean([0, 0])
-        (1.25, 1.0)
-    """
-    if not loads:
-        raise ValueError("no loads: pass one load per rank")
-    total = sum(loads)
-    return max(loads) * len(loads) / total if total else 1.0
-
-
 @dataclass(frozen=True, slots=True)
-class BalanceReport:
-    """How evenly a partition spreads elements: loads against the best possible."""
+class BucketAssignment:
+    """Parameters ``[offset, offset + length)`` of DDP bucket ``bucket`` are updated by ``rank``."""
 
-    loads: tuple[int, ...]
-    max_load: int
-    mean_load: float
-    largest: int
-    lower_bound: float
+    bucket: int
+    rank: int
+    offset: int
+    length: int
 
     def __post_init__(self) -> None:
-        if not self.loads or self.max_load != max(self.loads):
+        if self.length < 1 or self.offset < 0 or self.rank < 0 or self.bucket < 0:
             raise ValueError(
-                f"max_load {self.max_load} is not the maximum of loads {self.loads}: "
-                "build the report with balance_report()"
+                f"{self} needs length >= 1 and bucket, rank, offset >= 0: "
+                "build it with ddp_bucket_assignments()"
             )
-        if self.largest < 0 or self.lower_bound < 0:
-            raise ValueError("largest and lower_bound must be >= 0: build it with balance_report()")
-
-    @property
-    def max_over_mean(self) -> float:
-        """Max load / mean load (1.0 is perfect)."""
-        return max_over_mean(self.loads)
-
-    @property
-    def max_over_lower_bound(self) -> float:
-        """Max load / ``max(largest, total / world_size)`` (1.0 is the best any split can do)."""
-        return self.max_load / self.lower_bound if self.lower_bound else 1.0
-
-    def __str__(self) -> str:
-        return (
-            f"{len(self.loads)} ranks: max {self.max_load:,} mean {self.mean_load:,.0f} "
-            f"bound {self.lower_bound:,.0f} max/mean {self.max_over_mean:.3f} "
-            f"max/bound {self.max_over_lower_bound:.3f}"
-        )
 
 
-def balance_report(
-    numels: Sequence[int], partition: Sequence[Sequence[int]] | FlatPartition
-) -> BalanceReport:
-    """The balance of ``partition`` (whole-parameter or flat) over ``numels``, in O(P + N).
-
-    The lower bound is ``max(largest, total / world_size)``: no whole-parameter partition can
-    beat it (a flat one can, down to ``total / world_size``, so its ``max_over_lower_bound``
-    may be below 1).
-
-    Args:
-        numels: Number of elements of each parameter.
-        partition: Per rank the indices it owns (:func:`sorted_greedy`), or a :func:`flat` split.
-
-    Returns:
-        Loads, their maximum and mean, the largest parameter and the lower bound.
-
-    Raises:
-        ValueError: A negative size, or a partition computed for other ``numels``.
-
-    Example:
-        >>> r = balance_report([5, 1, 7, 3], sorted_greedy([5, 1, 7, 3], 2))
-        >>> r.max_load, r.lower_bound, r.max_over_lower_bound
-        (8, 8.0, 1.0)
-    """
-    check_numels(numels)
-    if isinstance(partition, FlatPartition):
-        if partition.numels != tuple(numels):
-            raise ValueError(
-                "the FlatPartition was computed for other numels: pass the numels given to flat()"
-            )
-        loads = partition.loads
-    else:
-        loads = rank_loads(numels, partition)
-    n = len(loads)
-    if n == 0:
-        raise ValueError("the partition has no ranks: pass one index list per rank")
-    total = sum(numels)
-    largest = max(numels, default=0)
-    return BalanceReport(
-        loads=tuple(loads),
-        max_load=max(loads),
-        mean_load=sum(loads) / n,
-        largest=largest,
-        lower_bound=float(max(largest, total / n)),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class RankBytes:
-    """One rank's training memory in bytes: what every rank holds whole (``params``,
-    ``grads``) and what it holds only for the elements it owns (``main``, ``state``)."""
-
-    params: int
-    grads: int
-    main: int
-    state: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.main + self.state
-
-
-def rank_bytes(
-    load: int, total: int, *, param_bytes: int, main_bytes: int = 0, states: int = 2
-) -> RankBytes:
-    """The bytes of a rank that owns ``load`` of a model's ``total`` elements (ZeRO stage 1).
-
-    Parameters and gradients are whole on every rank, ``param_bytes`` per element. A main
-    copy exists where the main dtype is wider than the parameters' (``main_bytes >
-    param_bytes``; ``main_params_dtype``): ``main_bytes`` per owned element, and the
-    optimizer's ``states`` per-element states (2 for Adam/AdamW) are then in the main dtype;
-    without one they are in the parameters' dtype.
-
-    Raises:
-        ValueError: A negative count, ``load > total``, or a byte size below 1.
-
-    Example:
-        >>> rank_bytes(6, 12, param_bytes=2, main_bytes=4)  # bf16, fp32 main copy, AdamW
-        RankBytes(params=24, grads=24, main=24, state=48)
-        >>> rank_bytes(6, 12, param_bytes=2)  # bf16 alone: bf16 moments
-        RankBytes(params=24, grads=24, main=0, state=24)
-        >>> rank_bytes(6, 12, param_bytes=4, main_bytes=4).total  # fp32 needs no main copy
-        144
-    """
-    if load < 0 or total < load or states < 0:
+def _least_loaded(loads: Sequence[int], excluded: set[int], bucket: int) -> int:
+    # compat: torch's `_get_min_index`: the first rank of minimal load not yet in this bucket.
+    best = -1
+    for r, load in enumerate(loads):
+        if r not in excluded and (best < 0 or load < loads[best]):
+            best = r
+    if best < 0:
+        # compat: torch fails here too (AssertionError "All indices are disallowed").
         raise ValueError(
-            f"need 0 <= load <= total and states >= 0, got load {load}, total {total}, "
-            f"states {states}"
+            f"torch's shard_buckets rule cuts DDP bucket {bucket} into more than "
+            f"{len(loads)} pieces, one per rank at most (many parameters each near "
+            "total / world_size): pass shard_buckets=False, or a larger bucket_cap_mb to DDP"
         )
-    if param_bytes < 1 or main_bytes < 0:
-        raise ValueError(
-            f"param_bytes must be >= 1 and main_bytes >= 0 (0: no main copy), got "
-            f"{param_bytes} and {main_bytes}"
-        )
-    main = main_bytes if main_bytes > param_bytes else 0
-    return RankBytes(
-        params=param_bytes * total,
-        grads=param_bytes * total,
-        main=main * load,
-        state=states * (main or param_bytes) * load,
-    )
+    return best
 
 
-def hybrid_shape(world_size: int, shard_size: int) -> tuple[int, int]:
-    """The mesh ``(replicas, shard_size)`` of hybrid sharding: ``world_size`` ranks in
-    ``world_size / shard_size`` replica groups of ``shard_size`` ranks each.
-
-    Raises:
-        ValueError: ``world_size < 1``, ``shard_size < 1``, or ``shard_size`` does not divide
-            ``world_size``; the message lists the shard sizes that do.
+def ddp_bucket_assignments(
+    bucket_numels: Sequence[Sequence[int]], world_size: int, *, shard_buckets: bool = False
+) -> tuple[tuple[BucketAssignment, ...], ...]:
+    """torch's assignment of DDP buckets (their parameters' sizes) to ranks, per rank: bucket ``i``
+    to rank ``i % world_size``, or with ``shard_buckets`` cut into runs under ``total /
+    world_size`` elements, smallest bucket first, each run to the least-loaded rank.
 
     Example:
-        >>> hybrid_shape(64, 8)
-        (8, 8)
-        >>> hybrid_shape(12, 8)
-        Traceback (most recent call last):
-        ...
-        ValueError: shard size 8 does not divide world size 12: pass one of its divisors, 1, 2, 3, 4, 6, 12
+        >>> [[(a.bucket, a.length) for a in r] for r in ddp_bucket_assignments([[4, 4], [2]], 2)]
+        [[(0, 2)], [(1, 1)]]
     """
     check_world_size(world_size)
-    if shard_size < 1 or world_size % shard_size:
-        small = [d for d in range(1, int(world_size**0.5) + 1) if world_size % d == 0]
-        divisors = sorted({*small, *(world_size // d for d in small)})
-        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-        raise ValueError(
-            f"shard size {shard_size} does not divide world size {world_size}: pass one of its "
-            f"divisors, {shown}"
-        )
-    return world_size // shard_size, shard_size
-
-
-@dataclass(frozen=True, slots=True)
-class RankTraffic:
-    """Bytes one rank sends per step under hybrid sharding (bandwidth-optimal rings, the
-    standard model): ``within`` its shard group (a node), ``across`` its replicate group."""
-
-    within: float
-    across: float
-
-    @property
-    def total(self) -> float:
-        return self.within + self.across
-
-
-def rank_traffic(nbytes: int, shard_size: int, replicas: int = 1) -> RankTraffic:
-    """Bytes per rank and step for ``nbytes`` of gradients (and as many of parameters) on a
-    ``replicas x shard_size`` mesh: state sharded within, replicated across.
-
-    Within the shard group, the reduce of the gradients onto their owners and the gather of
-    the updated parameters each move ``B (S-1)/S`` per rank: ``2 B (S-1)/S``. Across, each
-    owner's piece (``B/S``) is all-reduced over its ``R`` replicas, ``2 (B/S) (R-1)/R``. With
-    ``replicas=1`` this is 1-D ZeRO (all within); with ``shard_size=1``, plain DDP's all-reduce
-    (all across).
-
-    Raises:
-        ValueError: ``nbytes < 0``, or ``shard_size`` or ``replicas`` below 1.
-
-    Example:
-        >>> rank_traffic(800, shard_size=8, replicas=8)  # 64 ranks, 8 per node
-        RankTraffic(within=1400.0, across=175.0)
-        >>> rank_traffic(800, shard_size=64).across, rank_traffic(800, 1, 64).across
-        (0.0, 1575.0)
-    """
-    if nbytes < 0 or shard_size < 1 or replicas < 1:
-        raise ValueError(
-            f"need nbytes >= 0, shard_size >= 1 and replicas >= 1, got {nbytes}, {shard_size} "
-            f"and {replicas}"
-        )
-    return RankTraffic(
-        within=2 * nbytes * (shard_size - 1) / shard_size,
-        across=2 * (nbytes / shard_size) * (replicas - 1) / replicas,
-    )
+    for b, numels in enumerate(bucket_numels):
+        if len(numels) == 0:
+            raise ValueError(
+                f"DDP bucket {b} is empty; every bucket holds at least one parameter: "
+                "pass bucket.parameters() sizes for each bucket"
+            )
+        if any(n < 0 for n in numels):
+            raise ValueError(
+                f"DDP bucket {b} has a negative size among {first_of(numels)}: pass p.numel()"
+            )
+    per_rank: list[list[BucketAssignment]] = [[] for _ in range(world_size)]
+    if not shard_buckets:
+        for b, numels in enumerate(bucket_numels):
+            per_rank[b % world_size].append(BucketAssignment(b, b % world_size, 0, len(numels)))
+        return tuple(tuple(r) for r in per_rank)
+    threshold = sum(sum(b) for b in bucket_numels) / world_size
+    loads = [0] * world_size
+    # compat: torch visits buckets smallest first with a stable sort (ties keep bucket order).
+    for b in sorted(range(len(bucket_numels)), key=lambda i: sum(bucket_numels[i])):
+        numels = bucket_numels[b]
+        taken: set[int] = set()
+        start, size = 0, 0
+        for i, n in enumerate(numels):
+            # compat: torch closes a piece when adding the next parameter would reach (>=,
+            # not >) the threshold, so pieces can be much smaller than total / world_size.
+            if size + n >= threshold and i > start:
+                r = _least_loaded(loads, taken, b)
+                per_rank[r].append(BucketAssignment(b, r, start, i - start))
+                taken.add(r)
+                loads[r] += size
+                start, size = i, 0
+            size += n
+        r = _least_loaded(loads, taken, b)
+        per_rank[r].append(BucketAssignment(b, r, start, len(numels) - start))
+        taken.add(r)
+        loads[r] += size
+    return tuple(tuple(r) for r in per_rank)

@@ -463,9 +463,11 @@ def ownership_of(
             [numels[k] for k in split], world_size, keys=keys, align=align, blocks=sub_blocks
         )
         for rank, pieces in enumerate(sub.pieces):
-            per_rank[rank].extend(Piece(split[s.param], s.start, s.stop) for s in pieces)
+            per_rank[rank].extend(
+                Piece(split[s.param], s.start, s.stop, s.param_numel) for s in pieces
+            )
     for k, rank in pinned.items():
-        per_rank[rank].append(Piece(k, 0, numels[k]))
+        per_rank[rank].append(Piece(k, 0, numels[k], numels[k]))
     ranked = tuple(tuple(sorted(ps, key=lambda s: s.param)) for ps in per_rank)
     return Ownership(tuple(numels), world_size, ranked)
 

@@ -1,27 +1,8 @@
 """The functional ZeRO step for custom training loops (``torch.func`` and friends).
 
-No stateful shell: given an :class:`~zero_functional.core.ownership.Ownership` (which rank owns which
-pieces of which parameters: whole tensors, or flat pieces that straddle ranks), this rank and
-a functional optimizer, :func:`shard_init` builds state for the owned pieces only and
-:func:`shard_update` updates them purely. Around it, two collectives give the step DDP's bytes:
-:func:`zero_functional.comm.reduce_to_owners` averages each gradient piece onto its owner, and
-:func:`zero_functional.comm.sync_params` gives every rank every owner's updated pieces (both take
-``piece_views(tensors, ownership)``).
-
-Example:
-    >>> import torch
-    >>> from zero_functional.functional import adam
-    >>> from zero_functional.core.ownership import flat_ownership
-    >>> params = {"w": torch.ones(4, 2), "b": torch.zeros(2)}
-    >>> ownership = flat_ownership([p.numel() for p in params.values()], world_size=2)
-    >>> ownership.owned(0)  # rank 0 owns the first 5 of the 10 elements: most of "w"
-    (Piece(param=0, start=0, stop=5),)
-    >>> opt = adam(lr=0.1)
-    >>> state = shard_init(opt, params, ownership, rank=0)
-    >>> grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
-    >>> new_params, state = shard_update(opt, params, grads, state, ownership, rank=0)
-    >>> [round(v, 4) for v in new_params["w"].reshape(-1)[:6].tolist()]  # rank 0's: 0..4
-    [0.9, 0.9, 0.9, 0.9, 0.9, 1.0]
+:func:`shard_init` builds state for the pieces this rank owns and :func:`shard_update` updates
+them purely; ``comm.reduce_to_owners`` and ``comm.sync_params`` (over ``piece_views(tensors,
+ownership)``) move the gradients and parameters around it.
 """
 
 from __future__ import annotations
@@ -33,18 +14,17 @@ import torch
 from torch import Tensor
 
 from zero_functional.core._validate import first_of
-from zero_functional.core.ownership import Ownership, piece_view, whole_ownership
+from zero_functional.core.layout import piece_view
+from zero_functional.core.ownership import Ownership, whole_ownership
 from zero_functional.core.partition import Piece, owners
 from zero_functional.functional import FunctionalOptimizer, State
-
-__all__ = ["ShardState", "shard_init", "shard_update"]
 
 Params = Mapping[str, Tensor] | Sequence[Tensor]
 OwnershipLike = Ownership | Sequence[Sequence[int]]
 
 
 class ShardState(NamedTuple):
-    """Optimizer state of this rank's pieces: ``pieces`` as ``ownership.owned(rank)`` lists."""
+    """The state of this rank's ``pieces`` (as ``ownership.owned(rank)`` lists them)."""
 
     pieces: tuple[Piece, ...]
     inner: State
@@ -55,8 +35,7 @@ def _as_list(params: Params) -> list[Tensor]:
 
 
 def _ownership(ownership: OwnershipLike, params: Sequence[Tensor]) -> Ownership:
-    """An Ownership as it is; a whole-tensor partition (per rank, parameter indices, as
-    :func:`~zero_functional.core.partition.sorted_greedy` returns) as the ownership it describes."""
+    """An Ownership, or a whole-tensor partition (per rank, its parameter indices) as one."""
     if isinstance(ownership, Ownership):
         if ownership.numels != tuple(p.numel() for p in params):
             raise ValueError(
@@ -73,17 +52,13 @@ def _ownership(ownership: OwnershipLike, params: Sequence[Tensor]) -> Ownership:
 def shard_init(
     opt: FunctionalOptimizer, params: Params, ownership: OwnershipLike, rank: int
 ) -> ShardState:
-    """State for the pieces ``rank`` owns, and nothing for the rest.
+    """State for the pieces of ``params`` (a list, or a dict in model order) that ``rank`` owns
+    under ``ownership`` (or a whole-tensor partition), and nothing for the rest.
 
-    Args:
-        opt: A functional optimizer (``zero_functional.functional.adam(...)`` etc.).
-        params: All parameters, as a list or a ``{name: tensor}`` dict (model order).
-        ownership: Which rank owns what (:func:`~zero_functional.core.ownership.flat_ownership`
-            etc.), or a whole-tensor partition (per rank, the parameter indices it owns).
-        rank: This rank.
-
-    Returns:
-        The state of this rank's pieces (1-D for a piece that is part of a parameter).
+    Example:
+        >>> from zero_functional.functional import sgd
+        >>> shard_init(sgd(momentum=0.9), [torch.zeros(4)], [[], [0]], rank=0).pieces
+        ()
     """
     flat = _as_list(params)
     own = _ownership(ownership, flat)
@@ -117,18 +92,20 @@ def shard_update(
     ownership: OwnershipLike,
     rank: int,
 ) -> tuple[dict[str, Tensor] | list[Tensor], ShardState]:
-    """Pure update of this rank's pieces; everything else comes back as it was.
+    """Pure update of this rank's pieces: a parameter it owns a piece of comes back new with
+    the piece updated, the others as the same objects (same container as ``params``); then
+    ``comm.sync_params(*piece_views(new_params, ownership))`` gives every rank every piece.
 
-    Never mutates an argument: a parameter this rank owns a piece of comes back as a new
-    tensor with that piece updated, the others as the same objects. Follow it with
-    ``comm.sync_params(*piece_views(new_params, ownership))`` (after copying them into the
-    model, or on the tensors themselves) to give every rank every piece.
-
-    Returns:
-        The new parameters (same container kind as ``params``) and the new shard state.
-
-    Raises:
-        ValueError: Lists of different lengths, or a state built for another rank or ownership.
+    Example:
+        >>> from zero_functional.functional import adam
+        >>> from zero_functional.core.ownership import flat_ownership
+        >>> params, opt = {"w": torch.ones(4, 2), "b": torch.zeros(2)}, adam(lr=0.1)
+        >>> ownership = flat_ownership([8, 2], world_size=2)  # rank 0: w's first 5 elements
+        >>> state = shard_init(opt, params, ownership, rank=0)
+        >>> grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
+        >>> new, state = shard_update(opt, params, grads, state, ownership, rank=0)
+        >>> [round(v, 4) for v in new["w"].reshape(-1)[4:6].tolist()], new["b"] is params["b"]
+        ([0.9, 1.0], True)
     """
     flat_p, flat_g = _as_list(params), _as_list(grads)
     if len(flat_p) != len(flat_g):
@@ -147,7 +124,7 @@ def shard_update(
     new = list(flat_p)
     for s, t in zip(pieces, updated):
         p = flat_p[s.param]
-        if s.start == 0 and s.stop == p.numel():
+        if s.is_whole:
             new[s.param] = t
         else:
             with torch.no_grad():

@@ -14,12 +14,13 @@ from zero_functional.functional.adam import (
     adamw_update_,
 )
 from zero_functional.functional.compiled import COMPILE_FASTER_FROM, compile_policy
-from zero_functional.functional.factories import FunctionalOptimizer, State, adam, adamw, sgd
+from zero_functional.functional.factories import FunctionalOptimizer, adam, adamw, sgd
 from zero_functional.functional.registry import (
     IGNORED_GROUP_KEYS,
     OPTIMIZER_KINDS,
     SUPPORTED,
     FunctionalSpec,
+    State,
     UpdateKind,
     functional_spec,
     group_hyperparams,

@@ -13,8 +13,6 @@ if TYPE_CHECKING:  # annotations only: adam.py and sgd.py import this module
     from zero_functional.functional.adam import AdamState
     from zero_functional.functional.sgd import SGDState
 
-__all__: list[str] = []
-
 P = ParamSpec("P")
 S = TypeVar("S", bound=tuple[Sequence[Tensor | None], ...])  # a NamedTuple state of tensor lists
 
@@ -25,7 +23,7 @@ def check_lists(
     grads: Sequence[Tensor],
     states: Mapping[str, Sequence[Tensor | None]],
 ) -> None:
-    """Raise a ValueError naming the fix when the lists do not line up with ``params``."""
+    """A ValueError or TypeError naming the fix where the lists do not line up with ``params``."""
     n = len(params)
     if len(grads) != n:
         raise ValueError(
@@ -67,12 +65,9 @@ def check_lists(
 
 
 def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Indices of ``params`` grouped by (device, dtype), groups and members in first-seen order.
-
-    The grouping every foreach or fused kernel needs (each call takes one device and dtype).
+    """Indices of ``params`` by (device, dtype), in first-seen order: a foreach call each.
 
     Example:
-        >>> import torch
         >>> ts = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]
         >>> list(group_indices(ts).values())
         [[0, 2], [1]]
@@ -84,12 +79,9 @@ def group_indices(params: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dt
 
 
 def to_dicts(state: SGDState | AdamState) -> list[dict[str, Tensor]]:
-    """Per-param state in torch.optim's format: one dict per param, keyed by the state's field
-    names; tensors are shared, not copied. Empty lists (Adam's ``max_exp_avg_sq`` without
-    amsgrad) and ``None`` entries (SGD's buffer before its first step) are not torch's keys.
+    """Per param, its state as torch.optim keeps it (tensors shared; no empty lists or ``None``).
 
     Example:
-        >>> import torch
         >>> from zero_functional.functional import SGDState
         >>> to_dicts(SGDState([None, torch.ones(1)]))
         [{}, {'momentum_buffer': tensor([1.])}]
@@ -104,8 +96,8 @@ def to_dicts(state: SGDState | AdamState) -> list[dict[str, Tensor]]:
 def bias_corrections(
     lr: float, betas: tuple[float, float], steps: Sequence[float]
 ) -> tuple[list[float], list[float]]:
-    """Adam's per-tensor scalars for step counts ``steps``, in Python floats as torch's
-    ``_multi_tensor_adam`` computes them: ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``.
+    """Adam's scalars ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` for step counts
+    ``steps``, in Python floats as torch's ``_multi_tensor_adam`` computes them.
 
     Example:
         >>> bias_corrections(0.1, (0.5, 0.75), [1.0, 2.0])
@@ -140,20 +132,14 @@ def reject_tensor(name: str, value: object) -> None:
 def pure_from_inplace(
     update_: Callable[Concatenate[Sequence[Tensor], Sequence[Tensor], S, P], None],
 ) -> Callable[Concatenate[Sequence[Tensor], Sequence[Tensor], S, P], tuple[list[Tensor], S]]:
-    """The pure twin of an in-place update: ``update_`` run on copies of the params and state.
-
-    The result takes the same arguments, returns ``(new_params, new_state)`` and leaves every
-    argument untouched: bitwise ``update_`` on copies, and no output tensor shares storage with
-    an input tensor (``grads`` are only read).
+    """The pure twin of an in-place update: ``update_`` on copies of the params and state,
+    returning ``(new_params, new_state)``; no output shares storage with an input.
 
     Example:
-        >>> import torch
         >>> from zero_functional.functional import sgd_init, sgd_update_
-        >>> sgd_update = pure_from_inplace(sgd_update_)
         >>> p = [torch.tensor([1.0])]
-        >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
-        >>> new_p[0], p[0]
-        (tensor([0.]), tensor([1.]))
+        >>> pure_from_inplace(sgd_update_)(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)[0], p
+        ([tensor([0.])], [tensor([1.])])
     """
 
     def update(

@@ -12,24 +12,15 @@ With gradient :math:`g_t` (negated when maximizing), step :math:`t`, learning ra
     \theta_t &\leftarrow \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t}
         \frac{m_t}{\sqrt{\hat v_t}/\sqrt{1 - \beta_2^t} + \epsilon}
 
-One record (:class:`AdamHyper`), one state (:class:`AdamState`) and one update
-(:func:`adam_update_`), which runs each (device, dtype) group through one of three kernels: torch's
-fused ``_fused_adam_``/``_fused_adamw_``; the foreach path that is operation for operation
-torch's ``_multi_tensor_adam`` (on CPU the same bits as torch's default single-tensor path); or a
-``torch.compile`` graph (:mod:`~zero_functional.functional.compiled`). The pure update and AdamW
-are derived from it.
+One record (:class:`AdamHyper`), one state (:class:`AdamState`), one worker
+(:func:`adam_apply_`): torch's fused kernel, the foreach path that is torch's
+``_multi_tensor_adam`` operation for operation, or a ``torch.compile`` graph per (device, dtype)
+group. AdamW is Adam with decoupled decay (``functools.partial``).
 
 Example:
-    The pure update is the in-place one on copies; AdamW is Adam with decoupled decay:
-
-    >>> import torch
     >>> p = [torch.tensor([1.0])]
-    >>> new_p, new_s = adam_update(p, [torch.tensor([3.0])], adam_init(p), lr=0.1)
-    >>> new_p[0], p[0], new_s.step[0]
-    (tensor([0.9000]), tensor([1.]), tensor(1.))
-    >>> new_p, _ = adamw_update(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)
-    >>> new_p[0]
-    tensor([0.9500])
+    >>> adamw_update(p, [torch.tensor([0.0])], adam_init(p), lr=0.1, weight_decay=0.5)[0]
+    [tensor([0.9500])]
 """
 
 from __future__ import annotations
@@ -52,45 +43,14 @@ from zero_functional.functional._common import (
     to_dicts,
 )
 
-__all__ = [
-    "ADAMW_DEFAULTS",
-    "ADAMW_KEYWORDS",
-    "ADAM_DEFAULTS",
-    "AdamHyper",
-    "AdamState",
-    "adam_apply_",
-    "adam_init",
-    "adam_update",
-    "adam_update_",
-    "adamw_update",
-    "adamw_update_",
-]
-
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class AdamHyper(NamedTuple):
-    """Adam's hyperparameters, with torch.optim.Adam's defaults: the one list of them.
-
-    The keys of a ``torch.optim.Adam`` param group that change the update, in torch's order;
-    :data:`ADAMW_DEFAULTS` holds torch.optim.AdamW's. Building a record checks nothing (torch
-    checks at construction, not at each step); :meth:`validated` applies torch's checks. A
-    ``NamedTuple``, as the state: every update builds one, and a frozen dataclass costs three
-    times as much (1.9 against 0.6 us).
-
-    Attributes:
-        lr: learning rate.
-        betas: running-average coefficients for the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: L2 penalty, or decoupled decay when ``decoupled_weight_decay``.
-        amsgrad: use the AMSGrad maximum of the second moment.
-        maximize: maximize the objective instead of minimizing it.
-        decoupled_weight_decay: AdamW's decay ``param *= 1 - lr * weight_decay``.
-        fused: ``None``: torch's fused kernels for the groups they take (CPU/CUDA,
-            float16/bfloat16/float32/float64), foreach kernels for the rest; ``False``: always
-            foreach (torch.optim.Adam's default numerics); ``True``: fused, or an error.
-    """
+    """The keys of a ``torch.optim.Adam`` group that change the update, torch's defaults, in
+    torch's order (:data:`ADAMW_DEFAULTS`: AdamW's); ``fused``: ``None`` torch's fused kernels where
+    they apply, ``False`` foreach (torch's default numerics), ``True`` fused or an error."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -102,17 +62,11 @@ class AdamHyper(NamedTuple):
     fused: bool | None = None
 
     def validated(self) -> AdamHyper:
-        """This record with ``betas`` as a tuple, after torch.optim.Adam's checks.
-
-        Raises:
-            ValueError: torch's message for the first invalid value; a Tensor where a float is
-                needed.
+        """This record with ``betas`` as a tuple, after torch.optim.Adam's checks (its messages).
 
         Example:
-            >>> AdamHyper(betas=(1.0, 0.999)).validated()
-            Traceback (most recent call last):
-            ...
-            ValueError: Invalid beta parameter at index 0: 1.0
+            >>> AdamHyper(betas=[0.5, 0.5]).validated().betas
+            (0.5, 0.5)
         """
         reject_tensor("lr", self.lr)
         if not 0.0 <= self.lr:
@@ -133,22 +87,12 @@ class AdamHyper(NamedTuple):
 
 ADAM_DEFAULTS = AdamHyper()
 ADAMW_KEYWORDS: dict[str, Any] = {"weight_decay": 1e-2, "decoupled_weight_decay": True}
-"""What makes Adam torch.optim.AdamW: decoupled decay, of 1e-2 by default (bound by the
-``adamw`` variants, :func:`functools.partial` of Adam's)."""
-ADAMW_DEFAULTS = ADAM_DEFAULTS._replace(**ADAMW_KEYWORDS)
-"""torch.optim.AdamW's defaults: Adam's, with decoupled decay of 1e-2."""
+ADAMW_DEFAULTS = ADAM_DEFAULTS._replace(**ADAMW_KEYWORDS)  # torch.optim.AdamW's
 
 
 class AdamState(NamedTuple):
-    """Per-parameter Adam state, keyed as torch.optim.Adam's state dict.
-
-    Attributes:
-        step: 0-dim float32 step counts, each on its param's device (the fused kernels read it
-            there; torch's non-fused Adam keeps it on the CPU instead).
-        exp_avg: first-moment running averages.
-        exp_avg_sq: second-moment running averages.
-        max_exp_avg_sq: running maxima of ``exp_avg_sq`` when amsgrad, else ``[]``.
-    """
+    """Per param, torch.optim.Adam's state (``max_exp_avg_sq`` empty without amsgrad); ``step``
+    a 0-d float32 on the param's device, where the fused kernels read it."""
 
     step: list[Tensor]
     exp_avg: list[Tensor]
@@ -159,21 +103,12 @@ class AdamState(NamedTuple):
     def from_dicts(
         cls, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], h: AdamHyper
     ) -> AdamState:
-        """The state of torch-format per-param dicts; an empty dict gives fresh state.
-
-        Tensors are used as-is (no copy). The one exception is ``step``: torch keeps it on the
-        CPU (float32, or float64 under a float64 default dtype) unless fused or capturable, so
-        a step that is not a float32 tensor on its param's device is converted (a Python
-        number is accepted too). ``max_exp_avg_sq`` is read where ``h.amsgrad``.
-
-        Raises:
-            ValueError: amsgrad is on and a stepped param lacks ``max_exp_avg_sq``.
+        """The state of torch's per-param dicts (empty: fresh), not copied but for ``step``,
+        moved to a float32 on its param's device (torch keeps it on the CPU).
 
         Example:
-            >>> import torch
-            >>> s = AdamState.from_dicts([{}], [torch.zeros(2)], ADAM_DEFAULTS)
-            >>> s.step[0], s.exp_avg[0]
-            (tensor(0.), tensor([0., 0.]))
+            >>> AdamState.from_dicts([{}], [torch.zeros(2)], ADAM_DEFAULTS).exp_avg
+            [tensor([0., 0.])]
         """
         # Allocate fresh state only where a dict is empty: this runs on every step of the shell.
         empty = [i for i, d in enumerate(dicts) if not d]
@@ -201,31 +136,18 @@ class AdamState(NamedTuple):
 
 
 def adam_init(params: Sequence[Tensor], *, amsgrad: bool = ADAM_DEFAULTS.amsgrad) -> AdamState:
-    """Create zero Adam state for ``params``.
-
-    Args:
-        params: the parameters the state belongs to.
-        amsgrad: also allocate ``max_exp_avg_sq``.
-
-    Returns:
-        An ``AdamState`` with step 0 and zero moments shaped like each param.
+    """Fresh Adam state for ``params``: step 0, zero moments (and maxima with ``amsgrad``).
 
     Example:
-        >>> import torch
-        >>> s = adam_init([torch.ones(2)], amsgrad=True)
-        >>> s.step[0], s.exp_avg[0], len(s.max_exp_avg_sq)
-        (tensor(0.), tensor([0., 0.]), 1)
+        >>> adam_init([torch.ones(2)]).step
+        [tensor(0.)]
     """
-    return AdamState(
-        step=[torch.zeros((), dtype=torch.float32, device=p.device) for p in params],
-        exp_avg=[torch.zeros_like(p, memory_format=torch.preserve_format) for p in params],
-        exp_avg_sq=[torch.zeros_like(p, memory_format=torch.preserve_format) for p in params],
-        max_exp_avg_sq=(
-            [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
-            if amsgrad
-            else []
-        ),
-    )
+
+    def zeros() -> list[Tensor]:
+        return [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+
+    steps = [torch.zeros((), dtype=torch.float32, device=p.device) for p in params]
+    return AdamState(steps, zeros(), zeros(), zeros() if amsgrad else [])
 
 
 def _foreach(ps: list[Tensor], gs: list[Tensor], s: AdamState, h: AdamHyper) -> None:
@@ -309,37 +231,14 @@ def adam_update_(
     fused: bool | None = ADAM_DEFAULTS.fused,
     compile: bool | None = False,
 ) -> None:
-    """Apply one Adam step in place, each (device, dtype) group through one kernel.
-
-    ``params`` and the state tensors are updated in place; ``grads`` are never modified.
-
-    Args:
-        params: parameters, updated in place.
-        grads: one gradient per parameter, same shape, dtype and device.
-        state: from :func:`adam_init` (or a previous step) for the same params.
-        lr ... fused: the :class:`AdamHyper` fields, by name (``fused=True`` wins over
-            ``compile``).
-        compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
-            (compiled on first use of a configuration, reused while values change; numerics
-            and the fallback to eager in :mod:`~zero_functional.functional.compiled`);
-            ``None``: only where :func:`~zero_functional.functional.compile_policy` measured it
-            faster; ``False``: never.
-
-    Raises:
-        RuntimeError: ``fused=True`` with a param the fused kernels do not support.
-        ValueError: when the lists have different lengths or a grad does not match its param.
-        TypeError: when ``lr`` or ``betas`` are not Python numbers.
+    """One Adam step in place (``grads`` only read), the lists checked first; ``fused=True`` wins
+    over ``compile`` (as :func:`~zero_functional.functional.sgd_update_`'s).
 
     Example:
-        >>> import torch
         >>> p = [torch.tensor([1.0, -1.0])]
-        >>> s = adam_init(p)
-        >>> adam_update_(p, [torch.tensor([0.5, -0.5])], s, lr=0.1, fused=False)
-        >>> p[0], s.step[0]
-        (tensor([ 0.9000, -0.9000]), tensor(1.))
-        >>> adam_update_(p, [torch.tensor([0.5, -0.5])], s, lr=0.1, compile=True)
-        >>> p[0], s.step[0]
-        (tensor([ 0.8000, -0.8000]), tensor(2.))
+        >>> adam_update_(p, [torch.tensor([0.5, -0.5])], adam_init(p), lr=0.1, fused=False)
+        >>> p[0]
+        tensor([ 0.9000, -0.9000])
     """
     h = AdamHyper._make(map(locals().__getitem__, AdamHyper._fields))  # spelled once: above
     n_lists = 4 if amsgrad and state.max_exp_avg_sq else 3  # none at all: adam_apply_ says why
@@ -356,15 +255,10 @@ def adam_apply_(
     *,
     compile: bool | None = False,
 ) -> None:
-    """:func:`adam_update_` from a record, the lists trusted: what the shell calls.
-
-    The shell builds ``params``, ``grads`` and ``state`` itself, one entry per piece, so the
-    per-tensor checks of :func:`adam_update_` (most of the Python time the shell added to a
-    step; measured in the README's "GPUs and NCCL") are skipped; the hyperparameters are still
-    checked (a scheduler may have written a Tensor).
+    """The worker: :func:`adam_update_` from a record, the lists trusted (the shell builds them);
+    the hyperparameters are still checked (a scheduler may have written a Tensor).
 
     Example:
-        >>> import torch
         >>> p = [torch.tensor([1.0])]
         >>> adam_apply_(p, [torch.tensor([3.0])], adam_init(p), AdamHyper(lr=0.1))
         >>> p[0]
@@ -380,12 +274,8 @@ def adam_apply_(
         check_real_number("adam_update_", name, value)
     for (device, dtype), idx in group_indices(params).items():
         ps, gs = [params[i] for i in idx], [grads[i] for i in idx]
-        s = AdamState(
-            step=[state.step[i] for i in idx],
-            exp_avg=[state.exp_avg[i] for i in idx],
-            exp_avg_sq=[state.exp_avg_sq[i] for i in idx],
-            max_exp_avg_sq=[state.max_exp_avg_sq[i] for i in idx] if h.amsgrad else [],
-        )
+        step, exp_avg, exp_avg_sq, vmax = ([ts[i] for i in idx] if ts else [] for ts in state)
+        s = AdamState(step, exp_avg, exp_avg_sq, vmax if h.amsgrad else [])
         # an explicit fused=True wins; a graph that cannot compile falls back to eager
         if h.fused is not True and compiled.chosen("adam", compile, ps):
             if compiled.adam_group(ps, gs, s, h):

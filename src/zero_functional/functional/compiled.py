@@ -1,49 +1,9 @@
-r"""The compiled kernel: Adam/AdamW and SGD groups as ``torch.compile(fullgraph=True)`` graphs.
+"""The compiled kernel: Adam/AdamW and SGD groups as ``torch.compile(fullgraph=True)`` graphs.
 
-What ``adam_update_(..., compile=True)`` and ``sgd_update_(..., compile=True)`` run for a
-(device, dtype) group of params: one compiled graph, one fused loop per tensor that reads param,
-grad and state once and writes them once (the foreach path makes a dozen passes). This module
-holds the graphs, their cache, the fallback to eager and the policy for ``compile=None``.
-
-What the graph sees, and why:
-
-* Every value a scheduler may change (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum``,
-  ``dampening``) reaches the graph as an element of a small tensor of coefficients per param,
-  in the params' dtype and on their device, built on each call: a new value never recompiles,
-  and no cached tensor is shared between calls (or threads). The coefficients, Adam's
-  per-tensor bias corrections among them, are computed in Python floats exactly as the eager
-  path computes them (``step_size = (lr / (1 - beta1**step)) * -1``...), so the graph
-  multiplies by the same float32 (or float64) scalars as the eager kernels. That needs the
-  step counts on the host: one device sync per group on CUDA, as the foreach path has. Doing
-  the arithmetic inside the graph would cost speed on CPU: inductor inlines it into the vector
-  loop, where C's ``pow`` cannot be hoisted (errno), which measured 2-3x slower.
-* What changes the graph's structure is part of a cache key, one compiled graph per key:
-  ``amsgrad``, ``maximize``, ``decoupled_weight_decay``, ``weight_decay != 0`` and which of
-  torch's two lerp formulas ``1 - beta1`` selects (Adam); ``maximize``, ``weight_decay != 0``,
-  ``momentum != 0``, ``nesterov`` and whether momentum buffers exist yet (SGD); and the device
-  and dtype. Shapes and list lengths recompile within a key (automatic dynamic shapes).
-* Only float32 and float64 on CPU and CUDA are compiled; other groups (complex, float16,
-  bfloat16, other devices) run the eager kernel of the caller's ``fused`` choice.
-
-Numerics against the eager foreach kernel (``fused=False``), on CPU:
-
-* Step counts are bitwise equal. For float32, SGD's params and momentum buffers and Adam's
-  ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` are bitwise equal too: torch's CPU
-  kernels (AVX2/AVX512) round ``a * b + c`` once (vectorized ``fmadd`` in ``lerp``,
-  ``addcmul`` and ``add(alpha=)``) and inductor's CPU backend has no FMA, so the graph
-  computes those products in float64 and rounds once to float32 (exact but for a double
-  rounding, about once in 2**29 elements).
-* Adam's params are not bitwise equal: torch's CPU ``sqrt`` goes through MKL's vector math,
-  which is off by one ulp for about a fifth of float32 inputs, while the graph's ``sqrt`` is
-  correctly rounded (as torch's fused kernel's is). Params differ by about an ulp per step
-  (max abs difference 2.4e-7 after 4 steps on unit-scale values), and with L2 decay
-  (``weight_decay`` not decoupled) the moments inherit that through the gradient.
-* For float64 the products are rounded twice (no wider type to round once from), so state
-  and params differ from eager by an ulp now and then (relative 1e-16).
-
-If compilation fails (no C++ compiler, a dynamo or inductor error, too many recompilations),
-the group runs the eager kernel instead, one ``logging`` warning names the configuration and
-the error, and that configuration is not compiled again in this process.
+One fused loop per tensor for float32/float64 groups on CPU or CUDA. Values a scheduler may change
+reach the graph as per-param coefficient tensors computed in Python floats as the eager path does
+(no recompiles); what changes its structure keys one graph each. A configuration that fails to
+compile warns once and runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -62,8 +22,6 @@ if TYPE_CHECKING:  # annotations only: adam.py and sgd.py import this module
     from zero_functional.functional.adam import AdamHyper, AdamState
     from zero_functional.functional.sgd import SGDHyper
 
-__all__ = ["COMPILED_DEVICE_TYPES", "COMPILED_DTYPES", "COMPILE_FASTER_FROM", "compile_policy"]
-
 COMPILED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 COMPILED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
 
@@ -76,43 +34,13 @@ _FAILED: dict[tuple[object, ...], str] = {}
 
 COMPILE_FASTER_FROM: dict[tuple[str, str, torch.dtype], int] = {}
 """``(name, device type, dtype) -> numel``: from how many elements in a group the compiled
-update measured faster per step than the eager default that would run instead; the policy
-compiles by default nowhere else. Empty: nowhere yet (see :func:`compile_policy`)."""
+update measured faster than the eager default (empty: nowhere yet; benchmarks/README.md)."""
 
 
 def compile_policy(name: str, device_type: str, dtype: torch.dtype, numel: int) -> bool:
-    """Whether a group runs compiled by default: only where it measured faster.
-
-    Read from :data:`COMPILE_FASTER_FROM`, which is empty: the compiled update is opt-in
-    everywhere. Measured with ``benchmarks/bench_kernels.py`` (one step on 8 float32 tensors,
-    medians of 30-50 interleaved rounds; torch 2.13 CPU build, AMD EPYC, 2 cores shared with
-    other work, so ratios are ranges over 4-5 runs; "x" is torch's fused median over ours):
-
-    * Adam, 8 x 1M: compiled 0.60-0.76x (0.52x on one thread); our default, torch's fused
-      kernel, 1.02-1.09x; foreach 0.16-0.23x. The graph reads and writes what the fused
-      kernel does, but inductor's loop runs slower here; 8 x 64K: 0.50x, 8 x 4K: 0.37x, where
-      the ~0.3 ms per call of guards and wrappers dominates.
-    * SGD with momentum, 8 x 1M: compiled 0.55-0.90x of torch's fused SGD, which our core
-      does not use; against our default (foreach) it is 1.0-2.3x faster. 8 x 64K: 0.64x of
-      our foreach, 8 x 4K: 0.36x. So it beats the current default only for large groups,
-      and torch's fused SGD kernel would beat it there with no compilation: that, not
-      compiling by default, is the better default for SGD.
-    * First call per configuration: 0.5-7 s of tracing and compiling (less when inductor's
-      on-disk cache has the kernel), and a C++ toolchain at run time.
-    * CUDA: not measured (no GPU here); torch's fused Adam kernel exists there too, so the
-      compiled update stays opt-in until a measurement adds an entry.
-
-    Args:
-        name: the update, ``"sgd"`` or ``"adam"`` (AdamW's groups run Adam's).
-        device_type: ``"cpu"``, ``"cuda"``, ...
-        dtype: the group's dtype.
-        numel: elements in the group.
-
-    Returns:
-        ``True`` where the compiled update should run without being asked for.
+    """Whether a group runs compiled by default: where :data:`COMPILE_FASTER_FROM` says so.
 
     Example:
-        >>> import torch
         >>> compile_policy("adam", "cpu", torch.float32, 8 << 20)
         False
     """
@@ -125,8 +53,7 @@ _ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def _compile(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
-    """One compiled region per cache key: its recompilations do not count against another's
-    (where torch can isolate them)."""
+    """One compiled region per cache key, recompiling apart from the others' where torch can."""
     if not _ISOLATE:
         return torch.compile(fn, fullgraph=True)
     # torch 2.13's overloads of torch.compile do not list isolate_recompiles yet
@@ -134,12 +61,8 @@ def _compile(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
 
 
 def _coefficients(rows: list[list[float]], like: Tensor) -> list[Tensor]:
-    """The graph's scalars for each param (``rows[i]``), in the params' dtype and device.
-
-    A tensor per param, not one shared by all: inductor fuses loops that read a common buffer
-    into one loop over every tensor at once, which measured 1.7x slower on CPU (Adam, 8 x 1M).
-    Rows are computed in Python floats, as the eager path computes its scalars.
-    """
+    """The graph's scalars for each param (``rows[i]``), in its dtype and on its device: a
+    tensor per param (inductor would fuse loops reading one shared buffer into a slower one)."""
     return list(torch.tensor(rows, dtype=like.dtype, device=like.device).unbind(0))
 
 
@@ -153,9 +76,8 @@ def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
 
 
 def chosen(kind: str, compile: bool | None, ps: Sequence[Tensor]) -> bool:
-    """Whether a group runs compiled: ``compile`` asks for it (``None``: where
-    :func:`compile_policy` says) and the graphs take it (a request they cannot meet warns
-    once); a group with no elements has nothing to gain."""
+    """Whether a group runs compiled: ``compile`` asks (``None``: :func:`compile_policy`), it has
+    elements, and the graphs take it (a request they cannot meet warns once)."""
     if compile is False:
         return False
     device, dtype, numel = ps[0].device, ps[0].dtype, sum(p.numel() for p in ps)
@@ -319,8 +241,7 @@ def _sgd_graph(
 
 
 def sgd_group(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: SGDHyper) -> bool:
-    """One group (all buffers present, or all absent) through the compiled graph; a new
-    buffer is put in ``bufs``; ``False`` if it cannot compile."""
+    """One group (all buffers present, or none: new ones go in ``bufs``) through the graph."""
     p0 = ps[0]
     first_step = h.momentum != 0 and bufs[0] is None
     coefs = _coefficients([[h.weight_decay, h.momentum, 1 - h.dampening, -h.lr]] * len(ps), p0)

@@ -1,4 +1,5 @@
-"""Optimizer factories: torch.optim's keywords, validated by the record, bound to the updates."""
+"""Optimizer factories: torch.optim's keywords, validated by the record, bound to the updates
+(optax's ``init``/``update`` pair)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,12 @@ from zero_functional.functional.adam import ADAM_DEFAULTS, ADAMW_KEYWORDS, AdamH
 from zero_functional.functional.registry import FunctionalSpec, State, functional_spec
 from zero_functional.functional.sgd import SGD_DEFAULTS, SGDHyper
 
-__all__ = ["FunctionalOptimizer", "State", "adam", "adamw", "sgd"]
-
 
 @dataclass(frozen=True)
 class FunctionalOptimizer:
-    """An optimizer as pure functions with its hyperparameters bound.
-
-    Attributes:
-        name: ``"sgd"``, ``"adam"`` or ``"adamw"`` (its spec's name).
-        hyperparams: the validated record's fields (read-only mapping), torch.optim's names.
-        init: ``init(params) -> state``.
-        update: pure ``update(params, grads, state) -> (new_params, new_state)``.
-        update_: in-place ``update_(params, grads, state) -> None``.
-    """
+    """An optimizer as functions with its validated ``hyperparams`` bound (optax's pair):
+    ``init(params) -> state``, pure ``update(params, grads, state) -> (params, state)`` and its
+    in-place twin ``update_``."""
 
     name: str
     hyperparams: Mapping[str, object]
@@ -56,7 +49,7 @@ def _spec(optimizer_class: type) -> FunctionalSpec:
 
 
 def _bind(spec: FunctionalSpec, hyper: SGDHyper | AdamHyper) -> FunctionalOptimizer:
-    """The optimizer whose functions are ``spec``'s with ``hyper``'s fields bound as keywords."""
+    """``spec``'s functions with ``hyper``'s fields bound as keywords."""
     kw = hyper._asdict()
 
     def checked(fn: str, state: State) -> State:
@@ -89,34 +82,13 @@ def sgd(
     fused: bool | None = None,
     **unknown: object,
 ) -> FunctionalOptimizer:
-    """SGD with torch.optim.SGD's keywords, defaults and validation messages.
-
-    Args:
-        lr ... maximize: the :class:`SGDHyper` fields, by name.
-        foreach: accepted and ignored (foreach kernels are always used).
-        differentiable: only False is supported.
-        fused: only None/False (fused SGD is not implemented here).
-        **unknown: rejected.
-
-    Returns:
-        The bound ``FunctionalOptimizer``.
-
-    Raises:
-        ValueError: invalid values, with torch's messages.
-        TypeError: unknown keywords.
+    """SGD with torch.optim.SGD's keywords, defaults and messages (``foreach`` ignored,
+    ``differentiable`` and ``fused`` refused).
 
     Example:
-        >>> import torch
-        >>> opt = sgd(lr=0.1, momentum=0.9)
-        >>> p = [torch.tensor([1.0])]
-        >>> s = opt.init(p)
-        >>> opt.update_(p, [torch.tensor([1.0])], s)
-        >>> p[0]
-        tensor([0.9000])
-        >>> sgd(lr=-1.0)
-        Traceback (most recent call last):
-        ...
-        ValueError: Invalid learning rate: -1.0
+        >>> opt, p = sgd(lr=0.1, momentum=0.9), [torch.tensor([1.0])]
+        >>> opt.update(p, [torch.tensor([1.0])], opt.init(p))[0]
+        [tensor([0.9000])]
     """
     _reject_unknown(sgd, "sgd", unknown)
     hyper = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields)).validated()
@@ -145,37 +117,12 @@ def adam(
     decoupled_weight_decay: bool = ADAM_DEFAULTS.decoupled_weight_decay,
     **unknown: object,
 ) -> FunctionalOptimizer:
-    """Adam (AdamW with ``decoupled_weight_decay``) with torch.optim.Adam's keywords, defaults
-    and validation messages.
-
-    Args:
-        lr ... decoupled_weight_decay: the :class:`AdamHyper` fields, by name.
-        foreach: accepted and ignored.
-        capturable: only False is supported.
-        differentiable: only False is supported.
-        **unknown: rejected.
-
-    Returns:
-        The bound ``FunctionalOptimizer``, named ``"adamw"`` with decoupled decay.
-
-    Raises:
-        ValueError: invalid values, with torch's messages.
-        TypeError: unknown keywords.
+    """Adam with torch.optim.Adam's keywords, defaults and messages (``foreach`` ignored,
+    ``capturable`` and ``differentiable`` refused); ``"adamw"`` with decoupled decay.
 
     Example:
-        >>> import torch
-        >>> opt = adam(lr=0.1)
-        >>> p = [torch.tensor([1.0])]
-        >>> new_p, new_s = opt.update(p, [torch.tensor([1.0])], opt.init(p))
-        >>> new_p[0]
-        tensor([0.9000])
-        >>> adam(betas=(1.0, 0.999))
-        Traceback (most recent call last):
-        ...
-        ValueError: Invalid beta parameter at index 0: 1.0
-        >>> opt = adamw(lr=0.1)  # adam with torch.optim.AdamW's defaults
-        >>> opt.name, opt.hyperparams["weight_decay"], opt.hyperparams["decoupled_weight_decay"]
-        ('adamw', 0.01, True)
+        >>> adamw(lr=0.1).hyperparams["weight_decay"]  # adam with torch.optim.AdamW's defaults
+        0.01
     """
     spec = _spec(torch.optim.AdamW if decoupled_weight_decay else torch.optim.Adam)
     _reject_unknown(adam, spec.name, unknown)

@@ -1,22 +1,9 @@
 """Low-bit optimizer state: what torchao's 8-bit, 4-bit and FP8 Adam(W) keep per element (pure).
 
-torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8`` keep each moment block-wise quantized:
-codes of ``code_bits`` per element and one fp32 scale per ``block`` elements, counted from the
-tensor's first element. A tensor's state is quantized only if the whole tensor has at least
-:data:`MIN_QUANTIZED_NUMEL` elements and a whole number of blocks (torchao follows
-bitsandbytes); any other tensor keeps both moments in full precision. This module is the one
-place these facts live: the registry knows the classes by them
-(:func:`~zero_functional.functional.registry.update_block`), the planner counts bytes with them,
-and under ``partition="flat"`` the shell cuts ranges on block bounds and decides quantization on
-the whole tensor with them (a piece is smaller than its tensor: deciding on it silently keeps
-fp32 state, pytorch/ao#4912).
-
-Example:
-    >>> spec = LOW_BIT["adamw8bit"]
-    >>> spec.quantized(4096), spec.quantized(4000), spec.quantized(1 << 20)
-    (True, False, True)
-    >>> spec.state_bytes(1 << 20) / (1 << 20)  # both moments, per element
-    2.03125
+Each moment as ``code_bits`` per element plus one fp32 scale per ``block`` elements from the
+tensor's start, only for a whole tensor of at least :data:`MIN_QUANTIZED_NUMEL` elements and
+whole blocks (bitsandbytes' rule; a piece would decide wrongly, pytorch/ao#4912). The one place
+these facts live: the registry, the planner and ``"flat"`` read them here.
 """
 
 from __future__ import annotations
@@ -24,29 +11,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["LOW_BIT", "MIN_QUANTIZED_NUMEL", "LowBitSpec", "low_bit_spec", "quantized"]
-
-MIN_QUANTIZED_NUMEL = 4096
-"""torchao quantizes the state of tensors of at least this many elements (bitsandbytes' rule,
-``_AdamBase._new_buffer``)."""
+MIN_QUANTIZED_NUMEL = 4096  # torchao's (bitsandbytes') _AdamBase._new_buffer
 
 
 def quantized(numel: int, block: int) -> bool:
-    """Whether torchao quantizes the state of a whole tensor of ``numel`` elements in blocks of
-    ``block``: at least :data:`MIN_QUANTIZED_NUMEL` elements, a whole number of blocks.
+    """Whether torchao quantizes a whole tensor's state in blocks of ``block``.
 
     Example:
-        >>> quantized(4096, 256), quantized(4000, 256), quantized(4096 + 128, 256)
-        (True, False, False)
+        >>> quantized(4096, 256), quantized(4096 + 128, 256)
+        (True, False)
     """
     return numel >= MIN_QUANTIZED_NUMEL and numel % block == 0
 
 
 @dataclass(frozen=True)
 class LowBitSpec:
-    """One low-bit kind: its name for ``plan --optimizer``, its classes' name suffix
-    (``AdamW8bit``, ``Adam8bit``), the bits per element of each moment's codes, and its
-    quantization block (elements per fp32 scale: the classes' default ``block_size``)."""
+    """One low-bit kind: its ``plan --optimizer`` name, its classes' name suffix (``AdamW8bit``),
+    each moment's code bits per element, and its block (the classes' default ``block_size``)."""
 
     name: str
     suffix: str
@@ -56,34 +37,18 @@ class LowBitSpec:
 
     @property
     def class_path(self) -> str:
-        """The AdamW class's public import path.
-
-        Example:
-            >>> LOW_BIT["adamw4bit"].class_path
-            'torchao.optim.AdamW4bit'
-        """
         return f"torchao.optim.AdamW{self.suffix}"
 
     def quantized(self, numel: int) -> bool:
-        """Whether a tensor of ``numel`` elements (the whole tensor, never a piece of it) gets
-        quantized state.
-
-        Example:
-            >>> LOW_BIT["adamw4bit"].quantized(4096 + 128), LOW_BIT["adamw4bit"].quantized(4100)
-            (True, False)
-        """
         return quantized(numel, self.block)
 
     def state_bytes(self, numel: int, full_bytes: int = 4, owned: int | None = None) -> float:
         """Bytes of the moments of ``owned`` elements (all by default) of a tensor of ``numel``:
-        codes and one fp32 scale per block where the tensor is quantized, else ``full_bytes``
-        per element per moment (the parameters' or main copy's dtype).
+        codes and scales where it is quantized, else ``full_bytes`` per element per moment.
 
         Example:
             >>> LOW_BIT["adamw4bit"].state_bytes(8192)  # 2 x (4096 B codes + 64 scales x 4 B)
             8704.0
-            >>> LOW_BIT["adamw4bit"].state_bytes(100)  # too small: two fp32 moments
-            800.0
         """
         n = numel if owned is None else owned
         if not 0 <= n <= numel:
@@ -103,7 +68,6 @@ LOW_BIT: dict[str, LowBitSpec] = {
         LowBitSpec("adamwfp8", "Fp8", code_bits=8, block=256),
     )
 }
-"""torchao's low-bit AdamWs by ``plan`` name (their classes' default ``block_size``)."""
 
 
 def low_bit_spec(class_path: str) -> LowBitSpec | None:

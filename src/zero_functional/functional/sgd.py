@@ -9,19 +9,8 @@ With gradient :math:`g_t`, weight decay :math:`\lambda`, momentum :math:`\mu`, d
     g_t &\leftarrow g_t + \mu b_t \text{ (nesterov) or } b_t \\
     \theta_t &\leftarrow \theta_{t-1} - \gamma g_t
 
-The momentum buffer is only created (lazily, at the first step) when ``momentum != 0``. One
-record (:class:`SGDHyper`), one state (:class:`SGDState`) and one update (:func:`sgd_update_`),
-which runs each (device, dtype) group through torch's foreach kernels or a ``torch.compile``
-graph (:mod:`~zero_functional.functional.compiled`); the pure update is derived from it.
-
-Example:
-    The pure update is the in-place one on copies:
-
-    >>> import torch
-    >>> p = [torch.tensor([1.0])]
-    >>> new_p, new_state = sgd_update(p, [torch.tensor([2.0])], sgd_init(p), lr=0.5)
-    >>> new_p[0], p[0]
-    (tensor([0.]), tensor([1.]))
+One record (:class:`SGDHyper`), one state (:class:`SGDState`, a buffer from the first step with
+momentum), one worker (:func:`sgd_apply_`); :func:`sgd_update_` checks the lists, then runs it.
 """
 
 from __future__ import annotations
@@ -41,32 +30,10 @@ from zero_functional.functional._common import (
     reject_tensor,
 )
 
-__all__ = [
-    "SGD_DEFAULTS",
-    "SGDHyper",
-    "SGDState",
-    "sgd_apply_",
-    "sgd_init",
-    "sgd_update",
-    "sgd_update_",
-]
-
 
 class SGDHyper(NamedTuple):
-    """SGD's hyperparameters, with torch.optim.SGD's defaults: the one list of them.
-
-    The keys of a ``torch.optim.SGD`` param group that change the update, in torch's order.
-    Building a record checks nothing (torch checks at construction, not at each step);
-    :meth:`validated` applies torch's checks. A ``NamedTuple``, as :class:`AdamHyper`.
-
-    Attributes:
-        lr: learning rate.
-        momentum: momentum factor; 0 disables the buffer.
-        dampening: dampening for momentum.
-        weight_decay: L2 penalty added to the gradient.
-        nesterov: use Nesterov momentum (needs momentum > 0 and zero dampening).
-        maximize: maximize the objective instead of minimizing it.
-    """
+    """The keys of a ``torch.optim.SGD`` group that change the update, torch's defaults, in
+    torch's order: the one list of them (building one checks nothing: :meth:`validated` does)."""
 
     lr: float = 1e-3
     momentum: float = 0
@@ -76,11 +43,7 @@ class SGDHyper(NamedTuple):
     maximize: bool = False
 
     def validated(self) -> SGDHyper:
-        """This record, after torch.optim.SGD's checks.
-
-        Raises:
-            ValueError: torch's message for the first invalid value; a Tensor where a float is
-                needed.
+        """This record, after torch.optim.SGD's checks (with torch's messages).
 
         Example:
             >>> SGDHyper(lr=-1.0).validated()
@@ -105,12 +68,7 @@ SGD_DEFAULTS = SGDHyper()
 
 
 class SGDState(NamedTuple):
-    """Per-parameter SGD state.
-
-    Attributes:
-        momentum_buffer: one entry per param; ``None`` until the first step with
-            ``momentum != 0`` (torch creates the buffer lazily as a copy of the first grad).
-    """
+    """Per param, its momentum buffer, ``None`` until its first step with momentum."""
 
     momentum_buffer: list[Tensor | None]
 
@@ -118,30 +76,19 @@ class SGDState(NamedTuple):
     def from_dicts(
         cls, dicts: Sequence[Mapping[str, Tensor]], params: Sequence[Tensor], h: SGDHyper
     ) -> SGDState:
-        """The state of torch-format per-param dicts (``{}`` before a buffer exists); the
-        buffers are used as-is.
+        """The state of torch's per-param dicts (``{}`` before a buffer exists), not copied.
 
         Example:
-            >>> import torch
-            >>> dicts, params = [{}, {"momentum_buffer": torch.ones(1)}], [torch.zeros(1)] * 2
-            >>> SGDState.from_dicts(dicts, params, SGD_DEFAULTS)
+            >>> SGDState.from_dicts([{}, {"momentum_buffer": torch.ones(1)}], [], SGD_DEFAULTS)
             SGDState(momentum_buffer=[None, tensor([1.])])
         """
         return cls(momentum_buffer=[d.get("momentum_buffer") for d in dicts])
 
 
 def sgd_init(params: Sequence[Tensor]) -> SGDState:
-    """Create the SGD state for ``params``: no buffers yet, as torch.optim.SGD starts.
-
-    Args:
-        params: the parameters the state belongs to (buffers are created lazily, at a param's
-            first step with ``momentum != 0``).
-
-    Returns:
-        An ``SGDState`` with ``len(params)`` ``None`` buffers.
+    """The SGD state of ``params`` as torch.optim.SGD starts: no buffers yet.
 
     Example:
-        >>> import torch
         >>> sgd_init([torch.zeros(2), torch.zeros(3)])
         SGDState(momentum_buffer=[None, None])
     """
@@ -149,7 +96,6 @@ def sgd_init(params: Sequence[Tensor]) -> SGDState:
 
 
 def _foreach(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: SGDHyper) -> None:
-    """torch's foreach SGD on one group; a ``None`` buffer is replaced inside ``bufs``."""
     owned = False  # whether gs are our temporaries (safe to modify) or the caller's grads
     if h.maximize:
         gs = list(torch._foreach_neg(gs))
@@ -199,38 +145,15 @@ def sgd_update_(
     maximize: bool = SGD_DEFAULTS.maximize,
     compile: bool | None = False,
 ) -> None:
-    """Apply one SGD step in place, each (device, dtype) group through one kernel.
-
-    ``params`` and the momentum buffers are updated in place; a ``None`` buffer is replaced
-    inside the ``state.momentum_buffer`` list. ``grads`` are never modified.
-
-    Args:
-        params: parameters, updated in place.
-        grads: one gradient per parameter, same shape, dtype and device.
-        state: from :func:`sgd_init` (or a previous step) for the same params.
-        lr ... maximize: the :class:`SGDHyper` fields, by name.
-        compile: ``True``: float32/float64 groups on CPU/CUDA run a ``torch.compile`` graph
-            (float32 on CPU bitwise equal to the foreach kernels; see
-            :mod:`~zero_functional.functional.compiled`); ``None``: only where
-            :func:`~zero_functional.functional.compile_policy` measured it faster;
-            ``False``: never.
-
-    Raises:
-        ValueError: when the lists have different lengths or a grad does not match its param.
-        TypeError: when ``lr`` is not a Python number.
+    """One SGD step in place (``grads`` only read), the lists checked first; ``compile``: ``True``
+    a ``torch.compile`` graph for float32/64 on CPU/CUDA, ``None`` where
+    :func:`~zero_functional.functional.compile_policy` says, ``False`` never.
 
     Example:
-        >>> import torch
-        >>> p = [torch.tensor([1.0, 2.0])]
-        >>> state = sgd_init(p)
-        >>> sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.1, momentum=0.9)
+        >>> p, g = [torch.tensor([1.0, 2.0])], [torch.tensor([1.0, 1.0])]
+        >>> sgd_update_(p, g, sgd_init(p), lr=0.1, momentum=0.9)
         >>> p[0]
         tensor([0.9000, 1.9000])
-        >>> state.momentum_buffer[0]
-        tensor([1., 1.])
-        >>> sgd_update_(p, [torch.tensor([1.0, 1.0])], state, lr=0.1, momentum=0.9, compile=True)
-        >>> p[0], state.momentum_buffer[0]
-        (tensor([0.7100, 1.7100]), tensor([1.9000, 1.9000]))
     """
     h = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields))  # spelled once: above
     check_lists("sgd_update_", params, grads, {"momentum_buffer": state.momentum_buffer})
@@ -246,11 +169,10 @@ def sgd_apply_(
     *,
     compile: bool | None = False,
 ) -> None:
-    """:func:`sgd_update_` from a record, the lists trusted: what the shell calls (it builds
-    them itself; see :func:`~zero_functional.functional.adam_apply_`). ``lr`` is still checked.
+    """The worker: :func:`sgd_update_` from a record, the lists trusted (the shell builds them),
+    one kernel per (device, dtype); ``lr`` is still checked.
 
     Example:
-        >>> import torch
         >>> p = [torch.tensor([1.0])]
         >>> sgd_apply_(p, [torch.tensor([2.0])], sgd_init(p), SGDHyper(lr=0.5))
         >>> p[0]

@@ -16,18 +16,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.core.checks import (
-    agreement_verdict,
-    check_devices,
-    check_inputs,
-    check_world_size,
-    fingerprint,
-    grad_checksums,
-    param_tensors,
-    unaveraged,
-    unfrozen_error,
-)
+from zero_functional.core.checks import check_devices, check_inputs, check_world_size, param_tensors
+from zero_functional.core.fingerprint import agreement_verdict, fingerprint
 from zero_functional.core.main_params import check_main_params_dtype, check_remainders
+from zero_functional.core.unfrozen import grad_checksums, unaveraged, unfrozen_error
 from zero_functional.functional import update_kind
 
 __all__ = ["agree", "agreed_inputs", "check_averaged"]

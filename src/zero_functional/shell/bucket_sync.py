@@ -24,8 +24,8 @@ from torch import Tensor
 from torch.futures import Future
 
 from zero_functional import comm
-from zero_functional.core.layout import bucket_layout, views
-from zero_functional.core.ownership import Ownership, piece_view
+from zero_functional.core.layout import bucket_layout, piece_view, views
+from zero_functional.core.ownership import Ownership
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.plans import (
     BufferPlan,

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from zero_functional.core.checks import group_class, is_mixed, own_class_group
+from zero_functional.core.classes import group_class, is_mixed, own_class_group
 from zero_functional.core.cost import update_cost
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.plans import whole_owners

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from zero_functional.core.blockwise import is_blockwise
-from zero_functional.core.checks import group_class, is_mixed
+from zero_functional.core.classes import group_class, is_mixed
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.functional import (
     FunctionalSpec,
