@@ -1,5 +1,5 @@
-"""The folders that show the layers (issue 29): the old module paths still import, the house
-rules hold on the tree, and they catch what they promise to catch."""
+"""The folders that show the layers: the house rules hold on the tree, and they catch what they
+promise to catch."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
-import zero_functional
 
 from tests.helpers import ROOT
 
@@ -22,18 +20,6 @@ def load_rules():  # type: ignore[no-untyped-def]
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.mark.parametrize("old", sorted(zero_functional._MOVED))
-def test_an_old_module_path_imports_the_very_module_at_its_new_path(old: str) -> None:
-    assert importlib.import_module(old) is importlib.import_module(zero_functional._MOVED[old])
-    assert getattr(zero_functional, old.rsplit(".", 1)[1]) is importlib.import_module(old)
-
-
-def test_no_module_is_left_at_an_old_path() -> None:
-    src = ROOT / "src"
-    for old in zero_functional._MOVED:
-        assert not (src / (old.replace(".", "/") + ".py")).exists(), old
 
 
 def test_the_package_top_level_holds_only_the_faces_and_the_folders() -> None:

@@ -122,7 +122,7 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
             off its blocks.
 
     Example:
-        >>> held = Held("w", (2,), Piece(0, 0, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
+        >>> held = Held("w", (2,), Piece(0, 0, 2, 2), {"step": torch.tensor(1.0)}, torch.ones(2))
         >>> pieces, objects = layout(Snapshot([held], {"b": torch.zeros(3)}, None, 7))
         >>> sorted(pieces), objects["format"]
         (['model.b', 'model.w', 'state.w.step'], 'zero_functional.checkpoint/1')
