@@ -1,33 +1,25 @@
-"""Collectives: the only module of zero_functional that talks to ``torch.distributed``.
+"""Collectives: the only package of zero_functional that talks to ``torch.distributed``.
 
-Everything here is issued from the calling thread in an order that depends only on values every
-rank shares (the partition, the bucket layout), never on timing. That is the rule that keeps gloo
-from hanging: gloo matches collectives across ranks by the order they are issued.
+Two rules hold for every collective here; the rest of the package points to them:
 
-Nothing is left to gloo's threads once a collective has been waited for: the tensors a collective
-was given stay referenced here until the backend has let go of them (:class:`Pending`), so that
-no gloo thread frees a tensor that still has a Python object, which needs the GIL. A gloo thread
-that asks for the GIL while the interpreter shuts down ends the process with ``std::terminate``
-(SIGABRT, "terminate called without an active exception": issue 20).
+* **Issue order.** gloo pairs collectives across ranks by the order they are issued, so each
+  goes out from the calling thread in an order that depends only on values every rank shares
+  (the ownership, the bucket layout), never on timing.
+* **Nothing left to gloo's threads.** A gloo thread lets go of a collective's tensors just after
+  marking it complete. Had their Python objects gone first, the thread would free them, which
+  needs the GIL; asked for while the interpreter shuts down, that ends the process with
+  ``std::terminate``. So the tensors stay referenced until the backend has let go
+  (:class:`Pending`).
 
-The package's modules, each with one job: :mod:`~zero_functional.comm.groups` (sizes, ranks,
-backends), :mod:`~zero_functional.comm.calls` (naming and explaining failures),
-:mod:`~zero_functional.comm.pending` (collectives in flight),
-:mod:`~zero_functional.comm.collectives` (each buffer's reducer and gatherer, chosen once),
-:mod:`~zero_functional.comm.buckets` (lists of tensors), :mod:`~zero_functional.comm.exchange`
-(gloo's reduce onto owners as all-to-alls in bounded chunks), :mod:`~zero_functional.comm.worker` (a thread that
-runs work in order), :mod:`~zero_functional.comm.small` (scalars and objects). Callers
-import this package, never the modules.
+Callers import this package, never its modules.
 """
 
 from __future__ import annotations
 
-# Imported with this package, so before the caller's init_process_group, as torch's own
-# ZeroRedundancyOptimizer imports it (through torch.distributed.optim). Its functions bind
-# `group=group.WORLD` as default arguments; imported after init_process_group (as it is by the
-# first torch.optim.Optimizer built then, through torch._dynamo) they hold the default group
-# past destroy_process_group, its gloo threads run on into interpreter shutdown, and one that
-# then frees a tensor aborts the process (issue 20). Imported first, the defaults are None.
+# Imported with this package, before the caller's init_process_group, as torch's own
+# ZeroRedundancyOptimizer imports it. Imported after, its functions' `group=group.WORLD`
+# defaults hold the default group past destroy_process_group, and its gloo threads run on
+# into interpreter shutdown (the second rule above). Imported first, the defaults are None.
 import torch.distributed.nn.functional  # noqa: F401
 
 from zero_functional.comm.buckets import (
@@ -39,19 +31,11 @@ from zero_functional.comm.buckets import (
     sync_params,
     unflatten_into,
 )
-from zero_functional.comm.calls import REPORT_GRACE_S, CollectiveError, call, failures
-from zero_functional.comm.collectives import (
-    Gatherer,
-    Reducer,
-    Wire,
-    start_broadcast,
-    start_reduce,
-)
+from zero_functional.comm.calls import CollectiveError, call, failures
+from zero_functional.comm.collectives import Gatherer, Reducer, Wire, start_broadcast, start_reduce
 from zero_functional.comm.exchange import Exchanger
 from zero_functional.comm.groups import (
-    MESH_DIMS,
     ProcessGroup,
-    Work,
     backend,
     collective_device,
     default_group,
@@ -59,12 +43,11 @@ from zero_functional.comm.groups import (
     group_rank,
     group_size,
     is_nccl,
-    mesh_groups,
     rank_or_zero,
     sharding_groups,
     twin_group,
 )
-from zero_functional.comm.pending import SETTLE_S, Pending
+from zero_functional.comm.pending import Pending
 from zero_functional.comm.small import (
     all_gather_objects,
     all_gather_scalar,
@@ -75,7 +58,6 @@ from zero_functional.comm.small import (
     from_bytes,
     gather_objects,
     recv_object,
-    send_object,
     to_bytes,
 )
 from zero_functional.comm.worker import InOrder
@@ -89,11 +71,8 @@ __all__ = [
     "Wire",
     "COALESCE_BELOW",
     "CollectiveError",
-    "REPORT_GRACE_S",
-    "SETTLE_S",
     "Pending",
     "ProcessGroup",
-    "Work",
     "all_gather_objects",
     "all_gather_scalar",
     "all_reduce_scalar",
@@ -110,13 +89,10 @@ __all__ = [
     "global_rank",
     "group_rank",
     "group_size",
-    "MESH_DIMS",
     "is_nccl",
-    "mesh_groups",
     "rank_or_zero",
     "recv_object",
     "reduce_to_owners",
-    "send_object",
     "sharding_groups",
     "start_all_reduce",
     "start_all_reduce_spans",

@@ -15,13 +15,8 @@ from zero_functional.core._validate import by_rank
 
 
 class CollectiveError(RuntimeError):
-    """A collective of this package failed or timed out.
-
-    The message names the call (``step()``, ``consolidate_state_dict()``, ...), its sequence
-    number among this process group's calls through the package, this rank, how long it waited,
-    and what every other rank reported it was doing when it failed too (or that it did not
-    report: it died, or is not in a call of this package).
-    """
+    """A collective of this package failed or timed out: the message names the call, its number in
+    this group, this rank, the wait, and what every other rank reported doing (or its silence)."""
 
 
 @dataclass
@@ -37,8 +32,7 @@ _local = threading.local()
 _SEQ: dict[str, int] = {}
 _FAILED: list[str] = []  # every CollectiveError this process raised, oldest first
 _SILENT = "did not report (it died, or is not in a call of zero_functional)"
-REPORT_GRACE_S = 5.0
-"""How long a failed rank waits for the others' reports before it raises."""
+REPORT_GRACE_S = 5.0  # how long a failed rank waits for the others' reports before it raises
 
 
 def _group_key(group: ProcessGroup) -> str:
@@ -49,20 +43,13 @@ def _group_key(group: ProcessGroup) -> str:
 def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Iterator[None]:
     """Run the collectives of one call of the package under ``name``; name its failures.
 
-    Every collective of the block waits at most ``timeout`` seconds (default: the process
-    group's own timeout). A failure or a timeout becomes a :class:`CollectiveError` that says
-    which call, which rank, and what the other ranks were doing: each failed rank writes its
-    call into the process group's store and reads the others' for up to
-    :data:`REPORT_GRACE_S` seconds, so ranks that called different things (one ``step()``,
-    another ``consolidate_state_dict()``) are named, and a dead rank is named by its silence.
-    Nothing is sent when all goes well. Calls nest: the outermost name counts.
+    Each collective of the block waits at most ``timeout`` seconds. A failed rank writes its call
+    into the group's store and reads the others' for :data:`REPORT_GRACE_S` seconds, so ranks in
+    other calls are named, and a dead rank by its silence; calls nest (the outermost name counts).
 
     Example:
-        >>> import torch, torch.distributed as dist
-        >>> from zero_functional.comm import all_gather_scalar
         >>> with call("example()", group, timeout=5.0):
-        ...     all_gather_scalar(torch.tensor(1.0), group)
-        tensor([1.])
+        ...     pass
     """
     outer = getattr(_local, "call", None)
     if outer is not None:
@@ -87,11 +74,8 @@ def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Ite
 def failures() -> list[str]:
     """The messages of the :class:`CollectiveError` s this process raised, oldest first.
 
-    What a launcher names when a rank cannot leave the process group they broke, even where the
-    rank's own code caught them.
-
     Example:
-        >>> failures()  # none in this process
+        >>> failures()
         []
     """
     return list(_FAILED)

@@ -1,17 +1,5 @@
-"""Collectives as objects: how one buffer's gradients reach their owners and its parameters come
-back from them, chosen once per buffer by :meth:`Wire.choose`, the one place that asks a backend.
-
-A :class:`Reducer` sums each run of a 1-D buffer onto the rank that owns it; a :class:`Gatherer`
-gives every rank each run from its owner. Three strategies, each a pair of classes:
-
-* per run: one reduce / broadcast per owner's stretch (grouped into one launch on NCCL);
-* even shards: one ``reduce_scatter_single`` / ``all_gather_single`` over the buffer padded to
-  ``chunk * world_size`` (NCCL's fastest path, where the runs are the even split);
-* on gloo, the reduce as all-to-alls in bounded windows (:mod:`~zero_functional.comm.exchange`),
-  each rank sending each owner its runs once, by the :class:`Wire`'s exchanger thread.
-
-A new strategy is one class here and one line in :meth:`Wire.choose`.
-"""
+"""Collectives as objects: each buffer's reducer and gatherer, chosen once by :meth:`Wire.choose`,
+the one place here that asks a backend: a new strategy is one class and one line there."""
 
 from __future__ import annotations
 
@@ -33,7 +21,7 @@ Runs = Sequence[tuple[int, int, int]]
 
 
 class Reducer(Protocol):
-    """Sums each run of a 1-D buffer onto its owner, in place; other elements are undefined after."""
+    """Sums each run of a 1-D buffer onto its owner, in place (other elements undefined after)."""
 
     def start(self, buffer: Tensor) -> Pending: ...
 
@@ -92,7 +80,7 @@ def _all_gather_single(output: Tensor, input: Tensor, **kw: object) -> Work | No
 
 @dataclass(frozen=True, slots=True)
 class ReduceScatter:
-    """Rank ``r`` gets the sum of ``[r * chunk, (r + 1) * chunk)``: one ``reduce_scatter_single``."""
+    """Rank ``r`` gets the sum of ``[r * chunk, (r + 1) * chunk)``: a ``reduce_scatter_single``."""
 
     chunk: int
     group: ProcessGroup
@@ -117,8 +105,7 @@ class ReduceScatter:
 
 @dataclass(frozen=True, slots=True)
 class AllGather:
-    """Every rank gets each even shard ``[r * chunk, (r + 1) * chunk)``: one ``all_gather_single``
-    (in place where the buffer is padded to ``chunk * world_size`` already)."""
+    """Every rank gets each shard ``[r * chunk, (r + 1) * chunk)``: an ``all_gather_single``."""
 
     chunk: int
     group: ProcessGroup
@@ -141,8 +128,8 @@ class AllGather:
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
-    """gloo's reduce onto owners: all-to-alls in bounded windows, by the wire's exchanger thread
-    where it has one, else at once on the caller's."""
+    """gloo's reduce onto owners (:mod:`~zero_functional.comm.exchange`), on the wire's exchanger
+    thread where it has one, else on the caller's."""
 
     runs: Runs
     wire: Wire
@@ -155,17 +142,13 @@ class Wire:
     """The collectives of one process group, chosen once per buffer (:meth:`choose`).
 
     Args:
-        group: The group gradients are reduced over (and parameters gathered over, unless
-            ``gather_group`` is given: overlap mode's twin, whose collectives keep their own
-            order).
-        gather_group: The group parameters are gathered over.
-        threaded: On gloo, whether the exchanges run on a thread of their own (made, with its
-            twin group, at the first exchange: a collective every rank reaches there).
-        exchanger: The thread to run them on, made already.
+        gather_group: Parameters are gathered over it (default: ``group``; overlap mode's twin).
+        threaded: On gloo, run the exchanges on a thread (made, with its twin group, at the first
+            exchange: a collective every rank reaches there), or on ``exchanger``.
 
     Example:
-        >>> wire = Wire(group, threaded=False)
         >>> plan = BufferPlan("reduce+broadcast", ((0, 3, 0),), None)
+        >>> wire = Wire(group, threaded=False)
         >>> [type(c).__name__ for c in wire.choose(plan, torch.device("cpu"))]
         ['RunReduces', 'RunBroadcasts']
     """
@@ -209,15 +192,10 @@ def start_reduce(
     chunk: int | None = None,
     exchanger: Exchanger | None = None,
 ) -> Pending:
-    """Start summing each ``(start, stop, rank)`` run of the 1-D ``buffer`` onto its rank, with
-    the reducer :meth:`Wire.choose` picks (``chunk``: the runs are the even split; ``exchanger``:
-    on gloo, the thread that does it).
+    """Start summing each ``(start, stop, rank)`` run of the 1-D ``buffer`` onto its rank.
 
     Example:
-        >>> t = torch.arange(3.0)
-        >>> start_reduce(t, [(0, 3, 0)], group, chunk=3).wait()
-        >>> t
-        tensor([0., 1., 2.])
+        >>> start_reduce(torch.arange(3.0), [(0, 3, 0)], group, chunk=3).wait()
     """
     wire = Wire(group, threaded=False, exchanger=exchanger)
     reducer, _ = wire.choose(_plan(runs, chunk), buffer.device)
@@ -227,14 +205,10 @@ def start_reduce(
 def start_broadcast(
     buffer: Tensor, runs: Runs, group: ProcessGroup, *, chunk: int | None = None
 ) -> Pending:
-    """Start giving every rank each run of the 1-D ``buffer`` from its rank, with the gatherer
-    :meth:`Wire.choose` picks.
+    """Start giving every rank each run of the 1-D ``buffer`` from its rank.
 
     Example:
-        >>> t = torch.arange(3.0)
-        >>> start_broadcast(t, [(0, 3, 0)], group).wait()
-        >>> t
-        tensor([0., 1., 2.])
+        >>> start_broadcast(torch.arange(3.0), [(0, 3, 0)], group).wait()
     """
     _, gatherer = Wire(group, threaded=False).choose(_plan(runs, chunk), buffer.device)
     return gatherer.start(buffer)

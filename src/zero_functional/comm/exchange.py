@@ -1,13 +1,7 @@
-"""Gradients summed onto their owners through all-to-alls, in bounded windows: gloo's reduce at
-its byte floor.
+"""Exchange: gloo's reduce onto owners as all-to-alls in bounded windows, at its byte floor.
 
-Each rank sends each owner that owner's stretches once (the floor of a reduce-scatter, which
-gloo's own ``reduce`` and ``reduce_scatter`` exceed: ``benchmarks/README.md``); the owner adds what
-arrived onto its own values in rank order, so after the broadcast every rank holds the same
-bits. A buffer goes in chunks of at most :data:`WINDOW_BYTES` received
-(:func:`~zero_functional.core.exchange_plan.exchange_chunks`), two in flight, through windows
-kept for the purpose, by a thread (:class:`Exchanger`) that issues them on a twin group of its
-own, in the order the buffers were given: the same on every rank.
+Each rank sends each owner its stretches once (gloo's own ``reduce`` and ``reduce_scatter`` send
+more: ``benchmarks/README.md``); the owner adds what arrived onto its values in rank order.
 """
 
 from __future__ import annotations
@@ -29,14 +23,11 @@ from zero_functional.comm.pending import Pending, hold, settle
 from zero_functional.comm.worker import InOrder
 from zero_functional.core.exchange_plan import ChunkLayout, chunk_layout, exchange_chunks
 
-WINDOW_BYTES = 1 << 20
-"""The most one chunk of an exchange receives: the memory/CPU trade (two chunks are in flight,
-and as much again is sent where a rank's peers' stretches are not one stretch of the buffer)."""
+WINDOW_BYTES = 1 << 20  # the most one chunk receives (two in flight): the memory/CPU trade
 
 
 class _Job:
-    """One buffer's exchange, done by an :class:`Exchanger`'s thread: the work the caller
-    waits on (``wait``, ``is_completed``, ``get_future``, as a backend's work)."""
+    """One buffer's exchange on an :class:`Exchanger`'s thread: the caller's work handle."""
 
     def __init__(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
         self.buffer, self.runs = buffer, list(runs)
@@ -45,7 +36,7 @@ class _Job:
         self._error: BaseException | None = None
 
     def finish(self, error: BaseException | None) -> None:
-        """Called by the exchanger: the sums are in place (or ``error`` stopped it)."""
+        """The sums are in place (or ``error`` stopped them)."""
         self._error = error
         self.buffer = torch.empty(0)  # the caller's buffer is the caller's again
         self._done.set()
@@ -88,7 +79,7 @@ class _Windows:
 def _layouts(
     runs: tuple[tuple[int, int, int], ...], world: int, me: int, per_owner: int
 ) -> tuple[ChunkLayout, ...]:
-    """This rank's side of each chunk (a DDP bucket's are the same every backward: planned once)."""
+    """This rank's side of each chunk (a DDP bucket's are the same each backward: planned once)."""
     return tuple(chunk_layout(chunk, me) for chunk in exchange_chunks(runs, world, per_owner))
 
 
@@ -121,8 +112,7 @@ def _exchange(
 
 def _add(buffer: Tensor, entry: list[Any], world: int) -> None:
     """Wait for one chunk (``[work, received, this rank's stretches, held]``), then add what the
-    others sent onto this rank's own values, in rank order (the same order, so the same bits, as
-    one all-to-all for the whole)."""
+    others sent onto this rank's values, in rank order (the same bits as one all-to-all)."""
     entry[0].wait()
     entry[0] = None  # the work holds the windows until it is gone
     _, received, mine, held = entry
@@ -147,22 +137,14 @@ def _run(job: _Job, group: ProcessGroup, windows: _Windows) -> None:
 
 
 class Exchanger:
-    """Exchanges started on one process group, done by a thread of their own, in order.
+    """Exchanges over one group, run in the order given by a thread of its own.
 
-    The thread issues the all-to-alls on a twin of ``group``
-    (:func:`~zero_functional.comm.groups.twin_group`; made here, a collective over ``group``'s
-    ranks), which only it uses, in the order the buffers were given: the same on every rank,
-    as every collective's. The caller's thread goes on (DDP's backward) and waits on the
-    :class:`~zero_functional.comm.pending.Pending` it was given. Where no twin can be made
-    (torch < 2.1) each exchange runs at once on the caller's thread. The thread ends when the
-    exchanger is dropped (an optimizer's gradient reduction owns one).
+    The thread issues them on a twin of ``group`` (made here: collective over its ranks) that only
+    it uses, while the caller goes on (DDP's backward). Without a twin (torch < 2.1) each runs at
+    once on the caller's thread. The thread ends when the exchanger is dropped.
 
     Example:
-        >>> import torch.distributed as dist
-        >>> t = torch.arange(3.0)
-        >>> Exchanger(group).start(t, [(0, 3, 0)]).wait()
-        >>> t
-        tensor([0., 1., 2.])
+        >>> Exchanger(group).start(torch.arange(3.0), [(0, 3, 0)]).wait()
     """
 
     def __init__(self, group: ProcessGroup) -> None:
@@ -176,8 +158,7 @@ class Exchanger:
             weakref.finalize(self, self._worker.close)  # the thread ends with this object
 
     def start(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> Pending:
-        """Start summing each run of the 1-D ``buffer`` onto its rank (:func:`start_exchange`);
-        the buffer must not change until the result is waited for."""
+        """:func:`start_exchange` on this exchanger's thread (``buffer`` kept until waited for)."""
         if buffer.numel() == 0 or self.world == 1:
             return Pending([])
         if self.twin is None or self._worker is None:
@@ -200,20 +181,14 @@ def start_exchange(
     group: ProcessGroup,
     exchanger: Exchanger | None = None,
 ) -> Pending:
-    """Start summing each run of the 1-D ``buffer`` onto its rank through all-to-alls.
+    """Start summing each ``(start, stop, rank)`` run of the 1-D ``buffer`` onto its rank.
 
-    Afterwards (``wait()``, or the future DDP waits on) each rank's runs hold the sum of every
-    rank's values: its own, plus the others' in rank order; the other elements keep this
-    rank's values. Each rank sends only the runs of other ranks, once, in chunks of at most
-    :data:`WINDOW_BYTES` received. With ``exchanger`` (one made over ``group``) its thread does
-    this while the caller goes on; without, it is done here, before this returns.
+    Once waited for, each rank's runs hold the sum of every rank's values (its own, then the others'
+    in rank order); other elements keep this rank's. Without ``exchanger`` (made over ``group``)
+    it is done before this returns.
 
     Example:
-        >>> import torch.distributed as dist
-        >>> t = torch.arange(3.0)
-        >>> start_exchange(t, [(0, 3, 0)], group).wait()
-        >>> t
-        tensor([0., 1., 2.])
+        >>> start_exchange(torch.arange(3.0), [(0, 3, 0)], group).wait()
     """
     if exchanger is not None:
         if exchanger.group is not group:

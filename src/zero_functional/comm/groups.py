@@ -1,4 +1,4 @@
-"""Process groups: sizes, ranks, backends and devices, asked of ``torch.distributed`` in one place."""
+"""Process groups: sizes, ranks, backends and devices, asked of ``torch.distributed`` here."""
 
 from __future__ import annotations
 
@@ -54,10 +54,7 @@ def global_rank(group: ProcessGroup, rank: int) -> int:
 
 
 def collective_device(group: ProcessGroup, fallback: torch.device) -> torch.device:
-    """The device that object messages travel on: CUDA for NCCL, else the CPU.
-
-    NCCL moves only device tensors; gloo moves CPU tensors fastest.
-    """
+    """The device object messages travel on: CUDA for NCCL (device tensors only), else the CPU."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
         if fallback.type == "cuda":
@@ -77,20 +74,14 @@ def rank_or_zero(group: ProcessGroup | None = None) -> int:
 
 
 def twin_group(group: ProcessGroup) -> ProcessGroup | None:
-    """A second process group over ``group``'s ranks, or ``None`` where one cannot be made.
-
-    Collectives on the twin are ordered among themselves only, so one kind of traffic (the
-    parameter all-gather) can be issued when it is ready without breaking the issue order of
-    the other (the gradient reduce-scatter). Collective over ``group``'s ranks (only they
-    take part); ``None`` on a torch without local synchronisation of new groups.
-    """
+    """A second process group over ``group``'s ranks (collective over them), or ``None`` on a
+    torch without local synchronisation of new groups: its collectives are ordered among themselves
+    only, so the all-gathers go out when ready without breaking the reductions' issue order."""
     ranks = [global_rank(group, r) for r in range(group_size(group))]
     if len(ranks) == dist.get_world_size():
-        # Over the whole world every rank calls this: a plain new_group. With local
-        # synchronization torch names the group from the count of groups this rank belongs
-        # to, which differs between ranks once a group of only some of them was made (a
-        # `new_group([0])` counts on rank 0 only), and the ranks then wait for each other
-        # under different names, forever.
+        # Over the whole world, a plain new_group: with local synchronization torch names the
+        # group from the count of groups this rank is in, which differs between ranks once a
+        # group of only some was made, and they would wait under different names for ever.
         return cast(ProcessGroup, dist.new_group(ranks=ranks))
     try:
         twin = dist.new_group(ranks=ranks, use_local_synchronization=True)
@@ -109,16 +100,13 @@ def is_nccl(group: ProcessGroup) -> bool:
     return "nccl" in backend(group).lower()
 
 
-MESH_DIMS = ("replicate", "shard")
-"""The dimension names of a hybrid-sharding mesh (FSDP2's): state sharded over ``"shard"``,
-replicated over ``"replicate"``."""
+MESH_DIMS = ("replicate", "shard")  # a hybrid-sharding mesh's dimensions, as FSDP2 names them
 
 
 def sharding_groups(
     process_group: ProcessGroup | None, mesh: object
 ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """The group to shard over and the group to replicate over: ``(process_group, None)``
-    without a mesh, else :func:`mesh_groups`; a ``ValueError`` when both are given.
+    """The groups to shard and to replicate over, from a ``process_group`` or a ``mesh``.
 
     Example:
         >>> sharding_groups(None, None)
@@ -135,11 +123,7 @@ def sharding_groups(
 
 
 def mesh_groups(mesh: object) -> tuple[ProcessGroup, ProcessGroup]:
-    """The shard group and the replicate group of a 2-D ``DeviceMesh`` named :data:`MESH_DIMS`.
-
-    Raises:
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
-        ValueError: It is not 2-D, or its dimensions have other names.
+    """The shard and the replicate group of a 2-D ``DeviceMesh`` named :data:`MESH_DIMS`.
 
     Example:
         >>> mesh_groups("2x2")

@@ -1,4 +1,5 @@
-"""Pending collectives: waited for, followed by their copies, with nothing left to gloo's threads."""
+"""Pending: collectives in flight, waited for, then their copies, with nothing left to gloo's
+threads (the second rule of :mod:`zero_functional.comm`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ from torch.futures import Future
 from zero_functional.comm.calls import wait_each
 from zero_functional.comm.groups import ProcessGroup, Work, global_rank, is_nccl
 
-SETTLE_S = 1.0
-"""How long :meth:`Pending.wait` waits, after its collectives completed, for the backend's
-threads to let go of the tensors they were given (microseconds, unless a thread is starved)."""
+SETTLE_S = 1.0  # the most Pending.wait waits for the backend's threads to let go of its tensors
 
 
 def refs(t: Tensor) -> int:
@@ -25,27 +24,16 @@ def refs(t: Tensor) -> int:
 
 
 def hold(tensors: Iterable[Tensor], group: ProcessGroup) -> list[tuple[Tensor, int]]:
-    """``tensors`` with their reference counts, taken just before a collective is given them.
-
-    Nothing on NCCL, whose watchdog thread keeps finished collectives for up to its polling
-    interval (and whose tensors torch keeps for the caching allocator): only gloo's threads
-    are waited for (:func:`_settle`).
-    """
+    """``tensors`` with their reference counts, taken just before a collective is given them;
+    nothing on NCCL (only gloo's threads are waited for)."""
     if is_nccl(group):
         return []
     return [(t, refs(t)) for t in tensors]
 
 
 def settle(held: Sequence[tuple[Tensor, int]]) -> None:
-    """Return once no collective holds a tensor of ``held`` any more (:data:`SETTLE_S` at most).
-
-    A gloo thread lets go of a collective's tensors just after marking it complete, so a rank
-    that waited for it can run ahead. Were the tensors' Python objects gone first, the thread
-    would free them, which needs the GIL; asked for while the interpreter shuts down (a program
-    that returns right after its last collective), the GIL ends that thread with
-    ``pthread_exit`` and the process with ``std::terminate`` (issue 20). So the caller keeps the
-    tensors until their counts are back to what they were before the collective.
-    """
+    """Return once the reference counts of ``held`` are back to what they were before their
+    collective (:data:`SETTLE_S` at most): the backend has let go of them."""
     deadline: float | None = None
     for t, count in held:
         while refs(t) > count:
@@ -58,13 +46,8 @@ def settle(held: Sequence[tuple[Tensor, int]]) -> None:
 
 
 class Pending:
-    """Collectives in flight; :meth:`wait` finishes them, then runs their follow-up copies.
-
-    ``held`` are the tensors made for the collectives (with their counts from :func:`hold`):
-    kept until the backend has let go of them, so that none is freed by a backend thread.
-    Those passed in by the caller are the caller's to keep (their counts change with the views
-    a forward takes of them, so they could not be waited for).
-    """
+    """Collectives in flight; :meth:`wait` finishes them, then runs their follow-up copies. It
+    keeps the tensors made for them (``held``, :func:`hold`) until the backend lets go."""
 
     def __init__(
         self,
@@ -87,10 +70,8 @@ class Pending:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
-        """Wait for every collective, then copy received data where it belongs (once).
-
-        On return the backend holds nothing of these collectives (see :func:`_settle`).
-        """
+        """Wait for every collective, then run the copies (once); on return the backend holds
+        nothing of these collectives."""
         wait_each(self.works)  # (no loop variable here: it would hold the last work)
         finish = self.finish  # and what its copies read, until the backend has let go too
         self._run_finish()
@@ -101,7 +82,7 @@ class Pending:
 
     def copy_after(self, dst: Tensor, src: Tensor) -> Pending:
         """Copy ``src`` into ``dst`` once the collectives are done (nothing if they are one
-        tensor): a bucket reduced in a wider dtype, rounded back once before DDP reads it.
+        tensor): a bucket reduced in a wider dtype, rounded back before DDP reads it.
 
         Example:
             >>> out, wide = torch.zeros(2, dtype=torch.bfloat16), torch.full((2,), 1.5)
@@ -124,11 +105,8 @@ class Pending:
         self.works, self.finish = [], []
 
     def future(self, value: Tensor) -> Future[Tensor]:
-        """A future that completes with ``value`` once every collective and copy is done.
-
-        What a DDP communication hook returns; the copies run in the completion callback
-        (no collective is issued there, so ranks cannot issue them in different orders).
-        """
+        """A future that completes with ``value`` once every collective and copy is done (what
+        a DDP comm hook returns); the copies run in its callback, which issues no collective."""
         if not self.works:
             self._run_finish()
             done: Future[Tensor] = Future()
@@ -157,30 +135,33 @@ class Pending:
 
 
 def issue(
-    op: Literal["broadcast", "reduce"],
-    calls: Sequence[tuple[Tensor, int]],
+    op: Literal["all_reduce", "broadcast", "reduce"],
+    calls: Sequence[tuple[Tensor, int | None]],
     group: ProcessGroup,
     finish: list[Callable[[], None]] | None = None,
     *,
     grouped: bool = False,
 ) -> Pending:
-    """Start ``dist.<op>(tensor, root, group=..., async_op=True)`` per call, in list order.
-
-    ``grouped`` (NCCL): several calls go into one coalesced block (one launch, as NCCL's own
-    uneven reduce-scatter and all-gather are built) and the block's handle is what to wait for;
-    else each is its own collective. ``root`` is a group rank. The collective is looked up when
-    called, so that it is the one any wrapper installed.
-    """
+    """Start ``dist.<op>(tensor, root)`` per ``(tensor, root)`` call (``root``: a group rank,
+    ``None`` for an all-reduce), in list order; ``grouped`` (NCCL): all in one coalesced launch,
+    as NCCL builds its own uneven reduce-scatter. The op is looked up per call, so a wrapper
+    installed over it runs."""
     held = hold((tensor for tensor, _ in calls), group)
+
+    def start(tensor: Tensor, root: int | None) -> Work | None:
+        roots = () if root is None else (global_rank(group, root),)
+        work: Work | None = getattr(dist, op)(tensor, *roots, group=group, async_op=True)
+        return work
+
     if len(calls) > 1 and grouped:
         coalescing = dist.distributed_c10d._coalescing_manager
         with coalescing(group, calls[0][0].device, async_ops=True) as cm:
             for tensor, root in calls:
-                getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
+                start(tensor, root)
         return Pending(list(cm.works), finish, held)
     handles: list[Work] = []
     for tensor, root in calls:
-        work = getattr(dist, op)(tensor, global_rank(group, root), group=group, async_op=True)
+        work = start(tensor, root)
         assert work is not None
         handles.append(work)
     return Pending(handles, finish, held)
@@ -193,7 +174,7 @@ def start_one(
     finish: list[Callable[[], None]] | None = None,
 ) -> Pending:
     """``issue()`` one asynchronous collective; its :class:`Pending`, holding ``made`` (the
-    tensors made for it here)."""
+    tensors made for it)."""
     held = hold(made, group)
     work = issue()
     assert work is not None

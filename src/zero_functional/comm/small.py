@@ -24,16 +24,10 @@ from zero_functional.comm.pending import start_one
 
 
 def broadcast_object(obj: object, group: ProcessGroup | None = None) -> object:
-    """Group rank 0's picklable ``obj`` on every rank of ``group`` (default: the world); ``obj``
-    itself without a process group.
-
-    Two broadcasts (size, then bytes) on tensors of this module, as
-    ``torch.distributed.broadcast_object_list`` sends them, but waited for as every collective
-    here is (:class:`Pending`): within the enclosing :func:`call`'s timeout, and with nothing
-    left to the backend's threads.
+    """Group rank 0's picklable ``obj`` on every rank (``obj`` itself without a process group).
 
     Example:
-        >>> broadcast_object({"step": 3})  # no process group in this process
+        >>> broadcast_object({"step": 3}, group)
         {'step': 3}
     """
     if not dist.is_initialized():
@@ -54,14 +48,9 @@ def broadcast_object(obj: object, group: ProcessGroup | None = None) -> object:
 
 
 def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
-    """Every rank's picklable ``obj``, in rank order, on every rank (for small messages).
-
-    Two all-gathers (sizes, then bytes padded to the longest) on tensors of this module, as
-    ``torch.distributed.all_gather_object`` sends them, but waited for as every collective here
-    is (:class:`Pending`).
+    """Every rank's picklable ``obj``, in rank order, on every rank (small messages).
 
     Example:
-        >>> import torch.distributed as dist
         >>> all_gather_objects(("ok", 3), group)
         [('ok', 3)]
     """
@@ -77,10 +66,11 @@ def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
 
 
 def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
-    """The sum (or max) of a 0-d tensor, or elementwise of a small one, over the group, on
-    every rank (one small all-reduce).
+    """The sum (or max) of a small tensor over the group, elementwise, on every rank.
 
-    The tensor travels on :func:`collective_device`; the result comes back on ``value``'s.
+    Example:
+        >>> all_reduce_scalar(torch.tensor(2.0), group, op="max")
+        tensor(2.)
     """
     device = collective_device(group, value.device)
     t = value.detach().reshape(-1).to(device, copy=True)
@@ -95,27 +85,16 @@ def any_rank(flags: Tensor, group: ProcessGroup) -> Tensor:
     """Elementwise "any rank's flag is set" of a bool vector, on every rank (one all-reduce).
 
     Example:
-        >>> import torch.distributed as dist
         >>> any_rank(torch.tensor([True, False]), group)
         tensor([ True, False])
     """
-    device = collective_device(group, flags.device)
-    t = flags.detach().to(device=device, dtype=torch.uint8, copy=True)
-    start_one(
-        lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), [t], group
-    ).wait()
-    return t.to(flags.device).bool()
+    return all_reduce_scalar(flags.to(torch.uint8), group, op="max").bool()
 
 
 def all_gather_scalar(value: Tensor, group: ProcessGroup) -> Tensor:
-    """Every rank's 0-d ``value``, stacked in rank order, on every rank (one small all-gather).
-
-    Unlike a sum, the gathered values are exact: a caller combines them however it must (for
-    instance as a norm of norms, the way ``torch.nn.utils.clip_grad_norm_`` does). The values
-    travel on :func:`collective_device`; the result comes back on ``value``'s.
+    """Every rank's 0-d ``value``, stacked in rank order, on every rank (exact, unlike a sum).
 
     Example:
-        >>> import torch.distributed as dist
         >>> all_gather_scalar(torch.tensor(2.5), group)
         tensor([2.5000])
     """
@@ -145,13 +124,9 @@ def from_bytes(data: Tensor) -> object:
 def gather_objects(
     obj: Mapping[str, object], to: int, group: ProcessGroup, device: torch.device
 ) -> list[object] | None:
-    """Collect one picklable object from every rank on group rank ``to``, in rank order.
-
-    Point-to-point, one rank at a time: ``to`` holds at most one other rank's serialized shard
-    in ``device`` memory at once, and moves it to the CPU before receiving the next (torch's
-    consolidation broadcasts every shard to every rank: pytorch#68181). Returns the list on
-    ``to`` and ``None`` elsewhere.
-    """
+    """Every rank's picklable ``obj``, in rank order, on group rank ``to`` (``None`` elsewhere):
+    one rank at a time, each moved to the CPU on arrival (torch's consolidation broadcasts every
+    shard to every rank: pytorch#68181)."""
     me = group_rank(group)
     world = group_size(group)
     if not 0 <= to < world:
@@ -189,12 +164,9 @@ def exchange_objects(
     group: ProcessGroup,
     device: torch.device,
 ) -> dict[int, object]:
-    """Move objects along ``(src, dst)`` pairs that every rank lists in the same order.
-
-    Each rank sends ``outgoing[dst]`` for its pairs as source and returns what it received,
-    keyed by source. Walking one shared total order of pairs cannot deadlock: the earliest
-    unfinished pair always has both its ranks waiting on it.
-    """
+    """Send ``outgoing[dst]`` along each ``(src, dst)`` pair this rank is the source of; what
+    it received, by source. Every rank walks the same order of pairs, which cannot deadlock:
+    the earliest unfinished pair has both its ranks waiting on it."""
     me = group_rank(group)
     received: dict[int, object] = {}
     for src, dst in pairs:

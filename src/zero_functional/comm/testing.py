@@ -1,18 +1,7 @@
-"""Simulated worlds: one process acts as one rank of a world of any size (torch's fake group).
+"""fake_world: one process acts as one rank of a world of any size (torch's fake group).
 
-:func:`fake_world` starts torch's fake process group (backend ``"fake"``, the one torch's own
-FSDP tests use at scale): every collective returns at once with this rank's own data, so
-construction, ownership, memory and messages can be checked at 1,024 or 4,096 ranks in one
-process, in milliseconds. Values that depend on other ranks' data are not meaningful: a step
-runs and changes the pieces this rank owns, but nothing is really summed, and the pieces other
-ranks own receive whatever their receive buffers held (nothing is sent).
-
-What cannot run under it: object collectives (``consolidate_state_dict``, ``add_param_group``
-and the constructor's agreement check gather pickled objects: under the fake group each
-receives this rank's bytes only, so they work but check nothing across ranks), and the first
-backward of overlap mode with DDP's ``allreduce_hook`` (the hook reads the all-reduce's result,
-which the fake group does not give: DDP's own all-reduce is replaced here by "this rank's
-gradients", the hook's is not).
+Every collective returns at once with this rank's own data, so construction, ownership and
+memory can be checked at thousands of ranks in one process; nothing is summed or sent.
 """
 
 from __future__ import annotations
@@ -35,19 +24,10 @@ __all__ = ["fake_world"]
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
-    """Be rank ``rank`` of a simulated world of ``world_size`` ranks for the block.
-
-    Starts torch's fake process group as the default group and ends it on exit. While it is on,
-    a ``DistributedDataParallel`` built inside the block reduces each gradient bucket to this
-    rank's own values (DDP's built-in all-reduce would hand its hooks no tensor under the fake
-    group); a hook registered with ``register_comm_hook`` runs instead, as usual.
-
-    Raises:
-        RuntimeError: A process group is already running in this process.
-        ValueError: ``world_size`` is not an int >= 1, or ``rank`` is not one of its ranks.
+    """Be rank ``rank`` of a simulated world of ``world_size`` ranks for the block; a DDP built
+    inside reduces each bucket to this rank's own values, or runs its registered comm hook.
 
     Example:
-        >>> import torch
         >>> from zero_functional import ZeroRedundancyOptimizer
         >>> with fake_world(1024, rank=1023) as group:
         ...     params = [torch.zeros(4096, requires_grad=True)]
@@ -83,11 +63,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
             done.set_result(bucket.buffer())  # this rank's own gradients: the fake "sum"
             return done
 
-        dispatch.__annotations__ = {
-            "state": Any,
-            "bucket": GradBucket,
-            "return": Future[Tensor],
-        }
+        dispatch.__annotations__ = {"state": Any, "bucket": GradBucket, "return": Future[Tensor]}
         register(self, None, dispatch)
 
     def fake_register(self: DistributedDataParallel, state: object, hook: Any) -> None:

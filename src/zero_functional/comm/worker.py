@@ -1,13 +1,7 @@
-"""A thread that runs what it is given, one at a time, in the order given.
+"""InOrder: a thread that runs what it is given, one at a time, in the order given.
 
-Two parts of the package do work off the thread that issued it, in an order every rank shares:
-:class:`~zero_functional.comm.exchange.Exchanger` (the reduce onto owners, chunk by chunk) and
-overlap mode's update of each bucket as its reduction arrives
-(:mod:`zero_functional.shell.overlap`). Both run on an :class:`InOrder`, which holds the two
-facts such a thread must get right: grad mode is per thread (the in-place updates need it off),
-and so is the intra-op thread count under OpenMP (a new thread would run its ops on as many
-threads as cores, spinning after each: measured, backward ran 11 ms slower of 27 at 2 ranks on
-2 cores), so it takes its creator's.
+It sets what is per thread: grad mode (off) and the intra-op thread count, its creator's (under
+OpenMP a new thread would spin as many threads as cores after each op, slowing backward).
 """
 
 from __future__ import annotations
@@ -17,8 +11,6 @@ import threading
 from collections.abc import Callable
 
 import torch
-
-__all__ = ["InOrder"]
 
 
 def _serve(todo: queue.SimpleQueue[Callable[[], None] | None], threads: int) -> None:
@@ -30,19 +22,15 @@ def _serve(todo: queue.SimpleQueue[Callable[[], None] | None], threads: int) -> 
 
 
 class InOrder:
-    """A daemon thread that runs the callables :meth:`put` gives it, in order, until
-    :meth:`close`. A callable must not raise: it reports its own errors (the thread would end,
-    and whoever waits for the rest would wait for ever). The thread holds its queue, not this
-    object, so an owner may close it when it is dropped (``weakref.finalize``).
+    """A daemon thread that runs what :meth:`put` gives it, in order, until :meth:`close`; a task
+    must not raise (its waiters would wait for ever), and may outlive this object's owner.
 
     Example:
-        >>> seen = []
-        >>> worker = InOrder("example")
-        >>> for i in range(3):
-        ...     worker.put(lambda i=i: seen.append(i))
+        >>> seen, worker = [], InOrder("example")
+        >>> worker.put(lambda: seen.append(1))
         >>> worker.join()
         >>> seen
-        [0, 1, 2]
+        [1]
     """
 
     def __init__(self, name: str) -> None:
