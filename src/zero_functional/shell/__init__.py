@@ -1,6 +1,2 @@
-"""The stateful shell's parts: the local shard, parameter and gradient sync, overlap mode's
-state, the steppers, AMP verdicts, agreement and Join.
-
-:mod:`zero_functional.optimizer` and :mod:`zero_functional.hooks` compose them; nothing outside
-the shell, those two and the checkpoint code imports them (``.ci/rules.py`` checks ``app/``).
-"""
+"""The shell: the stateful parts that the facade (:mod:`zero_functional.optimizer`) and the
+hooks (:mod:`zero_functional.hooks`) compose; no module here names the facade."""

@@ -1,10 +1,6 @@
-"""Verdicts every rank shares: local checks, then one small gather of objects.
+"""Agreement: verdicts every rank shares, from local checks and one small gather of objects.
 
-A check that fails on one rank only would leave the others waiting in its next collective. So
-each rank checks locally, and the ranks exchange their verdicts (or, where all passed, a
-fingerprint of their parameters): a problem on any rank, or parameters that differ between
-ranks, is then the same error on every rank
-(:func:`~zero_functional.core.checks.agreement_verdict`).
+A check failed on one rank only would leave the others waiting in its next collective.
 """
 
 from __future__ import annotations
@@ -22,10 +18,8 @@ from zero_functional.core.main_params import check_main_params_dtype, check_rema
 from zero_functional.core.unfrozen import grad_checksums, unaveraged, unfrozen_error
 from zero_functional.functional import update_kind
 
-__all__ = ["agree", "agreed_inputs", "check_averaged"]
-
+# what a failed local check raises; anything else is a bug, raised where it happens
 CHECK_ERRORS: tuple[type[Exception], ...] = (TypeError, ValueError, RuntimeError)
-"""What a failed local check raises; anything else is a bug, raised where it happens."""
 
 
 def agree(
@@ -36,12 +30,9 @@ def agree(
     timeout: float | None = None,
     errors: tuple[type[Exception], ...] = CHECK_ERRORS,
 ) -> None:
-    """Run ``check`` here, then raise the same error on every rank if it failed on any rank
-    (with one of ``errors``) or the ranks' ``items`` (parameters or groups) differ; collective.
+    """Run ``check``; raise its error on every rank if it failed on any, or ``items`` differ.
 
     Example:
-        >>> import torch, torch.distributed as dist
-        >>> agree("example()", lambda: None, [torch.zeros(2)], group)
         >>> agree("example()", lambda: int("x"), [], group)
         Traceback (most recent call last):
         ...
@@ -71,19 +62,9 @@ def agreed_inputs(
     main_params_dtype: object = None,
     store_param_remainders: object = False,
 ) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
-    """``ZeroRedundancyOptimizer``'s arguments, checked on every rank; collective.
-
-    :func:`~zero_functional.core.checks.check_inputs`, ``main_params_dtype``'s and
-    ``store_param_remainders``' (:mod:`~zero_functional.core.main_params`), then that
-    every parameter is on a device the group's backend moves and that the class can be sharded
-    over the group (:func:`~zero_functional.core.checks.check_world_size`), then :func:`agree`. Without a process group there is no one to tell:
-    the arguments' own error comes first, else the missing group's.
-
-    Returns:
-        The process group, the parameters (or groups) as a list, and the probe instance.
+    """The optimizer's arguments checked on every rank: the group, the items and the probe.
 
     Example:
-        >>> import torch
         >>> agreed_inputs([], torch.optim.SGD, None, "flat", False, {"lr": 0.1})
         Traceback (most recent call last):
         ...
@@ -128,16 +109,10 @@ def check_averaged(
     group: comm.ProcessGroup,
     timeout: float | None = None,
 ) -> None:
-    """Refuse on every rank, naming DDP, the parameters unfrozen since the optimizer was built
-    whose gradients ``grads`` (global index -> whole gradient) differ between ranks: no one
-    averaged them, as a DDP built while they were frozen does not. Gradients averaged by hand
-    are the same everywhere: they train, as in torch's class. One small all-reduce of float64
-    checksums (:func:`~zero_functional.core.checks.grad_checksums`), where ``grads`` is not
-    empty (on every rank alike: the step where they first have gradients) and the group has
-    more than one rank; collective then.
+    """Refuse, naming DDP, unfrozen parameters whose gradients differ between ranks: no one
+    averaged them (a DDP built while they were frozen does not).
 
     Example:
-        >>> import torch, torch.distributed as dist
         >>> check_averaged({0: torch.ones(2)}, [torch.zeros(2)], group)
     """
     if not grads or comm.group_size(group) == 1:

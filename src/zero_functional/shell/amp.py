@@ -1,11 +1,5 @@
-"""GradScaler verdicts shared by the hooks: unscale and check owned gradients, one verdict.
-
-With a ``torch.amp.GradScaler``, every rank must skip (or take) the step together and lower
-the scale together, though after a reduce onto owners no rank sees every reduced gradient.
-Both hooks of :mod:`zero_functional.hooks` use these: overlap mode unscales the pieces each rank
-owns and tells the scaler through :class:`ScalerFacade`; ``reduce_scatter_hook`` makes every
-rank's gradients tell the scaler the same thing (:func:`common_verdict`).
-"""
+"""AMP: GradScaler verdicts every rank shares, from the gradients each rank owns (after a reduce
+onto owners no rank sees every gradient, yet all must skip, or step, together)."""
 
 from __future__ import annotations
 
@@ -20,23 +14,14 @@ from zero_functional import comm
 from zero_functional.core.ownership import Run
 from zero_functional.functional import group_indices
 
-__all__ = [
-    "ScalerFacade",
-    "common_verdict",
-    "overlap_verdict",
-    "refuse_scaler_step",
-    "scaler_verdict",
-    "unscale_and_check_",
-    "unscaled",
-]
-
 
 def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.device) -> Tensor:
     """Multiply ``grads`` by ``inv_scale`` in place; 1.0 if any was non-finite, else 0.0.
 
-    GradScaler's own kernel (``_amp_foreach_non_finite_check_and_unscale_``), grouped by
-    device and dtype as ``GradScaler.unscale_`` groups them, so the gradients and the verdict
-    are the ones ``scaler.step(optimizer)`` would compute from the same values.
+    Example:
+        >>> g = torch.tensor([2.0, float("inf")])
+        >>> unscale_and_check_([g], 0.5, g.device), g
+        (tensor(1.), tensor([1., inf]))
     """
     found = torch.zeros(1, dtype=torch.float32, device=device)
     live = [g for g in grads if g.numel()]
@@ -49,13 +34,9 @@ def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.devi
 
 
 class ScalerFacade:
-    """What ``GradScaler.unscale_`` reads from an optimizer, holding only the verdict.
-
-    ``scaler.update()`` lowers the scale when an optimizer of this iteration found a non-finite
-    gradient; overlap mode has no ``scaler.step(optimizer)`` call, so the hook registers its
-    verdict through the scaler's public ``unscale_`` on this facade, whose one "gradient" is
-    inf exactly when the update was skipped.
-    """
+    """What ``GradScaler.unscale_`` reads from an optimizer: overlap mode has no
+    ``scaler.step``, so ``scaler.update()`` learns of a skip through ``unscale_`` on this object,
+    whose one "gradient" is inf exactly then."""
 
     def __init__(self) -> None:
         self.param_groups: list[dict[str, Any]] = [{"params": []}]
@@ -72,8 +53,8 @@ class ScalerFacade:
 def common_verdict(
     buckets: list[tuple[Tensor, tuple[Run, ...], comm.Pending]], rank: int, group: comm.ProcessGroup
 ) -> None:
-    """Make every rank's GradScaler see the same thing: owned pieces as reduced, the others
-    zero, and a NaN everywhere if any rank's owned pieces were not finite."""
+    """Make every rank's GradScaler see the same thing after a reduce onto owners: owned pieces
+    as reduced, the others zero, a NaN everywhere if any rank's owned pieces were not finite."""
     owned: list[Tensor] = []
     with torch.no_grad():
         for flat, runs, pending in buckets:
@@ -92,16 +73,10 @@ def common_verdict(
 
 
 def refuse_scaler_step(optimizer: object, kwargs: Mapping[str, Any]) -> None:
-    """Refuse ``scaler.step(zero)`` in overlap mode, where the step already ran in backward.
-
-    ``GradScaler.step`` hands an optimizer that declares ``_step_supports_amp_scaling`` its
-    verdict, as a ``grad_scaler`` keyword or as ``found_inf``/``grad_scale`` attributes.
-
-    Raises:
-        RuntimeError: The optimizer was called by a GradScaler; names the recipe that works.
+    """Refuse ``scaler.step(zero)`` in overlap mode (the step ran in backward), naming the recipe.
 
     Example:
-        >>> refuse_scaler_step(object(), {})  # a plain step(): nothing to refuse
+        >>> refuse_scaler_step(object(), {})  # a plain step()
     """
     if "grad_scaler" in kwargs or getattr(optimizer, "found_inf", None) is not None:
         raise RuntimeError(
@@ -113,15 +88,11 @@ def refuse_scaler_step(optimizer: object, kwargs: Mapping[str, Any]) -> None:
 
 
 def scaler_verdict(optimizer: object) -> tuple[bool, Tensor | None]:
-    """What ``scaler.step(optimizer)`` handed an optimizer that declares
-    ``_step_supports_amp_scaling``: whether to skip the step (a non-finite gradient), and the
-    scale the gradients still carry (``None``: unscaled, or no scaler).
+    """Whether ``scaler.step(optimizer)`` said to skip, and the scale the gradients still carry.
 
     Example:
-        >>> class Opt:
-        ...     found_inf, grad_scale = torch.tensor(0.0), torch.tensor(1024.0)
-        >>> scaler_verdict(Opt()), scaler_verdict(object())
-        ((False, tensor(1024.)), (False, None))
+        >>> scaler_verdict(object())
+        (False, None)
     """
     found = getattr(optimizer, "found_inf", None)
     scale = getattr(optimizer, "grad_scale", None)
@@ -131,9 +102,7 @@ def scaler_verdict(optimizer: object) -> tuple[bool, Tensor | None]:
 def unscaled(
     grads: Mapping[int, Tensor], dtypes: Mapping[int, torch.dtype | None], grad_scale: Tensor
 ) -> dict[int, Tensor]:
-    """``grads`` divided by ``grad_scale``, each first cast to its ``dtypes`` entry (a main
-    copy's dtype, where the division must not happen in fp16): new tensors, as GradScaler's
-    ``inv_scale`` (the reciprocal in float64, then float32) multiplies them.
+    """``grads`` divided by ``grad_scale``, each first cast to its main copy's dtype (``dtypes``).
 
     Example:
         >>> g = {0: torch.tensor([1024.0], dtype=torch.float16)}
@@ -151,12 +120,9 @@ def overlap_verdict(
     fallback: torch.device,
     group: comm.ProcessGroup,
 ) -> bool:
-    """Overlap mode's GradScaler step: unscale the ``owned`` gradient pieces in place, agree on
-    every rank whether any was non-finite (one all-reduce), tell ``scaler`` through ``facade``;
-    whether to skip the update.
+    """Overlap mode's GradScaler step: unscale ``owned``, agree, tell ``scaler``; whether to skip.
 
     Example:
-        >>> import torch.distributed as dist
         >>> scaler, g = GradScaler("cpu", init_scale=4.0), torch.full((2,), 8.0)
         >>> _ = scaler.scale(torch.ones(()))  # as the loss is scaled before backward
         >>> overlap_verdict(scaler, ScalerFacade(), [g], g.device, group), g

@@ -1,16 +1,7 @@
 """BucketSync: one bucket's two directions, gradients onto their owners and parameters back.
 
-Megatron-LM's bucket group has ``start_grad_sync``/``finish_grad_sync`` beside
-``start_param_sync``/``finish_param_sync``; here a :class:`BucketSync` is that owner for one
-bucket of parameters laid end to end (a DDP bucket, a bucket view, or all of ``step()``'s
-parameters), with the collectives :meth:`~zero_functional.comm.Wire.choose` gave its plan. The
-gradient reduction is written once: the bucket is widened to the reduce dtype (if any), divided by
-DDP's world, summed onto the owner of each run, under a device mesh summed across replicas, and
-rounded back into the bucket once. The parameter all-gather goes unit by unit
-(:attr:`BucketSync.units`), so that an owner can update a unit just before it is sent; finished
-gathers are handed to the :class:`~zero_functional.shell.param_window.ParamWindow`, which waits
-now or (``overlap_param_gather``) when the parameters are next read. Every collective is issued
-by the caller's thread, in bucket order on every rank.
+Megatron-LM's bucket group: ``start_grad``/``finish_grad`` beside ``start_params``/
+``finish_params``, over a DDP bucket, a bucket view, or all of ``step()``'s parameters.
 """
 
 from __future__ import annotations
@@ -37,24 +28,13 @@ from zero_functional.core.plans import (
 )
 from zero_functional.shell.param_window import InFlight, ParamWindow
 
-__all__ = [
-    "BucketSync",
-    "DDPBuckets",
-    "GatherUnit",
-    "all_reduce_widened",
-    "bucket_indices",
-    "step_syncs",
-    "widened",
-]
-
 
 def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """``t`` itself, or a copy in ``dtype`` where that is another dtype (a reduce dtype).
+    """``t``, or a copy in ``dtype`` where that is another one (a reduce dtype).
 
     Example:
-        >>> t = torch.ones(2, dtype=torch.bfloat16)
-        >>> widened(t, None) is t, widened(t, torch.float32).dtype
-        (True, torch.float32)
+        >>> widened(torch.ones(2, dtype=torch.bfloat16), torch.float32).dtype
+        torch.float32
     """
     return t if dtype is None or dtype == t.dtype else t.to(dtype)
 
@@ -62,21 +42,20 @@ def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
 def all_reduce_widened(
     flat: Tensor, dtype: torch.dtype | None, group: comm.ProcessGroup
 ) -> tuple[Future[Tensor], Tensor]:
-    """DDP's average of a bucket's buffer ``flat`` over ``group``, summed in ``dtype`` and
-    rounded back once (a hook's ``reduce_dtype`` while the buckets are not known yet): DDP's
-    future, and the average in ``dtype``, which the update reads rather than its rounding.
+    """DDP's average of a bucket's ``flat`` buffer in ``dtype``: its future, and the wide average.
 
     Example:
-        >>> fut, wide = all_reduce_widened(torch.ones(2, dtype=torch.bfloat16), torch.float32, group)
-        >>> fut.wait(), wide.dtype
-        (tensor([1., 1.], dtype=torch.bfloat16), torch.float32)
+        >>> bucket = torch.ones(2, dtype=torch.bfloat16)
+        >>> fut, wide = all_reduce_widened(bucket, torch.float32, group)
+        >>> wide
+        tensor([1., 1.])
     """
     wide = widened(flat, dtype).div_(comm.group_size(group))
     return comm.start_all_reduce(wide, group).copy_after(flat, wide).future(flat), wide
 
 
 def bucket_indices(table: ParamTable, params: Sequence[Tensor]) -> tuple[int, ...]:
-    """The global indices of a DDP bucket's ``params``, or an error naming the fix.
+    """The global indices of a DDP bucket's ``params`` (an error naming the fix if one is not ours).
 
     Example:
         >>> a, b = torch.zeros(1), torch.zeros(2)
@@ -94,38 +73,28 @@ def bucket_indices(table: ParamTable, params: Sequence[Tensor]) -> tuple[int, ..
 
 @dataclass(frozen=True, slots=True)
 class GatherUnit:
-    """One launch of a bucket's parameter all-gather: the parameters it writes (global
-    indices) and the ranks that send (an owner updates its pieces of them before)."""
+    """One launch of a bucket's all-gather: the parameters it writes, and the ranks that send."""
 
     indices: tuple[int, ...]
     senders: frozenset[int]
 
 
 class BucketSync:
-    """One bucket of parameters laid end to end, under one ownership: its gradient reduction
-    and its parameter all-gather, each a start/finish pair.
+    """One bucket's gradient reduction and parameter all-gather, each a start/finish pair.
 
     Args:
-        indices: The parameters' global indices, in bucket order.
-        table: The optimizer's parameters.
-        ownership: Who owns which piece; ``rank`` is this rank.
-        wire: The shard group's collectives.
-        collectives: The strategy (:func:`~zero_functional.core.plans.choose_collectives`).
-        window: Where finished all-gathers go.
         ranks: The ranks gradients are averaged over (DDP's world).
-        reduce_dtype: Sum the gradients in this dtype (``None``: the bucket's).
         replicate: Under a device mesh, the group the owned runs are summed across.
-        view: Make the parameters views of one buffer (``parameters_as_bucket_view``) and
-            gather that buffer in place.
+        view: Make the parameters views of one buffer, gathered in place.
 
     Example:
-        >>> ps = [torch.ones(3), torch.ones(2)]
-        >>> table = ParamTable.of([{"params": ps}])
         >>> from zero_functional.core.ownership import flat_ownership
+        >>> table = ParamTable.of([{"params": [torch.ones(3), torch.ones(2)]}])
         >>> window = ParamWindow(table, lambda name: comm.call(name, group), deferred=False)
         >>> sync = BucketSync((0, 1), table, flat_ownership([3, 2], 1), 0,
         ...                   comm.Wire(group), "allreduce+broadcast", window)
-        >>> sync.start_grad(torch.full((5,), 2.0)); sync.finish_grad()
+        >>> sync.start_grad(torch.full((5,), 2.0))
+        >>> sync.finish_grad()
         tensor([2., 2., 2., 2., 2.])
     """
 
@@ -156,7 +125,7 @@ class BucketSync:
         self._sends = [(k, r, piece) for k in self.indices for r, piece in ownership.holders(k)]
         self.units, self._batches = self._gather_units()
         self._in_flight: list[InFlight] = []
-        # the reduction in flight: (what is reduced, the bucket it rounds back into, pending)
+        # the reduction in flight: (what is reduced, the bucket it rounds back into)
         self._grad: tuple[Tensor, Tensor] | None = None
         self._pending = comm.Pending([])
         self._replicas_left = False
@@ -164,8 +133,7 @@ class BucketSync:
     # ------------------------------------------------------------------ gradients
 
     def start_grad(self, bucket: Tensor) -> None:
-        """Start averaging the 1-D gradient ``bucket`` (DDP's buffer) onto the owners of its
-        runs (``start_grad_sync``)."""
+        """Start averaging the 1-D gradient ``bucket`` onto the owners of its runs."""
         flat = widened(bucket, self.reduce_dtype).div_(self.ranks)  # as DDP: divide, then sum
         self._grad = (flat, bucket)
         self._pending = self.reducer.start(flat)
@@ -187,8 +155,7 @@ class BucketSync:
             )
 
     def finish_grad(self) -> Tensor:
-        """Wait for the whole reduction (``finish_grad_sync``): the reduced values, in the
-        reduce dtype; on this rank only the runs it owns hold the average."""
+        """Wait for the whole reduction: the values in the reduce dtype (owned runs averaged)."""
         assert self._grad is not None, "finish_grad() without start_grad()"
         self._across_replicas()
         self._pending.wait()
@@ -202,8 +169,7 @@ class BucketSync:
     def owned_grads(
         self, flat: Tensor | None = None, used: set[int] | None = None
     ) -> dict[int, Tensor]:
-        """Global index -> the reduced gradient of this rank's piece, a view of ``flat`` (by
-        default what this bucket reduced); ``used``: of those parameters only."""
+        """Global index -> the reduced gradient of this rank's piece, a view of ``flat``."""
         flat = self._grad[0] if flat is None and self._grad is not None else flat
         assert flat is not None
         return {
@@ -213,8 +179,7 @@ class BucketSync:
         }
 
     def rounded_back(self) -> Tensor:
-        """The bucket holding the reduced values (rounded back from the reduce dtype once);
-        after :meth:`finish_grad`."""
+        """The bucket with the reduced values rounded back into it, after :meth:`finish_grad`."""
         assert self._grad is not None
         flat, bucket = self._grad
         if bucket is not flat:
@@ -222,8 +187,7 @@ class BucketSync:
         return bucket
 
     def grad_pending(self) -> comm.Pending:
-        """Stepping after backward: what DDP's future waits on, after which the reduction is
-        done and rounded back into the bucket."""
+        """What DDP's future waits on when stepping after backward: the reduction, rounded back."""
         assert self._grad is not None
         self._across_replicas()
         return self._pending.copy_after(self._grad[1], self._grad[0])
@@ -231,8 +195,7 @@ class BucketSync:
     # ------------------------------------------------------------------ parameters
 
     def _make_view(self, params: list[Tensor]) -> Tensor:
-        """Make ``params`` views of one buffer (padded to even shards), one parameter at a time:
-        each old tensor is freed once its slot is filled, so this costs one buffer."""
+        """Make ``params`` views of one buffer, one at a time (each old one freed once copied)."""
         total = sum(p.numel() for p in params)
         chunk = self.plan.chunk
         size = chunk * self.ownership.world_size if chunk is not None else total
@@ -245,8 +208,7 @@ class BucketSync:
         return buffer
 
     def _gather_units(self) -> tuple[tuple[GatherUnit, ...], list[tuple[SyncUnit, ...]]]:
-        """The all-gather's units and, where the bucket's pieces travel on their own (no
-        buffer, no even shards), each unit's broadcasts (:func:`~.plans.sync_plan`)."""
+        """The all-gather's units, and each one's broadcasts where pieces travel on their own."""
         if self.ownership.world_size == 1:
             return (), []
         if self.buffer is not None or self.plan.chunk is not None:
@@ -271,8 +233,7 @@ class BucketSync:
         return units, list(plan.batches())
 
     def start_params(self, unit: GatherUnit | None = None) -> None:
-        """Start the all-gather of ``unit`` (default: every unit) from its owners
-        (``start_param_sync``); :meth:`finish_params` hands it over."""
+        """Start the all-gather of ``unit`` (default: every unit) from its owners."""
         params = self.table.params
         for j, u in enumerate(self.units):
             if unit is not None and u is not unit:
@@ -290,7 +251,7 @@ class BucketSync:
             self._in_flight.append((pending, covered))
 
     def _start_pieces(self, batch: tuple[SyncUnit, ...]) -> comm.Pending:
-        """One launch of pieces: each unit's in place, or packed (``comm.start_gather_units``)."""
+        """One launch of pieces: each unit's in place, or packed."""
         params, sends = self.table.params, self._sends
         calls = [
             ([piece_view(params[sends[i][0]], sends[i][2]) for i in u.members], u.owner, u.packed)
@@ -299,22 +260,14 @@ class BucketSync:
         return comm.start_gather_units(calls, self.wire.gather_group, grouped=self.wire.grouped)
 
     def finish_params(self) -> None:
-        """Hand the all-gathers started to the window (``finish_param_sync``): waited for now,
-        or, deferred, when their parameters are next read."""
+        """Hand the all-gathers started to the window (waited for now, or when next read)."""
         in_flight, self._in_flight = self._in_flight, []
         if in_flight:
             self.window.defer(in_flight)
 
 
 class DDPBuckets:
-    """The :class:`BucketSync` of each DDP bucket (by its parameters' indices) under an
-    ownership, built once per bucket and ownership.
-
-    Args:
-        wire: The shard group's collectives; ``collectives``: the strategy.
-        window: Where finished all-gathers go.
-        ranks, reduce_dtype, replicate: As :class:`BucketSync`'s.
-    """
+    """The :class:`BucketSync` of each DDP bucket, built once per bucket and ownership."""
 
     def __init__(
         self,
@@ -363,15 +316,13 @@ def step_syncs(
     window: ParamWindow,
     bucket_view: bool,
 ) -> list[BucketSync]:
-    """The syncs of ``step()``'s parameter all-gather: with ``bucket_view``, one per bucket
-    view (:func:`~zero_functional.core.plans.bucket_view_groups`; the parameters become views of
-    its buffer); else one over every trainable parameter."""
+    """The syncs of ``step()``'s all-gather: one per bucket view, else one over all trainable."""
     window.finish()  # the old views may still be being written
     params = table.params
     trainable = [p.requires_grad for p in params]
     if not bucket_view:
-        # the parameters are separate tensors: their pieces travel on their own, never
-        # packed into one staging copy of the whole model (no even shards)
+        # separate tensors: their pieces travel on their own, never packed in one staging
+        # copy of the whole model (no even shards)
         live = [k for k, t in enumerate(trainable) if t]
         return [BucketSync(live, table, ownership, rank, wire, "reduce+broadcast", window)]
     if ownership.is_whole:

@@ -1,12 +1,7 @@
-"""A class per parameter group: groups that carry their own ``"optimizer_class"`` (issue 30).
+"""Classes per group: parameter groups that carry their own ``"optimizer_class"``.
 
-A group may name its own ``torch.optim`` class (Muon for the hidden matrices, AdamW for the
-rest). Such a group is filled from its dict and its class's defaults, never from the
-optimizer's keyword defaults (those are the constructor's class's), and records its class by
-name (:func:`~zero_functional.functional.registry.optimizer_name`), so that ``param_groups``
-and the state dict hold only strings. Once any group has a class of its own, every group
-records its class. Without one anywhere, nothing here changes a group: one class for all
-groups behaves exactly as before.
+Such a group (Muon for the matrices, AdamW for the rest) is filled from its class's defaults
+only and records its class by name. With one class nothing here changes a group.
 """
 
 from __future__ import annotations
@@ -23,8 +18,6 @@ from zero_functional.core.plans import whole_owners
 from zero_functional.functional import update_kind
 from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name
 
-__all__ = ["add_group", "mark_classes", "pinned_owners", "update_costs", "whole_params"]
-
 
 def add_group(
     add: Callable[[dict[str, Any]], None],
@@ -32,17 +25,14 @@ def add_group(
     group: dict[str, Any],
     default: type[Optimizer],
 ) -> None:
-    """Add ``group`` to ``groups`` through ``add`` (``torch.optim.Optimizer.add_param_group``):
-    a group with its own class filled by that class, and nothing of the optimizer's defaults.
+    """Add ``group`` through ``add`` (``Optimizer.add_param_group``), filled by its own class only.
 
     Example:
-        >>> import torch
         >>> opt = torch.optim.AdamW([torch.zeros(2)], weight_decay=0.3)
         >>> muon = {"params": [torch.zeros(2, 2)], "optimizer_class": torch.optim.Muon}
         >>> add_group(opt.add_param_group, opt.param_groups, muon, torch.optim.AdamW)
-        >>> g = opt.param_groups[1]
-        >>> g["optimizer_class"], g["weight_decay"], "betas" in g, opt.param_groups[0]["optimizer_class"]
-        ('torch.optim.Muon', 0.1, False, 'torch.optim.AdamW')
+        >>> [(g["optimizer_class"], g["weight_decay"]) for g in opt.param_groups]
+        [('torch.optim.AdamW', 0.3), ('torch.optim.Muon', 0.1)]
     """
     if not (isinstance(group, dict) and GROUP_CLASS_KEY in group):
         add(group)
@@ -58,11 +48,9 @@ def add_group(
 
 
 def mark_classes(groups: list[dict[str, Any]], default: type[Optimizer]) -> None:
-    """Where any group has its own class, record ``default``'s name in the groups without one
-    (in place); else leave every group as it is.
+    """Where any group has its own class, record ``default``'s name in those without one.
 
     Example:
-        >>> import torch
         >>> groups = [{"params": []}, {"params": [], "optimizer_class": "torch.optim.Muon"}]
         >>> mark_classes(groups, torch.optim.AdamW)
         >>> groups[0]["optimizer_class"]
@@ -75,11 +63,9 @@ def mark_classes(groups: list[dict[str, Any]], default: type[Optimizer]) -> None
 
 
 def whole_params(groups: list[dict[str, Any]], default: type[Optimizer]) -> list[bool] | None:
-    """Per parameter (global index), whether its group's class needs it owned whole (its
-    update is not elementwise: Muon's reads the whole matrix); ``None`` with one class.
+    """Per parameter, whether its group's class needs it owned whole; ``None`` with one class.
 
     Example:
-        >>> import torch
         >>> groups = [{"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"},
         ...           {"params": [torch.zeros(2)], "optimizer_class": "torch.optim.AdamW"}]
         >>> whole_params(groups, torch.optim.AdamW)
@@ -93,14 +79,11 @@ def whole_params(groups: list[dict[str, Any]], default: type[Optimizer]) -> list
 
 
 def update_costs(groups: list[dict[str, Any]], default: type[Optimizer]) -> list[int]:
-    """Per parameter (global index), what one update of it costs under its group's class
-    (:func:`~zero_functional.core.cost.update_cost`): what whole-owned tensors are balanced by.
+    """Per parameter, what one update of it costs under its group's class.
 
     Example:
-        >>> import torch
-        >>> groups = [{"params": [torch.zeros(2, 4)], "optimizer_class": "torch.optim.Muon"},
-        ...           {"params": [torch.zeros(2)]}]
-        >>> update_costs(groups, torch.optim.AdamW)
+        >>> groups = [{"params": [torch.zeros(2, 4)], "optimizer_class": "torch.optim.Muon"}]
+        >>> update_costs(groups + [{"params": [torch.zeros(2)]}], torch.optim.AdamW)
         [16, 2]
     """
     return [
@@ -113,13 +96,9 @@ def update_costs(groups: list[dict[str, Any]], default: type[Optimizer]) -> list
 def pinned_owners(
     groups: list[dict[str, Any]], default: type[Optimizer], table: ParamTable, world_size: int
 ) -> dict[int, int]:
-    """The rank that owns each tensor of a per-tensor class whole (global index to rank),
-    placed by its update's cost as under ``"flat"`` after backward; empty with one class.
-    What overlap mode's buckets keep whole
-    (:func:`~zero_functional.core.ownership.bucket_ownership`'s ``pinned``).
+    """Global index -> the rank owning that tensor of a per-tensor class whole, by cost.
 
     Example:
-        >>> import torch
         >>> groups = [{"params": [torch.zeros(2, 2), torch.zeros(4, 4)],
         ...            "optimizer_class": "torch.optim.Muon"}, {"params": [torch.zeros(8)]}]
         >>> pinned_owners(groups, torch.optim.AdamW, ParamTable.of(groups), 2)

@@ -1,11 +1,7 @@
-"""This rank's shard: the pieces it owns, their gradients, their state and their update.
+"""LocalShard: this rank's pieces under one ownership, their gradients, state and update.
 
-:class:`LocalShard` answers everything :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer`
-asks about its own rank under one :class:`~zero_functional.core.ownership.Ownership`: which piece of a
-parameter it owns, the gradients of its pieces, one step over them, their state in and out
-(state dicts, sharded checkpoints, resharding) and which parameters train. It issues no
-collective (the shell runs those around it), so it works without a process group. The state
-dicts are the shell's own mapping, read and written in place.
+It issues no collective (the facade and the syncs run those around it); the state dicts are
+the optimizer's own mapping, changed in place.
 """
 
 from __future__ import annotations
@@ -47,29 +43,27 @@ from zero_functional.shell.steppers import (
     saved_group,
 )
 
-__all__ = ["LocalShard", "RemainderTies", "UpdateHooks"]
-
 logger = logging.getLogger(__name__)
 
 PieceStates = dict[int, dict[Transfer, dict[str, Any]]]
 
 
 class RemainderTies:
-    """With ``store_param_remainders``: how many bf16 elements this rank wrote that differ from
-    torch's rounding of their main value (exact ties, rounded away from zero), summed over the
-    steps; kept on the pieces' devices until read, so that a step adds no device sync.
+    """The bf16 elements written that differ from torch's rounding of their main value, kept
+    per device until read (so that a step adds no device sync).
 
     Example:
         >>> ties = RemainderTies()
-        >>> ties.add(torch.tensor(2)); ties.add(torch.tensor(1)); ties.total()
-        3
+        >>> ties.add(torch.tensor(2))
+        >>> ties.total()
+        2
     """
 
     def __init__(self) -> None:
         self.sums: dict[torch.device, Tensor] = {}
 
     def add(self, n: Tensor) -> None:
-        """Add ``n`` (a 0-dim count) on its device."""
+        """Add the 0-dim count ``n`` on its device."""
         now = self.sums.get(n.device)
         self.sums[n.device] = n if now is None else now + n
 
@@ -79,38 +73,18 @@ class RemainderTies:
 
 
 class LocalShard:
-    """This rank's pieces under ``ownership`` and their state.
-
-    Args:
-        ownership: Which rank owns which pieces of which parameters.
-        rank: This rank.
-        table: The optimizer's parameters (:class:`~zero_functional.core.param_table.ParamTable`).
-        param_groups: The optimizer's groups, for their hyperparameters (read at each call, so
-            edits apply).
-        state: The optimizer's state (parameter -> state dict, a ``defaultdict(dict)``),
-            shared, changed in place.
-        stepper: What updates the pieces (:func:`~zero_functional.shell.steppers.choose_stepper`).
-        name: The optimizer class's name, for messages.
-        main_params_dtype: Update low-precision parameters through main copies of this dtype
-            (:mod:`zero_functional.core.main_params`), or ``None``.
-        remainders: Keep the fp32 main copies of bf16 pieces as int16 remainders
-            (``store_param_remainders``), counting the ties here; ``None``: whole copies.
+    """This rank's pieces under ``ownership`` and their state (``state``: the optimizer's own
+    mapping; ``param_groups`` read at each call, so edits apply; ``name``: for messages).
 
     Example:
-        >>> import torch
-        >>> from collections import defaultdict
         >>> from zero_functional.functional import functional_spec
         >>> from zero_functional.shell.steppers import FunctionalStepper
         >>> from zero_functional.core.ownership import flat_ownership
         >>> w = torch.nn.Parameter(torch.ones(4))
-        >>> groups = torch.optim.SGD([w], lr=0.5).param_groups
+        >>> groups, table = [{"params": [w], "lr": 0.5}], ParamTable.of([{"params": [w]}])
         >>> stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)
-        >>> state = defaultdict(dict)  # as ``Optimizer.state``
-        >>> table = ParamTable.of(groups)
-        >>> shard = LocalShard(flat_ownership([4], 2), 1, table, groups, state, stepper, "SGD")
-        >>> shard.pieces
-        {0: Piece(param=0, start=2, stop=4)}
-        >>> shard.update({0: torch.ones(2)})
+        >>> shard = LocalShard(flat_ownership([4], 2), 1, table, groups, {w: {}}, stepper, "SGD")
+        >>> shard.update({0: torch.ones(2)})  # rank 1's piece: elements 2 and 3
         >>> w.tolist()
         [1.0, 1.0, 0.5, 0.5]
     """
@@ -136,8 +110,7 @@ class LocalShard:
         self.adopt(ownership, stepper)
 
     def adopt(self, ownership: Ownership, stepper: Stepper) -> None:
-        """Own the pieces ``ownership`` gives this rank, stepped by ``stepper`` (the state
-        moved already: :meth:`incoming`)."""
+        """Own the pieces ``ownership`` gives this rank (their state moved already)."""
         self.ownership, self.stepper = ownership, stepper
         self.pieces: dict[int, Piece] = {s.param: s for s in ownership.owned(self.rank)}
         self.trainable = [p.requires_grad for p in self.table.params]
@@ -146,18 +119,12 @@ class LocalShard:
         self.reduced: dict[int, Tensor] = {}  # a hook's reduce_dtype values: hold_reduced
 
     def extend(self, ownership: Ownership, table: ParamTable) -> None:
-        """Cover more parameters: ``table``, and an ownership
-        :meth:`~zero_functional.core.ownership.Ownership.extended` to them (what
-        ``add_param_group`` reshards from)."""
+        """Cover ``table``'s parameters under ``ownership``, the old one extended to them."""
         self.table = table
         self.adopt(ownership, self.stepper)
 
     def piece(self, k: Hashable, what: str) -> Piece:
-        """The piece of parameter ``k`` this rank owns.
-
-        Raises:
-            ValueError: This rank owns none; the message names ``what`` was given for it.
-        """
+        """The piece of parameter ``k`` this rank owns; ValueError naming ``what`` if none."""
         piece = self.pieces.get(k) if isinstance(k, int) else None
         if piece is None:
             raise ValueError(
@@ -167,8 +134,7 @@ class LocalShard:
         return piece
 
     def grads(self) -> dict[int, Tensor]:
-        """Global index -> the gradient of this rank's piece, where the parameter has one: the
-        value held by :meth:`hold_reduced` while ``.grad``'s piece is its rounding, else that."""
+        """Global index -> the gradient of this rank's piece (the held wide one, else .grad's)."""
         params, out = self.table.params, {}
         for k, piece in self.pieces.items():
             if (grad := params[k].grad) is not None:
@@ -189,8 +155,7 @@ class LocalShard:
                 (view := piece_view(grad, self.pieces[k])).copy_(wide.view_as(view))
 
     def pieces_stepper(self) -> Stepper:
-        """The stepper, which runs on pieces; a RuntimeError where it steps whole parameters
-        (``step()`` only)."""
+        """The stepper; a RuntimeError where it steps whole parameters (``step()`` only)."""
         if self.stepper.whole:
             raise RuntimeError(
                 "update_owned needs an optimizer that runs on pieces; this one runs "
@@ -199,12 +164,7 @@ class LocalShard:
         return self.stepper
 
     def update(self, grads: Mapping[int, Tensor]) -> None:
-        """Step this rank's pieces of the parameters in ``grads``, one stepper call per group.
-
-        Raises:
-            ValueError: This rank owns no piece of a parameter in ``grads``.
-            RuntimeError: A sparse gradient, or a stepper that runs on whole parameters.
-        """
+        """Step this rank's pieces with ``grads`` (global index -> gradient), one call per group."""
         stepper = self.pieces_stepper()
         params, group_of = self.table.params, self.table.group_of
         # per group: pieces, gradients, states, main dtypes, and each piece's whole parameter's
@@ -234,19 +194,10 @@ class LocalShard:
         self.hooks.updated(self, grads)
 
     def local_step(
-        self,
-        closure: Callable[[], float] | None,
-        grad_scale: Tensor | None = None,
-        **kwargs: Any,
+        self, closure: Callable[[], float] | None, grad_scale: Tensor | None = None, **kwargs: Any
     ) -> tuple[float | None, dict[int, Tensor] | None]:
-        """This rank's part of ``step()`` before the parameter sync, and the closure's loss.
-
-        A stepper of whole parameters (:class:`~.steppers.WholeParamStepper`) steps them now
-        (``closure`` and ``kwargs`` reach the class's ``step``) and no gradients come back;
-        otherwise the closure runs and the gradients of the pieces come back, for the sync to
-        :meth:`update` in its order: divided by ``grad_scale`` (a GradScaler's, handed to an
-        optimizer with main copies) in each piece's main dtype, where fp16 would underflow.
-        """
+        """This rank's part of ``step()`` before the sync: the closure's loss, and the pieces'
+        gradients (unscaled by ``grad_scale``), or none where a whole-parameter stepper stepped."""
         if self.stepper.whole:
             loss = self.stepper.step_whole(self.param_groups, closure, **kwargs)
             self.hooks.updated(self, self.grads())
@@ -264,8 +215,7 @@ class LocalShard:
         return loss, grads
 
     def check_trainable(self, ddp: bool) -> bool:
-        """Whether ``requires_grad`` changed since the last call, or unfrozen parameters are yet
-        to be found averaged (:meth:`unchecked_grads`); ``ddp``: unfreezing raises, naming it."""
+        """Whether ``requires_grad`` changed, or unfrozen parameters await a check."""
         params = self.table.params
         trainable = [p.requires_grad for p in params]
         if trainable == self.trainable:
@@ -276,8 +226,7 @@ class LocalShard:
         return True
 
     def unchecked_grads(self) -> dict[int, Tensor]:
-        """Global index -> the whole gradient of each parameter unfrozen since this shard was
-        built that has one, until :meth:`averaged`: the step compares them across ranks."""
+        """Global index -> the whole gradient of each unfrozen parameter not yet found averaged."""
         params = self.table.params
         return {k: g for k in sorted(self._unchecked) if (g := params[k].grad) is not None}
 
@@ -294,9 +243,7 @@ class LocalShard:
     # ------------------------------------------------------------------ state in and out
 
     def shard_state(self) -> dict[int, tuple[Piece, dict[str, Any]]]:
-        """Global index -> (this rank's piece, its state: the optimizer's own tensors), for
-        each parameter this rank owns a piece of and has state for; a remainder is given as
-        the fp32 main value it makes (:func:`~zero_functional.core.main_params.with_main`)."""
+        """Global index -> (this rank's piece, its state), a remainder given as its main value."""
         params = self.table.params
         return {
             k: (piece, self._leaving(k))
@@ -305,8 +252,7 @@ class LocalShard:
         }
 
     def _leaving(self, k: int) -> dict[str, Any]:
-        """Parameter ``k``'s state as it leaves this rank: the optimizer's own dict, or with its
-        remainder joined into the fp32 main value (a new dict)."""
+        """Parameter ``k``'s state as it leaves this rank (a remainder joined into its main)."""
         p = self.table.params[k]
         state = self.state[p]
         if self.remainders is None:
@@ -314,13 +260,11 @@ class LocalShard:
         return with_main(piece_view(p, self.pieces[k]), state)
 
     def cpu_shard(self) -> dict[int, tuple[Range, dict[str, object]]]:
-        """:meth:`shard_state` with ranges for pieces and CPU copies for tensors: what travels
-        to a consolidating rank (:func:`~zero_functional.core.piece_state.merge_shards` joins them)."""
+        """:meth:`shard_state` as it travels to a consolidating rank: ranges, CPU tensors."""
         return {k: ((s.start, s.stop), to_cpu(v)) for k, (s, v) in self.shard_state().items()}
 
     def cut(self, state: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, object]]:
-        """The states of this rank's pieces, from whole parameters' states (global index); one
-        warning where a parameter that needs a main copy has state without one."""
+        """The states of this rank's pieces, cut from whole parameters' states (global index)."""
         params = self.table.params
         pieces = {
             k: slice_state(v, (0, params[k].numel()), (self.pieces[k].start, self.pieces[k].stop))
@@ -330,8 +274,7 @@ class LocalShard:
         return pieces
 
     def converted(self, states: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
-        """Loaded states as the groups' classes keep them (:func:`~.steppers.converted_state`:
-        quantized for a low-bit class, dequantized for another), one warning per conversion."""
+        """Loaded states as the groups' classes keep them, one warning per kind of conversion."""
         params, group_of = self.table.params, self.table.group_of
         out: dict[int, Mapping[str, Any]] = {}
         hows = set()
@@ -364,9 +307,7 @@ class LocalShard:
             )
 
     def main_params(self) -> dict[Tensor, Tensor]:
-        """This rank's main copies, keyed by parameter: views of the optimizer's own (a piece
-        not stepped yet: its parameter's values upcast; with remainders: joined; new tensors);
-        parameters that need no copy are absent."""
+        """This rank's main copies, keyed by parameter (those that need none are absent)."""
         params = self.table.params
         out: dict[Tensor, Tensor] = {}
         for k, piece in sorted(self.pieces.items()):
@@ -386,9 +327,7 @@ class LocalShard:
         saved_groups: Sequence[Mapping[str, Any]],
         schemas: Sequence[StateSchema | None],
     ) -> None:
-        """Raise unless ``state`` (global index -> a piece's state) fits this rank's pieces and
-        ``saved_groups`` the groups (:func:`~zero_functional.core.piece_state.check_shard_state`);
-        ``schemas`` per group."""
+        """Raise unless ``state`` fits this rank's pieces and ``saved_groups`` the groups."""
         params, group_of = self.table.params, self.table.group_of
         check_shard_state(
             state,
@@ -401,7 +340,7 @@ class LocalShard:
     def _placed(
         self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, object], copy: bool
     ) -> dict[str, object]:
-        """``p``'s state with each value where it lives (:func:`~.state_dict.placed`)."""
+        """``p``'s state with each value where and as it lives (:func:`~.piece_state.placed`)."""
         fp32_step = self.stepper.for_group(group).functional or bool(
             group.get("fused") or group.get("capturable")
         )
@@ -418,8 +357,7 @@ class LocalShard:
         *,
         copy: bool,
     ) -> None:
-        """Replace this rank's state by ``pieces`` (checked already) and the groups'
-        hyperparameters by ``saved_groups``'."""
+        """Replace this rank's state by ``pieces``, and the groups' hyperparameters."""
         params, group_of = self.table.params, self.table.group_of
         new = {
             params[k]: self._placed(params[k], self.param_groups[group_of(k)], value, copy)
@@ -433,8 +371,7 @@ class LocalShard:
         self.state.update(new)
 
     def outgoing(self, plan: ReshardPlan, old: Ownership) -> PieceStates:
-        """Per destination rank, the state of each stretch ``plan`` sends, this rank's state
-        being held as ``old`` says (this rank's own entry: what it keeps)."""
+        """Per destination rank, the state of each stretch ``plan`` sends, as held under ``old``."""
         params = self.table.params
         parts: PieceStates = {}
         for t in plan.sends:
@@ -449,8 +386,7 @@ class LocalShard:
     def incoming(
         self, plan: ReshardPlan, new: Ownership, arrived: Mapping[Transfer, dict[str, Any]]
     ) -> None:
-        """Replace the state of every piece ``plan`` says this rank held by the states of its
-        pieces under ``new``, joined from the stretches that ``arrived`` (or were kept)."""
+        """Replace the state of the pieces held by that of those under ``new``, from ``arrived``."""
         params, group_of = self.table.params, self.table.group_of
         for k in plan.held:
             self.state.pop(params[k], None)
@@ -463,9 +399,7 @@ class LocalShard:
             self.state[p] = self._placed(p, self.param_groups[group_of(k)], joined, copy=False)
 
     def values(self, indices: Iterable[int]) -> dict[int, Tensor]:
-        """Global index -> this rank's piece of that parameter as it is now, flat: its main
-        copy where it keeps one (or joins it from a remainder; the parameter's values upcast
-        before its first step), else a view of the parameter. What :class:`UpdateHooks` hand to a hook after an update."""
+        """Global index -> this rank's piece now, flat: its main copy where it keeps one."""
         params = self.table.params
         out: dict[int, Tensor] = {}
         for k in indices:
@@ -478,25 +412,19 @@ class LocalShard:
         return out
 
 
-Updated = Callable[[Mapping[int, Tensor]], None]
-"""A hook after an update: global index -> the updated piece's new value
-(:meth:`LocalShard.values`), read-only."""
-Resharded = Callable[[Ownership], None]
-"""A hook after the ownership changed, given the old one (called on every rank)."""
+Updated = Callable[[Mapping[int, Tensor]], None]  # given LocalShard.values, read-only
+Resharded = Callable[[Ownership], None]  # given the old ownership, on every rank
 
 
 class UpdateHooks:
-    """The callbacks an optimizer runs after it updates this rank's pieces and after its
-    ownership changes (what :class:`~zero_functional.ema.ShardedEMA` follows).
+    """The callbacks run after this rank's pieces are updated and after the ownership changes.
 
     Example:
+        >>> from zero_functional.core.ownership import flat_ownership
         >>> hooks = UpdateHooks()
-        >>> handle = hooks.register(print)
-        >>> bool(hooks)
-        True
-        >>> handle.remove()
-        >>> bool(hooks)
-        False
+        >>> handle = hooks.register(print, lambda old: print("was", old.owned(1)))
+        >>> hooks.resharded(flat_ownership([4], 2))
+        was (Piece(param=0, start=2, stop=4),)
     """
 
     def __init__(self) -> None:
@@ -507,42 +435,13 @@ class UpdateHooks:
         return bool(self._hooks)
 
     def register(self, updated: Updated, resharded: Resharded | None = None) -> RemovableHandle:
-        """Run ``updated`` after each update and ``resharded`` after each ownership change,
-        until the handle's ``remove()``.
-
-        Example:
-            >>> from zero_functional.core.ownership import flat_ownership
-            >>> hooks = UpdateHooks()
-            >>> handle = hooks.register(print, lambda old: print("was", old.owned(1)))
-            >>> hooks.resharded(flat_ownership([4], 2))
-            was (Piece(param=0, start=2, stop=4),)
-            >>> handle.remove()
-            >>> hooks.resharded(flat_ownership([4], 2))  # removed: nothing runs
-        """
+        """Run ``updated`` after each update, ``resharded`` after each ownership change."""
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = (updated, resharded)
         return handle
 
     def updated(self, shard: LocalShard, indices: Iterable[int]) -> None:
-        """Run every ``updated`` hook on ``shard``'s new values of ``indices`` (read only when
-        a hook is registered).
-
-        Example:
-            >>> from collections import defaultdict
-            >>> from zero_functional.functional import functional_spec
-            >>> from zero_functional.shell.steppers import FunctionalStepper
-            >>> from zero_functional.core.ownership import flat_ownership
-            >>> w = torch.nn.Parameter(torch.ones(4))
-            >>> groups = torch.optim.SGD([w], lr=0.5).param_groups
-            >>> stepper = FunctionalStepper(functional_spec(torch.optim.SGD), compile=False)
-            >>> table, state = ParamTable.of(groups), defaultdict(dict)
-            >>> shard = LocalShard(flat_ownership([4], 2), 1, table, groups, state, stepper, "SGD")
-            >>> shard.update({0: torch.ones(2)})
-            >>> hooks = UpdateHooks()
-            >>> _ = hooks.register(print)
-            >>> hooks.updated(shard, [0])  # rank 1's piece, elements 2 and 3
-            {0: tensor([0.5000, 0.5000])}
-        """
+        """Run every ``updated`` hook on ``shard``'s new values of ``indices``."""
         if not self._hooks:
             return
         values = shard.values(indices)

@@ -1,12 +1,6 @@
-"""Overlap mode's state: per bucket of a backward, from arrival to reduced, updated and gathered.
+"""OverlapState: overlap mode's per-bucket state machine, from arrival to updated and gathered.
 
-What :func:`~zero_functional.hooks.hook_with_zero_step` and its interleaved twin keep between
-buckets and iterations (:class:`OverlapState`): a state machine per bucket
-(:class:`BucketStatus`), small records for the work in flight, and the bucket structure adopted
-so far. It drives each bucket's :class:`~zero_functional.shell.bucket_sync.BucketSync` (the
-reduction onto the owners, the all-gather back) and this rank's
-:class:`~zero_functional.shell.local_shard.LocalShard` (the update); the hook, which holds the
-optimizer, adopts a new bucket structure.
+It drives each bucket's sync and this rank's shard; the hook adopts a new bucket structure.
 """
 
 from __future__ import annotations
@@ -31,13 +25,9 @@ from zero_functional.shell.bucket_sync import BucketSync, DDPBuckets, bucket_ind
 from zero_functional.shell.local_shard import LocalShard
 from zero_functional.shell.param_window import ParamWindow
 
-__all__ = ["BucketStatus", "OverlapState", "threaded"]
-
 
 def threaded(buffer: Tensor) -> bool:
-    """Whether interleaved overlap mode updates a bucket of ``buffer`` on a thread of its own
-    as soon as its reduction is done (:class:`_Updater`): on the CPU. On a GPU the hooks'
-    thread only launches the work, in stream order, so it stays there.
+    """Whether interleaved overlap mode updates a bucket of ``buffer`` on a thread: on the CPU.
 
     Example:
         >>> threaded(torch.zeros(2)), threaded(torch.zeros(2, device="meta"))
@@ -47,13 +37,8 @@ def threaded(buffer: Tensor) -> bool:
 
 
 class BucketStatus(enum.Enum):
-    """Where a bucket of the backward in progress stands; buckets move on in bucket order.
-
-    ``ARRIVED``: the hook registered it. ``REDUCING``: its reduction is issued (onto its owners
-    by :meth:`OverlapState.reduce`, or by the user's hook). ``REDUCED``: waited for, its
-    gradients final. ``UPDATED``: this rank's pieces stepped (or the step skipped) and their
-    all-gather started.
-    """
+    """Where a bucket of the backward in progress stands (buckets move on in bucket order): its
+    reduction issued (``REDUCING``), waited for (``REDUCED``), its pieces stepped and gathering."""
 
     ARRIVED = enum.auto()
     REDUCING = enum.auto()
@@ -96,19 +81,11 @@ class _Bucket:
 
 
 class _Updater:
-    """Updates one backward's buckets as their reductions arrive, in order, on a thread
-    (:class:`~zero_functional.comm.worker.InOrder`).
+    """Updates one backward's buckets on a thread as their reductions arrive, in bucket order.
 
-    On the CPU a bucket's reduction is done without any hook running: the next bucket may be
-    the last, at the end of backward (DDP's small first bucket, then one large one), so the
-    autograd thread would update and all-gather the first bucket only then, with the link
-    idle meanwhile. The thread waits for each reduction in bucket order (never on one of
-    gloo's threads: a work's future runs its callbacks before the work counts as completed),
-    updates this rank's pieces and starts the bucket's all-gather on the twin group, while the
-    autograd thread goes on with backward. Only this thread issues the twin group's
-    collectives while it runs, in bucket order, so every rank issues them in the same order.
-    The autograd thread hands it buckets (:meth:`put`) and joins it (:meth:`join`) before
-    reading what it did; an error here is raised there, and nothing after it is updated.
+    On the CPU a reduction completes with no hook running, so the autograd thread would update
+    only at the last bucket, the link idle meanwhile. Only this thread uses the twin group while it
+    runs; the autograd thread joins it before reading what it did (and raises its error).
     """
 
     def __init__(self, update: Callable[[int], None]) -> None:
@@ -157,15 +134,7 @@ class _Backward:
 def _known(
     structure: tuple[tuple[int, ...], ...] | None, i: int, indices: tuple[int, ...], last: bool
 ) -> bool:
-    """Whether bucket ``i`` (its parameters' ``indices``; the last bucket or not) is as adopted.
-
-    Example:
-        >>> s = ((0, 1), (2,))
-        >>> _known(s, 1, (2,), last=True), _known(s, 0, (0, 1), last=True)
-        (True, False)
-        >>> _known(s, 1, (2, 3), last=True), _known(None, 0, (0, 1), last=False)
-        (False, False)
-    """
+    """Whether bucket ``i`` (its parameters' ``indices``; ``last`` or not) is as adopted."""
     return (
         structure is not None
         and i < len(structure)
@@ -175,8 +144,7 @@ def _known(
 
 
 def _used_anywhere(table: ParamTable, group: comm.ProcessGroup) -> set[int]:
-    """The parameters some rank used in this backward: those with a gradient now (DDP fills
-    the buckets of unused ones with zeros but leaves their ``.grad`` as it was)."""
+    """The parameters some rank used in this backward: those with a ``.grad``."""
     local = torch.tensor([p.grad is not None for p in table.params], dtype=torch.bool)
     flags = comm.any_rank(local, group)
     return {k for k, used in enumerate(flags.tolist()) if used}
@@ -186,22 +154,10 @@ class OverlapState:
     """What overlap mode keeps between buckets and iterations (one per optimizer).
 
     Args:
-        shard: This rank's pieces and their update.
-        window: Where the parameter all-gathers go when the backward ends.
-        buckets: Each DDP bucket's sync (the strategy, the plans, the wire: its gathers run on
-            a twin group where the buckets are updated without waiting: ``nonblocking``).
-        ddp_group: The group DDP averages over (which parameters some rank used).
+        buckets: Each DDP bucket's sync (``nonblocking`` where gathered on a twin group).
         device: Where the scaler's verdict is agreed when this rank owns nothing.
-        shard_buckets: Torch's rule of splitting each bucket under ``"sorted_greedy"``.
         interleaved: Update each bucket while backward goes on (else at the last bucket).
-        grad_scaler: The ``GradScaler`` whose verdict every rank shares.
         find_unused: DDP's ``find_unused_parameters``: update only what some rank used.
-
-    Attributes:
-        structure: The bucket structure adopted (per bucket, its parameters' global indices;
-            ``None`` before the first backward); ``restructures`` counts changes of it,
-            ``reduced_buckets`` the buckets reduced onto their owners (not by the user's hook)
-            and ``skipped`` the backwards a ``GradScaler`` skipped.
     """
 
     def __init__(
@@ -250,8 +206,7 @@ class OverlapState:
         return self.buckets.get(indices, shard.table, shard.ownership, shard.rank)
 
     def begins(self, bucket: GradBucket) -> bool:
-        """Whether ``bucket`` is the first of a backward (the hook then checks what trains and
-        calls :meth:`new_backward`)."""
+        """Whether ``bucket`` is the first of a backward."""
         return bucket.index() == 0 or not self._backward.buckets
 
     def new_backward(self) -> None:
@@ -261,11 +216,7 @@ class OverlapState:
         self._backward = _Backward()
 
     def start(self, bucket: GradBucket) -> bool:
-        """Register ``bucket``; whether to reduce it onto its owners (else the user's hook runs).
-
-        Every input of this decision (bucket indices, the structure adopted so far) is the same
-        on every rank, so all ranks issue the same collectives in the same order.
-        """
+        """Register ``bucket``; whether to reduce it onto its owners (else the user's hook runs)."""
         i, bw = bucket.index(), self._backward
         indices = bucket_indices(self.shard.table, bucket.parameters())
         bw.buckets.append(_Bucket(indices))
@@ -274,10 +225,9 @@ class OverlapState:
             if self.structure is not None:
                 self.restructures += 1
             self._drain()
-            # Buckets before this one match the adopted structure and may have been reduced onto
-            # their owners under it: finish them with that ownership before the state moves,
-            # or, when a scaler must first see every gradient, give every rank their reduced
-            # values (the owners broadcast their runs) so the new owners can step them.
+            # Earlier buckets may be reduced onto their owners under the adopted structure:
+            # update them before the state moves, or, when a scaler must first see every
+            # gradient, have the owners broadcast their runs so the new owners can step them.
             if self._scaling():
                 for b in bw.buckets[:i]:
                     flat = b.wait()
@@ -298,8 +248,7 @@ class OverlapState:
         return Future(devices=[out.device] if out.device.type == "cuda" else None)
 
     def on_bucket(self, bucket: GradBucket, fut: Future[Any], wide: Tensor | None = None) -> None:
-        """Record the bucket's future (and ``wide``: its average in the reduce dtype, which
-        the update reads); update the buckets whose reduction is done."""
+        """Record the bucket's future (and ``wide`` average); update the buckets reduced already."""
         bw, i = self._backward, bucket.index()
         bw.buckets[i].future, bw.buckets[i].status = fut, BucketStatus.REDUCING
         bw.buckets[i].wide = wide
@@ -315,15 +264,13 @@ class OverlapState:
                 self._update_until(i, only_ready=self.nonblocking)
 
     def last_bucket(self) -> tuple[tuple[int, ...], ...] | None:
-        """At the last bucket: wait for the update thread; the bucket structure to adopt
-        before the update (a new one: the hook reshards the state to it), or ``None``."""
+        """Wait for the update thread; a new bucket structure to adopt, or ``None``."""
         self._drain()
         bw = self._backward
         return tuple(b.indices for b in bw.buckets) if bw.deferred else None
 
     def finish_backward(self) -> None:
-        """Update every bucket not updated yet (all or none, with a scaler), and hand the
-        all-gathers to the window: waited for now, or (overlap_param_gather) by the next forward."""
+        """Update every bucket not updated yet, and hand the all-gathers to the window."""
         bw = self._backward
         if self.find_unused:
             self.used = _used_anywhere(self.shard.table, self.ddp_group)
@@ -348,8 +295,7 @@ class OverlapState:
             self._update(j, update=update)
 
     def _update(self, j: int, *, update: bool = True, bw: _Backward | None = None) -> None:
-        """Update this rank's pieces of bucket ``j`` (of ``bw``, by default the backward in
-        progress) and start the all-gather of the bucket."""
+        """Update this rank's pieces of bucket ``j`` of ``bw`` and start its all-gather."""
         bw = bw or self._backward
         b = bw.buckets[j]
         flat = b.wait()
@@ -359,8 +305,7 @@ class OverlapState:
             self.window.finish()  # the last step's all-gathers write what this one updates
             self.shard.update(sync.owned_grads(flat, self.used))
             if self.shard.ownership.world_size > 1:
-                # in place: these parameters' grads are final, so backward no longer reads
-                # them; the owners' values are on every rank once the backward has finished
+                # in place: backward no longer reads these parameters
                 sync.start_params()
                 bw.gathering.append(sync)
         if b.sync is not None:
@@ -369,8 +314,7 @@ class OverlapState:
             b.future.set_result(b.sync.rounded_back())
 
     def _scaled_step(self) -> None:
-        """With a GradScaler: unscale every owned gradient, one verdict on every rank
-        (:func:`~zero_functional.shell.amp.overlap_verdict`), then update everything or nothing."""
+        """With a GradScaler: one verdict on every rank, then update everything or nothing."""
         assert self.scaler is not None
         buckets = self._backward.buckets
         owned = [

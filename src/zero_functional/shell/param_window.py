@@ -1,21 +1,18 @@
 """ParamWindow: parameters whose all-gather is still in flight, and who waits for them.
 
-With ``overlap_param_gather=True`` (opt-in; Megatron-LM's option of that name) ``step()``, or
-in overlap mode the backward that ran the step, returns once the parameter all-gathers have
-*started*; until they finish a parameter holds its previous value. This window holds those
-gathers and makes every read it can see wait, or fail loudly:
+Off by default, as torch's contract: parameters are final when ``step()`` returns (in overlap
+mode, the backward that ran it), for code that saves ``model.state_dict()``, reads a tied
+weight or compares ranks then. With ``overlap_param_gather=True`` (opt-in, Megatron-LM's
+option) the step returns once the all-gathers have *started*; until they finish a parameter
+holds its previous value, and every read this window can see waits, or fails loudly:
 
 * a module's forward waits for every parameter under it (a global forward pre-hook), so the
-  model's call finishes them all before its own code runs (a parent may read a child's weight
-  before the child runs);
+  model's call finishes them all before its own code runs;
 * ``state_dict()`` of a module under one whose forward has run finishes them first;
 * under ``torch.compile`` the hook does nothing while traced: ``torch.compile(model)``'s wrapper
-  runs it eagerly first; ``model.compile()`` has no eager call, so its reads are the next case;
-* a parameter that gets a gradient while still in flight raises, naming it and
-  ``finish_param_sync()``, instead of training on a stale value;
-* this package's own readers (the next step, resharding, checkpoints) call :meth:`finish`.
-
-Off (the default) every gather handed over is waited for at once and no hook is installed.
+  runs it eagerly first; ``model.compile()`` has none, so its reads are the next case;
+* a parameter that gets a gradient while in flight raises, naming ``finish_param_sync()``;
+* this package's own readers (the next step, a reshard, a save) call :meth:`ParamWindow.finish`.
 """
 
 from __future__ import annotations
@@ -31,50 +28,22 @@ from torch.utils.hooks import RemovableHandle
 from zero_functional.comm import Pending
 from zero_functional.core.param_table import ParamTable
 
-__all__ = ["InFlight", "ParamWindow", "waited_by"]
-
-InFlight = tuple[Pending, Sequence[Tensor]]
-"""A parameter all-gather in flight, and the parameters it writes."""
-
-
-def waited_by(module: nn.Module) -> list[Tensor]:
-    """The parameters ``module``'s forward waits for: its own, and those of its parameter
-    containers (``ParameterList``/``ParameterDict`` children, which never run a forward).
-
-    Example:
-        >>> m = nn.Linear(2, 3)
-        >>> [tuple(p.shape) for p in waited_by(m)]
-        [(3, 2), (3,)]
-        >>> class Holder(nn.Module):
-        ...     def __init__(self) -> None:
-        ...         super().__init__()
-        ...         self.ws = nn.ParameterList([nn.Parameter(torch.zeros(4))])
-        ...         self.inner = nn.Linear(1, 1)
-        >>> [tuple(p.shape) for p in waited_by(Holder())]  # not inner's: it has a forward
-        [(4,)]
-    """
-    out: list[Tensor] = list(module.parameters(recurse=False))
-    for child in module.children():
-        if isinstance(child, nn.ParameterList | nn.ParameterDict):
-            out.extend(child.parameters())
-    return out
+InFlight = tuple[Pending, Sequence[Tensor]]  # an all-gather, and the parameters it writes
 
 
 class ParamWindow:
     """One optimizer's parameter all-gathers in flight, and the hooks that wait for them.
 
-    Args:
-        table: The optimizer's parameters.
-        call: Names the collectives being waited for when they fail (``comm.call``).
-        deferred: Whether gathers may be left in flight (``overlap_param_gather``); only then
-            are hooks installed.
+    Example:
+        >>> from contextlib import nullcontext
+        >>> window = ParamWindow(ParamTable((), ()), lambda name: nullcontext(), deferred=False)
+        >>> window.defer([(Pending([]), [])])  # not deferred: waited for now
+        >>> window.in_flight
+        False
     """
 
     def __init__(
-        self,
-        table: ParamTable,
-        call: Callable[[str], AbstractContextManager[None]],
-        deferred: bool,
+        self, table: ParamTable, call: Callable[[str], AbstractContextManager[None]], deferred: bool
     ) -> None:
         self.deferred = deferred
         self._call = call
@@ -87,8 +56,7 @@ class ParamWindow:
         self.set_params(table)
 
     def set_params(self, table: ParamTable) -> None:
-        """Track the parameters of ``table`` (after ``add_param_group``): gradient hooks on the
-        new ones."""
+        """Track the parameters of ``table`` (after ``add_param_group``)."""
         new = [p for p in table.params if p not in self._table]
         self._table = table
         if not self.deferred:
@@ -97,9 +65,7 @@ class ParamWindow:
         if not self._handles:
             # one global pre-hook: learns modules (for state_dict) and waits while in flight
             def before_forward(module: nn.Module, args: object) -> None:
-                # traced (a module called inside a compiled region): nothing to do here; the
-                # compiled module's own call ran this hook eagerly first, or nothing finished
-                # the gathers and the gradient check names the read
+                # traced: the compiled module's call ran this eagerly first (module docstring)
                 if torch.compiler.is_compiling():
                     return
                 me = ref()
@@ -125,8 +91,7 @@ class ParamWindow:
         return bool(self._in_flight)
 
     def defer(self, units: Sequence[InFlight]) -> None:
-        """Leave ``units`` in flight until their parameters are next read; without
-        ``deferred``, wait for them now."""
+        """Leave ``units`` in flight until their parameters are next read (else wait now)."""
         if not self.deferred:
             with self._call("the parameter all-gather"):
                 for pending, _ in units:
@@ -154,8 +119,7 @@ class ParamWindow:
         self._handles = []
 
     def name(self, p: Tensor) -> str:
-        """How errors name ``p``: its name in the model where a forward showed it, and its
-        index and shape."""
+        """How errors name ``p``: its name in the model (once a forward showed it), index, shape."""
         k = self._table.index(p) if p in self._table else None
         where = f"parameter {k} of the optimizer" if k is not None else "a parameter"
         qualified = self._names.get(p)
@@ -163,8 +127,7 @@ class ParamWindow:
         return f"{qualified!r} ({where}, shape {shape})" if qualified else f"{where} {shape}"
 
     def _before_forward(self, module: nn.Module) -> None:
-        # every in-flight parameter under ``module``, not just its own: its forward may read a
-        # child's weight before that child runs (the root's call finishes the whole model's)
+        # every parameter under ``module``: its forward may read a child's before the child runs
         if module not in self._seen:
             self._learn(module)
         if not self._pending_for:
@@ -178,9 +141,7 @@ class ParamWindow:
             self.finish()
 
     def _learn(self, module: nn.Module) -> None:
-        """First sight of ``module``: names for its parameters (the outermost module is called
-        first, so names are the model's), and a state-dict pre-hook on it and on each module
-        under it that holds ours (a compiled forward shows only its wrapper)."""
+        """First sight of ``module``: its parameters' names, and state-dict pre-hooks under it."""
         if not self._names and any(p in self._table for p in module.parameters()):
             self._names = {p: n for n, p in module.named_parameters() if p in self._table}
         ref = weakref.ref(self)

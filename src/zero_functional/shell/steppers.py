@@ -1,18 +1,10 @@
-"""How one rank updates the pieces it owns: a stepper per optimizer class, one interface.
+"""Steppers: how one rank updates the pieces it owns, one interface per optimizer class.
 
-The shell hands a stepper, per parameter group, the group (hyperparameters read *now*, so
-schedulers and user edits apply), the owned pieces' views, their gradients and their state dicts
-(the shell's own: ``ZeroRedundancyOptimizer.state``); the stepper updates them in place. Every
-stepper answers the same questions for a group (:meth:`Stepper.for_group`: its class's stepper;
-:attr:`~Stepper.tensor_keys`, :attr:`~Stepper.blockwise`, :attr:`~Stepper.functional`), so no
-caller asks which kind it holds:
-
-* :class:`FunctionalStepper`: SGD, Adam and AdamW through :mod:`zero_functional.functional`;
-* :class:`PieceViewStepper`: any other elementwise class, a real instance of it stepping detached
-  views of the pieces (in overlap mode too);
-* :class:`WholeParamStepper`: torch's own arrangement, one instance over this rank's whole
-  parameters (whole-tensor ownership after backward): closures and step keywords pass through;
-* :class:`PerClassStepper`: a class per parameter group, each group through its class's stepper.
+A stepper updates the pieces of a group in place, with its hyperparameters read *now*; every
+stepper answers the same questions (:meth:`Stepper.for_group`), so no caller asks its kind:
+the functional core (SGD, Adam, AdamW), a real instance over detached views sharing the pieces'
+storage (its in-place update writes them), torch's arrangement of one instance over this
+rank's whole parameters sharing the shell's ``state`` (closures pass), or one per class.
 """
 
 from __future__ import annotations
@@ -38,33 +30,21 @@ from zero_functional.functional import (
 from zero_functional.functional.lowbit import quantized
 from zero_functional.functional.registry import GROUP_CLASS_KEY, optimizer_name, update_block
 
-__all__ = [
-    "FunctionalStepper",
-    "LocalView",
-    "PerClassStepper",
-    "PieceViewStepper",
-    "Stepper",
-    "WholeParamStepper",
-    "choose_stepper",
-    "converted_state",
-    "hyperparameters",
-    "loaded_group",
-    "probe_state",
-    "saved_group",
-    "state_schema",
-    "state_schemas",
-]
-
 StateDicts = list[dict[str, Any]]
 
 
 def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A param group without its ``params``: what a stepper copies in before each step."""
+    """A param group without its ``params``.
+
+    Example:
+        >>> hyperparameters({"params": [], "lr": 0.1})
+        {'lr': 0.1}
+    """
     return {k: v for k, v in group.items() if k != "params"}
 
 
 class Stepper:
-    """How pieces of one class's parameters are updated; what the shell asks of any stepper.
+    """What the shell asks of any stepper; this base steps nothing.
 
     Attributes:
         whole: Steps whole parameters itself (:meth:`step_whole`), not pieces.
@@ -73,6 +53,7 @@ class Stepper:
 
     whole = False
     local: Optimizer | None = None
+    _tensor_keys: dict[str, torch.dtype] = {}
 
     def for_group(self, group: Mapping[str, Any]) -> Stepper:
         """The stepper of ``group``'s class (itself, but for a class per group)."""
@@ -81,12 +62,13 @@ class Stepper:
     @property
     def tensor_keys(self) -> dict[str, torch.dtype]:
         """The hyperparameters its class keeps as 0-d tensors (torchao's ``lr``), with dtypes."""
-        return {}
+        return dict(self._tensor_keys)
 
     @property
     def blockwise(self) -> Optimizer | None:
         """The instance, where its class quantizes its state per block (torchao's low-bit)."""
-        return None
+        local = self.local
+        return local if local is not None and update_block(type(local)) > 1 else None
 
     @property
     def functional(self) -> bool:
@@ -101,9 +83,7 @@ class Stepper:
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        """Update ``params`` and ``states`` (one dict per param, possibly empty) in place;
-        ``numels``: each piece's whole parameter's size, where a class decides its state on
-        the whole parameter (torchao's low-bit state)."""
+        """Update ``params`` and ``states`` in place (``numels``: each piece's parameter's size)."""
         raise RuntimeError(
             f"update_owned needs an optimizer that runs on pieces; this one runs "
             f"{type(self.local).__name__} over whole parameters: call step()"
@@ -117,12 +97,7 @@ class Stepper:
 
 
 class FunctionalStepper(Stepper):
-    """The functional core's in-place update over torch's state dicts.
-
-    ``compile`` picks the kernel (the spec's ``apply_``): ``None`` compiles only where it
-    measures faster, ``True`` wherever it applies (eager, with one warning, where compiling
-    fails), ``False`` never.
-    """
+    """SGD, Adam and AdamW: the functional core's in-place update over torch's state dicts."""
 
     def __init__(self, spec: FunctionalSpec, compile: bool | None = None) -> None:
         self.spec = spec
@@ -140,7 +115,6 @@ class FunctionalStepper(Stepper):
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        """One step of the functional optimizer over ``params`` (see :class:`Stepper`)."""
         if not params:
             return
         spec, hyper = self.spec, group_hyperparams(self.spec, group)
@@ -155,13 +129,7 @@ class FunctionalStepper(Stepper):
 
 
 class PieceViewStepper(Stepper):
-    """A real ``optimizer_class`` instance stepping detached views of the pieces.
-
-    Each call builds fresh leaf tensors sharing storage with the pieces (so the class's
-    in-place update writes the parameters), sets their ``.grad``, links the instance's
-    ``state`` to the shell's dicts and its only group to the group's hyperparameters now,
-    steps, and lets go of all of it.
-    """
+    """A real instance of the class stepping views of the pieces, with the shell's state dicts."""
 
     def __init__(self, local: Optimizer, defaults: Mapping[str, Any]) -> None:
         if len(local.param_groups) != 1:
@@ -169,14 +137,6 @@ class PieceViewStepper(Stepper):
         self.local = local
         self.defaults = dict(defaults)
         self._tensor_keys = tensor_keys(local)
-
-    @property
-    def tensor_keys(self) -> dict[str, torch.dtype]:
-        return dict(self._tensor_keys)
-
-    @property
-    def blockwise(self) -> Optimizer | None:
-        return self.local if update_block(type(self.local)) > 1 else None
 
     def step_pieces(
         self,
@@ -186,9 +146,6 @@ class PieceViewStepper(Stepper):
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        """One step of the instance over views of ``params`` (see :class:`Stepper`); a class
-        with quantization blocks decides fresh state on the whole parameters of ``numels``
-        (:func:`lowbit_state`), not on the pieces."""
         if not params:
             return
         views = []
@@ -211,16 +168,13 @@ class PieceViewStepper(Stepper):
             with torch.no_grad():
                 local.step()
         finally:
-            # the instance keeps its own kinds (torchao's tensor lr): a stepper built on it
-            # later (a reshard) reads them from it
+            # the instance keeps its own kinds (torchao's tensor lr) for a later stepper
             local.param_groups[0] = {**instance_hyper(self._tensor_keys, group), "params": []}
             local.state = defaultdict(dict)
 
 
 class WholeParamStepper(Stepper):
-    """torch's own arrangement: one instance over this rank's whole parameters, whose
-    ``state`` is the shell's mapping itself, so that a closure (LBFGS) or step keywords reach
-    ``optimizer_class.step`` unchanged."""
+    """torch's arrangement: one instance over this rank's whole parameters (closures pass)."""
 
     whole = True
 
@@ -248,14 +202,6 @@ class WholeParamStepper(Stepper):
                 state[p] = s
         local.state = state  # type: ignore[assignment]
 
-    @property
-    def tensor_keys(self) -> dict[str, torch.dtype]:
-        return dict(self._tensor_keys)
-
-    @property
-    def blockwise(self) -> Optimizer | None:
-        return self.local if update_block(type(self.local)) > 1 else None
-
     def step_whole(
         self, groups: Sequence[dict[str, Any]], closure: Callable[[], float] | None, **kwargs: Any
     ) -> float | None:
@@ -278,7 +224,7 @@ class WholeParamStepper(Stepper):
 
 
 class PerClassStepper(Stepper):
-    """Each group through the stepper of its class (its ``"optimizer_class"`` name)."""
+    """Each group through the stepper of its class (:func:`per_class_stepper`)."""
 
     def __init__(self, steppers: Mapping[str, Stepper]) -> None:
         self.steppers = dict(steppers)
@@ -304,16 +250,13 @@ def per_class_stepper(
     compile: bool | None,
     defaults: Mapping[str, Any],
 ) -> PerClassStepper:
-    """Per class of ``param_groups`` (a class per group): the functional core where it covers
-    every group of the class, else a real instance over piece views (the constructor's keyword
-    ``defaults`` reach ``default``'s only).
+    """A stepper per class of ``param_groups`` (``defaults`` reach ``default``'s only).
 
     Example:
         >>> groups = [{"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"},
-        ...           {"params": [torch.zeros(2)], "lr": 0.1, "optimizer_class": "torch.optim.AdamW"}]
-        >>> stepper = per_class_stepper(groups, torch.optim.AdamW, False, {})
-        >>> sorted((k, type(v).__name__) for k, v in stepper.steppers.items())
-        [('torch.optim.AdamW', 'FunctionalStepper'), ('torch.optim.Muon', 'PieceViewStepper')]
+        ...           {"params": [torch.zeros(2)], "optimizer_class": "torch.optim.AdamW"}]
+        >>> sorted(per_class_stepper(groups, torch.optim.AdamW, False, {}).steppers)
+        ['torch.optim.AdamW', 'torch.optim.Muon']
     """
     by_class: dict[type[Optimizer], list[Mapping[str, Any]]] = {}
     for g in param_groups:
@@ -342,42 +285,46 @@ def choose_stepper(
     state: Any,
     defaults: Mapping[str, Any],
 ) -> Stepper:
-    """How this rank updates its pieces: the functional core where ``spec`` covers the class;
-    else, where this rank owns ``whole`` parameters (after backward), a real instance of the
-    class over them sharing ``state``; else a real instance over views of the pieces. With a
-    class per group, each group through its class (:func:`per_class_stepper`)."""
+    """How this rank updates its pieces: the functional core, or a real instance over its
+    ``whole`` parameters, or over views of its pieces; per class, :func:`per_class_stepper`."""
     if is_mixed(param_groups):
         return per_class_stepper(param_groups, type(probe), compile, defaults)
     if spec is not None:
         return FunctionalStepper(spec, compile)
     if whole:
-        owned: list[list[Tensor]] = []
-        start = 0
-        for g in param_groups:
-            owned.append([p for i, p in enumerate(g["params"]) if start + i in own])
-            start += len(g["params"])
+        owned = owned_params(param_groups, own)
         return WholeParamStepper(type(probe), param_groups, owned, state, dict(defaults))
     return PieceViewStepper(probe, dict(defaults))
+
+
+def owned_params(groups: Sequence[Mapping[str, Any]], own: Container[int]) -> list[list[Tensor]]:
+    """Per group, its parameters whose global index is in ``own``.
+
+    Example:
+        >>> w, b = torch.zeros(2), torch.zeros(1)
+        >>> [len(ps) for ps in owned_params([{"params": [w]}, {"params": [b]}], {1})]
+        [0, 1]
+    """
+    out: list[list[Tensor]] = []
+    start = 0
+    for g in groups:
+        out.append([p for i, p in enumerate(g["params"]) if start + i in own])
+        start += len(g["params"])
+    return out
 
 
 def converted_state(
     stepper: Stepper, group: Mapping[str, Any], state: Mapping[str, Any], numel: int
 ) -> tuple[dict[str, Any], str | None]:
-    """A loaded piece state of a parameter of ``numel`` elements as ``group``'s class keeps
-    it, and how it was converted (``None``: as it was): quantized state where the class keeps
-    fp32 is dequantized; fp32 moments where a low-bit class quantizes the whole parameter are
-    quantized (torchao's ``copy_`` into its zero state quantizes).
+    """A loaded piece state as ``group``'s class keeps it, and how it was converted.
 
     Example:
         >>> from torchao.optim import AdamW8bit
         >>> stepper = PieceViewStepper(AdamW8bit([torch.zeros(1)]), {})
-        >>> state = {"step": torch.tensor(1.0), "exp_avg": torch.ones(4096), "exp_avg_sq": torch.ones(4096)}
+        >>> state = {"exp_avg": torch.ones(4096), "exp_avg_sq": torch.ones(4096)}
         >>> new, how = converted_state(stepper, {}, state, 4096)
         >>> type(new["exp_avg"]).__name__, how
         ('OptimState8bit', 'quantized')
-        >>> back, how = converted_state(PieceViewStepper(torch.optim.AdamW([torch.zeros(1)]), {}), {}, new, 4096)
-        >>> type(back["exp_avg"]).__name__, torch.equal(back["exp_avg"], torch.ones(4096)), how
-        ('Tensor', True, 'dequantized')
     """
     local = stepper.for_group(group).blockwise
     out, how = dict(state), None
@@ -399,8 +346,7 @@ def converted_state(
 
 
 def saved_group(stepper: Stepper, group: Mapping[str, Any]) -> dict[str, Any]:
-    """``group`` as a state dict carries it: a hyperparameter its class keeps as a 0-d tensor
-    (torchao's ``lr``) as one, so that a plain instance of the class loads it.
+    """``group`` as a state dict carries it: a 0-d tensor where its class keeps one.
 
     Example:
         >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
@@ -414,8 +360,7 @@ def saved_group(stepper: Stepper, group: Mapping[str, Any]) -> dict[str, Any]:
 def loaded_group(
     stepper: Stepper, group: Mapping[str, Any], saved: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``saved``'s hyperparameters as the shell's ``group`` keeps them: a 0-d tensor of a key
-    the class keeps as a tensor becomes a number where ``group`` holds a number.
+    """``saved``'s hyperparameters as the shell's ``group`` keeps them (numbers stay numbers).
 
     Example:
         >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
@@ -435,23 +380,15 @@ def lowbit_state(
     local: Optimizer, group: Mapping[str, Any], piece: Tensor, numel: int
 ) -> dict[str, Tensor]:
     """The fresh state torchao's low-bit ``local`` makes for ``piece`` of a parameter of
-    ``numel`` elements: quantized (per block of ``local.block_size`` elements) where the
-    *whole* parameter is quantized, fp32 where it is not, whatever the piece's size (torchao
-    applies its rule to what it is given: a small piece would silently fall back to fp32,
-    pytorch/ao#4912, bitsandbytes#2080).
-
-    Raises:
-        ValueError: A quantized parameter's piece that is not whole blocks (a cut that splits
-            a block: ``"flat"`` cuts on blocks, :func:`~zero_functional.core.ownership.block_bounds`).
+    ``numel`` elements: quantized where the *whole* parameter is, whatever the piece's size
+    (torchao would decide on the piece: pytorch/ao#4912); ValueError where a quantized piece is not
+    whole blocks.
 
     Example:
         >>> from torchao.optim import AdamW8bit
         >>> local = AdamW8bit([torch.zeros(1)])
-        >>> state = lowbit_state(local, local.param_groups[0], torch.zeros(512), 8192)
-        >>> type(state["exp_avg"]).__name__, type(state["exp_avg_sq"]).__name__
-        ('OptimState8bit', 'OptimState8bit')
-        >>> type(lowbit_state(local, {}, torch.zeros(4096), 4100)["exp_avg"]).__name__
-        'Tensor'
+        >>> type(lowbit_state(local, {}, torch.zeros(512), 8192)["exp_avg"]).__name__
+        'OptimState8bit'
     """
     block = int(getattr(local, "block_size", 1))  # torchao's instance attribute
     whole_quantized = quantized(numel, block)
@@ -475,8 +412,7 @@ def lowbit_state(
 
 
 def tensor_keys(local: Optimizer) -> dict[str, torch.dtype]:
-    """The hyperparameters ``local``'s group holds as 0-d tensors (torchao's ``lr``), with
-    their dtypes.
+    """The hyperparameters ``local``'s group holds as 0-d tensors (torchao's ``lr``), with dtypes.
 
     Example:
         >>> tensor_keys(torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1)))
@@ -490,8 +426,7 @@ def tensor_keys(local: Optimizer) -> dict[str, torch.dtype]:
 
 
 def instance_hyper(keys: Mapping[str, torch.dtype], group: Mapping[str, Any]) -> dict[str, Any]:
-    """``group``'s hyperparameters as the instance takes them: a number where the instance
-    keeps a 0-d tensor (``keys``, :func:`tensor_keys`) becomes one.
+    """``group``'s hyperparameters as the instance takes them: a 0-d tensor for each of ``keys``.
 
     Example:
         >>> instance_hyper({"lr": torch.float32}, {"params": [], "lr": 0.5})
@@ -510,8 +445,7 @@ def _initial_state(
     fresh: Sequence[tuple[Tensor, dict[str, Any]]],
     defaults: Mapping[str, Any],
 ) -> None:
-    """Fill empty state dicts the way ``optimizer_class``'s constructor would (Adagrad makes
-    its ``sum`` there, not in ``step``); classes that make state lazily leave them empty."""
+    """Fill empty state dicts as ``optimizer_class``'s constructor would (Adagrad's ``sum``)."""
     # compat: Adagrad's constructor fills ``sum`` from its own initial_accumulator_value
     # argument, not from the group's, so the constructor gets the user's defaults too
     born = optimizer_class(
@@ -527,17 +461,11 @@ def probe_state(
     defaults: Mapping[str, Any],
     shape: tuple[int, ...] = (2,),
 ) -> dict[str, Any] | None:
-    """The state one step of ``optimizer_class`` makes for a CPU probe parameter of ``shape``
-    (2 elements by default; a per-tensor class's own shape, as Muon takes matrices only) with
-    ``group``'s options (gradient ones): which keys a state has, of which type, dtype and
-    shape. ``None`` when a probe step cannot tell (a class that needs a closure, another
-    device, or other shapes).
+    """The state one step of ``optimizer_class`` makes for a CPU probe (``None``: cannot tell).
 
     Example:
         >>> sorted(probe_state(torch.optim.Adam, {"lr": 0.1}, {}))
         ['exp_avg', 'exp_avg_sq', 'step']
-        >>> probe_state(torch.optim.Muon, {"lr": 0.1}, {}, (3, 2))["momentum_buffer"].shape
-        torch.Size([3, 2])
     """
     probe = torch.nn.Parameter(torch.zeros(shape))
     probe.grad = torch.ones(shape)
@@ -550,48 +478,34 @@ def probe_state(
     return dict(opt.state[probe])
 
 
-def state_schema(
-    optimizer_class: type[Optimizer], group: Mapping[str, Any], defaults: Mapping[str, Any]
-) -> dict[str, str] | None:
-    """The state keys one step of ``optimizer_class`` makes with ``group``'s options, each
-    ``"elementwise"`` or ``"scalar"``: what a loaded state must look like. ``None`` when a
-    probe step cannot tell (a class that needs a closure or another device)."""
-    state = probe_state(optimizer_class, group, defaults)
-    if state is None:
-        return None
-    return {key: "elementwise" if is_elementwise(v, 2) else "scalar" for key, v in state.items()}
-
-
 def state_schemas(
     optimizer_class: type[Optimizer],
     groups: Sequence[Mapping[str, Any]],
     defaults: Mapping[str, Any],
 ) -> list[dict[str, str] | None]:
-    """Per group, :func:`state_schema` where its class (``optimizer_class``, or the group's
-    own) is elementwise, else ``None`` (no per-element state to check a loaded one against).
+    """Per group, the state keys its class makes, ``"elementwise"`` or ``"scalar"`` (``None``:
+    not elementwise, or cannot tell): what a loaded state must look like.
 
     Example:
         >>> state_schemas(torch.optim.SGD, [{"lr": 0.1, "momentum": 0.9}], {})
         [{'momentum_buffer': 'elementwise'}]
-        >>> state_schemas(torch.optim.LBFGS, [{"lr": 1.0}], {})
-        [None]
     """
     out: list[dict[str, str] | None] = []
     for g in groups:
         cls = group_class(g, optimizer_class)
         own = GROUP_CLASS_KEY in g and cls is not optimizer_class
-        elementwise = update_kind(cls) == "elementwise"
-        out.append(state_schema(cls, g, {} if own else defaults) if elementwise else None)
+        state = None
+        if update_kind(cls) == "elementwise":
+            state = probe_state(cls, g, {} if own else defaults)
+        kinds = {
+            k: "elementwise" if is_elementwise(v, 2) else "scalar" for k, v in (state or {}).items()
+        }
+        out.append(None if state is None else kinds)
     return out
 
 
 class LocalView:
-    """torch's ``optim`` attribute: this rank's share as a local optimizer would show it.
-
-    ``param_groups`` hold, per group, the hyperparameters and the parameters this rank owns
-    (all or part of); ``state`` is this rank's state. For an optimizer class that runs as a
-    real instance over whole parameters, ``ZeroRedundancyOptimizer.optim`` is that instance.
-    """
+    """torch's ``optim`` attribute: per group the parameters this rank owns, and its state."""
 
     def __init__(self, param_groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> None:
         self.param_groups = param_groups
@@ -607,16 +521,11 @@ class LocalView:
         """The view of the parameters whose global index is in ``own``.
 
         Example:
-            >>> import torch
-            >>> w, b = torch.zeros(2), torch.zeros(1)
-            >>> view = LocalView.of([{"lr": 0.1, "params": [w, b]}], {1}, {})
-            >>> [p is b for p in view.param_groups[0]["params"]], view.param_groups[0]["lr"]
-            ([True], 0.1)
+            >>> groups = [{"lr": 0.1, "params": [torch.zeros(2), torch.zeros(1)]}]
+            >>> view = LocalView.of(groups, {1}, {})
+            >>> [p.shape for p in view.param_groups[0]["params"]]
+            [torch.Size([1])]
         """
-        groups: list[dict[str, Any]] = []
-        start = 0
-        for g in param_groups:
-            owned = [p for i, p in enumerate(g["params"]) if start + i in own]
-            groups.append({**hyperparameters(g), "params": owned})
-            start += len(g["params"])
+        owned = owned_params(param_groups, own)
+        groups = [{**hyperparameters(g), "params": ps} for g, ps in zip(param_groups, owned)]
         return cls(groups, state)
