@@ -1,12 +1,7 @@
 """ShardedEMA: an exponential moving average of the weights, each owner keeping its pieces'.
 
-The EMA is elementwise, so each rank averages the pieces it owns, right after it updates them
-(:meth:`~zero_functional.optimizer.ZeroRedundancyOptimizer.register_update_hook`: every mode,
-no collective), from the fp32 main copy where there is one: 4/N bytes per element per rank.
-It moves with the optimizer's ownership (overlap mode's first backward, ``add_param_group``,
-``reshard()``) as the optimizer state does, and is gathered only to be read whole:
-:meth:`ShardedEMA.state_dict` (torch's ``AveragedModel`` layout) and
-:meth:`ShardedEMA.swapped_into` (the averaged weights in the model, for evaluation).
+Each rank averages the pieces it owns right after it updates them (an update hook: no
+collective), moves them with the ownership, and gathers them only to be read whole.
 """
 
 from __future__ import annotations
@@ -34,10 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MODULE_PREFIX", "N_AVERAGED_KEY", "ShardedEMA"]
 
-MODULE_PREFIX = "module."
-"""The prefix of a parameter's key in :meth:`ShardedEMA.state_dict` (``AveragedModel``'s)."""
-N_AVERAGED_KEY = "n_averaged"
-"""The key of the number of averaged updates (``AveragedModel``'s buffer of that name)."""
+MODULE_PREFIX = "module."  # of a parameter's key in the state dict, as AveragedModel's
+N_AVERAGED_KEY = "n_averaged"  # AveragedModel's buffer of the number of updates averaged
 
 
 def _updated(ref: weakref.ReferenceType[ShardedEMA], values: Mapping[int, Tensor]) -> None:
@@ -53,25 +46,16 @@ def _resharded(ref: weakref.ReferenceType[ShardedEMA], old: Ownership) -> None:
 
 
 class ShardedEMA:
-    """The EMA of a :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer`'s parameters,
-    each rank keeping its own pieces'.
+    """The EMA of an optimizer's parameters, each rank keeping its own pieces'.
 
-    Equal to ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=
-    get_ema_multi_avg_fn(decay), use_buffers=False)`` updated after each step: the first update
-    copies the weights, each later one is ``ema.lerp_(weights, 1 - decay)``. A parameter is
-    averaged when its pieces are updated (one without a gradient in a step is not).
-
-    Args:
-        optimizer: The optimizer whose pieces are averaged (of their main copies where it
-            keeps them: ``main_params_dtype=``).
-        decay: In ``[0, 1]``, as ``get_ema_multi_avg_fn``'s.
-        model: The model, for the names of :meth:`state_dict` (``"module.<name>"``) and its
-            buffers as they are now (``use_buffers=False`` keeps them so); else indices.
+    Equal to ``AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)``
+    updated after each step (a parameter without a gradient in a step is not averaged); ``model``
+    gives :meth:`state_dict` its names and buffers.
 
     Example:
-        >>> import torch.distributed as dist, zero_functional as zf
+        >>> from zero_functional import ZeroRedundancyOptimizer
         >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-        >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+        >>> zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
         >>> ema = ShardedEMA(zero, decay=0.5, model=model)
         >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1 -> -2
         >>> _ = zero.step(), zero.step(), zero.step()  # its EMA: 0 -> -0.5 -> -1.25
@@ -104,8 +88,7 @@ class ShardedEMA:
         return {s.param: s for s in self._ownership.owned(self.optimizer.rank)}
 
     def _fill_missing(self, n_averaged: int = 0) -> None:
-        """Average each owned piece that has no average yet as its values now, averaged
-        ``n_averaged`` times (at 0 its first update copies)."""
+        """Average each owned piece without an average as its value now, ``n_averaged`` times."""
         params = self.optimizer.param_table.params
         mains = self.optimizer.main_params()
         for s in self._ownership.owned(self.optimizer.rank):
@@ -116,51 +99,24 @@ class ShardedEMA:
                 self._counts[s.param] = n_averaged
 
     def close(self) -> None:
-        """Stop following the optimizer (its updates no longer reach this EMA).
-
-        Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
-            >>> _ = zero.step(), zero.step()
-            >>> ema.close()
-            >>> _ = zero.step()
-            >>> model.w.tolist(), ema.pieces  # the EMA did not follow
-            ([-2.0, -2.0], {0: tensor([-0.5000, -0.5000])})
-        """
+        """Stop following the optimizer (remove its update hook)."""
         self._handle.remove()
 
     @property
     def pieces(self) -> dict[int, Tensor]:
-        """Global index -> this rank's averaged piece, flat (read it, do not write it).
-
-        Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
-            >>> _ = zero.step(), zero.step()
-            >>> ema.pieces
-            {0: tensor([-0.5000, -0.5000])}
-        """
+        """Global index -> this rank's averaged piece, flat (read it, do not write it)."""
         return dict(self._averages)
 
     def update_(self, values: Mapping[int, Tensor]) -> None:
-        """Average in the new values of this rank's pieces (global index -> flat values): the
-        first update of a piece copies, later ones ``lerp_`` by ``1 - decay``; local. The
-        optimizer calls it after each update (``register_update_hook``).
+        """Average in the new values of this rank's pieces (global index -> flat values); local.
 
         Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> w = nn.Parameter(torch.ones(2))
-            >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
+            >>> from zero_functional import ZeroRedundancyOptimizer as Zero
+            >>> ema = ShardedEMA(Zero([torch.ones(2, requires_grad=True)], torch.optim.SGD), 0.5)
             >>> ema.update_({0: torch.tensor([4.0, 2.0])})  # the first update copies
             >>> ema.update_({0: torch.tensor([0.0, 0.0])})  # later ones lerp by 1 - decay
-            >>> ema.pieces, ema.n_averaged()
-            ({0: tensor([2., 1.])}, 2)
+            >>> ema.pieces, ema.n_averaged(), ema.names(), ema.memory()
+            ({0: tensor([2., 1.])}, 2, ['0'], (8, 2))
         """
         with torch.no_grad():
             groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
@@ -177,16 +133,13 @@ class ShardedEMA:
                 self.multi_avg_fn(emas, news, None)
 
     def reshard(self, old: Ownership) -> None:
-        """Follow the optimizer's ownership from ``old`` (or an extension of this EMA's, after
-        ``add_param_group``): each stretch of an average moves to its new owner; collective.
-        The optimizer calls it after each change of ownership.
+        """Follow the optimizer's ownership from ``old``, moving the averages; collective.
 
         Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> zero.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+            >>> from zero_functional import ZeroRedundancyOptimizer as Zero
+            >>> zero = Zero([torch.ones(2, requires_grad=True)], torch.optim.SGD)
+        >>> ema = ShardedEMA(zero)
+            >>> zero.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
             >>> ema.pieces  # the new parameter's average: its value, until it is updated
             {0: tensor([1., 1.]), 1: tensor([0., 0., 0.])}
         """
@@ -222,50 +175,23 @@ class ShardedEMA:
     # ------------------------------------------------------------------ read whole
 
     def n_averaged(self) -> int:
-        """The number of updates averaged (the most any parameter has had); collective.
-
-        Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
-            >>> _ = zero.step(), zero.step()
-            >>> ema.n_averaged()
-            2
-        """
+        """The number of updates averaged (the most any parameter has had); collective."""
         zero = self.optimizer
         local = torch.tensor(max(self._counts.values(), default=0), dtype=torch.float64)
         with comm.call("ShardedEMA.n_averaged()", zero.process_group, timeout=zero.timeout):
             return int(comm.all_reduce_scalar(local, zero.process_group, op="max").item())
 
     def names(self) -> list[str]:
-        """Each of the optimizer's parameters' name in the model (its index without one).
-
-        Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> ema.names(), ShardedEMA(zero).names()
-            (['w'], ['0'])
-        """
+        """Each of the optimizer's parameters' name in the model (its index without one)."""
         return self.optimizer.param_table.names(self.model, strict=False)
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole EMA in ``AveragedModel``'s layout (``"module.<name>"`` for each parameter
-        and buffer of the model, ``"n_averaged"``), on every rank; collective (every rank's
-        pieces are gathered to every rank).
+        """The whole EMA in ``AveragedModel``'s layout, on every rank; collective.
 
         Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
-            >>> _ = zero.step(), zero.step()
-            >>> ema.state_dict()
-            {'module.w': tensor([-0.5000, -0.5000]), 'n_averaged': tensor(2)}
+            >>> from zero_functional import ZeroRedundancyOptimizer as Zero
+            >>> model = nn.Linear(1, 1)
+            >>> ema = ShardedEMA(Zero(model.parameters(), torch.optim.SGD), model=model)
             >>> torch.optim.swa_utils.AveragedModel(model).load_state_dict(ema.state_dict())
             <All keys matched successfully>
         """
@@ -293,24 +219,14 @@ class ShardedEMA:
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load this rank's pieces of a whole EMA in ``AveragedModel``'s layout (written at any
-        world size); local.
-
-        Raises:
-            KeyError: A parameter or ``n_averaged`` is missing, naming it.
-            ValueError: A parameter's average has another number of elements.
+        """Load this rank's pieces of a whole EMA in ``AveragedModel``'s layout; local.
 
         Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> from torch.optim.swa_utils import AveragedModel
-            >>> reference = AveragedModel(model, multi_avg_fn=ema.multi_avg_fn)
-            >>> reference.update_parameters(model)
-            >>> ema.load_state_dict(reference.state_dict())
+            >>> from zero_functional import ZeroRedundancyOptimizer as Zero
+            >>> ema = ShardedEMA(Zero([torch.ones(2, requires_grad=True)], torch.optim.SGD))
+            >>> ema.load_state_dict({"module.0": torch.zeros(2), "n_averaged": torch.tensor(3)})
             >>> ema.pieces, ema.n_averaged()
-            ({0: tensor([1., 1.])}, 1)
+            ({0: tensor([0., 0.])}, 3)
         """
         params, names = self.optimizer.param_table.params, self.names()
         keys = {k: MODULE_PREFIX + names[k] for k in self._averages}
@@ -332,18 +248,7 @@ class ShardedEMA:
         self.load_pieces(pieces, int(state_dict[N_AVERAGED_KEY]))
 
     def load_pieces(self, pieces: Mapping[int, Tensor], n_averaged: int) -> None:
-        """Replace this rank's averages by ``pieces`` (global index -> this rank's piece, flat:
-        what a checkpoint reader cut) and their counts by ``n_averaged``; local (ValueError
-        when an owned parameter lacks its piece).
-
-        Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> w = nn.Parameter(torch.ones(2))
-            >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
-            >>> ema.load_pieces({0: torch.tensor([3.0, 4.0])}, n_averaged=7)
-            >>> ema.pieces, ema.n_averaged()
-            ({0: tensor([3., 4.])}, 7)
-        """
+        """Replace this rank's averages by ``pieces`` (flat), ``n_averaged`` times over; local."""
         lacking = sorted(set(self._averages) - set(pieces))
         if lacking:
             raise ValueError(f"no EMA values for the owned parameters {first_of(lacking)}")
@@ -354,25 +259,7 @@ class ShardedEMA:
 
     @contextlib.contextmanager
     def swapped_into(self, model: nn.Module) -> Iterator[nn.Module]:
-        """The averaged weights in ``model`` (the optimizer's parameters: one all-gather) for
-        the ``with`` block; the training weights are restored after it, bitwise; collective.
-
-        Raises:
-            ValueError: ``model`` does not hold the optimizer's parameters.
-
-        Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> model = nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})
-            >>> zero = zf.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
-            >>> ema = ShardedEMA(zero, decay=0.5, model=model)
-            >>> model.w.grad = torch.ones(2)  # w: 1 -> 0 -> -1; its EMA: 0 -> -0.5
-            >>> _ = zero.step(), zero.step()
-            >>> with ema.swapped_into(model):
-            ...     model.w.tolist()  # the averaged weights
-            [-0.5, -0.5]
-            >>> model.w.tolist()  # the training weights, bitwise
-            [-1.0, -1.0]
-        """
+        """The averaged weights in ``model`` for the ``with`` block, restored after; collective."""
         zero = self.optimizer
         params = zero.param_table.params
         held = {id(p) for p in _module(model).parameters()}
@@ -397,15 +284,7 @@ class ShardedEMA:
                     p.copy_(s)
 
     def memory(self) -> tuple[int, int]:
-        """This rank's EMA bytes and the optimizer's elements (for ``bytes / (elements / N)``).
-
-        Example:
-            >>> import torch.distributed as dist, zero_functional as zf
-            >>> w = nn.Parameter(torch.ones(2))
-            >>> ema = ShardedEMA(zf.ZeroRedundancyOptimizer([w], torch.optim.SGD), decay=0.5)
-            >>> ema.memory()  # 2 fp32 averages of 2 elements on the only rank
-            (8, 2)
-        """
+        """This rank's EMA bytes and the optimizer's elements."""
         own = sum(t.numel() * t.element_size() for t in self._averages.values())
         return own, sum(math.prod(p.shape) for p in self.optimizer.param_table.params)
 

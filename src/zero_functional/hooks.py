@@ -1,26 +1,10 @@
 """DDP communication hooks: the ZeRO step inside backward, and DDP's bytes after it.
 
-Two uses:
-
-* :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved` (``overlap_with_ddp``):
-  the step runs inside DDP's backward, bucket by bucket.
-* :func:`reduce_scatter_hook` (step after backward): each bucket's gradients are reduced onto
-  the ranks that own them only, so that ``step()``'s parameter all-gather completes one
-  all-reduce's worth of bytes instead of adding half of one to DDP's (pytorch#69591).
-
-Why torch's overlap hooks hang on gloo (pytorch#62300): they issue broadcasts from future
-callbacks, which run on whichever communication thread finishes first, so ranks issue
-collectives in different orders, and gloo pairs collectives by issue order. Here every collective
-is issued from the hook itself, which DDP calls on the autograd thread in bucket order on every
-rank; the only waits are on futures of collectives already issued in that shared order.
-
-Why torch's lose 2 to 3 iterations: they wait for DDP to rebuild its buckets before they assign
-buckets to ranks. Here the bucket structure is read off the buckets as they arrive; the first
-backward (and any backward after DDP rebuilt its buckets) defers the updates to the last bucket,
-where the whole structure is known, builds the ownership of that structure
-(:func:`~zero_functional.core.ownership.bucket_ownership`), asks the optimizer to
-:meth:`~zero_functional.optimizer.ZeroRedundancyOptimizer.reshard` its state to it, and updates.
-Later backwards update bucket by bucket.
+torch's overlap hooks hang on gloo (pytorch#62300): they issue broadcasts from future callbacks,
+on whichever thread finishes first; here every collective goes out from the hook, in bucket
+order (:mod:`zero_functional.comm`'s first rule). And where torch's wait 2 to 3 iterations for
+DDP's buckets, the first backward here reads them as they arrive, then reshards at the last
+one (:func:`adopt_buckets`) and updates; later backwards update bucket by bucket.
 """
 
 from __future__ import annotations
@@ -65,7 +49,13 @@ _STATES: weakref.WeakKeyDictionary[ZeroRedundancyOptimizer, OverlapState] = (
 
 
 def overlap_state(zero: ZeroRedundancyOptimizer) -> OverlapState | None:
-    """The overlap state of the hook registered for ``zero``, or ``None`` (for inspection)."""
+    """The overlap state of the hook registered for ``zero``, or ``None`` (for inspection).
+
+    Example:
+        >>> zero = ZeroRedundancyOptimizer([torch.ones(1, requires_grad=True)], torch.optim.SGD)
+        >>> overlap_state(zero) is None  # no hook registered
+        True
+    """
     return _STATES.get(zero)
 
 
@@ -122,8 +112,7 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
 
 
 def _sparse_modules(ddp: DistributedDataParallel) -> list[str]:
-    """The names of the DDP module's submodules that give sparse gradients, by DDP's own rule
-    (an embedding built with ``sparse=True``), trainable ones only."""
+    """The names of the DDP module's trainable embeddings built with ``sparse=True``."""
     return [
         name or "(the module itself)"
         for name, m in ddp.module.named_modules()
@@ -140,13 +129,8 @@ def _ddp_group(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> c
 
 
 def _with_annotations(fn: Hook) -> Hook:
-    # DDP checks the annotations themselves, which `from __future__ import annotations` turns
-    # into strings: give it the real objects.
-    fn.__annotations__ = {
-        "state": Any,
-        "bucket": GradBucket,
-        "return": torch.futures.Future[torch.Tensor],
-    }
+    # DDP checks the annotations, which `from __future__ import annotations` made strings
+    fn.__annotations__ = {"state": Any, "bucket": GradBucket, "return": Future[Tensor]}
     return fn
 
 
@@ -240,8 +224,7 @@ def _ddp_buckets(
     *,
     twin: bool = False,
 ) -> DDPBuckets:
-    """The syncs of DDP's buckets for ``zero``: reduced over its group, averaged over DDP's;
-    ``twin``: gathered on a twin group where one can be made (the interleaved hook's)."""
+    """The syncs of DDP's buckets for ``zero`` (``twin``: gathered on a twin group if possible)."""
     group = zero.process_group
     gather = comm.twin_group(group) if twin and zero.world_size > 1 else None
     return DDPBuckets(
@@ -256,9 +239,8 @@ def _ddp_buckets(
 
 def adopt_buckets(zero: ZeroRedundancyOptimizer, structure: tuple[tuple[int, ...], ...]) -> None:
     """Own DDP's buckets ``structure`` (per bucket, its parameters' global indices) in overlap
-    mode and move the state to that ownership; collective (every rank calls it with the same
-    structure: the hook does at the last bucket of a backward whose buckets are new; tests, to
-    simulate DDP rebuilding its buckets)."""
+    mode, moving the state there; collective (the hook calls it at the last bucket of a backward
+    whose buckets are new; tests, to simulate DDP rebuilding its buckets)."""
     overlap = _STATES[zero]
     zero.reshard(zero.ownership_of(structure, shard_buckets=overlap.shard_buckets))
     overlap.structure = structure
@@ -276,56 +258,23 @@ def hook_with_zero_step(
 ) -> Hook:
     """Wrap a DDP comm hook so that the ZeRO step runs at the end of backward.
 
-    Each gradient bucket is reduced (by ``hook``, or, for DDP's default ``allreduce_hook``
-    where :func:`choose_collectives` says so, onto the owners of its pieces only: plain DDP's
-    bytes); when the last bucket arrives, each rank updates the pieces of every bucket it owns
-    and the owners' values are gathered everywhere, bucket by bucket. Works on every backend,
-    gloo included, and updates from the first iteration. Under ``partition="flat"`` every rank
-    owns ``1 / world_size`` of every bucket, so a model in one bucket is sharded too.
-
-    After backward, ``p.grad`` holds the averaged gradient on every rank with
-    ``"allreduce+broadcast"``; otherwise only in the pieces this rank owns (elsewhere it is a
-    partial sum), as in any reduce-scatter ZeRO.
+    Each bucket is reduced (by ``hook``, or onto its owners only where it replaces DDP's default
+    ``allreduce_hook``); at the last bucket each rank updates its pieces and the owners' values
+    are gathered everywhere. ``p.grad`` then holds the average only in the pieces this rank owns.
 
     Args:
-        hook: A DDP communication hook, e.g. ``default_hooks.allreduce_hook``.
-        ddp: The ``DistributedDataParallel`` module.
-        zero: A ``ZeroRedundancyOptimizer`` built with ``overlap_with_ddp=True`` from
-            ``ddp.parameters()``.
-        shard_buckets: Under ``"sorted_greedy"``, split each bucket across ranks to balance
-            the update (torch's rule).
-        collectives: Override :func:`choose_collectives` (anything but
-            ``"allreduce+broadcast"`` needs the default ``allreduce_hook``, which it replaces).
-        grad_scaler: The ``torch.amp.GradScaler`` that scaled the loss. Gradients are unscaled
-            before the update; if any rank has a non-finite gradient in this backward, no
-            parameter changes on any rank, and the next ``scaler.update()`` lowers the scale,
-            exactly as ``scaler.step(optimizer)`` would with DDP. Deciding "skip" needs every
-            bucket, so with a scaler the update waits for the last bucket (no interleaving).
-        reduce_dtype: Reduce gradients in this dtype (``torch.float32`` for a bf16 model:
-            Megatron-LM's ``grad_reduce_in_fp32``): each bucket is copied into it, averaged
-            onto the owners, updated from those values (with ``main_params_dtype``, without
-            rounding), and copied back into the bucket for DDP. Only for DDP's default
-            ``allreduce_hook``, which it replaces.
-
-    Returns:
-        The hook to pass to ``ddp.register_comm_hook(None, ...)``.
+        zero: Built with ``overlap_with_ddp=True`` from ``ddp.parameters()``.
+        shard_buckets: Under ``"sorted_greedy"``, split each bucket across ranks (torch's rule).
+        collectives: Override :func:`choose_collectives`.
+        grad_scaler: The ``GradScaler`` that scaled the loss (call no ``scaler.step(zero)``): a
+            non-finite gradient on any rank skips the update everywhere and lowers the scale.
+        reduce_dtype: Reduce in this dtype (Megatron-LM's ``grad_reduce_in_fp32``) and update from
+            those values.
 
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
-        >>> # with mixed precision:
-        >>> # hook_with_zero_step(allreduce_hook, ddp, zero, grad_scaler=scaler)
-        >>> # scaler.scale(loss).backward(); scaler.update()   # no scaler.step(zero)
     """
-    return _make_hook(
-        hook,
-        ddp,
-        zero,
-        shard_buckets,
-        interleaved=False,
-        collectives=collectives,
-        grad_scaler=grad_scaler,
-        reduce_dtype=reduce_dtype,
-    )
+    return _make_hook(hook, ddp, zero, shard_buckets, False, collectives, grad_scaler, reduce_dtype)
 
 
 def hook_with_zero_step_interleaved(
@@ -338,29 +287,14 @@ def hook_with_zero_step_interleaved(
     grad_scaler: GradScaler | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> Hook:
-    """Like :func:`hook_with_zero_step`, but each bucket is updated while backward goes on.
-
-    When bucket ``i`` arrives, every earlier bucket whose reduction has completed is updated
-    and its all-gather started, in bucket order, so the step overlaps the backward computation
-    too, and the autograd thread never waits for a reduction. The all-gathers go through a
-    second process group over the same ranks (made when the hook is), so each group's
-    collectives are issued in the same order on every rank whatever the timing: it never
-    hangs on gloo. (Where no second group can be made, bucket ``i - 1`` is updated when
-    bucket ``i`` arrives, waiting for its reduction if need be.)
+    """Like :func:`hook_with_zero_step`, but each bucket is updated while backward goes on: when a
+    bucket arrives, each earlier one whose reduction is done is updated and its all-gather started,
+    on a twin process group made with the hook (without one, the bucket before is updated then).
 
     Example:
-        >>> # ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+        >>> # hook = hook_with_zero_step_interleaved(allreduce_hook, ddp, zero)
     """
-    return _make_hook(
-        hook,
-        ddp,
-        zero,
-        shard_buckets,
-        interleaved=True,
-        collectives=collectives,
-        grad_scaler=grad_scaler,
-        reduce_dtype=reduce_dtype,
-    )
+    return _make_hook(hook, ddp, zero, shard_buckets, True, collectives, grad_scaler, reduce_dtype)
 
 
 def reduce_scatter_hook(
@@ -372,42 +306,17 @@ def reduce_scatter_hook(
 ) -> Hook:
     """DDP's gradient averaging, but each piece summed onto its owner only (step after backward).
 
-    The recipe that gives ZeRO plain DDP's bytes outside overlap mode::
-
-        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, partition="flat")
-        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
-        loss.backward()   # gradients reduced onto their owners: half an all-reduce
-        zero.step()       # owners update, then all-gather: the other half
-
-    Without it, DDP all-reduces every gradient and ``step()`` broadcasts on top: 1.5x. After
-    backward, ``p.grad`` holds the averaged gradient only in the pieces this rank owns; use
-    :meth:`~zero_functional.optimizer.ZeroRedundancyOptimizer.clip_grad_norm_` rather than
-    ``torch.nn.utils.clip_grad_norm_``, which would read other ranks' pieces. Gradient
-    accumulation with ``ddp.no_sync()`` works as with DDP (the hook runs on the syncing
-    backward). Each bucket's reduces are issued from the hook, in bucket order on every rank,
-    so it is safe on gloo.
-
-    With mixed precision, pass the ``GradScaler``: ``scaler.step(zero)`` decides on each rank
-    from that rank's gradients, and after a reduce-scatter no rank sees them all, so the hook
-    makes the verdict common: at the last bucket it checks the pieces this rank owns, combines
-    the verdicts (one all-reduce of a flag), zeroes the pieces it does not own and, if any rank
-    saw a non-finite gradient, puts a NaN in the last bucket on every rank. Every rank's
-    scaler then skips (or takes) the step together, and lowers the scale together.
+    ``backward()`` then sends half an all-reduce and ``step()``'s all-gather the other half: plain
+    DDP's bytes. ``p.grad`` holds the average only in the pieces this rank owns: clip with
+    ``zero.clip_grad_norm_``.
 
     Args:
-        ddp: The ``DistributedDataParallel`` module.
-        zero: A ``ZeroRedundancyOptimizer`` (not in overlap mode) over ``ddp.parameters()``.
-        grad_scaler: The ``torch.amp.GradScaler`` whose ``step(zero)`` follows backward.
-        reduce_dtype: Sum the gradients in this dtype (``torch.float32`` for a bf16 model):
-            each bucket is averaged in a copy of that dtype, then rounded back into
-            ``p.grad`` once.
-
-    Returns:
-        The hook to pass to ``ddp.register_comm_hook(None, ...)``.
+        grad_scaler: The ``GradScaler`` whose ``step(zero)`` follows; the hook makes its verdict
+            common (:func:`~zero_functional.shell.amp.common_verdict`).
+        reduce_dtype: Average each bucket in a copy of this dtype, rounded back once.
 
     Example:
         >>> # ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
-        >>> # ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero, grad_scaler=scaler))
     """
     reduce_dtype = _check_reduce_dtype(reduce_dtype)
     if not isinstance(zero, ZeroRedundancyOptimizer) or zero.overlap_with_ddp:
@@ -436,8 +345,7 @@ def reduce_scatter_hook(
                 zero.hold_reduced(sync.owned_grads())
             pending = sync.grad_pending()  # rounded back once, before DDP reads the bucket
             if grad_scaler is None or not grad_scaler.is_enabled():
-                # on gloo the exchange's own thread adds the sums and completes this future
-                # (comm.exchange), not one of gloo's, which would hold back later buckets
+                # on gloo the exchange's thread completes this future, not one of gloo's
                 return pending.future(flat)
             if bucket.index() == 0:
                 scaled.clear()

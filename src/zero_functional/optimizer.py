@@ -1,8 +1,7 @@
-"""ZeroRedundancyOptimizer: the thin stateful shell over the pure core.
+"""ZeroRedundancyOptimizer: the drop-in facade over one ownership, a local shard and its syncs.
 
-A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer`` that validates, holds ``state``
-and ``param_groups`` and runs the collectives, over one :class:`~.ownership.Ownership`, this
-rank's :class:`~.local_shard.LocalShard` and the parameters' :class:`~.param_sync.ParamSync`.
+It holds ``state`` and ``param_groups`` as torch's optimizer does and writes the step's loop
+itself: per unit of each bucket sync, update this rank's pieces, then start the unit's gather.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any, cast
 import torch
 
 # imported here, not by torch.optim.Optimizer under our __init__: that import leaves a cycle
-# holding every frame on the stack, so this optimizer and its group past destroy (issue 20)
+# holding every frame on the stack, so this optimizer and its group past destroy_process_group
 import torch._dynamo  # noqa: F401
 from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
@@ -35,7 +34,6 @@ from zero_functional.core.partition import Piece
 from zero_functional.core.plans import (
     Collectives,
     choose_collectives,
-    choose_param_gather,
     overlap_ownership,
     ownership_of,
     plan_moves,
@@ -61,37 +59,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shards any ``torch.optim`` optimizer's state, and its update, across a process group.
 
     Args:
-        params: Tensors or parameter-group dicts, as ``torch.optim`` accepts.
-        optimizer_class: Any ``torch.optim.Optimizer`` subclass; SGD, Adam and AdamW run the
-            functional core, others as real instances (:mod:`zero_functional.shell.steppers`).
-        process_group: The group to shard over (default: the world).
+        optimizer_class: Any ``torch.optim.Optimizer`` subclass (SGD, Adam and AdamW run the
+            functional core, others as real instances).
         parameters_as_bucket_view: Parameters become views into one buffer per owner
-            (``"sorted_greedy"``) or per (device, dtype) (``"flat"``); the sync copies nothing.
-        overlap_with_ddp: The step runs inside DDP's backward through a hook of
-            :mod:`zero_functional.hooks`; ``step()`` then only warns.
-        partition: ``"sorted_greedy"`` (torch's: whole tensors, largest first to the least
-            loaded rank) or ``"flat"`` (each (device, dtype) group, or DDP bucket, split evenly;
-            elementwise optimizers only: :data:`~zero_functional.functional.OPTIMIZER_KINDS`).
-        overlap_param_gather: Opt-in: ``step()`` (overlap mode: backward) returns once the
-            parameter all-gather has started, and the model's next call waits for it
-            (:mod:`zero_functional.shell.param_sync`). Default off: torch's contract.
-        compile: ``torch.compile`` SGD, Adam and AdamW: ``None`` where it measures faster
-            (nowhere on CPU), ``True`` wherever it applies, ``False`` never.
-        main_params_dtype: ``torch.float32``: bf16/fp16 parameters step through fp32 copies of
-            the owned pieces, with fp32 state (:mod:`.main_params`). Default ``None``: torch's.
-        store_param_remainders: bf16 parameters with fp32 main copies keep each copy as an int16
-            remainder (2 B, not 4); the same fp32 values (:attr:`remainder_ties`).
-        device_mesh: A 2-D ``DeviceMesh`` named ``("replicate", "shard")`` (FSDP2's hybrid
-            sharding): state sharded over ``"shard"``, replicated over ``"replicate"``; DDP
-            spans the whole mesh. Instead of ``process_group``.
-        timeout: Seconds any collective may wait (default: the group's); a failure raises
-            :class:`~zero_functional.comm.CollectiveError` naming the call.
-        **defaults: Hyperparameters for ``optimizer_class``.
+            (``"sorted_greedy"``) or per (device, dtype) (``"flat"``), gathered in place.
+        overlap_with_ddp: The step runs inside DDP's backward (:mod:`zero_functional.hooks`).
+        partition: ``"sorted_greedy"`` (torch's: whole tensors, largest first to the least loaded
+            rank) or ``"flat"`` (each (device, dtype) group, or DDP bucket, split evenly).
+        overlap_param_gather: Opt-in: return once the all-gather has started; the model's next
+            call waits for it (:mod:`zero_functional.shell.param_window`).
+        compile: ``torch.compile`` the functional core: where faster (``None``), always, never.
+        main_params_dtype: Step bf16/fp16 parameters through fp32 copies of the owned pieces.
+        store_param_remainders: Keep bf16 parameters' fp32 main copies as int16 remainders.
+        device_mesh: Instead of ``process_group``, a 2-D mesh named ``("replicate", "shard")``.
+        timeout: Seconds any collective may wait (default: the group's).
 
     Example:
-        >>> # under torch.distributed, on every rank:
-        >>> # zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
-        >>> # loss.backward(); zero.step()
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> zero = ZeroRedundancyOptimizer([w], torch.optim.SGD, lr=0.5)  # on every rank
+        >>> w.grad = torch.ones(2)
+        >>> zero.step()
+        >>> w.tolist()
+        [0.5, 0.5]
     """
 
     def __init__(
@@ -127,11 +116,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._user_defaults = dict(defaults)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._overlap_with_ddp = overlap_with_ddp
-        self.overlap_param_gather = choose_param_gather(overlap_with_ddp, overlap_param_gather)
+        self.overlap_param_gather = bool(overlap_param_gather)  # off by default: param_window.py
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
         self._table = ParamTable.of(self.param_groups)
-        # not the bound self._call, which would make a cycle through this optimizer (#20)
+        # not the bound self._call, which would make a cycle through this optimizer
         call = functools.partial(comm.call, group=self.process_group, timeout=self.timeout)
         self._window = ParamWindow(self._table, call, self.overlap_param_gather)
         backend = comm.backend(self.process_group)
@@ -181,14 +170,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def remainder_ties(self) -> int:
-        """With ``store_param_remainders``: how many bf16 elements this rank's steps wrote that
-        differ from ``main.to(torch.bfloat16)`` (exact ties, rounded away from zero); else 0."""
+        """With ``store_param_remainders``: the bf16 elements this rank wrote that differ from
+        ``main.to(torch.bfloat16)`` (exact ties, rounded away from zero); else 0."""
         return 0 if self._ties is None else self._ties.total()
 
     @property
     def collectives(self) -> Collectives:
-        """The collective strategy of this optimizer's buffers, chosen once from its group's
-        backend and size (:func:`~zero_functional.core.plans.choose_collectives`)."""
+        """The collective strategy of this optimizer's buffers, chosen once from its group."""
         return self._collectives
 
     @property
@@ -208,12 +196,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def param_table(self) -> ParamTable:
-        """The parameters, in global index order, with their indices, groups and buffer keys
-        (rebuilt when a group is added)."""
+        """The parameters in global index order, with their groups and buffer keys."""
         return self._table
 
     def _stepper(self, ownership: Ownership) -> Stepper:
-        """How this rank steps its pieces under ``ownership`` (:func:`.steppers.choose_stepper`)."""
+        """How this rank steps its pieces under ``ownership``."""
         owned = {s.param for s in ownership.owned(self.rank)}
         main = self._main_params_dtype
         whole = ownership.is_whole and not self._overlap_with_ddp and main is None
@@ -221,25 +208,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._stepper_for(whole, groups, owned, state, self._user_defaults)
 
     def _set_ownership(self, ownership: Ownership) -> None:
-        """Adopt ``ownership``: this rank's pieces, their stepper, the bucket views (no state
-        moves)."""
+        """Adopt ``ownership``: pieces, stepper, bucket syncs (no state moves)."""
         self._shard.adopt(ownership, self._stepper(ownership))
         self._build_buffers()
 
     @property
     def quantization_blocks(self) -> list[int] | None:
-        """Per parameter, the block its class quantizes state in (torchao's low-bit optimizers),
-        which ``"flat"`` cuts on; ``None`` where no class has blocks."""
+        """Per parameter, the block its class quantizes state in (torchao's), which ``"flat"``
+        cuts on; ``None`` where no class has blocks."""
         return param_blocks(self.param_groups, self.optimizer_class, self._user_defaults)
 
     def ownership_of(
         self, buckets: Sequence[Sequence[int]] | None = None, *, shard_buckets: bool = False
     ) -> Ownership:
-        """The ownership this optimizer's ``partition`` gives its parameters: after backward,
-        or (overlap mode) of DDP's ``buckets`` (per bucket, its parameters' global indices;
-        ``shard_buckets``: torch's rule of splitting each under ``"sorted_greedy"``). A
-        per-tensor class's tensors are owned whole, by cost; torchao's low-bit ones are cut on
-        their blocks."""
+        """The ownership ``partition`` gives: after backward, or (overlap mode) of DDP's buckets."""
         table, world = self._table, self.world_size
         pinned = pinned_owners(self.param_groups, self.optimizer_class, table, world)
         blocks = self.quantization_blocks
@@ -249,8 +231,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return overlap_ownership(buckets, part, table, world, shard_buckets, pinned, blocks)
 
     def reshard(self, ownership: Ownership) -> None:
-        """Move this optimizer's state to ``ownership`` (of the same parameters and world size,
-        else ValueError); collective. Overlap mode calls it when DDP's buckets change."""
+        """Move the state to ``ownership`` (same parameters and world size); collective."""
         old = self.ownership
         plan = plan_moves(old, ownership, self.rank)  # validates before anything changes
         parts = self._shard.outgoing(plan, old)
@@ -271,8 +252,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._syncs = step_syncs(*args, self._window, bucket_view)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group and recompute the ownership (under ``"flat"``, :meth:`reshard`
-        moves what changes owner); collective: an error on every rank if their groups differ."""
+        """Add a parameter group and reshard to the new ownership; collective."""
         if not getattr(self, "_initialized", False):
             add_group(super().add_param_group, self.param_groups, param_group, self.optimizer_class)
             return
@@ -301,8 +281,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return comm.collective_device(self.process_group, self._default_device)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
-        """Update this rank's pieces, then sync every piece to every rank; returns the
-        ``closure``'s loss. ``kwargs`` reach a real ``optimizer_class`` over whole parameters."""
+        """Update this rank's pieces, then sync every piece to every rank; the closure's loss."""
         if self._overlap_with_ddp:
             refuse_scaler_step(self, kwargs)
             logger.warning(
@@ -334,8 +313,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return loss
 
     def gather_params(self) -> None:
-        """Give every rank every owner's pieces of the parameters as they are now (the
-        all-gather of ``step()``, without an update); collective, waited for."""
+        """``step()``'s all-gather without an update; collective, waited for."""
         self.finish_param_sync()
         with self._call("gather_params()"):
             for sync in self._syncs:
@@ -350,9 +328,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._overlap_with_ddp or self._main_params_dtype is not None
 
     def check_trainable(self) -> bool:
-        """Whether any ``requires_grad`` changed since the ownership was built: freezing is
-        followed, and unfreezing where the gradients are averaged (:func:`check_averaged`);
-        else (overlap mode, a DDP built before) a RuntimeError naming the parameter and DDP."""
+        """Whether any ``requires_grad`` changed since the ownership was built (checked)."""
         changed = self._shard.check_trainable(self._overlap_with_ddp)
         grads, params = self._shard.unchecked_grads(), self._table.params
         check_averaged(grads, params, self.process_group, self.timeout)
@@ -360,36 +336,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return changed
 
     def update_owned(self, grads: Mapping[int, Tensor]) -> None:
-        """Update this rank's pieces with ``grads`` (global index -> the piece's gradient, any
-        shape; ValueError for a parameter of which it owns no piece), hyperparameters read from
-        ``param_groups`` now. The hooks call it with DDP's buckets, ``step()`` with ``.grad``."""
+        """Update this rank's pieces with ``grads`` (global index -> the piece's gradient)."""
         self._shard.pieces_stepper()  # one that runs on whole parameters raises here, first
         self.finish_param_sync()
         self._shard.update(grads)
 
     def hold_reduced(self, grads: Mapping[int, Tensor]) -> None:
-        """Hand over this rank's pieces' reduced gradients in a wider dtype than ``.grad`` (a
-        hook's ``reduce_dtype``): the next ``step()`` updates from them, not their rounding."""
+        """Hold this rank's pieces' reduced gradients, wider than ``.grad``, for the next step."""
         self._shard.hold_reduced(grads)
 
     def register_update_hook(
         self, updated: Updated, resharded: Resharded | None = None
     ) -> RemovableHandle:
-        """Run ``updated(values)`` after each update of this rank's pieces, in every mode
-        (``values``: global index -> the piece's new value, flat, its main copy where there is
-        one; read-only), and ``resharded(old)`` on every rank after the ownership changes."""
+        """Run ``updated(values)`` after each update, ``resharded(old)`` after each reshard."""
         return self._shard.hooks.register(updated, resharded)
 
     def finish_param_sync(self) -> None:
-        """Wait for the parameter all-gathers ``overlap_param_gather`` left in flight: before a
-        read of the parameters other than a forward, ``state_dict()``, ``step()``, a checkpoint."""
+        """Wait for the all-gathers ``overlap_param_gather`` left in flight."""
         self._window.finish()
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over all parameters, from the norms of the pieces
-        each rank owns (torch's bit for bit on one rank); collective. Returns the total."""
+        """``torch.nn.utils.clip_grad_norm_`` from the norms of owned pieces; collective."""
         grads = [p.grad for p in self._table.params if p.grad is not None]
         pieces = list(self._shard.grads().values())
         local = local_norm(grads, pieces, norm_type, self._default_device)
@@ -401,8 +370,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return total
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook that lets ``Join([ddp, zero])`` train on uneven inputs (kwargs unused);
-        RuntimeError in overlap mode (a joined rank runs no backward to shadow)."""
+        """The hook that lets ``Join([ddp, zero])`` train on uneven inputs (not in overlap mode)."""
         if self._overlap_with_ddp:
             raise RuntimeError(
                 "Join does not work with overlap_with_ddp=True: the step runs inside DDP's "
@@ -420,33 +388,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def join_process_group(self) -> comm.ProcessGroup:
-        """The process group this optimizer shards over; under a device mesh, the world (DDP's
-        group, which torch's ``Join`` requires every joinable to share)."""
+        """The group this optimizer shards over; under a device mesh, the world (as Join needs)."""
         return self.process_group if self._replicate_group is None else comm.default_group(None)
 
     @property
     def optim(self) -> Optimizer | LocalView:
-        """This rank's share, as torch's attribute of that name shows it: per group the
-        parameters this rank owns (all or part of), and this rank's state."""
+        """This rank's share, as torch's attribute of that name shows it."""
         return self._shard.local_view()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's state on rank ``to``; call it on every rank. Shards travel one
-        at a time, each to the CPU on arrival (one other rank's shard in device memory)."""
+        """Gather every rank's state on rank ``to`` (one shard at a time); collective."""
         with self._call(f"consolidate_state_dict(to={to})"):
             shard = {"state": self._shard.cpu_shard()}
             gathered = comm.gather_objects(shard, to, self.process_group, self._collective_device())
         self._shard.book.gathered([cast(StateDict, x)["state"] for x in gathered or []])
 
     def state_dict(self) -> StateDict:
-        """torch's format, each parameter's state whole; local. Full on rank ``to`` after
-        :meth:`consolidate_state_dict` ``(to)`` (elsewhere ``PARTIAL_KEY``), empty before any
-        step, else a RuntimeError naming the fix (:class:`~.state_dict.Consolidation`)."""
+        """torch's format, full on rank ``to`` after ``consolidate_state_dict(to)``; local."""
         return self._shard.book.state_dict(self._shard.saved_groups(), self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load this rank's pieces of a whole state dict (ours or ``torch.optim``'s); local.
-        Everything is checked first: ValueError (``PARTIAL_KEY``, a misfit) or TypeError."""
+        """Load this rank's pieces of a whole state dict (ours or ``torch.optim``'s); local."""
         if isinstance(state_dict, Mapping) and state_dict.get(PARTIAL_KEY):
             raise ValueError(
                 "this state dict is partial: it comes from a rank's state_dict() after "
@@ -459,13 +421,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._shard.book.changed()
 
     def main_params(self) -> dict[Tensor, Tensor]:
-        """This rank's main copies (``main_params_dtype``), keyed by parameter, each the owned
-        piece's elements (in the parameter's shape when whole): read them, do not write them."""
+        """This rank's main copies of its pieces, keyed by parameter (read-only)."""
         return self._shard.main_params()
 
     def shard_state(self) -> dict[int, tuple[Piece, dict[str, Any]]]:
-        """This rank's state, what a sharded checkpoint writes: global index -> (the piece,
-        its state dict: the optimizer's own tensors)."""
+        """This rank's state, as a sharded checkpoint writes it: global index -> (piece, state)."""
         return self._shard.shard_state()
 
     def load_shard_state(
@@ -475,9 +435,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         *,
         copy: bool = True,
     ) -> None:
-        """Install this rank's pieces' state, as :meth:`shard_state` gives it, and the groups'
-        hyperparameters; collective, checked first on every rank. ``copy=False`` keeps tensors
-        already on the parameter's device and of its dtype (a loader's own)."""
+        """Install this rank's pieces' state (as :meth:`shard_state` gives it) and the groups'
+        hyperparameters, checked first; collective. ``copy=False``: keep tensors that fit."""
         check = lambda: self._shard.check(state, param_groups, self._schemas())  # noqa: E731
         group, errors = self.process_group, (TypeError, ValueError)
         agree("load_shard_state()", check, self.param_groups, group, self.timeout, errors)

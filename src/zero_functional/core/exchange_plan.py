@@ -1,11 +1,5 @@
-"""How a buffer's runs travel onto their owners through all-to-alls: pure plans.
-
-:mod:`zero_functional.comm.exchange` sums each run of a buffer onto its owner by sending every
-owner its runs' elements (the reduce-scatter's byte floor); these functions say which
-stretches go where, in chunks of a bounded window (:func:`exchange_chunks`), and what one rank
-sends, receives and adds in each (:func:`chunk_layout`). Every rank derives the same chunks
-from the same runs.
-"""
+"""Exchange plans: which stretches of a buffer go to which owner, in chunks (pure); every rank
+derives the same chunks from the same runs, so the all-to-alls of :mod:`~.comm.exchange` match."""
 
 from __future__ import annotations
 
@@ -14,34 +8,19 @@ from typing import NamedTuple
 
 from zero_functional.core._validate import check_rank, check_world_size
 
-__all__ = ["ChunkLayout", "chunk_layout", "exchange_chunks"]
-
 Stretch = tuple[int, int]
 
 
 def exchange_chunks(
     runs: Sequence[tuple[int, int, int]], world_size: int, per_owner: int
 ) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
-    """An exchange cut into chunks that each carry at most ``per_owner`` elements per owner.
-
-    Each owner's runs, in buffer order, read as one sequence of elements; chunk ``c`` takes elements ``[c * per_owner, (c + 1) *
-    per_owner)`` of every owner's sequence, as ``(start, stop)`` stretches of the buffer. Every
-    rank derives the same chunks from the same runs, so their all-to-alls match; a rank
-    receives at most ``(world_size - 1) * per_owner`` elements per chunk.
-
-    Args:
-        runs: ``(start, stop, rank)`` stretches covering the buffer.
-        world_size: Ranks in the group.
-        per_owner: The most elements of one owner a chunk carries (at least 1).
-
-    Returns:
-        Per chunk, per rank, the stretches of that rank's runs the chunk carries.
+    """The ``(start, stop, rank)`` ``runs`` cut into chunks of at most ``per_owner`` elements per
+    owner (each owner's runs read in buffer order as one sequence): per chunk, per rank, the
+    stretches of that rank's runs it carries.
 
     Example:
         >>> exchange_chunks([(0, 5, 0), (5, 8, 1)], 2, 3)
         ((((0, 3),), ((5, 8),)), (((3, 5),), ()))
-        >>> exchange_chunks([(0, 2, 1), (2, 3, 0), (3, 5, 1)], 2, 3)
-        ((((2, 3),), ((0, 2), (3, 4))), ((), ((4, 5),)))
     """
     check_world_size(world_size)
     if per_owner < 1:
@@ -70,17 +49,9 @@ def exchange_chunks(
 
 
 class ChunkLayout(NamedTuple):
-    """One rank's side of one chunk's all-to-all (:func:`chunk_layout`).
-
-    Attributes:
-        sends: Elements it sends each rank (none to itself).
-        receives: Elements it receives from each rank (its own stretches' size; none from
-            itself).
-        source: The others' stretches, in rank order: what it sends, in that order.
-        span: The one stretch of the buffer ``source`` is, where it is one (sent without a
-            copy); else ``None``.
-        mine: Its own stretches, onto which what arrives is added.
-    """
+    """One rank's side of one chunk's all-to-all (:func:`chunk_layout`): the elements it ``sends``
+    each rank and ``receives`` from each; the others' stretches it sends (``source``, and ``span``
+    where they make one stretch, sent without a copy); and its own, to add onto (``mine``)."""
 
     sends: tuple[int, ...]
     receives: tuple[int, ...]
