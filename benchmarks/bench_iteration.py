@@ -82,7 +82,6 @@ from _common import (
 )
 from zero_functional import comm
 from zero_functional.app.link import byte_floor_ms, run_shaped
-from zero_functional.comm import buckets
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell import overlap
@@ -270,7 +269,7 @@ def _iteration(name: str, ddp: DDP, opt: Any, x: torch.Tensor) -> None:
 
 
 A_B: dict[str, tuple[Any, str]] = {
-    ", gloo reduce": (buckets, "exchanges"),  # the reduce onto owners before issue 33
+    ", gloo reduce": (comm.Wire, "exchanges"),  # the reduce onto owners before issue 33
     ", at the hooks": (overlap, "threaded"),  # overlap mode without its update thread
 }
 """The A/B variants (same rounds): the predicate that picks the newer path, per name tag."""

@@ -179,9 +179,14 @@ class Wire:
         if plan.chunk is not None:
             return ReduceScatter(plan.chunk, self.group), AllGather(plan.chunk, self.gather_group)
         gather = RunBroadcasts(plan.runs, self.gather_group, self.grouped)
-        if not self.grouped and device.type == "cpu" and self.world > 1:
+        if self.exchanges(device):
             return Exchange(plan.runs, self), gather
         return RunReduces(plan.runs, self.group, self.grouped), gather
+
+    def exchanges(self, device: torch.device) -> bool:
+        """Whether uneven runs on ``device`` are reduced by all-to-alls (gloo, the CPU), not
+        by one reduce per run (gloo's own sends more; NCCL's is native)."""
+        return not self.grouped and device.type == "cpu" and self.world > 1
 
 
 def start_reduce(
