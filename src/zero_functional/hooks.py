@@ -324,9 +324,7 @@ def reduce_scatter_hook(
     def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         flat = bucket.buffer()
         if ranks == 1:
-            done: Future[Tensor] = Future()
-            done.set_result(flat)
-            return done
+            return comm.Pending([]).future(flat)  # done: nothing to reduce
         shard = zero.shard
         indices = bucket_indices(shard.table, bucket.parameters())
         name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"

@@ -213,8 +213,7 @@ class BucketSync:
         if self.buffer is not None or self.plan.chunk is not None:
             owners = frozenset(run.rank for run in self.plan.runs)
             return (GatherUnit(self.indices, owners),), []
-        params = self.table.params
-        sends = self._sends
+        params, sends = self.table.params, self._sends
         plan = sync_plan(
             [r for _, r, _ in sends],
             [piece.numel for _, _, piece in sends],
