@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -23,26 +23,20 @@ from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import Ownership, Transfer
 from zero_functional.core.partition import Piece
 from zero_functional.core.plans import plan_moves
-
-if TYPE_CHECKING:
-    from zero_functional.optimizer import ZeroRedundancyOptimizer
+from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["MODULE_PREFIX", "N_AVERAGED_KEY", "ShardedEMA"]
 
 MODULE_PREFIX = "module."  # of a parameter's key in the state dict, as AveragedModel's
 N_AVERAGED_KEY = "n_averaged"  # AveragedModel's buffer of the number of updates averaged
+T = TypeVar("T")
 
 
-def _updated(ref: weakref.ReferenceType[ShardedEMA], values: Mapping[int, Tensor]) -> None:
-    ema = ref()
-    if ema is not None:
-        ema.update_(values)
-
-
-def _resharded(ref: weakref.ReferenceType[ShardedEMA], old: Ownership) -> None:
-    ema = ref()
-    if ema is not None:
-        ema.reshard(old)
+def _if_alive(method: Callable[[], Callable[[T], None] | None], arg: T) -> None:
+    """``method()(arg)``, unless the weak ``method``'s object is gone."""
+    bound = method()
+    if bound is not None:
+        bound(arg)
 
 
 class ShardedEMA:
@@ -79,9 +73,10 @@ class ShardedEMA:
         self._averages: dict[int, Tensor] = {}
         self._counts: dict[int, int] = {}
         self._fill_missing()
-        ref = weakref.ref(self)  # the optimizer's hooks do not keep this EMA alive
+        # weak: the optimizer's hooks do not keep this EMA alive
+        update, reshard = weakref.WeakMethod(self.update_), weakref.WeakMethod(self.reshard)
         self._handle = optimizer.register_update_hook(
-            lambda values: _updated(ref, values), lambda old: _resharded(ref, old)
+            lambda values: _if_alive(update, values), lambda old: _if_alive(reshard, old)
         )
 
     def _owned(self) -> dict[int, Piece]:
@@ -138,7 +133,7 @@ class ShardedEMA:
         Example:
             >>> from zero_functional import ZeroRedundancyOptimizer as Zero
             >>> zero = Zero([torch.ones(2, requires_grad=True)], torch.optim.SGD)
-        >>> ema = ShardedEMA(zero)
+            >>> ema = ShardedEMA(zero)
             >>> zero.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
             >>> ema.pieces  # the new parameter's average: its value, until it is updated
             {0: tensor([1., 1.]), 1: tensor([0., 0., 0.])}

@@ -83,7 +83,13 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
             "ZeroRedundancyOptimizer(main_params_dtype=torch.float32), and reduce_dtype= on the "
             "hook to reduce gradients in float32"
         )
-    sparse = _sparse_modules(ddp)
+    sparse = [
+        name or "(the module itself)"
+        for name, m in ddp.module.named_modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+        and m.sparse
+        and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
     if sparse:
         names = first_of([repr(n) for n in sparse])
         raise ValueError(
@@ -101,28 +107,16 @@ def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> N
             "ZeroRedundancyOptimizer: build it from ddp.parameters()"
         )
     replicas = comm.group_size(zero.replicate_group) if zero.replicate_group else 1
-    if comm.group_size(_ddp_group(ddp, zero)) != zero.world_size * replicas:
+    if (ranks := comm.group_size(_ddp_group(ddp))) != zero.world_size * replicas:
         raise ValueError(
-            f"the DDP module runs on {comm.group_size(_ddp_group(ddp, zero))} ranks but the "
-            f"ZeroRedundancyOptimizer on {zero.world_size * replicas}: give both the same "
-            "process group, or, to shard within groups of ranks and replicate across them, "
-            'build the optimizer with device_mesh=init_device_mesh(..., mesh_dim_names=("'
-            'replicate", "shard"))'
+            f"the DDP module runs on {ranks} ranks but the ZeroRedundancyOptimizer on "
+            f"{zero.world_size * replicas}: give both the same process group, or, to shard within "
+            "groups of ranks and replicate across them, build the optimizer with "
+            'device_mesh=init_device_mesh(..., mesh_dim_names=("replicate", "shard"))'
         )
 
 
-def _sparse_modules(ddp: DistributedDataParallel) -> list[str]:
-    """The names of the DDP module's trainable embeddings built with ``sparse=True``."""
-    return [
-        name or "(the module itself)"
-        for name, m in ddp.module.named_modules()
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag)
-        and m.sparse
-        and any(p.requires_grad for p in m.parameters(recurse=False))
-    ]
-
-
-def _ddp_group(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> comm.ProcessGroup:
+def _ddp_group(ddp: DistributedDataParallel) -> comm.ProcessGroup:
     """The group DDP averages gradients over (its own, else the default group)."""
     group = getattr(ddp, "process_group", None)
     return group if group is not None else comm.default_group(None)
@@ -153,7 +147,6 @@ def _make_hook(
     if zero in _STATES:
         raise RuntimeError("this ZeroRedundancyOptimizer already has an overlap hook registered")
     _check_ddp(ddp, zero)
-    ddp_ref = weakref.ref(ddp)
     default = hook is default_hooks.allreduce_hook
     if collectives is None:
         collectives = zero.collectives if default else "allreduce+broadcast"
@@ -180,7 +173,7 @@ def _make_hook(
         zero.shard,
         zero.param_window,
         _ddp_buckets(ddp, zero, collectives, reduce_dtype, twin=interleaved),
-        _ddp_group(ddp, zero),
+        _ddp_group(ddp),
         zero.join_device,
         shard_buckets=shard_buckets,
         interleaved=interleaved,
@@ -190,7 +183,6 @@ def _make_hook(
     _STATES[zero] = overlap
 
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        assert ddp_ref() is not None, "the DDP module was garbage-collected"
         name = f"backward() (hook_with_zero_step, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
             if overlap.begins(bucket):
@@ -231,7 +223,7 @@ def _ddp_buckets(
         comm.Wire(group, gather),
         collectives,
         zero.param_window,
-        ranks=comm.group_size(_ddp_group(ddp, zero)),
+        ranks=comm.group_size(_ddp_group(ddp)),
         reduce_dtype=reduce_dtype,
         replicate=zero.replicate_group,
     )
@@ -332,9 +324,7 @@ def reduce_scatter_hook(
     def reduce_scatter_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         flat = bucket.buffer()
         if ranks == 1:
-            done: Future[Tensor] = Future()
-            done.set_result(flat)
-            return done
+            return comm.Pending([]).future(flat)  # done: nothing to reduce
         shard = zero.shard
         indices = bucket_indices(shard.table, bucket.parameters())
         name = f"backward() (reduce_scatter_hook, bucket {bucket.index()})"
@@ -342,7 +332,7 @@ def reduce_scatter_hook(
             sync = buckets.get(indices, shard.table, shard.ownership, shard.rank)
             sync.start_grad(flat)
             if sync.widened and zero.main_params_dtype is not None:  # not its rounding
-                zero.hold_reduced(sync.owned_grads())
+                zero.shard.hold_reduced(sync.owned_grads())
             pending = sync.grad_pending()  # rounded back once, before DDP reads the bucket
             if grad_scaler is None or not grad_scaler.is_enabled():
                 # on gloo the exchange's thread completes this future, not one of gloo's

@@ -32,7 +32,6 @@ from zero_functional.core.ownership import Ownership, PartitionName, Transfer
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.core.plans import (
-    Collectives,
     choose_collectives,
     overlap_ownership,
     ownership_of,
@@ -41,9 +40,8 @@ from zero_functional.core.plans import (
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
-from zero_functional.shell.bucket_sync import BucketSync, step_syncs
+from zero_functional.shell.bucket_sync import step_syncs
 from zero_functional.shell.classes import add_group, pinned_owners
-from zero_functional.shell.join import StepJoinHook
 from zero_functional.shell.local_shard import LocalShard, RemainderTies, Resharded, Updated
 from zero_functional.shell.param_window import ParamWindow
 from zero_functional.shell.steppers import LocalView, Stepper, choose_stepper, state_schemas
@@ -74,6 +72,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         device_mesh: Instead of ``process_group``, a 2-D mesh named ``("replicate", "shard")``.
         timeout: Seconds any collective may wait (default: the group's).
 
+    Attributes:
+        shard: This rank's pieces, their state and their update (a ``LocalShard``).
+        param_table: The parameters in global index order, with their groups and buffer keys.
+        param_window: The parameter all-gathers in flight, and who waits for them.
+        collectives: The strategy of this optimizer's buffers, chosen once from its group.
+        replicate_group: Under a device mesh, the group the shards are replicated over.
+
     Example:
         >>> w = torch.nn.Parameter(torch.ones(2))
         >>> zero = ZeroRedundancyOptimizer([w], torch.optim.SGD, lr=0.5)  # on every rank
@@ -101,30 +106,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         self._initialized = False
-        process_group, self._replicate_group = comm.sharding_groups(process_group, device_mesh)
+        process_group, self.replicate_group = comm.sharding_groups(process_group, device_mesh)
         self.timeout = timeout
         self.partition: PartitionName = partition
         args = (params, optimizer_class, process_group, partition, overlap_with_ddp, defaults)
         main = (main_params_dtype, store_param_remainders)
         self.process_group, items, probe = agreed_inputs(*args, timeout, *main)
-        self._main_params_dtype = main_params_dtype
-        self._ties = RemainderTies() if store_param_remainders else None
+        self.main_params_dtype = main_params_dtype
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         self.global_rank = comm.global_rank(self.process_group, self.rank)
         self.optimizer_class = optimizer_class
         self._user_defaults = dict(defaults)
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._overlap_with_ddp = overlap_with_ddp
+        self.overlap_with_ddp = overlap_with_ddp
         self.overlap_param_gather = bool(overlap_param_gather)  # off by default: param_window.py
         Optimizer.__init__(self, items, dict(probe.defaults))
         Joinable.__init__(self)
-        self._table = ParamTable.of(self.param_groups)
+        self.param_table = ParamTable.of(self.param_groups)
         # not the bound self._call, which would make a cycle through this optimizer
         call = functools.partial(comm.call, group=self.process_group, timeout=self.timeout)
-        self._window = ParamWindow(self._table, call, self.overlap_param_gather)
+        self.param_window = ParamWindow(self.param_table, call, self.overlap_param_gather)
         backend = comm.backend(self.process_group)
-        self._collectives = choose_collectives(backend, self.world_size, even=True)
+        self.collectives = choose_collectives(backend, self.world_size, even=True)
         self._wire = comm.Wire(self.process_group)
         self._default_device: torch.device = self.param_groups[0]["params"][0].device
         spec = functional_spec(optimizer_class)
@@ -133,25 +137,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._spec = spec
         self._stepper_for = functools.partial(choose_stepper, spec, compile, probe)
         ownership = self.ownership_of()
-        self._shard = LocalShard(
+        self.shard = LocalShard(
             ownership,
             self.rank,
-            self._table,
+            self.param_table,
             self.param_groups,
             self.state,
             self._stepper(ownership),
             optimizer_class.__name__,
             main_params_dtype,
-            self._ties,
+            RemainderTies() if store_param_remainders else None,
         )
-        self._syncs: list[BucketSync] = []
         self._build_buffers()
         self._initialized = True
-
-    @property
-    def overlap_with_ddp(self) -> bool:
-        """Whether the step runs inside DDP's backward (through a hook of :mod:`.hooks`)."""
-        return self._overlap_with_ddp
 
     @property
     def shard_group(self) -> comm.ProcessGroup:
@@ -159,82 +157,41 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self.process_group
 
     @property
-    def replicate_group(self) -> comm.ProcessGroup | None:
-        """The group the shards are replicated over (a mesh's ``"replicate"``), or ``None``."""
-        return self._replicate_group
-
-    @property
-    def main_params_dtype(self) -> torch.dtype | None:
-        """The dtype of the main copies of narrower parameters (``None``: no main copies)."""
-        return self._main_params_dtype
-
-    @property
     def remainder_ties(self) -> int:
         """With ``store_param_remainders``: the bf16 elements this rank wrote that differ from
         ``main.to(torch.bfloat16)`` (exact ties, rounded away from zero); else 0."""
-        return 0 if self._ties is None else self._ties.total()
-
-    @property
-    def collectives(self) -> Collectives:
-        """The collective strategy of this optimizer's buffers, chosen once from its group."""
-        return self._collectives
-
-    @property
-    def param_window(self) -> ParamWindow:
-        """The parameter all-gathers in flight, and who waits for them."""
-        return self._window
-
-    @property
-    def shard(self) -> LocalShard:
-        """This rank's pieces, their state and their update."""
-        return self._shard
+        ties = self.shard.remainders
+        return 0 if ties is None else ties.total()
 
     @property
     def ownership(self) -> Ownership:
         """Which rank owns which pieces of which parameters (global indices, state-dict order)."""
-        return self._shard.ownership
-
-    @property
-    def param_table(self) -> ParamTable:
-        """The parameters in global index order, with their groups and buffer keys."""
-        return self._table
+        return self.shard.ownership
 
     def _stepper(self, ownership: Ownership) -> Stepper:
         """How this rank steps its pieces under ``ownership``."""
         owned = {s.param for s in ownership.owned(self.rank)}
-        main = self._main_params_dtype
-        whole = ownership.is_whole and not self._overlap_with_ddp and main is None
-        groups, state = self.param_groups, self.state
-        return self._stepper_for(whole, groups, owned, state, self._user_defaults)
-
-    def _set_ownership(self, ownership: Ownership) -> None:
-        """Adopt ``ownership``: pieces, stepper, bucket syncs (no state moves)."""
-        self._shard.adopt(ownership, self._stepper(ownership))
-        self._build_buffers()
-
-    @property
-    def quantization_blocks(self) -> list[int] | None:
-        """Per parameter, the block its class quantizes state in (torchao's), which ``"flat"``
-        cuts on; ``None`` where no class has blocks."""
-        return param_blocks(self.param_groups, self.optimizer_class, self._user_defaults)
+        whole = ownership.is_whole and not self.overlap_with_ddp and self.main_params_dtype is None
+        return self._stepper_for(whole, self.param_groups, owned, self.state, self._user_defaults)
 
     def ownership_of(
         self, buckets: Sequence[Sequence[int]] | None = None, *, shard_buckets: bool = False
     ) -> Ownership:
         """The ownership ``partition`` gives: after backward, or (overlap mode) of DDP's buckets."""
-        table, world = self._table, self.world_size
+        table, world = self.param_table, self.world_size
         pinned = pinned_owners(self.param_groups, self.optimizer_class, table, world)
-        blocks = self.quantization_blocks
+        blocks = param_blocks(self.param_groups, self.optimizer_class, self._user_defaults)
         if buckets is None:
             return ownership_of(self.partition, table, world, pinned, blocks)
-        part = self.partition
-        return overlap_ownership(buckets, part, table, world, shard_buckets, pinned, blocks)
+        return overlap_ownership(
+            buckets, self.partition, table, world, shard_buckets, pinned, blocks
+        )
 
     def reshard(self, ownership: Ownership) -> None:
         """Move the state to ``ownership`` (same parameters and world size); collective."""
         old = self.ownership
         plan = plan_moves(old, ownership, self.rank)  # validates before anything changes
-        parts = self._shard.outgoing(plan, old)
+        parts = self.shard.outgoing(plan, old)
         arrived = parts.pop(self.rank, {})
         with self._call("reshard()"):
             received = comm.exchange_objects(
@@ -242,21 +199,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             )
         for payload in received.values():
             arrived.update(cast(dict[Transfer, dict[str, Any]], payload))
-        self._shard.incoming(plan, ownership, arrived)
-        self._set_ownership(ownership)
-        self._shard.hooks.resharded(old)
+        self.shard.incoming(plan, ownership, arrived)
+        self.shard.adopt(ownership, self._stepper(ownership))  # pieces and stepper: then syncs
+        self._build_buffers()
+        self.shard.hooks.resharded(old)
 
     def _build_buffers(self) -> None:
-        bucket_view = self.parameters_as_bucket_view and not self._overlap_with_ddp
-        args = (self._table, self.ownership, self.rank, self._wire, self._collectives)
-        self._syncs = step_syncs(*args, self._window, bucket_view)
+        bucket_view = self.parameters_as_bucket_view and not self.overlap_with_ddp
+        args = (self.param_table, self.ownership, self.rank, self._wire, self.collectives)
+        self._syncs = step_syncs(*args, self.param_window, bucket_view)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group and reshard to the new ownership; collective."""
         if not getattr(self, "_initialized", False):
             add_group(super().add_param_group, self.param_groups, param_group, self.optimizer_class)
             return
-        if self._overlap_with_ddp:
+        if self.overlap_with_ddp:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single parameter "
                 "group; build it with all parameters instead of calling add_param_group"
@@ -266,11 +224,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         check = lambda: check_new_group(param_group, backend, self.partition, *modes)  # noqa: E731
         agree("add_param_group()", check, items, self.process_group, timeout=self.timeout)
         add_group(super().add_param_group, self.param_groups, param_group, self.optimizer_class)
-        self._table = ParamTable.of(self.param_groups)
-        self._window.set_params(self._table)
+        self.param_table = ParamTable.of(self.param_groups)
+        self.param_window.set_params(self.param_table)
         new = self.ownership_of()
         # from the old pieces, grown to the new parameters: only what changes owner moves
-        self._shard.extend(self.ownership.extended(new), self._table)
+        self.shard.extend(self.ownership.extended(new), self.param_table)
         self.reshard(new)
 
     def _call(self, name: str) -> AbstractContextManager[None]:
@@ -282,7 +240,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Update this rank's pieces, then sync every piece to every rank; the closure's loss."""
-        if self._overlap_with_ddp:
+        if self.overlap_with_ddp:
             refuse_scaler_step(self, kwargs)
             logger.warning(
                 "step() should not be included in the training loop when overlap_with_ddp=True"
@@ -292,11 +250,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.finish_param_sync()
         if self.check_trainable():
             self._build_buffers()
-        self._shard.book.changed()
+        self.shard.book.changed()
         skip, grad_scale = scaler_verdict(self)  # scaler.step(self), with main copies
         if skip:  # a non-finite gradient on every rank: no parameter changes anywhere
             return None
-        loss, grads = self._shard.local_step(closure, grad_scale, **kwargs)
+        loss, grads = self.shard.local_step(closure, grad_scale, **kwargs)
         todo = dict(grads or {})  # none: a real optimizer stepped its whole parameters
         with self._call("step()"):
             for sync in self._syncs:  # each unit updated just before it is sent
@@ -304,10 +262,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     if self.rank in unit.senders:
                         mine = {k: todo.pop(k) for k in unit.indices if k in todo}
                         if mine:
-                            self._shard.update(mine)
+                            self.shard.update(mine)
                     sync.start_params(unit)
             if todo:  # owned pieces of frozen parameters (not sent), or a world of one
-                self._shard.update(todo)
+                self.shard.update(todo)
             for sync in self._syncs:
                 sync.finish_params()
         return loss
@@ -325,53 +283,49 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _step_supports_amp_scaling(self) -> bool:
         # compat: GradScaler.step(opt) then hands us its verdict: overlap mode refuses (the step
         # ran in backward); main copies unscale in their dtype (GradScaler refuses fp16 grads)
-        return self._overlap_with_ddp or self._main_params_dtype is not None
+        return self.overlap_with_ddp or self.main_params_dtype is not None
 
     def check_trainable(self) -> bool:
         """Whether any ``requires_grad`` changed since the ownership was built (checked)."""
-        changed = self._shard.check_trainable(self._overlap_with_ddp)
-        grads, params = self._shard.unchecked_grads(), self._table.params
+        changed = self.shard.check_trainable(self.overlap_with_ddp)
+        grads, params = self.shard.unchecked_grads(), self.param_table.params
         check_averaged(grads, params, self.process_group, self.timeout)
-        self._shard.averaged(grads)
+        self.shard.averaged(grads)
         return changed
 
     def update_owned(self, grads: Mapping[int, Tensor]) -> None:
         """Update this rank's pieces with ``grads`` (global index -> the piece's gradient)."""
-        self._shard.pieces_stepper()  # one that runs on whole parameters raises here, first
+        self.shard.pieces_stepper()  # one that runs on whole parameters raises here, first
         self.finish_param_sync()
-        self._shard.update(grads)
-
-    def hold_reduced(self, grads: Mapping[int, Tensor]) -> None:
-        """Hold this rank's pieces' reduced gradients, wider than ``.grad``, for the next step."""
-        self._shard.hold_reduced(grads)
+        self.shard.update(grads)
 
     def register_update_hook(
         self, updated: Updated, resharded: Resharded | None = None
     ) -> RemovableHandle:
         """Run ``updated(values)`` after each update, ``resharded(old)`` after each reshard."""
-        return self._shard.hooks.register(updated, resharded)
+        return self.shard.hooks.register(updated, resharded)
 
     def finish_param_sync(self) -> None:
         """Wait for the all-gathers ``overlap_param_gather`` left in flight."""
-        self._window.finish()
+        self.param_window.finish()
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` from the norms of owned pieces; collective."""
-        grads = [p.grad for p in self._table.params if p.grad is not None]
-        pieces = list(self._shard.grads().values())
+        grads = [p.grad for p in self.param_table.params if p.grad is not None]
+        pieces = list(self.shard.grads().values())
         local = local_norm(grads, pieces, norm_type, self._default_device)
         with self._call("clip_grad_norm_()"):
             ranks = comm.all_gather_scalar(local, self.process_group)
         total = total_norm(ranks, norm_type, error_if_nonfinite)
-        clip_([*grads, *self._shard.reduced.values()], total, max_norm)
-        self._shard.round_reduced()
+        clip_([*grads, *self.shard.reduced.values()], total, max_norm)
+        self.shard.round_reduced()
         return total
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook that lets ``Join([ddp, zero])`` train on uneven inputs (not in overlap mode)."""
-        if self._overlap_with_ddp:
+        if self.overlap_with_ddp:
             raise RuntimeError(
                 "Join does not work with overlap_with_ddp=True: the step runs inside DDP's "
                 "backward, which a rank that ran out of inputs no longer runs, so the ranks' "
@@ -389,23 +343,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def join_process_group(self) -> comm.ProcessGroup:
         """The group this optimizer shards over; under a device mesh, the world (as Join needs)."""
-        return self.process_group if self._replicate_group is None else comm.default_group(None)
+        return self.process_group if self.replicate_group is None else comm.default_group(None)
 
     @property
     def optim(self) -> Optimizer | LocalView:
         """This rank's share, as torch's attribute of that name shows it."""
-        return self._shard.local_view()
+        return self.shard.local_view()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's state on rank ``to`` (one shard at a time); collective."""
         with self._call(f"consolidate_state_dict(to={to})"):
-            shard = {"state": self._shard.cpu_shard()}
+            shard = {"state": self.shard.cpu_shard()}
             gathered = comm.gather_objects(shard, to, self.process_group, self._collective_device())
-        self._shard.book.gathered([cast(StateDict, x)["state"] for x in gathered or []])
+        self.shard.book.gathered([cast(StateDict, x)["state"] for x in gathered or []])
 
     def state_dict(self) -> StateDict:
         """torch's format, full on rank ``to`` after ``consolidate_state_dict(to)``; local."""
-        return self._shard.book.state_dict(self._shard.saved_groups(), self.rank)
+        return self.shard.book.state_dict(self.shard.saved_groups(), self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's pieces of a whole state dict (ours or ``torch.optim``'s); local."""
@@ -416,17 +370,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "optimizer state; load the dict that rank `to` saved instead"
             )
         state = validated_state(state_dict, self.param_groups, self._schemas())
-        self._shard.install(self._shard.cut(state), state_dict["param_groups"], copy=False)
+        self.shard.install(self.shard.cut(state), state_dict["param_groups"], copy=False)
         if state:
-            self._shard.book.changed()
+            self.shard.book.changed()
 
     def main_params(self) -> dict[Tensor, Tensor]:
         """This rank's main copies of its pieces, keyed by parameter (read-only)."""
-        return self._shard.main_params()
+        return self.shard.main_params()
 
     def shard_state(self) -> dict[int, tuple[Piece, dict[str, Any]]]:
         """This rank's state, as a sharded checkpoint writes it: global index -> (piece, state)."""
-        return self._shard.shard_state()
+        return self.shard.shard_state()
 
     def load_shard_state(
         self,
@@ -437,12 +391,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ) -> None:
         """Install this rank's pieces' state (as :meth:`shard_state` gives it) and the groups'
         hyperparameters, checked first; collective. ``copy=False``: keep tensors that fit."""
-        check = lambda: self._shard.check(state, param_groups, self._schemas())  # noqa: E731
+        check = lambda: self.shard.check(state, param_groups, self._schemas())  # noqa: E731
         group, errors = self.process_group, (TypeError, ValueError)
         agree("load_shard_state()", check, self.param_groups, group, self.timeout, errors)
-        self._shard.warn_without_main(state)
-        self._shard.install(state, param_groups, copy=copy)
-        self._shard.book.changed()
+        self.shard.warn_without_main(state)
+        self.shard.install(state, param_groups, copy=copy)
+        self.shard.book.changed()
 
     def _schemas(self) -> list[dict[str, str] | None]:
         return state_schemas(self.optimizer_class, self.param_groups, self._user_defaults)
@@ -453,3 +407,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             f"{self.world_size}, partition={self.partition!r}, {len(self.param_groups)} groups, "
             f"functional={self._spec is not None})"
         )
+
+
+class StepJoinHook(JoinHook):
+    """``Join([ddp, zero])``'s hook on a rank that ran out of inputs: it shadows one ``step()``,
+    and so its collectives, per iteration of the others.
+
+    Example:
+        >>> zero = ZeroRedundancyOptimizer([torch.ones(1, requires_grad=True)], torch.optim.SGD)
+        >>> StepJoinHook(zero).main_hook()  # a step without gradients: the collectives only
+    """
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        """Shadow one ``step()``."""
+        self.zero.step()

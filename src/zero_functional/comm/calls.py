@@ -35,10 +35,6 @@ _SILENT = "did not report (it died, or is not in a call of zero_functional)"
 REPORT_GRACE_S = 5.0  # how long a failed rank waits for the others' reports before it raises
 
 
-def _group_key(group: ProcessGroup) -> str:
-    return str(getattr(group, "group_name", "") or "default")
-
-
 @contextlib.contextmanager
 def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Iterator[None]:
     """Run the collectives of one call of the package under ``name``; name its failures.
@@ -55,7 +51,7 @@ def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Ite
     if outer is not None:
         yield
         return
-    key = _group_key(group)
+    key = str(getattr(group, "group_name", "") or "default")
     _SEQ[key] = _SEQ.get(key, 0) + 1
     current = _Call(name, group, _SEQ[key], timeout, time.monotonic())
     _local.call = current

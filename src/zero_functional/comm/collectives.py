@@ -3,6 +3,7 @@ the one place here that asks a backend: a new strategy is one class and one line
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zero_functional.comm.exchange import Exchanger, start_exchange
-from zero_functional.comm.groups import ProcessGroup, Work, group_rank, group_size, is_nccl
+from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl
 from zero_functional.comm.pending import Pending, issue, start_one
 from zero_functional.core.ownership import Run
 from zero_functional.core.plans import BufferPlan, Collectives
@@ -67,17 +68,6 @@ def padded(buffer: Tensor, size: int) -> Tensor:
     return out
 
 
-def _reduce_scatter_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
-    # looked up per call (torch < 2.13 has only the older name; a byte counter may wrap either)
-    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return op(output, input, **kw)  # type: ignore[no-any-return]
-
-
-def _all_gather_single(output: Tensor, input: Tensor, **kw: object) -> Work | None:
-    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return op(output, input, **kw)  # type: ignore[no-any-return]
-
-
 @dataclass(frozen=True, slots=True)
 class ReduceScatter:
     """Rank ``r`` gets the sum of ``[r * chunk, (r + 1) * chunk)``: a ``reduce_scatter_single``."""
@@ -94,13 +84,11 @@ class ReduceScatter:
         def copy_back() -> None:
             buffer[lo:hi].copy_(out[: hi - lo])
 
+        # looked up per call (torch < 2.13 has only the older name; a byte counter may wrap either)
+        op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter = functools.partial(op, out, source, group=self.group, async_op=True)
         made = [out] if source is buffer else [out, source]
-        return start_one(
-            lambda: _reduce_scatter_single(out, source, group=self.group, async_op=True),
-            made,
-            self.group,
-            [copy_back],
-        )
+        return start_one(scatter, made, self.group, [copy_back])
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +106,8 @@ class AllGather:
         def copy_back() -> None:
             buffer.copy_(target[: buffer.numel()])
 
-        def gather() -> Work | None:
-            return _all_gather_single(target, mine, group=self.group, async_op=True)
-
+        op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as above
+        gather = functools.partial(op, target, mine, group=self.group, async_op=True)
         if target is buffer:
             return start_one(gather, [mine], self.group)
         return start_one(gather, [target, mine], self.group, [copy_back])

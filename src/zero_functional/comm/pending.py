@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -107,16 +107,13 @@ class Pending:
     def future(self, value: Tensor) -> Future[Tensor]:
         """A future that completes with ``value`` once every collective and copy is done (what
         a DDP comm hook returns); the copies run in its callback, which issues no collective."""
-        if not self.works:
-            self._run_finish()
-            done: Future[Tensor] = Future()
-            done.set_result(value)
-            return done
         try:
             futures = [w.get_future() for w in self.works]
         except RuntimeError:  # a backend whose work has no future (gloo's reduce-scatter)
+            futures = []
+        if not futures:  # done already, or to be waited for here
             self.wait()
-            done = Future()
+            done: Future[Tensor] = Future()
             done.set_result(value)
             return done
         self._settle = False  # the futures hold the tensors too: `held` is kept, not waited for
@@ -148,10 +145,9 @@ def issue(
     installed over it runs."""
     held = hold((tensor for tensor, _ in calls), group)
 
-    def start(tensor: Tensor, root: int | None) -> Work | None:
+    def start(tensor: Tensor, root: int | None) -> Work:
         roots = () if root is None else (global_rank(group, root),)
-        work: Work | None = getattr(dist, op)(tensor, *roots, group=group, async_op=True)
-        return work
+        return cast(Work, getattr(dist, op)(tensor, *roots, group=group, async_op=True))
 
     if len(calls) > 1 and grouped:
         coalescing = dist.distributed_c10d._coalescing_manager
@@ -159,12 +155,7 @@ def issue(
             for tensor, root in calls:
                 start(tensor, root)
         return Pending(list(cm.works), finish, held)
-    handles: list[Work] = []
-    for tensor, root in calls:
-        work = start(tensor, root)
-        assert work is not None
-        handles.append(work)
-    return Pending(handles, finish, held)
+    return Pending([start(tensor, root) for tensor, root in calls], finish, held)
 
 
 def start_one(

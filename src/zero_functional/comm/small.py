@@ -35,14 +35,11 @@ def broadcast_object(obj: object, group: ProcessGroup | None = None) -> object:
     group = default_group(group)
     device = collective_device(group, torch.device("cpu"))
     root, me = global_rank(group, 0), group_rank(group)
-    payload = to_bytes(obj).to(device) if me == 0 else None
-    size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    data = to_bytes(obj).to(device) if me == 0 else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([data.numel()], device=device)
     start_one(lambda: dist.broadcast(size, root, group=group, async_op=True), [size], group).wait()
-    data = (
-        payload
-        if payload is not None
-        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    )
+    if me != 0:  # room for what rank 0 sends
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     start_one(lambda: dist.broadcast(data, root, group=group, async_op=True), [data], group).wait()
     return obj if me == 0 else from_bytes(data)
 

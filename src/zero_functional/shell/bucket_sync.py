@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -149,9 +149,8 @@ class BucketSync:
             self._replicas_left = False
             self._pending.wait()
             spans = self.plan.spans_of(self.rank)
-            grouped = self.wire.grouped
             self._pending = comm.start_all_reduce_spans(
-                self._grad[0], spans, self.replicate, grouped=grouped
+                self._grad[0], spans, self.replicate, grouped=self.wire.grouped
             )
 
     def finish_grad(self) -> Tensor:
@@ -214,8 +213,7 @@ class BucketSync:
         if self.buffer is not None or self.plan.chunk is not None:
             owners = frozenset(run.rank for run in self.plan.runs)
             return (GatherUnit(self.indices, owners),), []
-        params = self.table.params
-        sends = self._sends
+        params, sends = self.table.params, self._sends
         plan = sync_plan(
             [r for _, r, _ in sends],
             [piece.numel for _, _, piece in sends],
@@ -266,23 +264,18 @@ class BucketSync:
             self.window.defer(in_flight)
 
 
+@dataclass
 class DDPBuckets:
     """The :class:`BucketSync` of each DDP bucket, built once per bucket and ownership."""
 
-    def __init__(
-        self,
-        wire: comm.Wire,
-        collectives: Collectives,
-        window: ParamWindow,
-        *,
-        ranks: int = 1,
-        reduce_dtype: torch.dtype | None = None,
-        replicate: comm.ProcessGroup | None = None,
-    ) -> None:
-        self.wire, self.collectives, self.window = wire, collectives, window
-        self.ranks, self.reduce_dtype, self.replicate = ranks, reduce_dtype, replicate
-        self._syncs: dict[tuple[int, ...], BucketSync] = {}
-        self._ownership: Ownership | None = None
+    wire: comm.Wire
+    collectives: Collectives
+    window: ParamWindow
+    ranks: int = 1
+    reduce_dtype: torch.dtype | None = None
+    replicate: comm.ProcessGroup | None = None
+    _syncs: dict[tuple[int, ...], BucketSync] = field(default_factory=dict, init=False)
+    _ownership: Ownership | None = field(default=None, init=False)
 
     def get(
         self, indices: tuple[int, ...], table: ParamTable, ownership: Ownership, rank: int

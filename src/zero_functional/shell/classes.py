@@ -34,16 +34,14 @@ def add_group(
         >>> [(g["optimizer_class"], g["weight_decay"]) for g in opt.param_groups]
         [('torch.optim.AdamW', 0.3), ('torch.optim.Muon', 0.1)]
     """
-    if not (isinstance(group, dict) and GROUP_CLASS_KEY in group):
+    if isinstance(group, dict) and GROUP_CLASS_KEY in group:
+        filled = own_class_group(group, len(groups))
+        own = set(filled)
+        add(filled)  # torch fills the very dict it adds, from the optimizer's defaults
+        for key in [k for k in groups[-1] if k not in own]:  # the optimizer's: not its class's
+            del groups[-1][key]
+    else:
         add(group)
-        mark_classes(groups, default)
-        return
-    filled = own_class_group(group, len(groups))
-    own = set(filled)
-    add(filled)  # torch fills the very dict it adds, from the optimizer's defaults
-    added = groups[-1]
-    for key in [k for k in added if k not in own]:  # the optimizer's defaults: not its class's
-        del added[key]
     mark_classes(groups, default)
 
 

@@ -246,18 +246,19 @@ class LocalShard:
         """Global index -> (this rank's piece, its state), a remainder given as its main value."""
         params = self.table.params
         return {
-            k: (piece, self._leaving(k))
+            k: (piece, self._leaving(k, piece))
             for k, piece in sorted(self.pieces.items())
             if self.state.get(params[k])
         }
 
-    def _leaving(self, k: int) -> dict[str, Any]:
-        """Parameter ``k``'s state as it leaves this rank (a remainder joined into its main)."""
+    def _leaving(self, k: int, piece: Piece) -> dict[str, Any]:
+        """Parameter ``k``'s state as it leaves this rank, held for ``piece`` (a remainder joined
+        into its main: the bf16 piece stays here)."""
         p = self.table.params[k]
         state = self.state[p]
         if self.remainders is None:
             return cast(dict[str, Any], state)
-        return with_main(piece_view(p, self.pieces[k]), state)
+        return with_main(piece_view(p, piece), state)
 
     def cpu_shard(self) -> dict[int, tuple[Range, dict[str, object]]]:
         """:meth:`shard_state` as it travels to a consolidating rank: ranges, CPU tensors."""
@@ -375,10 +376,9 @@ class LocalShard:
         params = self.table.params
         parts: PieceStates = {}
         for t in plan.sends:
-            held, state = old.piece(self.rank, t.param), self.state.get(params[t.param])
-            if held is not None and state:
-                if self.remainders is not None:  # the bf16 piece stays here: send the main
-                    state = with_main(piece_view(params[t.param], held), state)
+            held = old.piece(self.rank, t.param)
+            if held is not None and self.state.get(params[t.param]):
+                state = self._leaving(t.param, held)
                 part = slice_state(state, (held.start, held.stop), (t.start, t.stop))
                 parts.setdefault(t.dst, {})[t] = part
         return parts
@@ -430,9 +430,6 @@ class UpdateHooks:
     def __init__(self) -> None:
         # an OrderedDict, which RemovableHandle can hold a weak reference to (a dict it cannot)
         self._hooks: OrderedDict[int, tuple[Updated, Resharded | None]] = OrderedDict()
-
-    def __bool__(self) -> bool:
-        return bool(self._hooks)
 
     def register(self, updated: Updated, resharded: Resharded | None = None) -> RemovableHandle:
         """Run ``updated`` after each update, ``resharded`` after each ownership change."""

@@ -18,7 +18,6 @@ from torch.amp import GradScaler
 from torch.futures import Future
 
 from zero_functional import comm
-from zero_functional.core.param_table import ParamTable
 from zero_functional.core.plans import Collectives
 from zero_functional.shell.amp import ScalerFacade, overlap_verdict
 from zero_functional.shell.bucket_sync import BucketSync, DDPBuckets, bucket_indices
@@ -143,13 +142,6 @@ def _known(
     )
 
 
-def _used_anywhere(table: ParamTable, group: comm.ProcessGroup) -> set[int]:
-    """The parameters some rank used in this backward: those with a ``.grad``."""
-    local = torch.tensor([p.grad is not None for p in table.params], dtype=torch.bool)
-    flags = comm.any_rank(local, group)
-    return {k for k, used in enumerate(flags.tolist()) if used}
-
-
 class OverlapState:
     """What overlap mode keeps between buckets and iterations (one per optimizer).
 
@@ -272,8 +264,11 @@ class OverlapState:
     def finish_backward(self) -> None:
         """Update every bucket not updated yet, and hand the all-gathers to the window."""
         bw = self._backward
-        if self.find_unused:
-            self.used = _used_anywhere(self.shard.table, self.ddp_group)
+        if self.find_unused:  # the parameters some rank used in this backward: with a .grad
+            params = self.shard.table.params
+            local = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
+            flags = comm.any_rank(local, self.ddp_group).tolist()
+            self.used = {k for k, used in enumerate(flags) if used}
         if self._scaling():
             self._scaled_step()
         self._update_until(len(bw.buckets))

@@ -111,13 +111,6 @@ class ParamWindow:
                 for pending in in_flight:
                     pending.wait()
 
-    def close(self) -> None:
-        """Finish what is in flight and remove every hook."""
-        self.finish()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
     def name(self, p: Tensor) -> str:
         """How errors name ``p``: its name in the model (once a forward showed it), index, shape."""
         k = self._table.index(p) if p in self._table else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Container, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -49,31 +50,25 @@ class Stepper:
     Attributes:
         whole: Steps whole parameters itself (:meth:`step_whole`), not pieces.
         local: The real instance that steps, if any (``ZeroRedundancyOptimizer.optim``).
+        tensor_keys: The hyperparameters its class keeps as 0-d tensors (torchao's ``lr``), with
+            dtypes (read it, do not write it).
+        functional: Runs the functional core (whose state keeps ``step`` as fp32).
     """
 
     whole = False
     local: Optimizer | None = None
-    _tensor_keys: dict[str, torch.dtype] = {}
+    tensor_keys: dict[str, torch.dtype] = {}
+    functional = False
 
     def for_group(self, group: Mapping[str, Any]) -> Stepper:
         """The stepper of ``group``'s class (itself, but for a class per group)."""
         return self
 
     @property
-    def tensor_keys(self) -> dict[str, torch.dtype]:
-        """The hyperparameters its class keeps as 0-d tensors (torchao's ``lr``), with dtypes."""
-        return dict(self._tensor_keys)
-
-    @property
     def blockwise(self) -> Optimizer | None:
         """The instance, where its class quantizes its state per block (torchao's low-bit)."""
         local = self.local
         return local if local is not None and update_block(type(local)) > 1 else None
-
-    @property
-    def functional(self) -> bool:
-        """Whether it runs the functional core (whose state keeps ``step`` as fp32)."""
-        return False
 
     def step_pieces(
         self,
@@ -84,10 +79,7 @@ class Stepper:
         numels: Sequence[int] | None = None,
     ) -> None:
         """Update ``params`` and ``states`` in place (``numels``: each piece's parameter's size)."""
-        raise RuntimeError(
-            f"update_owned needs an optimizer that runs on pieces; this one runs "
-            f"{type(self.local).__name__} over whole parameters: call step()"
-        )
+        raise RuntimeError("this optimizer steps whole parameters: step_whole")
 
     def step_whole(
         self, groups: Sequence[dict[str, Any]], closure: Callable[[], float] | None, **kwargs: Any
@@ -99,13 +91,11 @@ class Stepper:
 class FunctionalStepper(Stepper):
     """SGD, Adam and AdamW: the functional core's in-place update over torch's state dicts."""
 
+    functional = True
+
     def __init__(self, spec: FunctionalSpec, compile: bool | None = None) -> None:
         self.spec = spec
         self.compile = compile
-
-    @property
-    def functional(self) -> bool:
-        return True
 
     def step_pieces(
         self,
@@ -129,14 +119,13 @@ class FunctionalStepper(Stepper):
 
 
 class PieceViewStepper(Stepper):
-    """A real instance of the class stepping views of the pieces, with the shell's state dicts."""
+    """A real instance of the class stepping views of the pieces, with the shell's state dicts
+    (``local`` has one parameter group, given the pieces at each step)."""
 
     def __init__(self, local: Optimizer, defaults: Mapping[str, Any]) -> None:
-        if len(local.param_groups) != 1:
-            raise ValueError("PieceViewStepper takes an instance built with one parameter group")
         self.local = local
         self.defaults = dict(defaults)
-        self._tensor_keys = tensor_keys(local)
+        self.tensor_keys = tensor_keys(local)
 
     def step_pieces(
         self,
@@ -160,16 +149,21 @@ class PieceViewStepper(Stepper):
                 if not s:
                     s.update(lowbit_state(local, group, view, n))
         fresh = [(view, s) for view, s in zip(views, states) if not s]
-        if fresh:
-            _initial_state(type(local), group, fresh, self.defaults)
-        local.param_groups[0] = {**instance_hyper(self._tensor_keys, group), "params": views}
+        if fresh:  # as the class's constructor fills them (Adagrad's ``sum``)
+            # compat: Adagrad's constructor fills ``sum`` from its own initial_accumulator_value
+            # argument, not from the group's, so the constructor gets the user's defaults too
+            own = {**hyperparameters(group), "params": [t for t, _ in fresh]}
+            born = type(local)([own], **self.defaults)
+            for t, s in fresh:
+                s.update(born.state.get(t, {}))
+        local.param_groups[0] = {**instance_hyper(self.tensor_keys, group), "params": views}
         local.state = defaultdict(dict, zip(views, states))
         try:
             with torch.no_grad():
                 local.step()
         finally:
             # the instance keeps its own kinds (torchao's tensor lr) for a later stepper
-            local.param_groups[0] = {**instance_hyper(self._tensor_keys, group), "params": []}
+            local.param_groups[0] = {**instance_hyper(self.tensor_keys, group), "params": []}
             local.state = defaultdict(dict)
 
 
@@ -193,7 +187,7 @@ class WholeParamStepper(Stepper):
         ]
         local = optimizer_class(local_groups, **defaults)
         self.local = local
-        self._tensor_keys = tensor_keys(local)
+        self.tensor_keys = tensor_keys(local)
         # a rank may own nothing of a group: the placeholder only got the constructor through
         for lg, ps in zip(local.param_groups, owned):
             lg["params"] = list(ps)
@@ -209,7 +203,7 @@ class WholeParamStepper(Stepper):
         local = self.local
         assert local is not None
         for g, lg in zip(groups, local.param_groups, strict=True):
-            lg.update(instance_hyper(self._tensor_keys, g))
+            lg.update(instance_hyper(self.tensor_keys, g))
         loss = local.step(closure, **kwargs) if closure is not None else local.step(**kwargs)
         for g, lg in zip(groups, local.param_groups, strict=True):
             # the shell keeps a number where the instance keeps a tensor (torchao's lr)
@@ -217,7 +211,7 @@ class WholeParamStepper(Stepper):
                 {
                     k: v
                     for k, v in hyperparameters(lg).items()
-                    if k not in self._tensor_keys or isinstance(g.get(k), Tensor)
+                    if k not in self.tensor_keys or isinstance(g.get(k), Tensor)
                 }
             )
         return cast("float | None", loss)
@@ -439,22 +433,6 @@ def instance_hyper(keys: Mapping[str, torch.dtype], group: Mapping[str, Any]) ->
     }
 
 
-def _initial_state(
-    optimizer_class: type[Optimizer],
-    group: Mapping[str, Any],
-    fresh: Sequence[tuple[Tensor, dict[str, Any]]],
-    defaults: Mapping[str, Any],
-) -> None:
-    """Fill empty state dicts as ``optimizer_class``'s constructor would (Adagrad's ``sum``)."""
-    # compat: Adagrad's constructor fills ``sum`` from its own initial_accumulator_value
-    # argument, not from the group's, so the constructor gets the user's defaults too
-    born = optimizer_class(
-        [{**hyperparameters(group), "params": [t for t, _ in fresh]}], **defaults
-    )
-    for t, s in fresh:
-        s.update(born.state.get(t, {}))
-
-
 def probe_state(
     optimizer_class: type[Optimizer],
     group: Mapping[str, Any],
@@ -504,12 +482,12 @@ def state_schemas(
     return out
 
 
+@dataclass
 class LocalView:
     """torch's ``optim`` attribute: per group the parameters this rank owns, and its state."""
 
-    def __init__(self, param_groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> None:
-        self.param_groups = param_groups
-        self.state = state
+    param_groups: list[dict[str, Any]]
+    state: Mapping[Tensor, Any]
 
     @classmethod
     def of(
