@@ -51,14 +51,12 @@ def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[s
     for key, value in state.items():
         if not isinstance(value, Tensor):
             out[key] = value
-        elif want == held:
+        elif want == held or not is_elementwise(value, b - a):
             out[key] = copied(value.detach())
-        elif is_elementwise(value, b - a) and is_blockwise(value):
-            out[key] = sliced_blocks(key, value, (a, b), (lo, hi))
-        elif is_elementwise(value, b - a):
-            out[key] = copied(value.detach().reshape(-1)[lo - a : hi - a])
+        elif is_blockwise(value):
+            out[key] = sliced_blocks(key, value, held, want)
         else:
-            out[key] = copied(value.detach())
+            out[key] = copied(value.detach().reshape(-1)[lo - a : hi - a])
     return out
 
 
