@@ -79,10 +79,6 @@ class MuonPlan:
     cost: tuple[int, ...]
 
     @property
-    def world_size(self) -> int:
-        return self.rest_split.world_size
-
-    @property
     def adamw_numel(self) -> tuple[int, ...]:
         """Elements of ``rest`` each rank owns."""
         return self.rest_split.loads

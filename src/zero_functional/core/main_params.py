@@ -193,11 +193,9 @@ def step_through_main_(
             continue
         if remainders:
             check_remainders(True, dtype, [view.dtype])
-            main = main_value(view, state, dtype)
-        elif MAIN_KEY in state:
-            main = state[MAIN_KEY]
-        else:
-            main = state[MAIN_KEY] = view.detach().to(dtype, copy=True)
+        main = main_value(view, state, dtype)
+        if not remainders:
+            state[MAIN_KEY] = main
         params.append(main)
         upcast.append(grad.to(dtype))
         inner.append({k: v for k, v in state.items() if k not in (MAIN_KEY, REMAINDER_KEY)})

@@ -33,8 +33,8 @@ def buffer_key(t: Tensor) -> BufferKey:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ParamTable:
-    """Every parameter in global index order (a state dict's), and per group its ``spans``
-    ``(first index, number of parameters)``.
+    """Every parameter in global index order (a state dict's), its buffer key (``keys``), and
+    per group its ``spans`` ``(first index, number of parameters)``.
 
     Example:
         >>> a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(4)
@@ -47,7 +47,7 @@ class ParamTable:
     spans: tuple[tuple[int, int], ...]
     _index: dict[Tensor, int] = field(init=False, repr=False)
     _group_of: tuple[int, ...] = field(init=False, repr=False)
-    _keys: tuple[BufferKey, ...] = field(init=False, repr=False)
+    keys: tuple[BufferKey, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if sum(n for _, n in self.spans) != len(self.params) or any(
@@ -69,7 +69,7 @@ class ParamTable:
         object.__setattr__(
             self, "_group_of", tuple(g for g, (_, n) in enumerate(self.spans) for _ in range(n))
         )
-        object.__setattr__(self, "_keys", tuple(buffer_key(p) for p in self.params))
+        object.__setattr__(self, "keys", tuple(buffer_key(p) for p in self.params))
 
     @classmethod
     def of(cls, param_groups: Sequence[Mapping[str, Any]]) -> ParamTable:
@@ -117,10 +117,6 @@ class ParamTable:
                 "parameters of the model: pass the model the optimizer was built from"
             )
         return [name_of.get(p, str(k)) for k, p in enumerate(self.params)]
-
-    @property
-    def keys(self) -> tuple[BufferKey, ...]:
-        return self._keys
 
     @property
     def numels(self) -> tuple[int, ...]:

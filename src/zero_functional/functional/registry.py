@@ -68,10 +68,6 @@ class FunctionalSpec:
     apply_: Callable[..., None]
     fixed: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
-    @property
-    def hyperparam_keys(self) -> tuple[str, ...]:
-        return self.defaults._fields
-
     def record(self, hyper: Mapping[str, object]) -> SGDHyper | AdamHyper:
         """The record of :func:`group_hyperparams`' keywords (defaults for those it lacks).
 
@@ -147,7 +143,7 @@ def group_hyperparams(spec: FunctionalSpec, group: Mapping[str, object]) -> dict
         >>> group_hyperparams(functional_spec(torch.optim.SGD), {"lr": 0.1})["momentum"]
         0
     """
-    return {k: group.get(k, d) for k, d in zip(spec.hyperparam_keys, spec.defaults)}
+    return {k: group.get(k, d) for k, d in spec.defaults._asdict().items()}
 
 
 def _is_number(value: object) -> bool:
@@ -163,13 +159,13 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
         False
     """
     for key, value in group.items():
-        known = key in spec.hyperparam_keys or key in IGNORED_GROUP_KEYS
+        known = key in spec.defaults._fields or key in IGNORED_GROUP_KEYS
         if not known and (value or key not in _OFF_ONLY):
             return False
     if group.get("fused") and group.get("foreach"):
         return False
     hp = group_hyperparams(spec, group)
-    for key, default in zip(spec.hyperparam_keys, spec.defaults):
+    for key, default in spec.defaults._asdict().items():
         value = hp[key]
         if _is_number(default) and not _is_number(value):
             return False
