@@ -237,18 +237,6 @@ def ownership_of(
     return overlap_ownership([], "flat", table, world_size, pinned=pinned, blocks=blocks)
 
 
-def flat_align(table: ParamTable) -> dict[Hashable, int]:
-    """Per buffer key of ``table``, the elements in :data:`FLAT_ALIGN_BYTES` (``"flat"``'s bounds).
-
-    Example:
-        >>> list(flat_align(ParamTable.of([{"params": [torch.zeros(6)]}])).values())
-        [4]
-    """
-    return {
-        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
-    }
-
-
 def overlap_ownership(
     structure: Sequence[Sequence[int]],
     partition: PartitionName,
@@ -265,6 +253,9 @@ def overlap_ownership(
         >>> overlap_ownership([[0, 1]], "flat", table, 2, pinned={1: 0}).owned(1)
         (Piece(param=0, start=8, stop=10),)
     """
+    align: dict[Hashable, int] = {
+        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
+    }
     return bucket_ownership(
         structure,
         table.numels,
@@ -273,7 +264,7 @@ def overlap_ownership(
         shard_buckets=shard_buckets,
         pinned=pinned,
         keys=table.keys,
-        align=flat_align(table),
+        align=align,
         blocks=blocks,
     )
 

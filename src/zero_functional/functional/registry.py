@@ -247,10 +247,13 @@ def register_optimizer(optimizer_class: type, kind: UpdateKind, *, block: int = 
         OPTIMIZER_BLOCKS[optimizer_class] = block
 
 
-def _known(optimizer_class: type) -> tuple[UpdateKind, int] | None:
+def _kind_and_block(optimizer_class: type) -> tuple[UpdateKind, int]:
+    if optimizer_class in OPTIMIZER_KINDS:
+        return OPTIMIZER_KINDS[optimizer_class], OPTIMIZER_BLOCKS.get(optimizer_class, 1)
     if not isinstance(optimizer_class, type):
-        return None
-    return _KNOWN_BY_NAME.get(f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
+        return "per_tensor", 1
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    return _KNOWN_BY_NAME.get(name, ("per_tensor", 1))
 
 
 def update_kind(optimizer_class: type) -> UpdateKind:
@@ -260,10 +263,7 @@ def update_kind(optimizer_class: type) -> UpdateKind:
         >>> update_kind(torch.optim.RMSprop), update_kind(torch.optim.LBFGS)
         ('elementwise', 'closure')
     """
-    if optimizer_class in OPTIMIZER_KINDS:
-        return OPTIMIZER_KINDS[optimizer_class]
-    known = _known(optimizer_class)
-    return known[0] if known else "per_tensor"
+    return _kind_and_block(optimizer_class)[0]
 
 
 def update_block(optimizer_class: type, defaults: Mapping[str, object] | None = None) -> int:
@@ -273,11 +273,7 @@ def update_block(optimizer_class: type, defaults: Mapping[str, object] | None = 
         >>> update_block(torch.optim.AdamW)
         1
     """
-    if optimizer_class in OPTIMIZER_KINDS:
-        block = OPTIMIZER_BLOCKS.get(optimizer_class, 1)
-    else:
-        known = _known(optimizer_class)
-        block = known[1] if known else 1
+    block = _kind_and_block(optimizer_class)[1]
     if block > 1 and defaults is not None and "block_size" in defaults:
         return int(cast(int, defaults["block_size"]))
     return block

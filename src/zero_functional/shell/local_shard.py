@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from zero_functional.core.consolidation import Consolidation, to_cpu
+from zero_functional.core.fingerprint import check_unfrozen
 from zero_functional.core.layout import piece_view
 from zero_functional.core.load_checks import StateSchema, check_shard_state
 from zero_functional.core.main_params import (
@@ -32,7 +33,6 @@ from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import Range, join_states, placed, slice_state
 from zero_functional.core.plans import ReshardPlan
-from zero_functional.core.unfrozen import check_unfrozen
 from zero_functional.functional.registry import GROUP_CLASS_KEY
 from zero_functional.shell.amp import unscaled
 from zero_functional.shell.steppers import (
