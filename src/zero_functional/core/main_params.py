@@ -178,9 +178,6 @@ def step_through_main_(
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
     """
-    if not any(d is not None for d in dtypes):
-        step_pieces(group, views, grads, list(states))
-        return None
     params: list[Tensor] = []
     upcast: list[Tensor] = []
     inner: list[dict[str, Any]] = []

@@ -107,9 +107,8 @@ class ParamTable:
         if model is None:
             return [str(k) for k in range(len(self.params))]
         inner = getattr(model, "module", None)
-        name_of: dict[Tensor, str] = {}
-        for name, p in (inner if isinstance(inner, nn.Module) else model).named_parameters():
-            name_of.setdefault(p, name)
+        named = (inner if isinstance(inner, nn.Module) else model).named_parameters()
+        name_of: dict[Tensor, str] = {p: name for name, p in named}  # tied: its first name
         missing = [k for k, p in enumerate(self.params) if p not in name_of]
         if missing and strict:
             raise ValueError(

@@ -16,7 +16,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, get_args
 
-from zero_functional.core._validate import check_rank, check_world_size
+from zero_functional.core._validate import ceil_div, check_world_size
 from zero_functional.core.cost import cost_greedy
 from zero_functional.core.ownership import (
     Ownership,
@@ -71,7 +71,6 @@ def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int
         >>> even_chunk([(0, 4, 0), (4, 7, 1)], 7, 2), even_chunk([(0, 3, 0), (3, 7, 1)], 7, 2)
         (4, None)
     """
-    check_world_size(world_size)
     by_rank: dict[int, tuple[int, int]] = {}
     for a, b, rank in runs:
         if rank in by_rank:
@@ -373,16 +372,12 @@ def exchange_chunks(
         >>> exchange_chunks([(0, 5, 0), (5, 8, 1)], 2, 3)
         ((((0, 3),), ((5, 8),)), (((3, 5),), ()))
     """
-    check_world_size(world_size)
-    if per_owner < 1:
-        raise ValueError(f"per_owner must be at least 1, got {per_owner}")
     owned: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     for a, b, rank in runs:
-        check_rank(rank, world_size)
         if b > a:
             owned[rank].append((a, b))
     splits = [sum(b - a for a, b in stretches) for stretches in owned]
-    chunks = -(-max(splits, default=0) // per_owner)
+    chunks = ceil_div(max(splits, default=0), per_owner)
     out: list[list[list[tuple[int, int]]]] = [
         [[] for _ in range(world_size)] for _ in range(chunks)
     ]
@@ -420,7 +415,6 @@ def chunk_layout(chunk: Sequence[Sequence[Stretch]], rank: int) -> ChunkLayout:
         >>> chunk_layout((((3, 4),), ((0, 2),), ((2, 3),)), 1).span is None
         True
     """
-    check_rank(rank, len(chunk))
     sizes = [sum(b - a for a, b in part) for part in chunk]
     source = tuple(stretch for r, part in enumerate(chunk) if r != rank for stretch in part)
     joined = all(b == c for (_, b), (c, _) in zip(source, source[1:]))
