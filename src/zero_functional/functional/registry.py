@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, Union, cast
 
@@ -104,24 +104,20 @@ class FunctionalSpec:
         return self.state_type.from_dicts(dicts, params, self.record(hyper))  # type: ignore[arg-type]
 
 
+_SGD = FunctionalSpec("sgd", SGD_DEFAULTS, SGDState, sgd_update, sgd_update_, sgd_apply_)
+_ADAM = FunctionalSpec("adam", ADAM_DEFAULTS, AdamState, adam_update, adam_update_, adam_apply_)
+# AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
+# the update reads decoupled_weight_decay from the group like Adam's does.
+_ADAMW = replace(
+    _ADAM,
+    name="adamw",
+    defaults=ADAMW_DEFAULTS,
+    fixed=MappingProxyType({"decoupled_weight_decay": True}),
+)
 _SPECS: dict[type, FunctionalSpec] = {
-    torch.optim.SGD: FunctionalSpec(
-        "sgd", SGD_DEFAULTS, SGDState, sgd_update, sgd_update_, sgd_apply_
-    ),
-    torch.optim.Adam: FunctionalSpec(
-        "adam", ADAM_DEFAULTS, AdamState, adam_update, adam_update_, adam_apply_
-    ),
-    # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
-    # the update reads decoupled_weight_decay from the group like Adam's does.
-    torch.optim.AdamW: FunctionalSpec(
-        "adamw",
-        ADAMW_DEFAULTS,
-        AdamState,
-        adam_update,
-        adam_update_,
-        adam_apply_,
-        MappingProxyType({"decoupled_weight_decay": True}),
-    ),
+    torch.optim.SGD: _SGD,
+    torch.optim.Adam: _ADAM,
+    torch.optim.AdamW: _ADAMW,
 }
 SUPPORTED: tuple[type, ...] = tuple(_SPECS)
 
