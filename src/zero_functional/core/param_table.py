@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from zero_functional.core._validate import first_of
+from zero_functional.core._validate import first_of, prefix_sums
 
 
 class BufferKey(NamedTuple):
@@ -50,9 +50,8 @@ class ParamTable:
     keys: tuple[BufferKey, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if sum(n for _, n in self.spans) != len(self.params) or any(
-            start != sum(n for _, n in self.spans[:g]) for g, (start, _) in enumerate(self.spans)
-        ):
+        starts = prefix_sums([n for _, n in self.spans])
+        if [a for a, _ in self.spans] + [len(self.params)] != starts:
             raise ValueError(
                 f"group spans {self.spans} do not tile {len(self.params)} parameters: build "
                 "the table with ParamTable.of(param_groups)"
@@ -74,12 +73,9 @@ class ParamTable:
     @classmethod
     def of(cls, param_groups: Sequence[Mapping[str, Any]]) -> ParamTable:
         """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's)."""
-        params: list[Tensor] = []
-        spans: list[tuple[int, int]] = []
-        for g in param_groups:
-            spans.append((len(params), len(g["params"])))
-            params.extend(g["params"])
-        return cls(tuple(params), tuple(spans))
+        sizes = [len(g["params"]) for g in param_groups]
+        params = tuple(p for g in param_groups for p in g["params"])
+        return cls(params, tuple(zip(prefix_sums(sizes), sizes)))
 
     def __len__(self) -> int:
         return len(self.params)

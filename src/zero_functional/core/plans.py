@@ -111,11 +111,10 @@ def buffer_plan(ownership: Ownership, order: Sequence[int], collectives: Collect
         [4, None]
     """
     runs = ownership.runs(order)
-    chunk: int | None = None
-    if takes_even_shards(collectives):
-        total = sum(ownership.numels[k] for k in order)
-        chunk = even_chunk(runs, total, ownership.world_size)
-    return BufferPlan(collectives, runs, chunk)
+    if not takes_even_shards(collectives):
+        return BufferPlan(collectives, runs, None)
+    total = sum(ownership.numels[k] for k in order)
+    return BufferPlan(collectives, runs, even_chunk(runs, total, ownership.world_size))
 
 
 def bytes_sent(op: str, nbytes: int, world_size: int) -> float:
