@@ -232,6 +232,7 @@ def ownership_of(
     """
     if partition == "sorted_greedy":
         return sorted_greedy_ownership(table.group_numels(), world_size)
+    # no DDP buckets: every parameter but the pinned ones in one flat split per buffer key
     return overlap_ownership([], "flat", table, world_size, pinned=pinned, blocks=blocks)
 
 
