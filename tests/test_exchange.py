@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from zero_functional import comm
 from zero_functional.comm import exchange
-from zero_functional.core.exchange_plan import chunk_layout, exchange_chunks
+from zero_functional.core.plans import chunk_layout, exchange_chunks
 
 from tests.helpers import all_to_all_sent, run_ranks
 

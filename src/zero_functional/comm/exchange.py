@@ -21,7 +21,7 @@ from torch.futures import Future
 from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, twin_group
 from zero_functional.comm.pending import Pending, hold, settle
 from zero_functional.comm.worker import InOrder
-from zero_functional.core.exchange_plan import ChunkLayout, chunk_layout, exchange_chunks
+from zero_functional.core.plans import ChunkLayout, chunk_layout, exchange_chunks
 
 WINDOW_BYTES = 1 << 20  # the most one chunk receives (two in flight): the memory/CPU trade
 

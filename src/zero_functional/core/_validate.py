@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 
 def check_world_size(world_size: object) -> None:
@@ -37,10 +38,7 @@ def check_numels(numels: Sequence[int]) -> None:
 
 def prefix_sums(numels: Sequence[int]) -> list[int]:
     """``[0, n0, n0 + n1, ...]``: where each of ``numels`` starts when laid end to end."""
-    starts = [0]
-    for n in numels:
-        starts.append(starts[-1] + n)
-    return starts
+    return list(accumulate(numels, initial=0))
 
 
 def ceil_div(a: int, b: int) -> int:

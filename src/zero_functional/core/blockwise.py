@@ -7,7 +7,7 @@ but a piece of whole blocks is a slice of both. Nothing here imports torchao."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -27,11 +27,6 @@ def is_blockwise(value: object) -> bool:
         return False
     names = value.__tensor_flatten__()[0]  # type: ignore[attr-defined]
     return "codes" in names and "scale" in names
-
-
-def _inner(value: Tensor) -> tuple[dict[str, Tensor], Any]:
-    names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
-    return {n: getattr(value, n) for n in names}, ctx
 
 
 class BlockParts(NamedTuple):
@@ -59,7 +54,8 @@ def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockPar
     """
     if not is_blockwise(value):
         raise TypeError("the value is not a block-wise quantized tensor")
-    inner, ctx = _inner(value)
+    names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {n: getattr(value, n) for n in names}
     own, outer = tuple(value.shape), tuple(value.shape) if shape is None else tuple(shape)
     codes, scale = inner.pop("codes").reshape(-1), inner.pop("scale").reshape(-1)
     blocks = max(scale.numel(), 1)
@@ -97,20 +93,6 @@ def from_block_parts(parts: BlockParts, shape: tuple[int, ...]) -> Tensor:
     return cast(Tensor, parts.cls.__tensor_unflatten__(tensors, ctx, shape, stride))  # type: ignore[attr-defined]
 
 
-def _rebuilt(like: Tensor, inner: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
-    """A tensor of ``like``'s class from ``inner`` tensors, ``shape`` on the outside."""
-    parts = block_parts(like)
-    constants = {n: t for n, t in inner.items() if n not in ("codes", "scale")}
-    return from_block_parts(
-        parts._replace(codes=inner["codes"], scale=inner["scale"], constants=constants), shape
-    )
-
-
-def _block(value: Tensor) -> int:
-    """Elements per scale of a block-wise tensor."""
-    return value.numel() // max(_inner(value)[0]["scale"].numel(), 1)
-
-
 def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
     """A copy of elements ``want`` of the block-wise ``value`` of piece ``held`` (on its blocks).
 
@@ -120,10 +102,9 @@ def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
         >>> sliced_blocks("v", v, (0, 512), (256, 512)).shape
         torch.Size([256])
     """
-    if not is_blockwise(value):
-        raise TypeError(f"{key!r} is not a block-wise quantized tensor")
+    parts = block_parts(value)
     (a, b), (lo, hi) = held, want
-    block, n = _block(value), b - a
+    block, per = parts.block, parts.code_bytes  # 4-bit: two codes a byte
     if (lo - a) % block or (hi - a) % block:
         raise ValueError(
             f"elements [{lo}, {hi}) of the quantized state {key!r} of the piece [{a}, {b}) do "
@@ -131,13 +112,15 @@ def sliced_blocks(key: str, value: Tensor, held: Range, want: Range) -> Tensor:
             "the piece's start): a low-bit state moves in whole blocks only; use "
             'partition="flat", which cuts on them, or the optimizer\'s block_size'
         )
-    inner, _ = _inner(value)
-    codes = inner["codes"].reshape(-1)
-    per = codes.numel() * block // n  # code bytes per block (4-bit: two codes a byte)
-    moved = {name: t.clone() for name, t in inner.items()}
-    moved["codes"] = codes[(lo - a) // block * per : (hi - a) // block * per].clone()
-    moved["scale"] = inner["scale"].reshape(-1)[(lo - a) // block : (hi - a) // block].clone()
-    return _rebuilt(value, moved, (hi - lo,))
+    first, last = (lo - a) // block, (hi - a) // block
+    return from_block_parts(
+        parts._replace(
+            codes=parts.codes[first * per : last * per].clone(),
+            scale=parts.scale[first:last].clone(),
+            constants={name: t.clone() for name, t in parts.constants.items()},
+        ),
+        (hi - lo,),
+    )
 
 
 def joined_blocks(key: str, values: Sequence[Tensor], shape: tuple[int, ...]) -> Tensor:
@@ -149,27 +132,20 @@ def joined_blocks(key: str, values: Sequence[Tensor], shape: tuple[int, ...]) ->
         >>> joined_blocks("v", [v, v], (2, 256)).shape
         torch.Size([2, 256])
     """
-    if not all(is_blockwise(v) for v in values):
-        raise TypeError(f"{key!r} is not a block-wise quantized tensor")
-    first = values[0]
-    ctx = first.__tensor_flatten__()[1]  # type: ignore[attr-defined]
-    for v in values[1:]:
-        if (
-            type(v) is not type(first)
-            or _block(v) != _block(first)
-            or (
-                [c for c in v.__tensor_flatten__()[1] if not isinstance(c, tuple)]  # type: ignore[attr-defined]
-                != [c for c in ctx if not isinstance(c, tuple)]
-            )
-        ):
+    parts = [block_parts(v) for v in values]
+
+    def kind(p: BlockParts) -> tuple[object, ...]:
+        return p.cls, p.block, [c for c in p.context if not isinstance(c, tuple)]
+
+    first = parts[0]
+    for other in parts[1:]:
+        if kind(other) != kind(first):
             raise ValueError(
                 f"the pieces of the quantized state {key!r} differ in class, block or kind "
-                f"({type(first).__name__} in blocks of {_block(first)}, "
-                f"{type(v).__name__} in blocks of {_block(v)}): they were not made by one "
+                f"({first.cls.__name__} in blocks of {first.block}, "
+                f"{other.cls.__name__} in blocks of {other.block}): they were not made by one "
                 "optimizer"
             )
-    inner = [_inner(v)[0] for v in values]
-    joined = dict(inner[0])
-    for name in ("codes", "scale"):
-        joined[name] = torch.cat([i[name].detach().reshape(-1) for i in inner])
-    return _rebuilt(first, joined, shape)
+    codes = torch.cat([p.codes.detach() for p in parts])
+    scale = torch.cat([p.scale.detach() for p in parts])
+    return from_block_parts(first._replace(codes=codes, scale=scale), shape)

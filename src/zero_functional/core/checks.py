@@ -58,22 +58,18 @@ def check_params(params: object) -> list[Any]:
         )
         raise ValueError(f"ZeroRedundancyOptimizer got an empty parameter list{hint}")
     if all(isinstance(p, dict) for p in items):
-        tensors: list[Any] = []
         for i, g in enumerate(items):
             if "params" not in g:
                 raise ValueError(f"parameter group {i} has no 'params' key")
-            ps = g["params"]
             # a generator (model.parameters()) is read once, here: keep what it gave
-            items[i] = {**g, "params": [ps] if isinstance(ps, Tensor) else list(ps)}
-            tensors.extend(items[i]["params"])
-    elif all(isinstance(p, Tensor) for p in items):
-        tensors = items
-    else:
+            items[i] = {**g, "params": param_tensors([g])}
+    elif not all(isinstance(p, Tensor) for p in items):
         bad = next(p for p in items if not isinstance(p, Tensor | dict))
         raise TypeError(
             "params must be all Tensors or all parameter-group dicts, but got a "
             f"{type(bad).__name__}"
         )
+    tensors: list[Any] = param_tensors(items)
     seen: dict[int, int] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):

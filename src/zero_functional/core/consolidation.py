@@ -12,8 +12,9 @@ from typing import Any
 
 from torch import Tensor
 
+from zero_functional.core.blockwise import Range
 from zero_functional.core.param_table import ParamTable
-from zero_functional.core.piece_state import Range, join_states
+from zero_functional.core.piece_state import join_states
 
 Shard = Mapping[int, tuple[Range, Mapping[str, object]]]
 """One rank's pieces: global index -> (the piece's range, its state)."""

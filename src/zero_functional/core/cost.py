@@ -32,10 +32,7 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
             f"shape {dims} is not 2-D: torch.optim.Muon takes 2-D parameters only; put this "
             "parameter in the AdamW group"
         )
-    m, n = dims
-    if m < 0 or n < 0:
-        raise ValueError(f"shape {dims} has a negative size: pass tensor.shape")
-    return m * n * min(m, n)
+    return _numel(dims) * min(dims)
 
 
 UPDATE_COSTS: dict[str, Callable[[Sequence[int]], int]] = {"torch.optim.Muon": newton_schulz_cost}
@@ -77,10 +74,6 @@ class MuonPlan:
     rest_split: FlatPartition
     muon_numel: tuple[int, ...]
     cost: tuple[int, ...]
-
-    @property
-    def world_size(self) -> int:
-        return self.rest_split.world_size
 
     @property
     def adamw_numel(self) -> tuple[int, ...]:

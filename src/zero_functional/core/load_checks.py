@@ -47,15 +47,14 @@ def check_param_state(
     for key in state:
         if not isinstance(key, str):
             raise TypeError(f"{where}'s loaded state has a key {key!r}; state keys are strings")
-    if schema is not None:
-        missing = sorted(set(schema) - set(state))
-        if missing:
-            raise ValueError(
-                f"{where}'s loaded state lacks {missing} (it has {sorted(state)}): the state comes "
-                "from another optimizer class or other options (e.g. amsgrad)"
-            )
+    missing = sorted(set(schema or {}) - set(state))
+    if missing:
+        raise ValueError(
+            f"{where}'s loaded state lacks {missing} (it has {sorted(state)}): the state comes "
+            "from another optimizer class or other options (e.g. amsgrad)"
+        )
     for key, value in state.items():
-        kind = schema.get(key) if schema is not None else None
+        kind = (schema or {}).get(key)
         if kind == "scalar":
             if isinstance(value, Tensor):
                 if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
@@ -85,19 +84,17 @@ def check_param_state(
                     f"tensor of the parameter's shape {shape}"
                 )
             continue
-        if kind == "elementwise" or value.dim() > 0:
-            if tuple(value.shape) != shape:
-                raise ValueError(
-                    f"{where} has shape {shape} but its loaded state {key!r} has shape "
-                    f"{tuple(value.shape)}: the state belongs to another model or was edited"
-                )
-        if kind == "elementwise":
-            ok = value.is_complex() if is_complex else value.is_floating_point()
-            if not ok:
-                raise TypeError(
-                    f"{where}'s loaded state {key!r} has dtype {value.dtype}; it must be "
-                    f"{'complex' if is_complex else 'floating point'} like the parameter"
-                )
+        if (kind == "elementwise" or value.dim() > 0) and tuple(value.shape) != shape:
+            raise ValueError(
+                f"{where} has shape {shape} but its loaded state {key!r} has shape "
+                f"{tuple(value.shape)}: the state belongs to another model or was edited"
+            )
+        floating = value.is_complex() if is_complex else value.is_floating_point()
+        if kind == "elementwise" and not floating:
+            raise TypeError(
+                f"{where}'s loaded state {key!r} has dtype {value.dtype}; it must be "
+                f"{'complex' if is_complex else 'floating point'} like the parameter"
+            )
 
 
 def check_groups(
@@ -159,11 +156,7 @@ def validated_state(
         >>> validated_state(sd, groups, [{"step": "scalar"}])
         {0: {'step': 1.0}}
     """
-    if (
-        not isinstance(state_dict, Mapping)
-        or "state" not in state_dict
-        or "param_groups" not in state_dict
-    ):
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
         raise ValueError(
             "state_dict must be a dict with 'state' and 'param_groups' keys, as state_dict() returns"
         )
@@ -230,7 +223,7 @@ def check_shard_state(
         check_param_state(
             f"parameter {k} (this rank's piece [{piece.start}, {piece.stop}))",
             value,
-            tuple(param.shape) if piece.is_whole else (piece.stop - piece.start,),
+            tuple(param.shape) if piece.is_whole else (piece.numel,),
             is_complex=param.is_complex(),
             schema=schemas[k],
         )

@@ -17,18 +17,14 @@ def rank_loads(numels: Sequence[int], partition: Sequence[Sequence[int]]) -> tup
         (8, 8)
     """
     n = len(numels)
-    loads = []
     for rank, indices in enumerate(partition):
-        load = 0
         for i in indices:
             if not 0 <= i < n:
                 raise ValueError(
                     f"rank {rank} owns index {i}, outside 0..{n - 1}: "
                     "the partition was computed for other numels"
                 )
-            load += numels[i]
-        loads.append(load)
-    return tuple(loads)
+    return tuple(sum(numels[i] for i in indices) for indices in partition)
 
 
 def max_over_mean(loads: Sequence[int]) -> float:

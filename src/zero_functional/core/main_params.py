@@ -178,9 +178,6 @@ def step_through_main_(
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
     """
-    if not any(d is not None for d in dtypes):
-        step_pieces(group, views, grads, list(states))
-        return None
     params: list[Tensor] = []
     upcast: list[Tensor] = []
     inner: list[dict[str, Any]] = []
@@ -193,11 +190,9 @@ def step_through_main_(
             continue
         if remainders:
             check_remainders(True, dtype, [view.dtype])
-            main = main_value(view, state, dtype)
-        elif MAIN_KEY in state:
-            main = state[MAIN_KEY]
-        else:
-            main = state[MAIN_KEY] = view.detach().to(dtype, copy=True)
+        main = main_value(view, state, dtype)
+        if not remainders:
+            state[MAIN_KEY] = main
         params.append(main)
         upcast.append(grad.to(dtype))
         inner.append({k: v for k, v in state.items() if k not in (MAIN_KEY, REMAINDER_KEY)})

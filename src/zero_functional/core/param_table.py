@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from zero_functional.core._validate import first_of
+from zero_functional.core._validate import first_of, prefix_sums
 
 
 class BufferKey(NamedTuple):
@@ -33,8 +33,8 @@ def buffer_key(t: Tensor) -> BufferKey:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ParamTable:
-    """Every parameter in global index order (a state dict's), and per group its ``spans``
-    ``(first index, number of parameters)``.
+    """Every parameter in global index order (a state dict's), its buffer key (``keys``), and
+    per group its ``spans`` ``(first index, number of parameters)``.
 
     Example:
         >>> a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(4)
@@ -47,12 +47,11 @@ class ParamTable:
     spans: tuple[tuple[int, int], ...]
     _index: dict[Tensor, int] = field(init=False, repr=False)
     _group_of: tuple[int, ...] = field(init=False, repr=False)
-    _keys: tuple[BufferKey, ...] = field(init=False, repr=False)
+    keys: tuple[BufferKey, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if sum(n for _, n in self.spans) != len(self.params) or any(
-            start != sum(n for _, n in self.spans[:g]) for g, (start, _) in enumerate(self.spans)
-        ):
+        starts = prefix_sums([n for _, n in self.spans])
+        if [a for a, _ in self.spans] + [len(self.params)] != starts:
             raise ValueError(
                 f"group spans {self.spans} do not tile {len(self.params)} parameters: build "
                 "the table with ParamTable.of(param_groups)"
@@ -69,17 +68,14 @@ class ParamTable:
         object.__setattr__(
             self, "_group_of", tuple(g for g, (_, n) in enumerate(self.spans) for _ in range(n))
         )
-        object.__setattr__(self, "_keys", tuple(buffer_key(p) for p in self.params))
+        object.__setattr__(self, "keys", tuple(buffer_key(p) for p in self.params))
 
     @classmethod
     def of(cls, param_groups: Sequence[Mapping[str, Any]]) -> ParamTable:
         """The table of ``param_groups`` (dicts with a ``"params"`` list, as torch's)."""
-        params: list[Tensor] = []
-        spans: list[tuple[int, int]] = []
-        for g in param_groups:
-            spans.append((len(params), len(g["params"])))
-            params.extend(g["params"])
-        return cls(tuple(params), tuple(spans))
+        sizes = [len(g["params"]) for g in param_groups]
+        params = tuple(p for g in param_groups for p in g["params"])
+        return cls(params, tuple(zip(prefix_sums(sizes), sizes)))
 
     def __len__(self) -> int:
         return len(self.params)
@@ -107,9 +103,8 @@ class ParamTable:
         if model is None:
             return [str(k) for k in range(len(self.params))]
         inner = getattr(model, "module", None)
-        name_of: dict[Tensor, str] = {}
-        for name, p in (inner if isinstance(inner, nn.Module) else model).named_parameters():
-            name_of.setdefault(p, name)
+        named = (inner if isinstance(inner, nn.Module) else model).named_parameters()
+        name_of: dict[Tensor, str] = {p: name for name, p in named}  # tied: its first name
         missing = [k for k, p in enumerate(self.params) if p not in name_of]
         if missing and strict:
             raise ValueError(
@@ -117,10 +112,6 @@ class ParamTable:
                 "parameters of the model: pass the model the optimizer was built from"
             )
         return [name_of.get(p, str(k)) for k, p in enumerate(self.params)]
-
-    @property
-    def keys(self) -> tuple[BufferKey, ...]:
-        return self._keys
 
     @property
     def numels(self) -> tuple[int, ...]:

@@ -20,9 +20,7 @@ import torch
 from torch import Tensor
 
 from zero_functional.core._validate import first_of
-from zero_functional.core.blockwise import is_blockwise, joined_blocks, sliced_blocks
-
-Range = tuple[int, int]
+from zero_functional.core.blockwise import Range, is_blockwise, joined_blocks, sliced_blocks
 
 
 def is_elementwise(value: object, numel: int) -> bool:
@@ -51,14 +49,12 @@ def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[s
     for key, value in state.items():
         if not isinstance(value, Tensor):
             out[key] = value
-        elif want == held:
+        elif want == held or not is_elementwise(value, b - a):
             out[key] = copied(value.detach())
-        elif is_elementwise(value, b - a) and is_blockwise(value):
-            out[key] = sliced_blocks(key, value, (a, b), (lo, hi))
-        elif is_elementwise(value, b - a):
-            out[key] = copied(value.detach().reshape(-1)[lo - a : hi - a])
+        elif is_blockwise(value):
+            out[key] = sliced_blocks(key, value, held, want)
         else:
-            out[key] = copied(value.detach())
+            out[key] = copied(value.detach().reshape(-1)[lo - a : hi - a])
     return out
 
 
@@ -106,26 +102,24 @@ def join_states(
             )
     if len(parts) == 1 and shape is None:
         return dict(parts[0][1])
+    sizes = [hi - lo for (lo, hi), _ in parts]
+    whole = tuple(shape) if shape is not None else (sum(sizes),)
     out: dict[str, object] = {}
     for key, first in parts[0][1].items():
-        sizes = [hi - lo for (lo, hi), _ in parts]
         values = [s[key] for _, s in parts]
-        elementwise = all(is_elementwise(v, n) for v, n in zip(values, sizes))
         blockwise = [is_blockwise(v) for v in values]
-        if elementwise and any(blockwise):
-            if not all(blockwise):
-                raise ValueError(
-                    f"the pieces of {key!r} are quantized for some ranges and not for others "
-                    f"({first_of([r for r, _ in parts])}): a parameter's state is quantized "
-                    "whole or not"
-                )
-            whole = tuple(shape) if shape is not None else (sum(sizes),)
-            out[key] = joined_blocks(key, cast(list[Tensor], values), whole)
-        elif elementwise:
-            joined = torch.cat([cast(Tensor, s[key]).detach().reshape(-1) for _, s in parts])
-            out[key] = joined.view(tuple(shape)) if shape is not None else joined
-        else:
+        if not all(is_elementwise(v, n) for v, n in zip(values, sizes)):
             out[key] = first
+        elif all(blockwise):
+            out[key] = joined_blocks(key, cast(list[Tensor], values), whole)
+        elif any(blockwise):
+            raise ValueError(
+                f"the pieces of {key!r} are quantized for some ranges and not for others "
+                f"({first_of([r for r, _ in parts])}): a parameter's state is quantized "
+                "whole or not"
+            )
+        else:
+            out[key] = torch.cat([cast(Tensor, v).detach().reshape(-1) for v in values]).view(whole)
     return out
 
 

@@ -6,6 +6,7 @@ owner's updated pieces to every rank: ``"reduce_scatter+all_gather"`` over even,
 (NCCL's fastest), or ``"reduce+broadcast"`` per owner's stretch (one launch on NCCL,
 all-to-alls on gloo), both one all-reduce's bytes, as plain DDP; or ``"allreduce+broadcast"``,
 where the user's hook reduces every gradient everywhere: half again DDP's bytes (pytorch#69591).
+On gloo the runs travel as all-to-alls in chunks (:func:`exchange_chunks`) every rank derives alike.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
-from zero_functional.core._validate import check_world_size
+from zero_functional.core._validate import ceil_div, check_world_size
 from zero_functional.core.cost import cost_greedy
 from zero_functional.core.ownership import (
     Ownership,
@@ -23,11 +24,10 @@ from zero_functional.core.ownership import (
     Run,
     Transfer,
     bucket_ownership,
-    flat_ownership,
     sorted_greedy_ownership,
 )
 from zero_functional.core.param_table import BufferKey, ParamTable
-from zero_functional.core.partition import Piece, owners
+from zero_functional.core.partition import owners
 
 Collectives = Literal["allreduce+broadcast", "reduce+broadcast", "reduce_scatter+all_gather"]
 COLLECTIVES: tuple[Collectives, ...] = get_args(Collectives)
@@ -71,7 +71,6 @@ def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int
         >>> even_chunk([(0, 4, 0), (4, 7, 1)], 7, 2), even_chunk([(0, 3, 0), (3, 7, 1)], 7, 2)
         (4, None)
     """
-    check_world_size(world_size)
     by_rank: dict[int, tuple[int, int]] = {}
     for a, b, rank in runs:
         if rank in by_rank:
@@ -97,13 +96,6 @@ class BufferPlan:
     runs: tuple[Run, ...]
     chunk: int | None
 
-    def __post_init__(self) -> None:
-        if self.chunk is not None and not takes_even_shards(self.collectives):
-            raise ValueError(
-                f"a chunk ({self.chunk}) is for even shards; {self.collectives!r} takes none: "
-                "build the plan with buffer_plan()"
-            )
-
     def spans_of(self, rank: int) -> list[tuple[int, int]]:
         """The ``(start, stop)`` of the runs ``rank`` owns (:func:`owned_spans`)."""
         return owned_spans(self.runs, rank)
@@ -113,16 +105,16 @@ def buffer_plan(ownership: Ownership, order: Sequence[int], collectives: Collect
     """The plan of a buffer holding the parameters ``order`` end to end, under ``collectives``.
 
     Example:
+        >>> from zero_functional.core.ownership import flat_ownership
         >>> o = flat_ownership([4, 3], 2)
         >>> [buffer_plan(o, order, "reduce_scatter+all_gather").chunk for order in ([0, 1], [1, 0])]
         [4, None]
     """
     runs = ownership.runs(order)
-    chunk: int | None = None
-    if takes_even_shards(collectives):
-        total = sum(ownership.numels[k] for k in order)
-        chunk = even_chunk(runs, total, ownership.world_size)
-    return BufferPlan(collectives, runs, chunk)
+    if not takes_even_shards(collectives):
+        return BufferPlan(collectives, runs, None)
+    total = sum(ownership.numels[k] for k in order)
+    return BufferPlan(collectives, runs, even_chunk(runs, total, ownership.world_size))
 
 
 def bytes_sent(op: str, nbytes: int, world_size: int) -> float:
@@ -186,6 +178,7 @@ def plan_moves(old: Ownership, new: Ownership, rank: int) -> ReshardPlan:
     """What ``rank`` sends, keeps and receives when state moves from ``old`` to ``new``.
 
     Example:
+        >>> from zero_functional.core.ownership import flat_ownership
         >>> plan = plan_moves(sorted_greedy_ownership([[4, 4]], 2), flat_ownership([4, 4], 2), 0)
         >>> plan.pairs, sorted(plan.receives), sorted(plan.held)
         ((), [0], [0])
@@ -239,38 +232,8 @@ def ownership_of(
     """
     if partition == "sorted_greedy":
         return sorted_greedy_ownership(table.group_numels(), world_size)
-    align = flat_align(table)
-    numels = list(table.numels)
-    if not pinned:
-        return flat_ownership(numels, world_size, keys=table.keys, align=align, blocks=blocks)
-    split = [k for k in range(len(numels)) if k not in pinned]
-    per_rank: list[list[Piece]] = [[] for _ in range(world_size)]
-    if split:
-        keys = [table.keys[k] for k in split]
-        sub_blocks = [blocks[k] for k in split] if blocks is not None else None
-        sub = flat_ownership(
-            [numels[k] for k in split], world_size, keys=keys, align=align, blocks=sub_blocks
-        )
-        for rank, pieces in enumerate(sub.pieces):
-            per_rank[rank].extend(
-                Piece(split[s.param], s.start, s.stop, s.param_numel) for s in pieces
-            )
-    for k, rank in pinned.items():
-        per_rank[rank].append(Piece(k, 0, numels[k], numels[k]))
-    ranked = tuple(tuple(sorted(ps, key=lambda s: s.param)) for ps in per_rank)
-    return Ownership(tuple(numels), world_size, ranked)
-
-
-def flat_align(table: ParamTable) -> dict[Hashable, int]:
-    """Per buffer key of ``table``, the elements in :data:`FLAT_ALIGN_BYTES` (``"flat"``'s bounds).
-
-    Example:
-        >>> list(flat_align(ParamTable.of([{"params": [torch.zeros(6)]}])).values())
-        [4]
-    """
-    return {
-        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
-    }
+    # no DDP buckets: every parameter but the pinned ones in one flat split per buffer key
+    return overlap_ownership([], "flat", table, world_size, pinned=pinned, blocks=blocks)
 
 
 def overlap_ownership(
@@ -289,6 +252,9 @@ def overlap_ownership(
         >>> overlap_ownership([[0, 1]], "flat", table, 2, pinned={1: 0}).owned(1)
         (Piece(param=0, start=8, stop=10),)
     """
+    align: dict[Hashable, int] = {
+        k: max(1, FLAT_ALIGN_BYTES // p.element_size()) for k, p in zip(table.keys, table.params)
+    }
     return bucket_ownership(
         structure,
         table.numels,
@@ -297,7 +263,7 @@ def overlap_ownership(
         shard_buckets=shard_buckets,
         pinned=pinned,
         keys=table.keys,
-        align=flat_align(table),
+        align=align,
         blocks=blocks,
     )
 
@@ -390,3 +356,73 @@ def sync_plan(
         SyncUnit(owner, tuple(members), True) for (owner, _), members in sorted(packed.items())
     ]
     return SyncPlan(tuple(units), nccl and len(units) > 1)
+
+
+Stretch = tuple[int, int]
+
+
+def exchange_chunks(
+    runs: Sequence[tuple[int, int, int]], world_size: int, per_owner: int
+) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+    """The ``(start, stop, rank)`` ``runs`` cut into chunks of at most ``per_owner`` elements per
+    owner (each owner's runs read in buffer order as one sequence): per chunk, per rank, the
+    stretches of that rank's runs it carries.
+
+    Example:
+        >>> exchange_chunks([(0, 5, 0), (5, 8, 1)], 2, 3)
+        ((((0, 3),), ((5, 8),)), (((3, 5),), ()))
+    """
+    owned: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    for a, b, rank in runs:
+        if b > a:
+            owned[rank].append((a, b))
+    splits = [sum(b - a for a, b in stretches) for stretches in owned]
+    chunks = ceil_div(max(splits, default=0), per_owner)
+    out: list[list[list[tuple[int, int]]]] = [
+        [[] for _ in range(world_size)] for _ in range(chunks)
+    ]
+    for rank, stretches in enumerate(owned):
+        seen = 0  # elements of this owner's sequence before the stretch
+        for a, b in stretches:
+            at = a
+            while at < b:
+                c = (seen + at - a) // per_owner
+                stop = min(b, a + (c + 1) * per_owner - seen)
+                out[c][rank].append((at, stop))
+                at = stop
+            seen += b - a
+    return tuple(tuple(tuple(part) for part in chunk) for chunk in out)
+
+
+class ChunkLayout(NamedTuple):
+    """One rank's side of one chunk's all-to-all (:func:`chunk_layout`): the elements it ``sends``
+    each rank and ``receives`` from each; the others' stretches it sends (``source``, and ``span``
+    where they make one stretch, sent without a copy); and its own, to add onto (``mine``)."""
+
+    sends: tuple[int, ...]
+    receives: tuple[int, ...]
+    source: tuple[Stretch, ...]
+    span: Stretch | None
+    mine: tuple[Stretch, ...]
+
+
+def chunk_layout(chunk: Sequence[Sequence[Stretch]], rank: int) -> ChunkLayout:
+    """What ``rank`` sends, receives and adds in one chunk of :func:`exchange_chunks`.
+
+    Example:
+        >>> chunk_layout((((0, 3),), ((5, 8),)), 0)
+        ChunkLayout(sends=(0, 3), receives=(0, 3), source=((5, 8),), span=(5, 8), mine=((0, 3),))
+        >>> chunk_layout((((3, 4),), ((0, 2),), ((2, 3),)), 1).span is None
+        True
+    """
+    sizes = [sum(b - a for a, b in part) for part in chunk]
+    source = tuple(stretch for r, part in enumerate(chunk) if r != rank for stretch in part)
+    joined = all(b == c for (_, b), (c, _) in zip(source, source[1:]))
+    span = (source[0][0], source[-1][1]) if source and joined else None
+    return ChunkLayout(
+        sends=tuple(0 if r == rank else n for r, n in enumerate(sizes)),
+        receives=tuple(0 if r == rank else sizes[rank] for r in range(len(chunk))),
+        source=source,
+        span=span,
+        mine=tuple(chunk[rank]),
+    )

@@ -36,17 +36,16 @@ def _as_list(params: Params) -> list[Tensor]:
 
 def _ownership(ownership: OwnershipLike, params: Sequence[Tensor]) -> Ownership:
     """An Ownership, or a whole-tensor partition (per rank, its parameter indices) as one."""
-    if isinstance(ownership, Ownership):
-        if ownership.numels != tuple(p.numel() for p in params):
-            raise ValueError(
-                f"the ownership was built for parameter sizes {first_of(ownership.numels)} "
-                f"({len(ownership.numels)} parameters), these are "
-                f"{first_of([p.numel() for p in params])} ({len(params)}): build it from these "
-                "parameters, in order"
-            )
-        return ownership
-    numels = [p.numel() for p in params]
-    return whole_ownership(numels, owners(ownership, len(params)), len(ownership))
+    numels = tuple(p.numel() for p in params)
+    if not isinstance(ownership, Ownership):
+        return whole_ownership(numels, owners(ownership, len(params)), len(ownership))
+    if ownership.numels != numels:
+        raise ValueError(
+            f"the ownership was built for parameter sizes {first_of(ownership.numels)} "
+            f"({len(ownership.numels)} parameters), these are {first_of(numels)} "
+            f"({len(params)}): build it from these parameters, in order"
+        )
+    return ownership
 
 
 def shard_init(
@@ -123,14 +122,12 @@ def shard_update(
     )
     new = list(flat_p)
     for s, t in zip(pieces, updated):
-        p = flat_p[s.param]
         if s.is_whole:
             new[s.param] = t
-        else:
-            with torch.no_grad():
-                whole = p.detach().clone()
-                whole.view(-1)[s.start : s.stop] = t
-            new[s.param] = whole
+            continue
+        with torch.no_grad():  # a new parameter, the updated piece in place
+            new[s.param] = flat_p[s.param].detach().clone()
+            new[s.param].view(-1)[s.start : s.stop] = t
     out: dict[str, Tensor] | list[Tensor] = (
         dict(zip(params.keys(), new)) if isinstance(params, Mapping) else new
     )

@@ -116,12 +116,7 @@ class AdamState(NamedTuple):
         out = cls(step=[], exp_avg=[], exp_avg_sq=[], max_exp_avg_sq=[])
         for i, (d, p) in enumerate(zip(dicts, params)):
             d = d or born[i]
-            step = d["step"]
-            if not isinstance(step, Tensor):
-                step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-            elif step.device != p.device or step.dtype != torch.float32:
-                step = step.to(device=p.device, dtype=torch.float32)
-            out.step.append(step)
+            out.step.append(torch.as_tensor(d["step"], dtype=torch.float32, device=p.device))
             out.exp_avg.append(d["exp_avg"])
             out.exp_avg_sq.append(d["exp_avg_sq"])
             if h.amsgrad:

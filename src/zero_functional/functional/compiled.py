@@ -135,9 +135,6 @@ def _run(
         return None
 
 
-# ----------------------------------------------------------------------------- Adam
-
-
 def _adam_graph(
     ps: list[Tensor],
     gs: list[Tensor],
@@ -203,9 +200,6 @@ def adam_group(ps: list[Tensor], gs: list[Tensor], state: AdamState, h: AdamHype
         return False
     torch._foreach_add_(state.step, 1)
     return True
-
-
-# ----------------------------------------------------------------------------- SGD
 
 
 def _sgd_graph(

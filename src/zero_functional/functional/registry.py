@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, Union, cast
 
@@ -68,10 +68,6 @@ class FunctionalSpec:
     apply_: Callable[..., None]
     fixed: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
-    @property
-    def hyperparam_keys(self) -> tuple[str, ...]:
-        return self.defaults._fields
-
     def record(self, hyper: Mapping[str, object]) -> SGDHyper | AdamHyper:
         """The record of :func:`group_hyperparams`' keywords (defaults for those it lacks).
 
@@ -108,24 +104,20 @@ class FunctionalSpec:
         return self.state_type.from_dicts(dicts, params, self.record(hyper))  # type: ignore[arg-type]
 
 
+_SGD = FunctionalSpec("sgd", SGD_DEFAULTS, SGDState, sgd_update, sgd_update_, sgd_apply_)
+_ADAM = FunctionalSpec("adam", ADAM_DEFAULTS, AdamState, adam_update, adam_update_, adam_apply_)
+# AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
+# the update reads decoupled_weight_decay from the group like Adam's does.
+_ADAMW = replace(
+    _ADAM,
+    name="adamw",
+    defaults=ADAMW_DEFAULTS,
+    fixed=MappingProxyType({"decoupled_weight_decay": True}),
+)
 _SPECS: dict[type, FunctionalSpec] = {
-    torch.optim.SGD: FunctionalSpec(
-        "sgd", SGD_DEFAULTS, SGDState, sgd_update, sgd_update_, sgd_apply_
-    ),
-    torch.optim.Adam: FunctionalSpec(
-        "adam", ADAM_DEFAULTS, AdamState, adam_update, adam_update_, adam_apply_
-    ),
-    # AdamW is Adam with decoupled_weight_decay=True in every group (torch's AdamW forces it);
-    # the update reads decoupled_weight_decay from the group like Adam's does.
-    torch.optim.AdamW: FunctionalSpec(
-        "adamw",
-        ADAMW_DEFAULTS,
-        AdamState,
-        adam_update,
-        adam_update_,
-        adam_apply_,
-        MappingProxyType({"decoupled_weight_decay": True}),
-    ),
+    torch.optim.SGD: _SGD,
+    torch.optim.Adam: _ADAM,
+    torch.optim.AdamW: _ADAMW,
 }
 SUPPORTED: tuple[type, ...] = tuple(_SPECS)
 
@@ -147,7 +139,7 @@ def group_hyperparams(spec: FunctionalSpec, group: Mapping[str, object]) -> dict
         >>> group_hyperparams(functional_spec(torch.optim.SGD), {"lr": 0.1})["momentum"]
         0
     """
-    return {k: group.get(k, d) for k, d in zip(spec.hyperparam_keys, spec.defaults)}
+    return {k: group.get(k, d) for k, d in spec.defaults._asdict().items()}
 
 
 def _is_number(value: object) -> bool:
@@ -163,13 +155,13 @@ def supports_group(spec: FunctionalSpec, group: Mapping[str, object]) -> bool:
         False
     """
     for key, value in group.items():
-        known = key in spec.hyperparam_keys or key in IGNORED_GROUP_KEYS
+        known = key in spec.defaults._fields or key in IGNORED_GROUP_KEYS
         if not known and (value or key not in _OFF_ONLY):
             return False
     if group.get("fused") and group.get("foreach"):
         return False
     hp = group_hyperparams(spec, group)
-    for key, default in zip(spec.hyperparam_keys, spec.defaults):
+    for key, default in spec.defaults._asdict().items():
         value = hp[key]
         if _is_number(default) and not _is_number(value):
             return False
@@ -251,10 +243,13 @@ def register_optimizer(optimizer_class: type, kind: UpdateKind, *, block: int = 
         OPTIMIZER_BLOCKS[optimizer_class] = block
 
 
-def _known(optimizer_class: type) -> tuple[UpdateKind, int] | None:
+def _kind_and_block(optimizer_class: type) -> tuple[UpdateKind, int]:
+    if optimizer_class in OPTIMIZER_KINDS:
+        return OPTIMIZER_KINDS[optimizer_class], OPTIMIZER_BLOCKS.get(optimizer_class, 1)
     if not isinstance(optimizer_class, type):
-        return None
-    return _KNOWN_BY_NAME.get(f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
+        return "per_tensor", 1
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    return _KNOWN_BY_NAME.get(name, ("per_tensor", 1))
 
 
 def update_kind(optimizer_class: type) -> UpdateKind:
@@ -264,10 +259,7 @@ def update_kind(optimizer_class: type) -> UpdateKind:
         >>> update_kind(torch.optim.RMSprop), update_kind(torch.optim.LBFGS)
         ('elementwise', 'closure')
     """
-    if optimizer_class in OPTIMIZER_KINDS:
-        return OPTIMIZER_KINDS[optimizer_class]
-    known = _known(optimizer_class)
-    return known[0] if known else "per_tensor"
+    return _kind_and_block(optimizer_class)[0]
 
 
 def update_block(optimizer_class: type, defaults: Mapping[str, object] | None = None) -> int:
@@ -277,11 +269,7 @@ def update_block(optimizer_class: type, defaults: Mapping[str, object] | None = 
         >>> update_block(torch.optim.AdamW)
         1
     """
-    if optimizer_class in OPTIMIZER_KINDS:
-        block = OPTIMIZER_BLOCKS.get(optimizer_class, 1)
-    else:
-        known = _known(optimizer_class)
-        block = known[1] if known else 1
+    block = _kind_and_block(optimizer_class)[1]
     if block > 1 and defaults is not None and "block_size" in defaults:
         return int(cast(int, defaults["block_size"]))
     return block

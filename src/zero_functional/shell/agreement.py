@@ -13,9 +13,14 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.core.checks import check_devices, check_inputs, check_world_size, param_tensors
-from zero_functional.core.fingerprint import agreement_verdict, fingerprint
+from zero_functional.core.fingerprint import (
+    agreement_verdict,
+    fingerprint,
+    grad_checksums,
+    unaveraged,
+    unfrozen_error,
+)
 from zero_functional.core.main_params import check_main_params_dtype, check_remainders
-from zero_functional.core.unfrozen import grad_checksums, unaveraged, unfrozen_error
 from zero_functional.functional import update_kind
 
 # what a failed local check raises; anything else is a bug, raised where it happens

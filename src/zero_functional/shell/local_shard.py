@@ -17,7 +17,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from zero_functional.core.blockwise import Range
 from zero_functional.core.consolidation import Consolidation, to_cpu
+from zero_functional.core.fingerprint import check_unfrozen
 from zero_functional.core.layout import piece_view
 from zero_functional.core.load_checks import StateSchema, check_shard_state
 from zero_functional.core.main_params import (
@@ -30,9 +32,8 @@ from zero_functional.core.main_params import (
 from zero_functional.core.ownership import Ownership, Transfer
 from zero_functional.core.param_table import ParamTable
 from zero_functional.core.partition import Piece
-from zero_functional.core.piece_state import Range, join_states, placed, slice_state
+from zero_functional.core.piece_state import join_states, placed, slice_state
 from zero_functional.core.plans import ReshardPlan
-from zero_functional.core.unfrozen import check_unfrozen
 from zero_functional.functional.registry import GROUP_CLASS_KEY
 from zero_functional.shell.amp import unscaled
 from zero_functional.shell.steppers import (
