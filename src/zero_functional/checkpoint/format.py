@@ -34,11 +34,11 @@ from zero_functional.checkpoint.keys import (
     check_groups,
     ema_key,
     model_key,
-    model_state_dict,
-    optimizer_state_dict,
     split_state_key,
     state_key,
 )
+from zero_functional.checkpoint.keys import model_state_dict as model_state_dict
+from zero_functional.checkpoint.keys import optimizer_state_dict as optimizer_state_dict
 from zero_functional.checkpoint.storage import CheckpointError, Pieces, Saved, Wanted
 from zero_functional.comm import ProcessGroup
 from zero_functional.core._validate import first_of
@@ -46,30 +46,6 @@ from zero_functional.core.blockwise import is_blockwise
 from zero_functional.core.main_params import MAIN_KEY
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
-
-__all__ = [
-    "FORMAT",
-    "FORMAT_QUANTIZED",
-    "READERS",
-    "Contents",
-    "Held",
-    "Owned",
-    "Request",
-    "Snapshot",
-    "EMA_N_AVERAGED",
-    "check_groups",
-    "ema_key",
-    "layout",
-    "model_key",
-    "model_state_dict",
-    "optimizer_state_dict",
-    "read",
-    "read_v1",
-    "read_v2",
-    "split_state_key",
-    "state_key",
-    "write",
-]
 
 FORMAT = "zero_functional.checkpoint/1"
 """The ``format`` object of the checkpoints :func:`write` writes without quantized state."""
@@ -80,9 +56,6 @@ FORMAT_QUANTIZED = "zero_functional.checkpoint/2"
 
 EMA_N_AVERAGED = "ema_n_averaged"
 """The object that holds a saved EMA's number of averaged updates."""
-
-
-# ------------------------------------------------------------------------------ writing
 
 
 @dataclass(frozen=True)
@@ -160,11 +133,8 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
     if snapshot.param_groups is not None:
         objects["param_groups"] = snapshot.param_groups
     for name, t in snapshot.others.items():
-        pieces[model_key(name)] = (
-            tuple(t.shape),
-            t.dtype,
-            [(0, t.numel(), t.detach().reshape(-1))],
-        )
+        flat = t.detach().reshape(-1)
+        pieces[model_key(name)] = (tuple(t.shape), t.dtype, [(0, t.numel(), flat)])
     return pieces, objects
 
 
@@ -199,9 +169,6 @@ def write(
     save_pieces = storage.save_pieces if shared else per_rank.save_pieces
     save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
     return None
-
-
-# ------------------------------------------------------------------------------ reading
 
 
 @dataclass(frozen=True)
@@ -246,8 +213,6 @@ class Contents:
 
 Read = tuple[Mapping[str, list[Tensor]], Mapping[str, object]]
 """What storage read: per key, its tensors (one per range); per object key, its value."""
-Reader = Callable[[str | os.PathLike[str], Saved, Request, ProcessGroup | None], Contents]
-"""A format version's reader: the path, its keys, what to read, the ranks that read."""
 
 
 class ParamRead(NamedTuple):
@@ -259,11 +224,20 @@ class ParamRead(NamedTuple):
     state: Callable[[Read], dict[str, Any]]
 
 
+Reader = Callable[[Saved, Owned, Mapping[str, str]], ParamRead]
+"""A format version's reader of one owned parameter's state (``keys``: state key to item key)."""
+
+
 def read(
     path: str | os.PathLike[str], request: Request, process_group: ProcessGroup | None
 ) -> Contents:
-    """Read what ``request`` needs from the checkpoint at ``path`` with its version's reader;
-    collective (the keys and the ``format`` object are read by each rank alone first).
+    """Read what ``request`` needs from the checkpoint at ``path``, each parameter's state by its
+    version's reader; collective (the keys and the ``format`` object are read by each rank
+    alone first).
+
+    Each rank reads the model tensors it fills, whole, and of the optimizer state only the
+    boxes its pieces cover; everything (keys, shapes, dtypes, checksums, groups) is checked
+    before a value is handed back.
 
     Raises:
         CheckpointError: Not a checkpoint, a version no reader reads, or one that does not fit.
@@ -286,45 +260,16 @@ def read(
         raise CheckpointError(
             f"{os.fspath(path)} has format {version!r}; this version reads {sorted(READERS)}"
         )
-    return reader(path, saved, request, process_group)
+    return _read(path, saved, request, process_group, reader)
 
 
-def read_v1(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-) -> Contents:
-    """The reader of :data:`FORMAT` (``zero_functional.checkpoint/1``); collective.
-
-    Each rank reads the model tensors it fills, whole, and of the optimizer state only the
-    boxes its pieces cover; everything (keys, shapes, dtypes, checksums, groups) is checked
-    before a value is handed back.
-    """
-    return _read(path, saved, request, process_group, _param_v1)
-
-
-def read_v2(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-) -> Contents:
-    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): checkpoint/1
-    plus block-wise quantized state, each rank reading the whole blocks around its pieces
-    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`); collective."""
-    return _read(path, saved, request, process_group, _param_v2)
-
-
-READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
-"""The reader of each directory format version."""
-
-
-def _param_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
-    """checkpoint/1's items of one parameter's state (``keys``: state key to item key)."""
+def read_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
+    """The reader of :data:`FORMAT` (``zero_functional.checkpoint/1``): each value's box over
+    the piece (in the parameter's shape if whole), a 0-d value whole, an object as saved."""
+    piece = owned.piece
+    shape = owned.shape if piece.is_whole else (piece.numel,)
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
     objects: list[str] = []
-    piece = owned.piece
     for item in keys.values():
         meta = saved[item]
         if meta is None:
@@ -333,31 +278,30 @@ def _param_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
             wanted[item] = ((), meta[1], [(0, 1)])
         else:
             wanted[item] = (owned.shape, meta[1], [(piece.start, piece.stop)])
-    return ParamRead(wanted, objects, lambda read: _state_v1(saved, owned, keys, read))
+
+    def state(read: Read) -> dict[str, Any]:
+        tensors, values = read
+        entry: dict[str, Any] = {}
+        for key, item in keys.items():
+            meta = saved[item]
+            if meta is None:
+                entry[key] = values[item]
+            else:
+                entry[key] = tensors[item][0].view(() if meta[0] == () else shape)
+        model = tensors.get(model_key(owned.name))
+        if entry and MAIN_KEY not in entry and owned.keeps_main and model is not None:
+            if model[0].dtype.itemsize > owned.dtype.itemsize:  # saved from a wider model (a
+                entry[MAIN_KEY] = model[0][piece.start : piece.stop].view(shape)  # fp32 run)
+        return entry
+
+    return ParamRead(wanted, objects, state)
 
 
-def _state_v1(saved: Saved, owned: Owned, keys: Mapping[str, str], read: Read) -> dict[str, Any]:
-    """One parameter's state over its piece (in its shape if whole) from what was read."""
-    tensors, values = read
-    piece = owned.piece
-    shape = owned.shape if piece.is_whole else (piece.numel,)
-    entry: dict[str, Any] = {}
-    for key, item in keys.items():
-        meta = saved[item]
-        if meta is None:
-            entry[key] = values[item]
-        else:
-            entry[key] = tensors[item][0].view(() if meta[0] == () else shape)
-    model = tensors.get(model_key(owned.name))
-    if entry and MAIN_KEY not in entry and owned.keeps_main and model is not None:
-        if model[0].dtype.itemsize > owned.dtype.itemsize:  # saved from a wider model (a
-            entry[MAIN_KEY] = model[0][piece.start : piece.stop].view(shape)  # plain fp32 run)
-    return entry
-
-
-def _param_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
-    """checkpoint/2's: checkpoint/1's items plus the quantized values' codes and scales."""
-    v1 = _param_v1(saved, owned, keys)
+def read_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
+    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): checkpoint/1
+    plus block-wise quantized state, each rank reading the whole blocks around its pieces
+    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`)."""
+    v1 = read_v1(saved, owned, keys)
     plan, more = quantized.reads(saved, owned.name, owned.shape, owned.piece)
     shape = owned.shape if owned.piece.is_whole else (owned.piece.numel,)
 
@@ -369,12 +313,16 @@ def _param_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
     return ParamRead({**v1.wanted, **more}, objects, state)
 
 
+READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
+"""The reader of each directory format version."""
+
+
 def _read(
     path: str | os.PathLike[str],
     saved: Saved,
     request: Request,
     process_group: ProcessGroup | None,
-    param: Callable[[Saved, Owned, Mapping[str, str]], ParamRead],
+    param: Reader,
 ) -> Contents:
     """Read the model, the groups, the ``extra`` and the EMA, and each owned parameter's state
     by the version's ``param`` reader."""
