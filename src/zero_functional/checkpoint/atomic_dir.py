@@ -205,8 +205,6 @@ def remove_leftovers(path: str) -> list[str]:
     return sorted(removed)
 
 
-# ------------------------------------------------------------------------------ the swap
-
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 

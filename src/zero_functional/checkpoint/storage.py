@@ -84,9 +84,6 @@ class CheckpointCorruptError(CheckpointError):
     """The bytes on disk are not what was written (a checksum mismatch, a truncated file)."""
 
 
-# ------------------------------------------------------------------------------ planners
-
-
 @dataclasses.dataclass
 class _Want:
     shape: torch.Size
@@ -258,9 +255,6 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-# ------------------------------------------------------------------------------ files
-
-
 class _CrcStream(io.RawIOBase):
     """Write-through to a file, keeping the CRC32 and count of what went through."""
 
@@ -420,9 +414,6 @@ def _checked_items(
             for index in sorted(items, key=lambda i: storage[i].offset):
                 where = f"{index.fqn} at offsets {tuple(index.offset or ())} in {relative}"
                 yield index, _checked(f, where, storage[index])
-
-
-# ------------------------------------------------------------------------------ saving
 
 
 @contextlib.contextmanager
@@ -597,9 +588,6 @@ def save_pieces(
         write_dcp(save.tmp, pieces, objects, process_group, max_box_numel)
 
 
-# ------------------------------------------------------------------------------ reading
-
-
 def _metadata(path: str | os.PathLike[str]) -> Metadata:
     if (problem := atomic_dir.not_a_checkpoint(os.fspath(path))) is not None:
         raise CheckpointError(problem)  # named for what it is, not "corrupt"
@@ -679,8 +667,6 @@ def load_pieces(
         >>> load_pieces(path, {"w": ((2, 2), torch.float32, [(1, 3)])})
         ({'w': [tensor([1., 2.])]}, {})
     """
-    if not os.path.isdir(os.fspath(path)):
-        raise CheckpointError(f"there is no checkpoint directory at {os.fspath(path)}")
     out: dict[str, list[Tensor]] = {}
     plan: dict[str, _Want] = {}
     for key, (shape_seq, dtype, ranges) in wanted.items():
