@@ -265,42 +265,35 @@ def commit(tmp: str, path: str) -> None:
         ...
         zero_functional.checkpoint.atomic_dir.SaveRaceError: another save committed /.../ckpt while this one was writing (save ... by process ... on ...); ...
     """
+    parent, old = os.path.dirname(os.path.abspath(path)), None
     try:
-        old = _swap(tmp, path)
+        _fsync_dir(tmp)
+        with _turn(parent):
+            reason = refusal(path)
+            if reason is not None:  # it changed under the save: never swap a user's file away
+                raise FileExistsError(reason)
+            now, held = _read_marker(path) if _ours(path, path) else None, _HELD.get(tmp)
+            if now is not None and held is not None and now != held[1]:
+                raise SaveRaceError(
+                    f"another save committed {os.path.abspath(path)} while this one was writing "
+                    f"({_who(now)}); the checkpoint there is that save's, complete, and this one "
+                    f"({_who(_read_marker(tmp))}) is not committed: two jobs are saving to one "
+                    "directory; give each its own"
+                )
+            if not os.path.lexists(path):
+                os.rename(tmp, path)  # readers see no checkpoint, then the whole new one
+            elif _exchange(tmp, path):
+                old = tmp  # now the previous checkpoint
+            else:  # two renames: a crash between them leaves the previous one at <path>.old-*
+                old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+                os.rename(path, old)
+                os.rename(tmp, path)
+            _fsync_dir(parent)
     finally:
         release(tmp)
     if old is not None:
         with contextlib.suppress(OSError):  # the new one is in place; the next save retries
             shutil.rmtree(old)
-
-
-def _swap(tmp: str, path: str) -> str | None:
-    """:func:`commit`'s swap, in turn; where the previous checkpoint now is, if any."""
-    _fsync_dir(tmp)
-    parent = os.path.dirname(os.path.abspath(path))
-    with _turn(parent):
-        reason = refusal(path)
-        if reason is not None:  # it changed under the save: never swap a user's file away
-            raise FileExistsError(reason)
-        now, held = _read_marker(path) if _ours(path, path) else None, _HELD.get(tmp)
-        if now is not None and held is not None and now != held[1]:
-            raise SaveRaceError(
-                f"another save committed {os.path.abspath(path)} while this one was writing "
-                f"({_who(now)}); the checkpoint there is that save's, complete, and this one "
-                f"({_who(_read_marker(tmp))}) is not committed: two jobs are saving to one "
-                "directory; give each its own"
-            )
-        old: str | None = None
-        if not os.path.lexists(path):
-            os.rename(tmp, path)  # readers see no checkpoint, then the whole new one
-        elif _exchange(tmp, path):
-            old = tmp  # now the previous checkpoint
-        else:  # two renames: a crash between them leaves the previous one at <path>.old-*
-            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-        _fsync_dir(parent)
-    return old
 
 
 def not_a_checkpoint(path: str) -> str | None:
