@@ -91,7 +91,6 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
     staged: dict[tuple[str, int, int], Tensor] = {}
     devices: set[torch.device] = set()
     for key, (shape, dtype, ranges) in pieces.items():
-        copies = []
         for start, stop, t in ranges:
             t, host = t.detach(), _STAGED.get((key, start, stop))
             kind = (t.shape, t.dtype, t.is_cuda)  # pinned for a device copy
@@ -100,8 +99,7 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
             staged[key, start, stop] = host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda:
                 devices.add(t.device)
-            copies.append((start, stop, host))
-        out[key] = (shape, dtype, copies)
+        out[key] = (shape, dtype, [(a, z, staged[key, a, z]) for a, z, _ in ranges])
     _STAGED.clear()
     _STAGED.update(staged)
     events = []
@@ -127,8 +125,7 @@ def _plan(
         local = writer.prepare_local_plan(planner.create_local_plan())
     except Exception as e:  # one rank's bad input fails every rank, not a hang
         local = f"{type(e).__name__}: {e}"
-    distributed = dist.is_initialized()
-    group = comm.default_group(group) if distributed else None
+    group = comm.default_group(group) if dist.is_initialized() else None
     # as one bytes object: torch.save (comm's pickler) of a plan's small objects is slow
     mine = pickle.dumps(local)
     packed = comm.all_gather_objects(mine, group) if group is not None else [mine]
@@ -294,9 +291,7 @@ def settle(process_group: dist.ProcessGroup | None) -> None:
         return
     handle = _IN_FLIGHT.pop()
     handle._thread.join()
-    unreported = None
-    if handle._error is not None and not handle._reported:
-        unreported = str(handle._error)
+    unreported = None if handle._error is None or handle._reported else str(handle._error)
     verdicts: list[object] = [unreported]
     if dist.is_initialized():
         verdicts = comm.all_gather_objects(unreported, comm.default_group(process_group))
