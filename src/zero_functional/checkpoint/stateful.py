@@ -5,7 +5,7 @@ reshards them at load, at any world size and under either partition."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,6 @@ from zero_functional import comm
 from zero_functional.checkpoint.keys import check_groups
 from zero_functional.checkpoint.source import Source, module_of, source
 from zero_functional.checkpoint.storage import box_views
-from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.functional import update_kind
@@ -33,15 +32,15 @@ from zero_functional.shell.steppers import hyperparameters, probe_state
 __all__ = ["ZeroStateful", "stateful"]
 
 
-def _sharded(
-    local: Tensor, shape: torch.Size, holders: Sequence[tuple[int, Piece]], src: Source
-) -> ShardedTensor:
-    """``local`` (this rank's flat piece of a tensor of ``shape``) as a ShardedTensor whose
-    shards are the row-major boxes of every holder's piece: what DCP writes and reshards."""
-    device = str(local.device)
+def _sharded(src: Source, k: int, local: Tensor) -> ShardedTensor:
+    """``local`` (this rank's flat piece of parameter ``k``, or of a tensor of its shape) as a
+    ShardedTensor whose shards are the row-major boxes of every holder's piece: what DCP writes
+    and reshards."""
+    assert src.ownership is not None
+    shape, device = src.table.params[k].shape, str(local.device)
     metas: list[ShardMetadata] = []
     shards: list[Shard] = []
-    for rank, piece in holders:
+    for rank, piece in src.ownership.holders(k):
         placement = f"rank:{comm.global_rank(comm.default_group(src.group), rank)}/{device}"
         mine = rank == src.rank
         # another rank's piece: only its boxes (a meta tensor has no memory)
@@ -128,16 +127,12 @@ class ZeroStateful:
         }
         if self.ema is not None:  # in AveragedModel's layout, each average sharded
             averages: dict[str, Any] = {
-                MODULE_PREFIX + self._names[k]: self._shard(src, k, flat)
+                MODULE_PREFIX + self._names[k]: _sharded(src, k, flat)
                 for k, flat in self.ema.pieces.items()
             }
             averages[N_AVERAGED_KEY] = torch.tensor(self.ema.n_averaged(), dtype=torch.long)
             out["ema"] = averages
         return out
-
-    def _shard(self, src: Source, k: int, flat: Tensor) -> ShardedTensor:
-        assert src.ownership is not None
-        return _sharded(flat, src.table.params[k].shape, src.ownership.holders(k), src)
 
     def _template(
         self, src: Source, k: int, probes: dict[tuple[int, tuple[int, ...]], Any]
@@ -175,7 +170,7 @@ class ZeroStateful:
                         flat = torch.zeros(piece.numel, dtype=dtype, device=p.device)
                     else:
                         flat = v.detach().reshape(-1)
-                    self._flat[self._names[k], key] = (self._shard(src, k, flat), flat)
+                    self._flat[self._names[k], key] = (_sharded(src, k, flat), flat)
                     entry[key] = self._flat[self._names[k], key][0]
                 elif isinstance(v, Tensor):
                     entry[key] = torch.zeros_like(v) if fresh else v

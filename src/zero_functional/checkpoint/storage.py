@@ -127,7 +127,11 @@ class _BoxSavePlanner(DefaultSavePlanner):
         self._cap = max_box_numel
         self._views: dict[MetadataIndex, Tensor] = {}
 
-    def _items(self) -> list[WriteItem]:
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()  # BYTE_IO items for the objects
+        # DCP keeps one of several ranks' copies of a key without looking at them: ship a digest
+        # of each (objects, scalars), so the coordinator refuses copies that disagree
+        digests: dict[str, object] = {k: _digest(v) for k, v in self.state_dict.items()}
         items: list[WriteItem] = []
         for key, (shape_seq, dtype, ranges) in self._pieces.items():
             shape = torch.Size(shape_seq)
@@ -147,30 +151,12 @@ class _BoxSavePlanner(DefaultSavePlanner):
                 if index in self._views:
                     raise CheckpointError(f"{key}: the box at {offsets} is given twice")
                 self._views[index] = view
-                items.append(
-                    WriteItem(
-                        index=index,
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                            properties=TensorProperties(dtype=dtype),
-                            size=shape,
-                        ),
-                    )
-                )
-        return items
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()  # BYTE_IO items for the objects
-        boxes = self._items()
-        # DCP keeps one of several ranks' copies of a key without looking at them: ship a digest
-        # of each, so the coordinator refuses copies that disagree
-        digests: dict[str, object] = {k: _digest(v) for k, v in self.state_dict.items()}
-        for item in boxes:
-            view = self._views[item.index]
-            if view.dim() == 0:
-                digests[item.index.fqn] = _digest(view.detach().cpu())
-        self.plan = dataclasses.replace(plan, items=plan.items + boxes, planner_data=digests)
+                if view.dim() == 0:
+                    digests[key] = _digest(view.detach().cpu())
+                chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                data = TensorWriteData(chunk, TensorProperties(dtype=dtype), shape)
+                items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=data))
+        self.plan = dataclasses.replace(plan, items=plan.items + items, planner_data=digests)
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
