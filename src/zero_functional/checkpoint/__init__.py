@@ -9,16 +9,9 @@ through the process group. A checkpoint that does not fit, or whose bytes are no
 written, is a :class:`~zero_functional.checkpoint.storage.CheckpointError` on every rank, with
 the model and the optimizer untouched.
 
-To load one into a plain, unsharded optimizer::
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save("ckpt", "ckpt.pt")             # one file, in one process
-    flat = torch.load("ckpt.pt", weights_only=True)
-    model.load_state_dict(model_state_dict(flat))
-    optimizer.load_state_dict(optimizer_state_dict(flat))
-
-For ``torch.distributed.checkpoint`` itself, :func:`stateful` wraps a model and its optimizer
-in a ``Stateful`` (:mod:`~zero_functional.checkpoint.stateful`).
+A plain, unsharded optimizer loads one through ``dcp_to_torch_save`` (one file, in one
+process), :func:`model_state_dict` and :func:`optimizer_state_dict`, as the README shows;
+``torch.distributed.checkpoint`` itself, through :func:`stateful`.
 """
 
 from __future__ import annotations
@@ -86,9 +79,8 @@ def _snapshot(
         ]
     others: dict[str, Tensor] = {}
     if model is not None and rank == 0:  # replicated on every rank: one writer
-        for name, t in module_of(model).state_dict(keep_vars=True).items():
-            if isinstance(t, Tensor) and t not in in_optimizer:
-                others[name] = t
+        state = module_of(model).state_dict(keep_vars=True)
+        others = {n: t for n, t in state.items() if isinstance(t, Tensor) and t not in in_optimizer}
     n_averaged = None if ema is None else ema.n_averaged()
     blockwise = src is not None and src.blockwise() is not None
     return Snapshot(held, others, groups, extra, n_averaged, blockwise)
