@@ -334,7 +334,10 @@ def _read(
         wanted[item] = (shape, dtype, [(0, math.prod(shape))])
     objects = ["extra"] if request.owned is None else ["extra", "param_groups"]
     owned = list(request.owned or ())
-    index = _state_index(saved)
+    index: dict[str, dict[str, str]] = {}  # per parameter name, its state keys' items
+    for item in saved:
+        if (split := split_state_key(item)) is not None:
+            index.setdefault(split[0], {})[split[1]] = item
     params = {}
     for o in owned:
         keys = {
@@ -366,15 +369,6 @@ def _read(
         ema={o.piece.param: tensors[ema_key(o.name)][0] for o in owned if request.ema},
         ema_n_averaged=int(cast(int, values.get(EMA_N_AVERAGED, 0))),
     )
-
-
-def _state_index(saved: Saved) -> dict[str, dict[str, str]]:
-    """The saved optimizer state: per parameter name, its state keys to their items' keys."""
-    out: dict[str, dict[str, str]] = {}
-    for item in saved:
-        if (split := split_state_key(item)) is not None:
-            out.setdefault(split[0], {})[split[1]] = item
-    return out
 
 
 def _model_sources(saved: Saved, request: Request) -> dict[str, str]:

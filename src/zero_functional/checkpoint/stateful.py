@@ -153,14 +153,10 @@ class ZeroStateful:
         out: dict[str, dict[str, Any]] = {}
         for k, piece in src.pieces.items():
             p = src.table.params[k]
-            if k in held:
-                values, fresh, probed = held[k], False, piece.numel
-            elif p.requires_grad:
-                template, probed = self._template(src, k, probes)
-                if template is None:
-                    continue
-                values, fresh = template, True
-            else:
+            values, fresh, probed = held.get(k), k not in held, piece.numel
+            if fresh and p.requires_grad:  # not stepped yet: a fresh state's template
+                values, probed = self._template(src, k, probes)
+            if values is None:
                 continue
             entry: dict[str, Any] = {}
             for key, v in values.items():
@@ -194,16 +190,13 @@ class ZeroStateful:
         for name, entry in saved["state"].items():
             k = index[name]
             piece, p = src.pieces[k], src.table.params[k]
-            values: dict[str, Any] = {}
+            values = state[k] = dict(entry)
             for key, v in entry.items():
                 if isinstance(v, ShardedTensor):
                     made = self._flat.get((name, key))
                     # the buffer DCP read into, through the shards' views
                     flat = made[1] if made is not None and made[0] is v else _piece_of(v)
                     values[key] = flat.view(p.shape) if piece.is_whole else flat
-                else:
-                    values[key] = v
-            state[k] = values
         self._flat = {}
         src.install(state, groups)
         if self.ema is not None:
