@@ -133,9 +133,8 @@ def _plan(
     verdict: tuple[list[SavePlan] | None, str | None] = (None, None)
     metadata = None
     if rank == 0:
-        failed = [(r, p) for r, p in enumerate(plans) if isinstance(p, str)]
         try:
-            if failed:
+            if failed := [(r, p) for r, p in enumerate(plans) if isinstance(p, str)]:
                 raise CheckpointError(by_rank(failed))
             central, metadata = planner.create_global_plan(cast(list[SavePlan], plans))
             verdict = (writer.prepare_global_plan(central), None)

@@ -37,12 +37,12 @@ def _sharded(src: Source, k: int, local: Tensor) -> ShardedTensor:
     ShardedTensor whose shards are the row-major boxes of every holder's piece: what DCP writes
     and reshards."""
     assert src.ownership is not None
-    shape, device = src.table.params[k].shape, str(local.device)
+    shape, device, me = src.table.params[k].shape, str(local.device), comm.rank_or_zero(src.group)
     metas: list[ShardMetadata] = []
     shards: list[Shard] = []
     for rank, piece in src.ownership.holders(k):
         placement = f"rank:{comm.global_rank(comm.default_group(src.group), rank)}/{device}"
-        mine = rank == src.rank
+        mine = rank == me
         # another rank's piece: only its boxes (a meta tensor has no memory)
         flat = local if mine else torch.empty(piece.numel, dtype=local.dtype, device="meta")
         for (offsets, sizes), view in box_views(shape, piece.start, piece.stop, flat):

@@ -101,11 +101,10 @@ def box_views(
         >>> [(box, view.tolist()) for box, view in box_views((2, 3), 2, 5, torch.arange(3))]
         [(((0, 2), (1, 1)), [[0]]), (((1, 0), (1, 2)), [[1, 2]])]
     """
-    out = []
-    for box, first in flat_range_boxes(shape, start, stop, max_numel=max_numel):
-        a = first - start
-        out.append((box, flat[a : a + math.prod(box[1])].view(box[1])))
-    return out
+    return [
+        (box, flat.narrow(0, first - start, math.prod(box[1])).view(box[1]))
+        for box, first in flat_range_boxes(shape, start, stop, max_numel=max_numel)
+    ]
 
 
 def _digest(obj: object) -> str:
