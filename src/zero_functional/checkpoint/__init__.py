@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.checkpoint import format as checkpoint_format
-from zero_functional.checkpoint import per_rank
+from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.background import SaveHandle
 from zero_functional.checkpoint.format import (
     FORMAT,
@@ -163,7 +163,7 @@ def save(
             behind training, with every guarantee above. Not over a ``device_mesh``.
         shared: ``False`` when the ranks share no file system (Ray Train, pods): ``path`` is
             this rank's own directory, with its files, manifest and commit
-            (:mod:`~zero_functional.checkpoint.per_rank`); ``load`` reads the ranks'
+            (:mod:`~zero_functional.checkpoint.storage`); ``load`` reads the ranks'
             directories merged into one. Blocking, and not over a ``device_mesh``.
 
     Returns:
@@ -271,7 +271,7 @@ def load(
         raise ValueError("load(ema=...) takes the ShardedEMA of the optimizer it is given")
     src = None if optimizer is None else source(optimizer, process_group)
     request = _request(model, src, tensors, strict, ema is not None)
-    per_rank.check_parts(path)  # a shared=False save: every rank's part, of one save
+    storage.check_parts(path)  # a shared=False save: every rank's part, of one save
     contents = checkpoint_format.read(path, request, process_group if src is None else src.group)
     if src is not None:
         src.install(contents.state, contents.param_groups)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-from zero_functional.checkpoint import background, per_rank, quantized, storage
+from zero_functional.checkpoint import background, quantized, storage
 from zero_functional.checkpoint.keys import (
     MODEL_PREFIX,
     check_groups,
@@ -150,7 +150,7 @@ def write(
     """Write every rank's snapshot to the directory ``path``, after a save in flight; collective.
     ``blocking=False`` returns once the state is copied, with the write's handle
     (:mod:`~zero_functional.checkpoint.background`); ``shared=False`` writes into each rank's
-    own directory (:mod:`~zero_functional.checkpoint.per_rank`).
+    own directory (:func:`~zero_functional.checkpoint.storage.save_pieces`).
 
     Raises:
         CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
@@ -166,8 +166,9 @@ def write(
     if not blocking:
         return background.start(path, pieces, objects, process_group, max_box_numel=max_box_numel)
     background.settle(process_group)
-    save_pieces = storage.save_pieces if shared else per_rank.save_pieces
-    save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
+    storage.save_pieces(
+        path, pieces, objects, process_group, max_box_numel=max_box_numel, shared=shared
+    )
     return None
 
 

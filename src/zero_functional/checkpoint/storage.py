@@ -6,6 +6,13 @@ as the N-d boxes they cover: no copies, no padding) and small objects, through
 for, whatever ranges were saved, after checking everything. Every item has a CRC32, so a
 flipped or truncated byte is a :class:`CheckpointCorruptError`, never NaN state. The files are
 DCP's format: its stock readers read them unchanged.
+
+Without a shared file system (``shared=False``: Ray Train, pods) each rank writes into its own
+directory only its own files (DCP's names are unique to a rank; rank 0 adds the index), then
+its manifest :data:`MANIFEST` (the save's id, its rank, the world size, each file's size and
+CRC32), and commits it. The ranks' directories merged into one (Ray Train does it) are a
+checkpoint ``load`` reads at any world size, once :func:`check_parts` has found every rank's
+part of one save there.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
+import re
+import uuid
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, cast
@@ -71,6 +81,9 @@ DEFAULT_MAX_BOX_NUMEL = 1 << 22
 """No stored chunk holds more elements: what bounds memory while saving (one chunk at a time)
 and loading (at most two chunks beyond the output)."""
 
+MANIFEST = ".rank-{rank}-of-{world}.json"
+"""Each rank's manifest in a ``shared=False`` checkpoint."""
+_MANIFEST_RE = re.compile(r"^\.rank-(\d+)-of-(\d+)\.json$")
 _CRC_ATTR = "zf_crc32"  # pickled with each _StorageInfo in .metadata; stock readers ignore it
 
 
@@ -422,20 +435,6 @@ def dcp_parts(
     return _BoxSavePlanner(pieces, max_box_numel), writer
 
 
-def write_dcp(
-    tmp: str,
-    pieces: Pieces,
-    objects: Mapping[str, object],
-    process_group: dist.ProcessGroup | None,
-    max_box_numel: int | None,
-) -> None:
-    """Write every rank's ``pieces`` and ``objects`` into ``tmp`` with DCP; collective, a
-    failure raised on every rank."""
-    planner, writer = dcp_parts(tmp, pieces, max_box_numel)
-    with dcp_errors("save"):
-        dcp_save(dict(objects), storage_writer=writer, planner=planner, process_group=process_group)
-
-
 class AtomicSave:
     """One atomic save: a marked temporary beside ``path``, written, committed, one verdict.
 
@@ -547,6 +546,7 @@ def save_pieces(
     process_group: dist.ProcessGroup | None = None,
     *,
     max_box_numel: int | None = DEFAULT_MAX_BOX_NUMEL,
+    shared: bool = True,
 ) -> None:
     """Write this rank's pieces and ``objects`` to the directory ``path``, atomically; collective.
 
@@ -558,6 +558,8 @@ def save_pieces(
         objects: Small picklable values (identical on every rank that passes one).
         process_group: The ranks that save together (default: the world).
         max_box_numel: No stored chunk is larger: the memory a save needs beyond the state.
+        shared: ``False``: ``path`` is this rank's own directory (every rank's differs), which
+            gets its files and its manifest (an :class:`AtomicSave` of its own on each rank).
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause (:class:`AtomicSave`).
@@ -569,8 +571,92 @@ def save_pieces(
         >>> read_keys(path), read_objects(path, ["n"]), verify(path)
         ({'n': None, 'w': ((2,), torch.float32)}, {'n': 1}, 2)
     """
-    with AtomicSave(path, process_group) as save:
-        write_dcp(save.tmp, pieces, objects, process_group, max_box_numel)
+    with AtomicSave(path, process_group, own=not shared) as save:
+        save_id = None if shared else comm.broadcast_object(uuid.uuid4().hex, process_group)
+        planner, writer = dcp_parts(save.tmp, pieces, max_box_numel)
+        with dcp_errors("save"):
+            dcp_save(
+                dict(objects), storage_writer=writer, planner=planner, process_group=process_group
+            )
+        if save_id is not None:
+            world = comm.group_size(comm.default_group(process_group))
+            write_manifest(save.tmp, str(save_id), comm.rank_or_zero(process_group), world)
+
+
+def write_manifest(directory: str, save_id: str, rank: int, world_size: int) -> None:
+    """Write rank ``rank``'s manifest into ``directory``: the save's id and each file there
+    (but manifests and the save marker) with its size and CRC32; flushed to disk."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name != atomic_dir.MARKER and not _MANIFEST_RE.match(name):
+            crc, size = atomic_dir.file_crc(os.path.join(directory, name))
+            files[name] = {"size": size, "crc32": f"{crc:08x}"}
+    body = {"save": save_id, "rank": rank, "world_size": world_size, "files": files}
+    path = os.path.join(directory, MANIFEST.format(rank=rank, world=world_size))
+    with open(path, "w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_parts(path: str | os.PathLike[str]) -> None:
+    """Raise a :class:`CheckpointError` unless the ``shared=False`` checkpoint at ``path`` holds
+    every rank's part of one save (every manifest, one save id, each listed file of its size);
+    nothing where there are no manifests.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> write_manifest(d, "abc", 0, 2)
+        >>> check_parts(d)
+        Traceback (most recent call last):
+        ...
+        zero_functional.checkpoint.storage.CheckpointError: the checkpoint in ... is missing rank 1's part (ranks 0-1 of 2 saved it with shared=False): merge every rank's directory into it
+    """
+    directory = os.fspath(path)
+    if not os.path.isdir(directory):
+        return  # the reader names a missing directory
+    found: dict[int, tuple[int, dict[str, object]]] = {}
+    for name in os.listdir(directory):
+        m = _MANIFEST_RE.match(name)
+        if m:
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    found[int(m.group(1))] = (int(m.group(2)), json.load(f))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot read the manifest {name} in {directory}: {e}") from e
+    if not found:
+        return
+    worlds = {w for w, _ in found.values()}
+    saves = {str(body.get("save")) for _, body in found.values()}
+    if len(worlds) > 1 or len(saves) > 1:
+        raise CheckpointError(
+            f"the checkpoint in {directory} mixes parts of different saves (manifests of "
+            f"{len(saves)} saves, world sizes {first_of(sorted(worlds))}): merge the "
+            "directories of one save"
+        )
+    (world,) = worlds
+    missing = [r for r in range(world) if r not in found]
+    if missing:
+        whose = (
+            f"rank {missing[0]}'s part"
+            if len(missing) == 1
+            else f"ranks {first_of(missing)}'s parts"
+        )
+        raise CheckpointError(
+            f"the checkpoint in {directory} is missing {whose} (ranks 0-{world - 1} of {world} "
+            "saved it with shared=False): merge every rank's directory into it"
+        )
+    for rank, (_, body) in sorted(found.items()):
+        for name, info in cast(Mapping[str, Mapping[str, object]], body["files"]).items():
+            file = os.path.join(directory, name)
+            size = os.path.getsize(file) if os.path.isfile(file) else None
+            if size != info["size"]:
+                got = "missing" if size is None else f"{size} bytes"
+                raise CheckpointError(
+                    f"rank {rank}'s file {file} is {got} but {info['size']} bytes were saved: "
+                    "the merged checkpoint is incomplete or was overwritten"
+                )
 
 
 def _metadata(path: str | os.PathLike[str]) -> Metadata:
