@@ -28,15 +28,8 @@ from zero_functional import comm
 from zero_functional.checkpoint import format as checkpoint_format
 from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.background import SaveHandle
-from zero_functional.checkpoint.format import (
-    FORMAT,
-    Held,
-    Owned,
-    Request,
-    Snapshot,
-    model_state_dict,
-    optimizer_state_dict,
-)
+from zero_functional.checkpoint.format import FORMAT, Held, Owned, Request, Snapshot
+from zero_functional.checkpoint.keys import model_state_dict, optimizer_state_dict
 from zero_functional.checkpoint.source import Source, module_of, source
 from zero_functional.checkpoint.stateful import ZeroStateful, stateful
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
@@ -213,11 +206,7 @@ def save(
 
 
 def _request(
-    model: nn.Module | None,
-    src: Source | None,
-    tensors: dict[str, Tensor],
-    strict: bool,
-    ema: bool,
+    model: nn.Module | None, src: Source | None, tensors: dict[str, Tensor], strict: bool, ema: bool
 ) -> Request:
     """What this rank reads: the model's tensors, and the pieces its optimizer reads."""
     shapes = None if model is None else {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}

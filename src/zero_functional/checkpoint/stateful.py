@@ -12,10 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
