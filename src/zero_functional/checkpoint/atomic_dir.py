@@ -130,8 +130,7 @@ def release(tmp: str) -> None:
         >>> release(make_temporary(ckpt)); [n[:9] for n in remove_leftovers(ckpt)]
         ['ckpt.tmp-']
     """
-    held = _HELD.pop(tmp, None)
-    if held is not None:
+    if (held := _HELD.pop(tmp, None)) is not None:
         os.close(held[0])  # and with it the lock
 
 

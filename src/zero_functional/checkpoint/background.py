@@ -206,11 +206,9 @@ def _await_commit(job: _Job) -> None:
     tmp, target = job.save.tmp, job.save.target
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     while True:
-        failed = _get(os.path.join(tmp, _FAILED))
-        if failed is not None:
+        if (failed := _get(os.path.join(tmp, _FAILED))) is not None:
             raise CheckpointError(str(failed))
-        committed = _get(_results_file(target, job.rank))
-        if committed is not None and committed[0] == tmp:
+        if (committed := _get(_results_file(target, job.rank))) is not None and committed[0] == tmp:
             return
         if time.monotonic() > deadline:
             raise CheckpointError(
@@ -294,8 +292,7 @@ def settle(process_group: dist.ProcessGroup | None) -> None:
     verdicts: list[object] = [unreported]
     if dist.is_initialized():
         verdicts = comm.all_gather_objects(unreported, comm.default_group(process_group))
-    failed = [str(v) for v in verdicts if v is not None]
-    if failed:
+    if failed := [str(v) for v in verdicts if v is not None]:
         raise CheckpointError(f"the previous background save failed: {failed[0]}")
 
 

@@ -201,8 +201,7 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         saved = self.metadata.state_dict_metadata
         errors: list[str] = []
-        missing = [k for k in [*self._objects, *self._wanted] if k not in saved]
-        if missing:
+        if missing := [k for k in [*self._objects, *self._wanted] if k not in saved]:
             errors.append(f"it has no {first_of(missing)}")
         for k in self._objects:
             if k in saved and not isinstance(saved[k], BytesStorageMetadata):
@@ -386,8 +385,7 @@ def _checked(f: io.BufferedReader, where: str, info: _StorageInfo) -> bytes:
         raise CheckpointCorruptError(
             f"{where} needs {span} but the file has {size}: the checkpoint is truncated"
         )
-    expected = getattr(info, _CRC_ATTR, None)
-    if expected is None:
+    if (expected := getattr(info, _CRC_ATTR, None)) is None:
         raise CheckpointCorruptError(f"{where} has no recorded checksum")
     if (got := zlib.crc32(raw)) != expected:
         raise CheckpointCorruptError(
@@ -618,8 +616,7 @@ def check_parts(path: str | os.PathLike[str]) -> None:
         return  # the reader names a missing directory
     found: dict[int, tuple[int, dict[str, object]]] = {}
     for name in os.listdir(directory):
-        m = _MANIFEST_RE.match(name)
-        if m:
+        if m := _MANIFEST_RE.match(name):
             try:
                 with open(os.path.join(directory, name)) as f:
                     found[int(m.group(1))] = (int(m.group(2)), json.load(f))
@@ -636,8 +633,7 @@ def check_parts(path: str | os.PathLike[str]) -> None:
             "directories of one save"
         )
     (world,) = worlds
-    missing = [r for r in range(world) if r not in found]
-    if missing:
+    if missing := [r for r in range(world) if r not in found]:
         whose = (
             f"rank {missing[0]}'s part"
             if len(missing) == 1
