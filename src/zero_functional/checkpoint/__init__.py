@@ -5,9 +5,7 @@ each parameter's shape, keyed by name: :mod:`~zero_functional.checkpoint.format`
 of the world size and the partition. Each rank writes its pieces of the parameters and their
 state (a plain ``torch.optim`` optimizer's: rank 0), rank 0 the model's other tensors; each
 reads the whole model and only the boxes of state its pieces need. No byte of state goes
-through the process group. A checkpoint that does not fit, or whose bytes are not what was
-written, is a :class:`~zero_functional.checkpoint.storage.CheckpointError` on every rank, with
-the model and the optimizer untouched.
+through the process group.
 
 A plain, unsharded optimizer loads one through ``dcp_to_torch_save`` (one file, in one
 process), :func:`model_state_dict` and :func:`optimizer_state_dict`, as the README shows;

@@ -1,13 +1,10 @@
 """Replace a directory atomically: write a marked temporary beside it, swap it in, clean up after.
 
-The steps of a save (:class:`~zero_functional.checkpoint.storage.AtomicSave` runs them):
-:func:`refusal` (a file, a link or a directory of something else is never replaced),
-:func:`make_temporary` (``<path>.tmp-<hex>`` with a marker naming the path and the save, held
-under a ``flock`` while the save lives), :func:`commit` (an atomic swap: a crash at any moment
-leaves the previous checkpoint or the new one; commits to one directory take turns, and a save
-that finds another's commit since it began loses with :class:`SaveRaceError`) and
-:func:`remove_leftovers` (only temporaries marked for the path and held by no live process).
-The marker stays in the committed checkpoint (readers ignore it). No torch here.
+The steps of a save, which :class:`~zero_functional.checkpoint.storage.AtomicSave` runs:
+:func:`refusal`, :func:`make_temporary`, :func:`commit` (a crash at any moment leaves the
+previous checkpoint or the new one; commits to one directory take turns) and
+:func:`remove_leftovers`. The marker stays in the committed checkpoint (readers ignore it).
+No torch here.
 """
 
 from __future__ import annotations

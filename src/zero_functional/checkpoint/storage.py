@@ -437,13 +437,11 @@ class AtomicSave:
     """One atomic save: a marked temporary beside ``path``, written, committed, one verdict.
 
     The shared, the per-rank (``own=True``: each rank into its own directory) and the background
-    saves all enter it. Making it refuses, on every rank and before anything is written, a
-    ``path`` that is a file, a link or a directory of something else
-    (:mod:`~zero_functional.checkpoint.atomic_dir`). Leaving the block commits what it wrote in
-    :attr:`tmp` (shared: rank 0; own: each rank) and agrees on the verdict: every rank returns
-    once the checkpoint is in place, or raises naming each rank's cause, the previous checkpoint
-    untouched. A block that fails (shared: DCP fails every rank; own: agreed) has its temporary
-    discarded; a background save :meth:`hand_off` s the commit to its thread.
+    saves all enter it. Making it refuses a ``path`` :func:`~.atomic_dir.refusal` refuses, on
+    every rank, before anything is written. Leaving the block commits :attr:`tmp` (shared: rank
+    0; own: each rank) and agrees on the verdict: every rank returns once the checkpoint is in
+    place, or raises naming each rank's cause, the temporary discarded and the previous
+    checkpoint untouched; a background save :meth:`hand_off` s the commit to its thread.
 
     Example:
         >>> import os, tempfile
