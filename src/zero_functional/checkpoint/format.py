@@ -373,7 +373,10 @@ def _read(
 
 
 def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
-    """Per model tensor to fill, the key it is read from; refuses a misfit when strict."""
+    """Per model tensor to fill, the key it is read from (refusing a misfit when strict): its
+    ``model.`` item, or the main copy saved with the optimizer state where that holds finer
+    values the tensor can keep (a bf16 model trained with ``main_params_dtype`` loading into an
+    fp32 model)."""
     if request.model is None:
         return {}
     names_saved = {k[len(MODEL_PREFIX) :] for k in saved if k.startswith(MODEL_PREFIX)}
@@ -384,20 +387,11 @@ def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
             f"the checkpoint does not fit the model: it lacks [{first_of(missing)}] and has "
             f"[{first_of(unexpected)}] in excess (pass strict=False to load the tensors both have)"
         )
-    return {
-        name: _model_source(saved, name, dtype)
-        for name, (_, dtype) in request.model.items()
-        if name in names_saved
-    }
-
-
-def _model_source(saved: Saved, name: str, dtype: torch.dtype) -> str:
-    """The key a model tensor ``name`` of ``dtype`` is read from: its ``model.`` entry, or the
-    main copy saved with the optimizer state where that holds finer values the tensor can keep
-    (a bf16 model trained with ``main_params_dtype`` loading into an fp32 model)."""
-    key, main = model_key(name), state_key(name, MAIN_KEY)
-    model_meta, main_meta = saved.get(key), saved.get(main)
-    if model_meta is None or main_meta is None:
-        return key
-    narrow = model_meta[1].itemsize
-    return main if main_meta[1].itemsize > narrow and dtype.itemsize > narrow else key
+    sources = {name: model_key(name) for name in request.model if name in names_saved}
+    for name, key in sources.items():
+        main, narrow = state_key(name, MAIN_KEY), saved[key]
+        if narrow is not None and (wide := saved.get(main)) is not None:
+            itemsize = narrow[1].itemsize
+            if wide[1].itemsize > itemsize and request.model[name][1].itemsize > itemsize:
+                sources[name] = main
+    return sources
