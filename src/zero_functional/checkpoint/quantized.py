@@ -80,13 +80,10 @@ def items(
             'blocks; use partition="flat", which cuts on them, or "sorted_greedy"'
         )
     blocks, first, end = numel // block, piece.start // block, math.ceil(piece.stop / block)
+    codes, scale = parts.codes, parts.scale
     pieces: Items = {
-        codes_key(name, key): (
-            (blocks * c,),
-            parts.codes.dtype,
-            [(first * c, end * c, parts.codes)],
-        ),
-        scale_key(name, key): ((blocks,), parts.scale.dtype, [(first, end, parts.scale)]),
+        codes_key(name, key): ((blocks * c,), codes.dtype, [(first * c, end * c, codes)]),
+        scale_key(name, key): ((blocks,), scale.dtype, [(first, end, scale)]),
     }
     meta = {
         "class": f"{parts.cls.__module__}.{parts.cls.__qualname__}",

@@ -740,11 +740,7 @@ def load_pieces(
         boxes = [b for (a, z), t in zip(ranges, out[key]) for b in box_views(shape, a, z, t)]
         plan[key] = _Want(shape, dtype, boxes)
     state: dict[str, Any] = {k: None for k in objects}
+    reader, planner = _ChecksummedReader(os.fspath(path)), _BoxLoadPlanner(plan, objects)
     with dcp_errors("load"):
-        dcp_load(
-            state,
-            storage_reader=_ChecksummedReader(os.fspath(path)),
-            planner=_BoxLoadPlanner(plan, objects),
-            process_group=process_group,
-        )
+        dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)
     return out, state
