@@ -53,7 +53,6 @@ FORMAT = "zero_functional.checkpoint/1"
 FORMAT_QUANTIZED = "zero_functional.checkpoint/2"
 """The ``format`` object of those of an optimizer that may keep block-wise quantized state."""
 
-
 EMA_N_AVERAGED = "ema_n_averaged"
 """The object that holds a saved EMA's number of averaged updates."""
 
