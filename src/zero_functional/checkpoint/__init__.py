@@ -5,20 +5,11 @@ each parameter's shape, keyed by name: :mod:`~zero_functional.checkpoint.format`
 of the world size and the partition. Each rank writes its pieces of the parameters and their
 state (a plain ``torch.optim`` optimizer's: rank 0), rank 0 the model's other tensors; each
 reads the whole model and only the boxes of state its pieces need. No byte of state goes
-through the process group. A checkpoint that does not fit, or whose bytes are not what was
-written, is a :class:`~zero_functional.checkpoint.storage.CheckpointError` on every rank, with
-the model and the optimizer untouched.
+through the process group.
 
-To load one into a plain, unsharded optimizer::
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save("ckpt", "ckpt.pt")             # one file, in one process
-    flat = torch.load("ckpt.pt", weights_only=True)
-    model.load_state_dict(model_state_dict(flat))
-    optimizer.load_state_dict(optimizer_state_dict(flat))
-
-For ``torch.distributed.checkpoint`` itself, :func:`stateful` wraps a model and its optimizer
-in a ``Stateful`` (:mod:`~zero_functional.checkpoint.stateful`).
+A plain, unsharded optimizer loads one through ``dcp_to_torch_save`` (one file, in one
+process), :func:`model_state_dict` and :func:`optimizer_state_dict`, as the README shows;
+``torch.distributed.checkpoint`` itself, through :func:`stateful`.
 """
 
 from __future__ import annotations
@@ -33,17 +24,10 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.checkpoint import format as checkpoint_format
-from zero_functional.checkpoint import per_rank
+from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.background import SaveHandle
-from zero_functional.checkpoint.format import (
-    FORMAT,
-    Held,
-    Owned,
-    Request,
-    Snapshot,
-    model_state_dict,
-    optimizer_state_dict,
-)
+from zero_functional.checkpoint.format import FORMAT, Held, Owned, Request, Snapshot
+from zero_functional.checkpoint.keys import model_state_dict, optimizer_state_dict
 from zero_functional.checkpoint.source import Source, module_of, source
 from zero_functional.checkpoint.stateful import ZeroStateful, stateful
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
@@ -86,9 +70,8 @@ def _snapshot(
         ]
     others: dict[str, Tensor] = {}
     if model is not None and rank == 0:  # replicated on every rank: one writer
-        for name, t in module_of(model).state_dict(keep_vars=True).items():
-            if isinstance(t, Tensor) and t not in in_optimizer:
-                others[name] = t
+        state = module_of(model).state_dict(keep_vars=True)
+        others = {n: t for n, t in state.items() if isinstance(t, Tensor) and t not in in_optimizer}
     n_averaged = None if ema is None else ema.n_averaged()
     blockwise = src is not None and src.blockwise() is not None
     return Snapshot(held, others, groups, extra, n_averaged, blockwise)
@@ -171,7 +154,7 @@ def save(
             behind training, with every guarantee above. Not over a ``device_mesh``.
         shared: ``False`` when the ranks share no file system (Ray Train, pods): ``path`` is
             this rank's own directory, with its files, manifest and commit
-            (:mod:`~zero_functional.checkpoint.per_rank`); ``load`` reads the ranks'
+            (:mod:`~zero_functional.checkpoint.storage`); ``load`` reads the ranks'
             directories merged into one. Blocking, and not over a ``device_mesh``.
 
     Returns:
@@ -221,11 +204,7 @@ def save(
 
 
 def _request(
-    model: nn.Module | None,
-    src: Source | None,
-    tensors: dict[str, Tensor],
-    strict: bool,
-    ema: bool,
+    model: nn.Module | None, src: Source | None, tensors: dict[str, Tensor], strict: bool, ema: bool
 ) -> Request:
     """What this rank reads: the model's tensors, and the pieces its optimizer reads."""
     shapes = None if model is None else {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
@@ -279,7 +258,7 @@ def load(
         raise ValueError("load(ema=...) takes the ShardedEMA of the optimizer it is given")
     src = None if optimizer is None else source(optimizer, process_group)
     request = _request(model, src, tensors, strict, ema is not None)
-    per_rank.check_parts(path)  # a shared=False save: every rank's part, of one save
+    storage.check_parts(path)  # a shared=False save: every rank's part, of one save
     contents = checkpoint_format.read(path, request, process_group if src is None else src.group)
     if src is not None:
         src.install(contents.state, contents.param_groups)

@@ -1,13 +1,10 @@
 """Replace a directory atomically: write a marked temporary beside it, swap it in, clean up after.
 
-The steps of a save (:class:`~zero_functional.checkpoint.storage.AtomicSave` runs them):
-:func:`refusal` (a file, a link or a directory of something else is never replaced),
-:func:`make_temporary` (``<path>.tmp-<hex>`` with a marker naming the path and the save, held
-under a ``flock`` while the save lives), :func:`commit` (an atomic swap: a crash at any moment
-leaves the previous checkpoint or the new one; commits to one directory take turns, and a save
-that finds another's commit since it began loses with :class:`SaveRaceError`) and
-:func:`remove_leftovers` (only temporaries marked for the path and held by no live process).
-The marker stays in the committed checkpoint (readers ignore it). No torch here.
+The steps of a save, which :class:`~zero_functional.checkpoint.storage.AtomicSave` runs:
+:func:`refusal`, :func:`make_temporary`, :func:`commit` (a crash at any moment leaves the
+previous checkpoint or the new one; commits to one directory take turns) and
+:func:`remove_leftovers`. The marker stays in the committed checkpoint (readers ignore it).
+No torch here.
 """
 
 from __future__ import annotations
@@ -130,8 +127,7 @@ def release(tmp: str) -> None:
         >>> release(make_temporary(ckpt)); [n[:9] for n in remove_leftovers(ckpt)]
         ['ckpt.tmp-']
     """
-    held = _HELD.pop(tmp, None)
-    if held is not None:
+    if (held := _HELD.pop(tmp, None)) is not None:
         os.close(held[0])  # and with it the lock
 
 
@@ -205,8 +201,6 @@ def remove_leftovers(path: str) -> list[str]:
     return sorted(removed)
 
 
-# ------------------------------------------------------------------------------ the swap
-
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -267,42 +261,35 @@ def commit(tmp: str, path: str) -> None:
         ...
         zero_functional.checkpoint.atomic_dir.SaveRaceError: another save committed /.../ckpt while this one was writing (save ... by process ... on ...); ...
     """
+    parent, old = os.path.dirname(os.path.abspath(path)), None
     try:
-        old = _swap(tmp, path)
+        _fsync_dir(tmp)
+        with _turn(parent):
+            reason = refusal(path)
+            if reason is not None:  # it changed under the save: never swap a user's file away
+                raise FileExistsError(reason)
+            now, held = _read_marker(path) if _ours(path, path) else None, _HELD.get(tmp)
+            if now is not None and held is not None and now != held[1]:
+                raise SaveRaceError(
+                    f"another save committed {os.path.abspath(path)} while this one was writing "
+                    f"({_who(now)}); the checkpoint there is that save's, complete, and this one "
+                    f"({_who(_read_marker(tmp))}) is not committed: two jobs are saving to one "
+                    "directory; give each its own"
+                )
+            if not os.path.lexists(path):
+                os.rename(tmp, path)  # readers see no checkpoint, then the whole new one
+            elif _exchange(tmp, path):
+                old = tmp  # now the previous checkpoint
+            else:  # two renames: a crash between them leaves the previous one at <path>.old-*
+                old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+                os.rename(path, old)
+                os.rename(tmp, path)
+            _fsync_dir(parent)
     finally:
         release(tmp)
     if old is not None:
         with contextlib.suppress(OSError):  # the new one is in place; the next save retries
             shutil.rmtree(old)
-
-
-def _swap(tmp: str, path: str) -> str | None:
-    """:func:`commit`'s swap, in turn; where the previous checkpoint now is, if any."""
-    _fsync_dir(tmp)
-    parent = os.path.dirname(os.path.abspath(path))
-    with _turn(parent):
-        reason = refusal(path)
-        if reason is not None:  # it changed under the save: never swap a user's file away
-            raise FileExistsError(reason)
-        now, held = _read_marker(path) if _ours(path, path) else None, _HELD.get(tmp)
-        if now is not None and held is not None and now != held[1]:
-            raise SaveRaceError(
-                f"another save committed {os.path.abspath(path)} while this one was writing "
-                f"({_who(now)}); the checkpoint there is that save's, complete, and this one "
-                f"({_who(_read_marker(tmp))}) is not committed: two jobs are saving to one "
-                "directory; give each its own"
-            )
-        old: str | None = None
-        if not os.path.lexists(path):
-            os.rename(tmp, path)  # readers see no checkpoint, then the whole new one
-        elif _exchange(tmp, path):
-            old = tmp  # now the previous checkpoint
-        else:  # two renames: a crash between them leaves the previous one at <path>.old-*
-            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-        _fsync_dir(parent)
-    return old
 
 
 def not_a_checkpoint(path: str) -> str | None:

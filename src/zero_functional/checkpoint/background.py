@@ -91,7 +91,6 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
     staged: dict[tuple[str, int, int], Tensor] = {}
     devices: set[torch.device] = set()
     for key, (shape, dtype, ranges) in pieces.items():
-        copies = []
         for start, stop, t in ranges:
             t, host = t.detach(), _STAGED.get((key, start, stop))
             kind = (t.shape, t.dtype, t.is_cuda)  # pinned for a device copy
@@ -100,8 +99,7 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
             staged[key, start, stop] = host.copy_(t, non_blocking=t.is_cuda)
             if t.is_cuda:
                 devices.add(t.device)
-            copies.append((start, stop, host))
-        out[key] = (shape, dtype, copies)
+        out[key] = (shape, dtype, [(a, z, staged[key, a, z]) for a, z, _ in ranges])
     _STAGED.clear()
     _STAGED.update(staged)
     events = []
@@ -127,8 +125,7 @@ def _plan(
         local = writer.prepare_local_plan(planner.create_local_plan())
     except Exception as e:  # one rank's bad input fails every rank, not a hang
         local = f"{type(e).__name__}: {e}"
-    distributed = dist.is_initialized()
-    group = comm.default_group(group) if distributed else None
+    group = comm.default_group(group) if dist.is_initialized() else None
     # as one bytes object: torch.save (comm's pickler) of a plan's small objects is slow
     mine = pickle.dumps(local)
     packed = comm.all_gather_objects(mine, group) if group is not None else [mine]
@@ -136,9 +133,8 @@ def _plan(
     verdict: tuple[list[SavePlan] | None, str | None] = (None, None)
     metadata = None
     if rank == 0:
-        failed = [(r, p) for r, p in enumerate(plans) if isinstance(p, str)]
         try:
-            if failed:
+            if failed := [(r, p) for r, p in enumerate(plans) if isinstance(p, str)]:
                 raise CheckpointError(by_rank(failed))
             central, metadata = planner.create_global_plan(cast(list[SavePlan], plans))
             verdict = (writer.prepare_global_plan(central), None)
@@ -210,11 +206,9 @@ def _await_commit(job: _Job) -> None:
     tmp, target = job.save.tmp, job.save.target
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     while True:
-        failed = _get(os.path.join(tmp, _FAILED))
-        if failed is not None:
+        if (failed := _get(os.path.join(tmp, _FAILED))) is not None:
             raise CheckpointError(str(failed))
-        committed = _get(_results_file(target, job.rank))
-        if committed is not None and committed[0] == tmp:
+        if (committed := _get(_results_file(target, job.rank))) is not None and committed[0] == tmp:
             return
         if time.monotonic() > deadline:
             raise CheckpointError(
@@ -294,14 +288,11 @@ def settle(process_group: dist.ProcessGroup | None) -> None:
         return
     handle = _IN_FLIGHT.pop()
     handle._thread.join()
-    unreported = None
-    if handle._error is not None and not handle._reported:
-        unreported = str(handle._error)
+    unreported = None if handle._error is None or handle._reported else str(handle._error)
     verdicts: list[object] = [unreported]
     if dist.is_initialized():
         verdicts = comm.all_gather_objects(unreported, comm.default_group(process_group))
-    failed = [str(v) for v in verdicts if v is not None]
-    if failed:
+    if failed := [str(v) for v in verdicts if v is not None]:
         raise CheckpointError(f"the previous background save failed: {failed[0]}")
 
 

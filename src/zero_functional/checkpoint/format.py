@@ -28,17 +28,17 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-from zero_functional.checkpoint import background, per_rank, quantized, storage
+from zero_functional.checkpoint import background, quantized, storage
 from zero_functional.checkpoint.keys import (
     MODEL_PREFIX,
     check_groups,
     ema_key,
     model_key,
-    model_state_dict,
-    optimizer_state_dict,
     split_state_key,
     state_key,
 )
+from zero_functional.checkpoint.keys import model_state_dict as model_state_dict
+from zero_functional.checkpoint.keys import optimizer_state_dict as optimizer_state_dict
 from zero_functional.checkpoint.storage import CheckpointError, Pieces, Saved, Wanted
 from zero_functional.comm import ProcessGroup
 from zero_functional.core._validate import first_of
@@ -47,42 +47,14 @@ from zero_functional.core.main_params import MAIN_KEY
 from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_QUANTIZED",
-    "READERS",
-    "Contents",
-    "Held",
-    "Owned",
-    "Request",
-    "Snapshot",
-    "EMA_N_AVERAGED",
-    "check_groups",
-    "ema_key",
-    "layout",
-    "model_key",
-    "model_state_dict",
-    "optimizer_state_dict",
-    "read",
-    "read_v1",
-    "read_v2",
-    "split_state_key",
-    "state_key",
-    "write",
-]
-
 FORMAT = "zero_functional.checkpoint/1"
 """The ``format`` object of the checkpoints :func:`write` writes without quantized state."""
 
 FORMAT_QUANTIZED = "zero_functional.checkpoint/2"
 """The ``format`` object of those of an optimizer that may keep block-wise quantized state."""
 
-
 EMA_N_AVERAGED = "ema_n_averaged"
 """The object that holds a saved EMA's number of averaged updates."""
-
-
-# ------------------------------------------------------------------------------ writing
 
 
 @dataclass(frozen=True)
@@ -160,11 +132,8 @@ def layout(snapshot: Snapshot) -> tuple[Pieces, dict[str, Any]]:
     if snapshot.param_groups is not None:
         objects["param_groups"] = snapshot.param_groups
     for name, t in snapshot.others.items():
-        pieces[model_key(name)] = (
-            tuple(t.shape),
-            t.dtype,
-            [(0, t.numel(), t.detach().reshape(-1))],
-        )
+        flat = t.detach().reshape(-1)
+        pieces[model_key(name)] = (tuple(t.shape), t.dtype, [(0, t.numel(), flat)])
     return pieces, objects
 
 
@@ -180,7 +149,7 @@ def write(
     """Write every rank's snapshot to the directory ``path``, after a save in flight; collective.
     ``blocking=False`` returns once the state is copied, with the write's handle
     (:mod:`~zero_functional.checkpoint.background`); ``shared=False`` writes into each rank's
-    own directory (:mod:`~zero_functional.checkpoint.per_rank`).
+    own directory (:func:`~zero_functional.checkpoint.storage.save_pieces`).
 
     Raises:
         CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
@@ -196,12 +165,10 @@ def write(
     if not blocking:
         return background.start(path, pieces, objects, process_group, max_box_numel=max_box_numel)
     background.settle(process_group)
-    save_pieces = storage.save_pieces if shared else per_rank.save_pieces
-    save_pieces(path, pieces, objects, process_group, max_box_numel=max_box_numel)
+    storage.save_pieces(
+        path, pieces, objects, process_group, max_box_numel=max_box_numel, shared=shared
+    )
     return None
-
-
-# ------------------------------------------------------------------------------ reading
 
 
 @dataclass(frozen=True)
@@ -246,8 +213,6 @@ class Contents:
 
 Read = tuple[Mapping[str, list[Tensor]], Mapping[str, object]]
 """What storage read: per key, its tensors (one per range); per object key, its value."""
-Reader = Callable[[str | os.PathLike[str], Saved, Request, ProcessGroup | None], Contents]
-"""A format version's reader: the path, its keys, what to read, the ranks that read."""
 
 
 class ParamRead(NamedTuple):
@@ -259,11 +224,20 @@ class ParamRead(NamedTuple):
     state: Callable[[Read], dict[str, Any]]
 
 
+Reader = Callable[[Saved, Owned, Mapping[str, str]], ParamRead]
+"""A format version's reader of one owned parameter's state (``keys``: state key to item key)."""
+
+
 def read(
     path: str | os.PathLike[str], request: Request, process_group: ProcessGroup | None
 ) -> Contents:
-    """Read what ``request`` needs from the checkpoint at ``path`` with its version's reader;
-    collective (the keys and the ``format`` object are read by each rank alone first).
+    """Read what ``request`` needs from the checkpoint at ``path``, each parameter's state by its
+    version's reader; collective (the keys and the ``format`` object are read by each rank
+    alone first).
+
+    Each rank reads the model tensors it fills, whole, and of the optimizer state only the
+    boxes its pieces cover; everything (keys, shapes, dtypes, checksums, groups) is checked
+    before a value is handed back.
 
     Raises:
         CheckpointError: Not a checkpoint, a version no reader reads, or one that does not fit.
@@ -286,45 +260,16 @@ def read(
         raise CheckpointError(
             f"{os.fspath(path)} has format {version!r}; this version reads {sorted(READERS)}"
         )
-    return reader(path, saved, request, process_group)
+    return _read(path, saved, request, process_group, reader)
 
 
-def read_v1(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-) -> Contents:
-    """The reader of :data:`FORMAT` (``zero_functional.checkpoint/1``); collective.
-
-    Each rank reads the model tensors it fills, whole, and of the optimizer state only the
-    boxes its pieces cover; everything (keys, shapes, dtypes, checksums, groups) is checked
-    before a value is handed back.
-    """
-    return _read(path, saved, request, process_group, _param_v1)
-
-
-def read_v2(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-) -> Contents:
-    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): checkpoint/1
-    plus block-wise quantized state, each rank reading the whole blocks around its pieces
-    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`); collective."""
-    return _read(path, saved, request, process_group, _param_v2)
-
-
-READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
-"""The reader of each directory format version."""
-
-
-def _param_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
-    """checkpoint/1's items of one parameter's state (``keys``: state key to item key)."""
+def read_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
+    """The reader of :data:`FORMAT` (``zero_functional.checkpoint/1``): each value's box over
+    the piece (in the parameter's shape if whole), a 0-d value whole, an object as saved."""
+    piece = owned.piece
+    shape = owned.shape if piece.is_whole else (piece.numel,)
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
     objects: list[str] = []
-    piece = owned.piece
     for item in keys.values():
         meta = saved[item]
         if meta is None:
@@ -333,31 +278,30 @@ def _param_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
             wanted[item] = ((), meta[1], [(0, 1)])
         else:
             wanted[item] = (owned.shape, meta[1], [(piece.start, piece.stop)])
-    return ParamRead(wanted, objects, lambda read: _state_v1(saved, owned, keys, read))
+
+    def state(read: Read) -> dict[str, Any]:
+        tensors, values = read
+        entry: dict[str, Any] = {}
+        for key, item in keys.items():
+            meta = saved[item]
+            if meta is None:
+                entry[key] = values[item]
+            else:
+                entry[key] = tensors[item][0].view(() if meta[0] == () else shape)
+        model = tensors.get(model_key(owned.name))
+        if entry and MAIN_KEY not in entry and owned.keeps_main and model is not None:
+            if model[0].dtype.itemsize > owned.dtype.itemsize:  # saved from a wider model (a
+                entry[MAIN_KEY] = model[0][piece.start : piece.stop].view(shape)  # fp32 run)
+        return entry
+
+    return ParamRead(wanted, objects, state)
 
 
-def _state_v1(saved: Saved, owned: Owned, keys: Mapping[str, str], read: Read) -> dict[str, Any]:
-    """One parameter's state over its piece (in its shape if whole) from what was read."""
-    tensors, values = read
-    piece = owned.piece
-    shape = owned.shape if piece.is_whole else (piece.numel,)
-    entry: dict[str, Any] = {}
-    for key, item in keys.items():
-        meta = saved[item]
-        if meta is None:
-            entry[key] = values[item]
-        else:
-            entry[key] = tensors[item][0].view(() if meta[0] == () else shape)
-    model = tensors.get(model_key(owned.name))
-    if entry and MAIN_KEY not in entry and owned.keeps_main and model is not None:
-        if model[0].dtype.itemsize > owned.dtype.itemsize:  # saved from a wider model (a
-            entry[MAIN_KEY] = model[0][piece.start : piece.stop].view(shape)  # plain fp32 run)
-    return entry
-
-
-def _param_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
-    """checkpoint/2's: checkpoint/1's items plus the quantized values' codes and scales."""
-    v1 = _param_v1(saved, owned, keys)
+def read_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
+    """The reader of :data:`FORMAT_QUANTIZED` (``zero_functional.checkpoint/2``): checkpoint/1
+    plus block-wise quantized state, each rank reading the whole blocks around its pieces
+    (:func:`~.quantized.reads`, :func:`~.quantized.rebuilt`)."""
+    v1 = read_v1(saved, owned, keys)
     plan, more = quantized.reads(saved, owned.name, owned.shape, owned.piece)
     shape = owned.shape if owned.piece.is_whole else (owned.piece.numel,)
 
@@ -369,12 +313,16 @@ def _param_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
     return ParamRead({**v1.wanted, **more}, objects, state)
 
 
+READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
+"""The reader of each directory format version."""
+
+
 def _read(
     path: str | os.PathLike[str],
     saved: Saved,
     request: Request,
     process_group: ProcessGroup | None,
-    param: Callable[[Saved, Owned, Mapping[str, str]], ParamRead],
+    param: Reader,
 ) -> Contents:
     """Read the model, the groups, the ``extra`` and the EMA, and each owned parameter's state
     by the version's ``param`` reader."""
@@ -386,7 +334,10 @@ def _read(
         wanted[item] = (shape, dtype, [(0, math.prod(shape))])
     objects = ["extra"] if request.owned is None else ["extra", "param_groups"]
     owned = list(request.owned or ())
-    index = _state_index(saved)
+    index: dict[str, dict[str, str]] = {}  # per parameter name, its state keys' items
+    for item in saved:
+        if (split := split_state_key(item)) is not None:
+            index.setdefault(split[0], {})[split[1]] = item
     params = {}
     for o in owned:
         keys = {
@@ -420,17 +371,11 @@ def _read(
     )
 
 
-def _state_index(saved: Saved) -> dict[str, dict[str, str]]:
-    """The saved optimizer state: per parameter name, its state keys to their items' keys."""
-    out: dict[str, dict[str, str]] = {}
-    for item in saved:
-        if (split := split_state_key(item)) is not None:
-            out.setdefault(split[0], {})[split[1]] = item
-    return out
-
-
 def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
-    """Per model tensor to fill, the key it is read from; refuses a misfit when strict."""
+    """Per model tensor to fill, the key it is read from (refusing a misfit when strict): its
+    ``model.`` item, or the main copy saved with the optimizer state where that holds finer
+    values the tensor can keep (a bf16 model trained with ``main_params_dtype`` loading into an
+    fp32 model)."""
     if request.model is None:
         return {}
     names_saved = {k[len(MODEL_PREFIX) :] for k in saved if k.startswith(MODEL_PREFIX)}
@@ -441,20 +386,11 @@ def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
             f"the checkpoint does not fit the model: it lacks [{first_of(missing)}] and has "
             f"[{first_of(unexpected)}] in excess (pass strict=False to load the tensors both have)"
         )
-    return {
-        name: _model_source(saved, name, dtype)
-        for name, (_, dtype) in request.model.items()
-        if name in names_saved
-    }
-
-
-def _model_source(saved: Saved, name: str, dtype: torch.dtype) -> str:
-    """The key a model tensor ``name`` of ``dtype`` is read from: its ``model.`` entry, or the
-    main copy saved with the optimizer state where that holds finer values the tensor can keep
-    (a bf16 model trained with ``main_params_dtype`` loading into an fp32 model)."""
-    key, main = model_key(name), state_key(name, MAIN_KEY)
-    model_meta, main_meta = saved.get(key), saved.get(main)
-    if model_meta is None or main_meta is None:
-        return key
-    narrow = model_meta[1].itemsize
-    return main if main_meta[1].itemsize > narrow and dtype.itemsize > narrow else key
+    sources = {name: model_key(name) for name in request.model if name in names_saved}
+    for name, key in sources.items():
+        main, narrow = state_key(name, MAIN_KEY), saved[key]
+        if narrow is not None and (wide := saved.get(main)) is not None:
+            itemsize = narrow[1].itemsize
+            if wide[1].itemsize > itemsize and request.model[name][1].itemsize > itemsize:
+                sources[name] = main
+    return sources

@@ -1,7 +1,7 @@
 """The keys of a checkpoint's items, and plain dicts from a ``dcp_to_torch_save`` file of one.
 
 Every format version spells its model, state and EMA items with these
-(:mod:`~zero_functional.checkpoint.format` re-exports them).
+(:mod:`~zero_functional.checkpoint.format`).
 
 Example:
     >>> model_key("0.weight"), state_key("0.weight", "exp_avg"), ema_key("0.weight")
@@ -85,9 +85,8 @@ def check_groups(saved: object, expected: Sequence[Sequence[str]]) -> list[dict[
         >>> check_groups([{"lr": 0.1, "params": ["w"]}], [["w"]])
         [{'lr': 0.1, 'params': ['w']}]
     """
-    if not isinstance(saved, list) or [g.get("params") for g in saved] != [
-        list(names) for names in expected
-    ]:
+    listed = [list(names) for names in expected]
+    if not isinstance(saved, list) or [g.get("params") for g in saved] != listed:
         raise CheckpointError(
             "the checkpoint's parameter groups list other parameters than the optimizer's: "
             "it belongs to another model (or the groups were built in another order)"

@@ -53,21 +53,6 @@ def scale_key(name: str, key: str) -> str:
     return quantized_key(name, key) + ".scale"
 
 
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _blocks(name: str, key: str, numel: int, piece: Piece, block: int) -> tuple[int, int]:
-    """The piece's first block and its end, counted from the parameter's start."""
-    if numel % block or piece.start % block or (piece.stop % block and piece.stop != numel):
-        raise CheckpointError(
-            f"the quantized state {key!r} of {name} (elements [{piece.start}, {piece.stop}) of "
-            f"{numel}) is not cut on its blocks of {block}: a checkpoint stores it in whole "
-            'blocks; use partition="flat", which cuts on them, or "sorted_greedy"'
-        )
-    return piece.start // block, math.ceil(piece.stop / block)
-
-
 def items(
     name: str, shape: tuple[int, ...], piece: Piece, key: str, value: Tensor
 ) -> tuple[Items, dict[str, object]]:
@@ -87,19 +72,21 @@ def items(
         'torchao.optim.subclass_4bit.OptimState4bit'
     """
     parts = block_parts(value.detach(), shape)
-    numel = math.prod(shape)
-    first, end = _blocks(name, key, numel, piece, parts.block)
-    blocks, c = numel // parts.block, parts.code_bytes
+    numel, block, c = math.prod(shape), parts.block, parts.code_bytes
+    if numel % block or piece.start % block or (piece.stop % block and piece.stop != numel):
+        raise CheckpointError(
+            f"the quantized state {key!r} of {name} (elements [{piece.start}, {piece.stop}) of "
+            f"{numel}) is not cut on its blocks of {block}: a checkpoint stores it in whole "
+            'blocks; use partition="flat", which cuts on them, or "sorted_greedy"'
+        )
+    blocks, first, end = numel // block, piece.start // block, math.ceil(piece.stop / block)
+    codes, scale = parts.codes, parts.scale
     pieces: Items = {
-        codes_key(name, key): (
-            (blocks * c,),
-            parts.codes.dtype,
-            [(first * c, end * c, parts.codes)],
-        ),
-        scale_key(name, key): ((blocks,), parts.scale.dtype, [(first, end, parts.scale)]),
+        codes_key(name, key): ((blocks * c,), codes.dtype, [(first * c, end * c, codes)]),
+        scale_key(name, key): ((blocks,), scale.dtype, [(first, end, scale)]),
     }
     meta = {
-        "class": _class_path(parts.cls),
+        "class": f"{parts.cls.__module__}.{parts.cls.__qualname__}",
         "constants": parts.constants,
         "context": parts.context,
         "shape": tuple(shape),

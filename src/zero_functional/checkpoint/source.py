@@ -55,14 +55,9 @@ class Source:
     replicate_group: ProcessGroup | None = None
 
     @property
-    def rank(self) -> int:
-        """This rank in :attr:`group`."""
-        return comm.rank_or_zero(self.group)
-
-    @property
     def writes(self) -> bool:
         """Whether this rank writes its pieces: every rank of ours, rank 0 of a plain one."""
-        return self.ownership is not None or self.rank == 0
+        return self.ownership is not None or comm.rank_or_zero(self.group) == 0
 
     def names(self, model: nn.Module | None) -> list[str]:
         """Each parameter's name in ``model`` (its index without one), by global index.

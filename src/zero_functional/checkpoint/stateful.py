@@ -5,17 +5,14 @@ reshards them at load, at any world size and under either partition."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
@@ -23,7 +20,6 @@ from zero_functional import comm
 from zero_functional.checkpoint.keys import check_groups
 from zero_functional.checkpoint.source import Source, module_of, source
 from zero_functional.checkpoint.storage import box_views
-from zero_functional.core.partition import Piece
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.functional import update_kind
@@ -33,17 +29,17 @@ from zero_functional.shell.steppers import hyperparameters, probe_state
 __all__ = ["ZeroStateful", "stateful"]
 
 
-def _sharded(
-    local: Tensor, shape: torch.Size, holders: Sequence[tuple[int, Piece]], src: Source
-) -> ShardedTensor:
-    """``local`` (this rank's flat piece of a tensor of ``shape``) as a ShardedTensor whose
-    shards are the row-major boxes of every holder's piece: what DCP writes and reshards."""
-    device = str(local.device)
+def _sharded(src: Source, k: int, local: Tensor) -> ShardedTensor:
+    """``local`` (this rank's flat piece of parameter ``k``, or of a tensor of its shape) as a
+    ShardedTensor whose shards are the row-major boxes of every holder's piece: what DCP writes
+    and reshards."""
+    assert src.ownership is not None
+    shape, device, me = src.table.params[k].shape, str(local.device), comm.rank_or_zero(src.group)
     metas: list[ShardMetadata] = []
     shards: list[Shard] = []
-    for rank, piece in holders:
+    for rank, piece in src.ownership.holders(k):
         placement = f"rank:{comm.global_rank(comm.default_group(src.group), rank)}/{device}"
-        mine = rank == src.rank
+        mine = rank == me
         # another rank's piece: only its boxes (a meta tensor has no memory)
         flat = local if mine else torch.empty(piece.numel, dtype=local.dtype, device="meta")
         for (offsets, sizes), view in box_views(shape, piece.start, piece.stop, flat):
@@ -128,16 +124,12 @@ class ZeroStateful:
         }
         if self.ema is not None:  # in AveragedModel's layout, each average sharded
             averages: dict[str, Any] = {
-                MODULE_PREFIX + self._names[k]: self._shard(src, k, flat)
+                MODULE_PREFIX + self._names[k]: _sharded(src, k, flat)
                 for k, flat in self.ema.pieces.items()
             }
             averages[N_AVERAGED_KEY] = torch.tensor(self.ema.n_averaged(), dtype=torch.long)
             out["ema"] = averages
         return out
-
-    def _shard(self, src: Source, k: int, flat: Tensor) -> ShardedTensor:
-        assert src.ownership is not None
-        return _sharded(flat, src.table.params[k].shape, src.ownership.holders(k), src)
 
     def _template(
         self, src: Source, k: int, probes: dict[tuple[int, tuple[int, ...]], Any]
@@ -158,14 +150,10 @@ class ZeroStateful:
         out: dict[str, dict[str, Any]] = {}
         for k, piece in src.pieces.items():
             p = src.table.params[k]
-            if k in held:
-                values, fresh, probed = held[k], False, piece.numel
-            elif p.requires_grad:
-                template, probed = self._template(src, k, probes)
-                if template is None:
-                    continue
-                values, fresh = template, True
-            else:
+            values, fresh, probed = held.get(k), k not in held, piece.numel
+            if fresh and p.requires_grad:  # not stepped yet: a fresh state's template
+                values, probed = self._template(src, k, probes)
+            if values is None:
                 continue
             entry: dict[str, Any] = {}
             for key, v in values.items():
@@ -175,7 +163,7 @@ class ZeroStateful:
                         flat = torch.zeros(piece.numel, dtype=dtype, device=p.device)
                     else:
                         flat = v.detach().reshape(-1)
-                    self._flat[self._names[k], key] = (self._shard(src, k, flat), flat)
+                    self._flat[self._names[k], key] = (_sharded(src, k, flat), flat)
                     entry[key] = self._flat[self._names[k], key][0]
                 elif isinstance(v, Tensor):
                     entry[key] = torch.zeros_like(v) if fresh else v
@@ -199,16 +187,13 @@ class ZeroStateful:
         for name, entry in saved["state"].items():
             k = index[name]
             piece, p = src.pieces[k], src.table.params[k]
-            values: dict[str, Any] = {}
+            values = state[k] = dict(entry)
             for key, v in entry.items():
                 if isinstance(v, ShardedTensor):
                     made = self._flat.get((name, key))
                     # the buffer DCP read into, through the shards' views
                     flat = made[1] if made is not None and made[0] is v else _piece_of(v)
                     values[key] = flat.view(p.shape) if piece.is_whole else flat
-                else:
-                    values[key] = v
-            state[k] = values
         self._flat = {}
         src.install(state, groups)
         if self.ema is not None:

@@ -6,6 +6,13 @@ as the N-d boxes they cover: no copies, no padding) and small objects, through
 for, whatever ranges were saved, after checking everything. Every item has a CRC32, so a
 flipped or truncated byte is a :class:`CheckpointCorruptError`, never NaN state. The files are
 DCP's format: its stock readers read them unchanged.
+
+Without a shared file system (``shared=False``: Ray Train, pods) each rank writes into its own
+directory only its own files (DCP's names are unique to a rank; rank 0 adds the index), then
+its manifest :data:`MANIFEST` (the save's id, its rank, the world size, each file's size and
+CRC32), and commits it. The ranks' directories merged into one (Ray Train does it) are a
+checkpoint ``load`` reads at any world size, once :func:`check_parts` has found every rank's
+part of one save there.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
+import re
+import uuid
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, cast
@@ -71,6 +81,9 @@ DEFAULT_MAX_BOX_NUMEL = 1 << 22
 """No stored chunk holds more elements: what bounds memory while saving (one chunk at a time)
 and loading (at most two chunks beyond the output)."""
 
+MANIFEST = ".rank-{rank}-of-{world}.json"
+"""Each rank's manifest in a ``shared=False`` checkpoint."""
+_MANIFEST_RE = re.compile(r"^\.rank-(\d+)-of-(\d+)\.json$")
 _CRC_ATTR = "zf_crc32"  # pickled with each _StorageInfo in .metadata; stock readers ignore it
 
 
@@ -82,9 +95,6 @@ class CheckpointError(RuntimeError, ValueError):
 
 class CheckpointCorruptError(CheckpointError):
     """The bytes on disk are not what was written (a checksum mismatch, a truncated file)."""
-
-
-# ------------------------------------------------------------------------------ planners
 
 
 @dataclasses.dataclass
@@ -104,11 +114,10 @@ def box_views(
         >>> [(box, view.tolist()) for box, view in box_views((2, 3), 2, 5, torch.arange(3))]
         [(((0, 2), (1, 1)), [[0]]), (((1, 0), (1, 2)), [[1, 2]])]
     """
-    out = []
-    for box, first in flat_range_boxes(shape, start, stop, max_numel=max_numel):
-        a = first - start
-        out.append((box, flat[a : a + math.prod(box[1])].view(box[1])))
-    return out
+    return [
+        (box, flat.narrow(0, first - start, math.prod(box[1])).view(box[1]))
+        for box, first in flat_range_boxes(shape, start, stop, max_numel=max_numel)
+    ]
 
 
 def _digest(obj: object) -> str:
@@ -130,7 +139,11 @@ class _BoxSavePlanner(DefaultSavePlanner):
         self._cap = max_box_numel
         self._views: dict[MetadataIndex, Tensor] = {}
 
-    def _items(self) -> list[WriteItem]:
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()  # BYTE_IO items for the objects
+        # DCP keeps one of several ranks' copies of a key without looking at them: ship a digest
+        # of each (objects, scalars), so the coordinator refuses copies that disagree
+        digests: dict[str, object] = {k: _digest(v) for k, v in self.state_dict.items()}
         items: list[WriteItem] = []
         for key, (shape_seq, dtype, ranges) in self._pieces.items():
             shape = torch.Size(shape_seq)
@@ -150,30 +163,12 @@ class _BoxSavePlanner(DefaultSavePlanner):
                 if index in self._views:
                     raise CheckpointError(f"{key}: the box at {offsets} is given twice")
                 self._views[index] = view
-                items.append(
-                    WriteItem(
-                        index=index,
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                            properties=TensorProperties(dtype=dtype),
-                            size=shape,
-                        ),
-                    )
-                )
-        return items
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()  # BYTE_IO items for the objects
-        boxes = self._items()
-        # DCP keeps one of several ranks' copies of a key without looking at them: ship a digest
-        # of each, so the coordinator refuses copies that disagree
-        digests: dict[str, object] = {k: _digest(v) for k, v in self.state_dict.items()}
-        for item in boxes:
-            view = self._views[item.index]
-            if view.dim() == 0:
-                digests[item.index.fqn] = _digest(view.detach().cpu())
-        self.plan = dataclasses.replace(plan, items=plan.items + boxes, planner_data=digests)
+                if view.dim() == 0:
+                    digests[key] = _digest(view.detach().cpu())
+                chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                data = TensorWriteData(chunk, TensorProperties(dtype=dtype), shape)
+                items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=data))
+        self.plan = dataclasses.replace(plan, items=plan.items + items, planner_data=digests)
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -206,8 +201,7 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         saved = self.metadata.state_dict_metadata
         errors: list[str] = []
-        missing = [k for k in [*self._objects, *self._wanted] if k not in saved]
-        if missing:
+        if missing := [k for k in [*self._objects, *self._wanted] if k not in saved]:
             errors.append(f"it has no {first_of(missing)}")
         for k in self._objects:
             if k in saved and not isinstance(saved[k], BytesStorageMetadata):
@@ -256,9 +250,6 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         # weights_only: a checkpoint is data, never code (DCP's own default unpickles anything)
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-
-# ------------------------------------------------------------------------------ files
 
 
 class _CrcStream(io.RawIOBase):
@@ -394,8 +385,7 @@ def _checked(f: io.BufferedReader, where: str, info: _StorageInfo) -> bytes:
         raise CheckpointCorruptError(
             f"{where} needs {span} but the file has {size}: the checkpoint is truncated"
         )
-    expected = getattr(info, _CRC_ATTR, None)
-    if expected is None:
+    if (expected := getattr(info, _CRC_ATTR, None)) is None:
         raise CheckpointCorruptError(f"{where} has no recorded checksum")
     if (got := zlib.crc32(raw)) != expected:
         raise CheckpointCorruptError(
@@ -422,9 +412,6 @@ def _checked_items(
                 yield index, _checked(f, where, storage[index])
 
 
-# ------------------------------------------------------------------------------ saving
-
-
 @contextlib.contextmanager
 def dcp_errors(step: str) -> Iterator[None]:
     """DCP's ``CheckpointException`` (a BaseException) as one error naming each failed rank."""
@@ -446,31 +433,15 @@ def dcp_parts(
     return _BoxSavePlanner(pieces, max_box_numel), writer
 
 
-def write_dcp(
-    tmp: str,
-    pieces: Pieces,
-    objects: Mapping[str, object],
-    process_group: dist.ProcessGroup | None,
-    max_box_numel: int | None,
-) -> None:
-    """Write every rank's ``pieces`` and ``objects`` into ``tmp`` with DCP; collective, a
-    failure raised on every rank."""
-    planner, writer = dcp_parts(tmp, pieces, max_box_numel)
-    with dcp_errors("save"):
-        dcp_save(dict(objects), storage_writer=writer, planner=planner, process_group=process_group)
-
-
 class AtomicSave:
     """One atomic save: a marked temporary beside ``path``, written, committed, one verdict.
 
     The shared, the per-rank (``own=True``: each rank into its own directory) and the background
-    saves all enter it. Making it refuses, on every rank and before anything is written, a
-    ``path`` that is a file, a link or a directory of something else
-    (:mod:`~zero_functional.checkpoint.atomic_dir`). Leaving the block commits what it wrote in
-    :attr:`tmp` (shared: rank 0; own: each rank) and agrees on the verdict: every rank returns
-    once the checkpoint is in place, or raises naming each rank's cause, the previous checkpoint
-    untouched. A block that fails (shared: DCP fails every rank; own: agreed) has its temporary
-    discarded; a background save :meth:`hand_off` s the commit to its thread.
+    saves all enter it. Making it refuses a ``path`` :func:`~.atomic_dir.refusal` refuses, on
+    every rank, before anything is written. Leaving the block commits :attr:`tmp` (shared: rank
+    0; own: each rank) and agrees on the verdict: every rank returns once the checkpoint is in
+    place, or raises naming each rank's cause, the temporary discarded and the previous
+    checkpoint untouched; a background save :meth:`hand_off` s the commit to its thread.
 
     Example:
         >>> import os, tempfile
@@ -571,6 +542,7 @@ def save_pieces(
     process_group: dist.ProcessGroup | None = None,
     *,
     max_box_numel: int | None = DEFAULT_MAX_BOX_NUMEL,
+    shared: bool = True,
 ) -> None:
     """Write this rank's pieces and ``objects`` to the directory ``path``, atomically; collective.
 
@@ -582,6 +554,8 @@ def save_pieces(
         objects: Small picklable values (identical on every rank that passes one).
         process_group: The ranks that save together (default: the world).
         max_box_numel: No stored chunk is larger: the memory a save needs beyond the state.
+        shared: ``False``: ``path`` is this rank's own directory (every rank's differs), which
+            gets its files and its manifest (an :class:`AtomicSave` of its own on each rank).
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause (:class:`AtomicSave`).
@@ -593,11 +567,90 @@ def save_pieces(
         >>> read_keys(path), read_objects(path, ["n"]), verify(path)
         ({'n': None, 'w': ((2,), torch.float32)}, {'n': 1}, 2)
     """
-    with AtomicSave(path, process_group) as save:
-        write_dcp(save.tmp, pieces, objects, process_group, max_box_numel)
+    with AtomicSave(path, process_group, own=not shared) as save:
+        save_id = None if shared else comm.broadcast_object(uuid.uuid4().hex, process_group)
+        planner, writer = dcp_parts(save.tmp, pieces, max_box_numel)
+        with dcp_errors("save"):
+            dcp_save(
+                dict(objects), storage_writer=writer, planner=planner, process_group=process_group
+            )
+        if save_id is not None:
+            world = comm.group_size(comm.default_group(process_group))
+            write_manifest(save.tmp, str(save_id), comm.rank_or_zero(process_group), world)
 
 
-# ------------------------------------------------------------------------------ reading
+def write_manifest(directory: str, save_id: str, rank: int, world_size: int) -> None:
+    """Write rank ``rank``'s manifest into ``directory``: the save's id and each file there
+    (but manifests and the save marker) with its size and CRC32; flushed to disk."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name != atomic_dir.MARKER and not _MANIFEST_RE.match(name):
+            crc, size = atomic_dir.file_crc(os.path.join(directory, name))
+            files[name] = {"size": size, "crc32": f"{crc:08x}"}
+    body = {"save": save_id, "rank": rank, "world_size": world_size, "files": files}
+    path = os.path.join(directory, MANIFEST.format(rank=rank, world=world_size))
+    with open(path, "w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_parts(path: str | os.PathLike[str]) -> None:
+    """Raise a :class:`CheckpointError` unless the ``shared=False`` checkpoint at ``path`` holds
+    every rank's part of one save (every manifest, one save id, each listed file of its size);
+    nothing where there are no manifests.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> write_manifest(d, "abc", 0, 2)
+        >>> check_parts(d)
+        Traceback (most recent call last):
+        ...
+        zero_functional.checkpoint.storage.CheckpointError: the checkpoint in ... is missing rank 1's part (ranks 0-1 of 2 saved it with shared=False): merge every rank's directory into it
+    """
+    directory = os.fspath(path)
+    if not os.path.isdir(directory):
+        return  # the reader names a missing directory
+    found: dict[int, tuple[int, dict[str, object]]] = {}
+    for name in os.listdir(directory):
+        if m := _MANIFEST_RE.match(name):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    found[int(m.group(1))] = (int(m.group(2)), json.load(f))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot read the manifest {name} in {directory}: {e}") from e
+    if not found:
+        return
+    worlds = {w for w, _ in found.values()}
+    saves = {str(body.get("save")) for _, body in found.values()}
+    if len(worlds) > 1 or len(saves) > 1:
+        raise CheckpointError(
+            f"the checkpoint in {directory} mixes parts of different saves (manifests of "
+            f"{len(saves)} saves, world sizes {first_of(sorted(worlds))}): merge the "
+            "directories of one save"
+        )
+    (world,) = worlds
+    if missing := [r for r in range(world) if r not in found]:
+        whose = (
+            f"rank {missing[0]}'s part"
+            if len(missing) == 1
+            else f"ranks {first_of(missing)}'s parts"
+        )
+        raise CheckpointError(
+            f"the checkpoint in {directory} is missing {whose} (ranks 0-{world - 1} of {world} "
+            "saved it with shared=False): merge every rank's directory into it"
+        )
+    for rank, (_, body) in sorted(found.items()):
+        for name, info in cast(Mapping[str, Mapping[str, object]], body["files"]).items():
+            file = os.path.join(directory, name)
+            size = os.path.getsize(file) if os.path.isfile(file) else None
+            if size != info["size"]:
+                got = "missing" if size is None else f"{size} bytes"
+                raise CheckpointError(
+                    f"rank {rank}'s file {file} is {got} but {info['size']} bytes were saved: "
+                    "the merged checkpoint is incomplete or was overwritten"
+                )
 
 
 def _metadata(path: str | os.PathLike[str]) -> Metadata:
@@ -679,8 +732,6 @@ def load_pieces(
         >>> load_pieces(path, {"w": ((2, 2), torch.float32, [(1, 3)])})
         ({'w': [tensor([1., 2.])]}, {})
     """
-    if not os.path.isdir(os.fspath(path)):
-        raise CheckpointError(f"there is no checkpoint directory at {os.fspath(path)}")
     out: dict[str, list[Tensor]] = {}
     plan: dict[str, _Want] = {}
     for key, (shape_seq, dtype, ranges) in wanted.items():
@@ -689,11 +740,7 @@ def load_pieces(
         boxes = [b for (a, z), t in zip(ranges, out[key]) for b in box_views(shape, a, z, t)]
         plan[key] = _Want(shape, dtype, boxes)
     state: dict[str, Any] = {k: None for k in objects}
+    reader, planner = _ChecksummedReader(os.fspath(path)), _BoxLoadPlanner(plan, objects)
     with dcp_errors("load"):
-        dcp_load(
-            state,
-            storage_reader=_ChecksummedReader(os.fspath(path)),
-            planner=_BoxLoadPlanner(plan, objects),
-            process_group=process_group,
-        )
+        dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)
     return out, state
