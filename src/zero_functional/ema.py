@@ -21,6 +21,7 @@ from zero_functional.core._validate import first_of
 from zero_functional.core.layout import piece_view
 from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import Ownership, Transfer
+from zero_functional.core.param_table import module_of
 from zero_functional.core.partition import Piece
 from zero_functional.core.plans import plan_moves
 from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -207,7 +208,7 @@ class ShardedEMA:
         if self.model is None:
             out.update({MODULE_PREFIX + n_: by_param[p] for n_, p in zip(self.names(), params)})
         else:
-            for name, t in _module(self.model).state_dict(keep_vars=True).items():
+            for name, t in module_of(self.model).state_dict(keep_vars=True).items():
                 value = by_param.get(t, t) if isinstance(t, Tensor) else t
                 out[MODULE_PREFIX + name] = value.detach().clone() if value is t else value
         out[N_AVERAGED_KEY] = torch.tensor(n, dtype=torch.long)
@@ -257,7 +258,7 @@ class ShardedEMA:
         """The averaged weights in ``model`` for the ``with`` block, restored after; collective."""
         zero = self.optimizer
         params = zero.param_table.params
-        held = {id(p) for p in _module(model).parameters()}
+        held = {id(p) for p in module_of(model).parameters()}
         if not all(id(p) in held for p in params):
             raise ValueError(
                 "swapped_into(model) needs the model the optimizer was built from: some of "
@@ -282,9 +283,3 @@ class ShardedEMA:
         """This rank's EMA bytes and the optimizer's elements."""
         own = sum(t.numel() * t.element_size() for t in self._averages.values())
         return own, sum(math.prod(p.shape) for p in self.optimizer.param_table.params)
-
-
-def _module(model: nn.Module) -> nn.Module:
-    """The wrapped module of a ``DistributedDataParallel``, else the model itself."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model

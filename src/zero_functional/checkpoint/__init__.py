@@ -28,10 +28,11 @@ from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.background import SaveHandle
 from zero_functional.checkpoint.format import FORMAT, Held, Owned, Request, Snapshot
 from zero_functional.checkpoint.keys import model_state_dict, optimizer_state_dict
-from zero_functional.checkpoint.source import Source, module_of, source
+from zero_functional.checkpoint.source import Source, source
 from zero_functional.checkpoint.stateful import ZeroStateful, stateful
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
 from zero_functional.comm import ProcessGroup
+from zero_functional.core.param_table import module_of
 from zero_functional.ema import ShardedEMA
 
 __all__ = [

@@ -26,7 +26,7 @@ from zero_functional.core.partition import Piece
 from zero_functional.functional.registry import update_block
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["Source", "module_of", "source"]
+__all__ = ["Source", "source"]
 
 State = dict[int, dict[str, Any]]
 """Optimizer state by global parameter index."""
@@ -134,14 +134,3 @@ def _sharded(zero: ZeroRedundancyOptimizer) -> Source:
         zero.main_params_dtype,
         zero.replicate_group,
     )
-
-
-def module_of(model: nn.Module) -> nn.Module:
-    """The module a ``DistributedDataParallel`` wraps, else ``model`` itself.
-
-    Example:
-        >>> module_of(torch.nn.Linear(2, 1))
-        Linear(in_features=2, out_features=1, bias=True)
-    """
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model

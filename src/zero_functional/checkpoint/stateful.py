@@ -18,8 +18,9 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.checkpoint.keys import check_groups
-from zero_functional.checkpoint.source import Source, module_of, source
+from zero_functional.checkpoint.source import Source, source
 from zero_functional.checkpoint.storage import box_views
+from zero_functional.core.param_table import module_of
 from zero_functional.core.piece_state import is_elementwise
 from zero_functional.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.functional import update_kind

@@ -102,8 +102,7 @@ class ParamTable:
         """
         if model is None:
             return [str(k) for k in range(len(self.params))]
-        inner = getattr(model, "module", None)
-        named = (inner if isinstance(inner, nn.Module) else model).named_parameters()
+        named = module_of(model).named_parameters()
         name_of: dict[Tensor, str] = {p: name for name, p in named}  # tied: its first name
         missing = [k for k, p in enumerate(self.params) if p not in name_of]
         if missing and strict:
@@ -120,3 +119,15 @@ class ParamTable:
     def group_numels(self) -> list[list[int]]:
         """Per group, its parameters' numbers of elements (what ``sorted_greedy_groups`` takes)."""
         return [[p.numel() for p in self.params[a : a + n]] for a, n in self.spans]
+
+
+def module_of(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wraps, else ``model`` itself.
+
+    Example:
+        >>> import torch
+        >>> module_of(torch.nn.Linear(2, 1))
+        Linear(in_features=2, out_features=1, bias=True)
+    """
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
