@@ -23,7 +23,7 @@ from zero_functional.core.main_params import main_dtype_for
 from zero_functional.core.ownership import Ownership, Transfer
 from zero_functional.core.param_table import module_of
 from zero_functional.core.partition import Piece
-from zero_functional.core.plans import plan_moves
+from zero_functional.core.plans import reshard_rounds
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["MODULE_PREFIX", "N_AVERAGED_KEY", "ShardedEMA"]
@@ -140,30 +140,29 @@ class ShardedEMA:
             {0: tensor([1., 1.]), 1: tensor([0., 0., 0.])}
         """
         zero, rank = self.optimizer, self.optimizer.rank
-        new = zero.ownership
-        plan = plan_moves(old, new, rank)
-        parts: dict[int, dict[Transfer, tuple[Tensor, int]]] = {}
-        for t in plan.sends:
-            held, average = old.piece(rank, t.param), self._averages.get(t.param)
-            if held is not None and average is not None:
-                part = average[t.start - held.start : t.stop - held.start]
-                parts.setdefault(t.dst, {})[t] = (part.clone(), self._counts[t.param])
-        arrived = parts.pop(rank, {})
-        device = comm.collective_device(zero.process_group, zero.param_table.params[0].device)
-        with comm.call("ShardedEMA.reshard()", zero.process_group, timeout=zero.timeout):
-            received = comm.exchange_objects(parts, list(plan.pairs), zero.process_group, device)
-        for payload in received.values():
-            arrived.update(cast(dict[Transfer, tuple[Tensor, int]], payload))
-        for k in plan.held:
-            self._averages.pop(k, None)
-            self._counts.pop(k, None)
-        for k, moves in plan.receives.items():
-            got = [arrived[t] for t in moves if t in arrived]
-            if got and len(got) == len(moves) and new.piece(rank, k) is not None:
-                like = zero.param_table.params[k]
-                average = torch.cat([part for part, _ in got])
-                self._averages[k] = average.to(like.device)
-                self._counts[k] = min(n for _, n in got)
+        new, group = zero.ownership, zero.process_group
+        device = comm.collective_device(group, zero.param_table.params[0].device)
+        for plan in reshard_rounds(old, new, rank):  # as the optimizer's state moves
+            parts: dict[int, dict[Transfer, tuple[Tensor, int]]] = {}
+            for t in plan.sends:
+                held, average = old.piece(rank, t.param), self._averages.get(t.param)
+                if held is not None and average is not None:
+                    part = average[t.start - held.start : t.stop - held.start]
+                    parts.setdefault(t.dst, {})[t] = (part.clone(), self._counts[t.param])
+            arrived = parts.pop(rank, {})
+            with comm.call("ShardedEMA.reshard()", group, timeout=zero.timeout):
+                for got in comm.exchange_objects(parts, plan.pairs, group, device).values():
+                    arrived.update(cast(dict[Transfer, tuple[Tensor, int]], got))
+            for k in plan.held:
+                self._averages.pop(k, None)
+                self._counts.pop(k, None)
+            for k, moves in plan.receives.items():
+                got = [arrived[t] for t in moves if t in arrived]
+                if got and len(got) == len(moves) and new.piece(rank, k) is not None:
+                    like = zero.param_table.params[k]
+                    average = torch.cat([part for part, _ in got])
+                    self._averages[k] = average.to(like.device)
+                    self._counts[k] = min(n for _, n in got)
         self._ownership = new
         # a new parameter was constant until now: its average is its value, as many times
         self._fill_missing(self.n_averaged())

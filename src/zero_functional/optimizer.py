@@ -35,7 +35,7 @@ from zero_functional.core.plans import (
     choose_collectives,
     overlap_ownership,
     ownership_of,
-    plan_moves,
+    reshard_rounds,
 )
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
@@ -188,18 +188,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         )
 
     def reshard(self, ownership: Ownership) -> None:
-        """Move the state to ``ownership`` (same parameters and world size); collective."""
+        """Move the state to ``ownership`` (same parameters and world size); collective. It
+        moves in rounds of whole parameters (:func:`~.plans.reshard_rounds`), each round's old
+        state dropped as its new state arrives: at most one round's state is held twice."""
         old = self.ownership
-        plan = plan_moves(old, ownership, self.rank)  # validates before anything changes
-        parts = self.shard.outgoing(plan, old)
-        arrived = parts.pop(self.rank, {})
+        rounds = reshard_rounds(old, ownership, self.rank)  # validates before anything changes
         with self._call("reshard()"):
-            received = comm.exchange_objects(
-                parts, list(plan.pairs), self.process_group, self._collective_device()
-            )
-        for payload in received.values():
-            arrived.update(cast(dict[Transfer, dict[str, Any]], payload))
-        self.shard.incoming(plan, ownership, arrived)
+            for plan in rounds:
+                parts = self.shard.outgoing(plan, old)
+                arrived = parts.pop(self.rank, {})
+                device = self._collective_device()
+                for got in comm.exchange_objects(
+                    parts, plan.pairs, self.process_group, device
+                ).values():
+                    arrived.update(cast(dict[Transfer, dict[str, Any]], got))
+                self.shard.incoming(plan, ownership, arrived)
         self.shard.adopt(ownership, self._stepper(ownership))  # pieces and stepper: then syncs
         self._build_buffers()
         self.shard.hooks.resharded(old)

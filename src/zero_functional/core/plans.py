@@ -183,7 +183,41 @@ def plan_moves(old: Ownership, new: Ownership, rank: int) -> ReshardPlan:
         >>> plan.pairs, sorted(plan.receives), sorted(plan.held)
         ((), [0], [0])
     """
-    moves = old.transfers(new)
+    return _reshard_plan(old.transfers(new), rank)
+
+
+RESHARD_WINDOW = 1 << 20  # elements moved per round of a reshard (about a DDP bucket of state)
+
+
+def reshard_rounds(
+    old: Ownership, new: Ownership, rank: int, elements: int = RESHARD_WINDOW
+) -> list[ReshardPlan]:
+    """:func:`plan_moves` in rounds of whole parameters that move at most ``elements`` elements
+    between ranks in all (a parameter that moves more goes alone): the same rounds on every
+    rank, so that a reshard holds at most one round's state twice.
+
+    Example:
+        >>> from zero_functional.core.ownership import flat_ownership
+        >>> old, new = flat_ownership([8, 8, 8], 2), sorted_greedy_ownership([[8, 8, 8]], 2)
+        >>> [sorted(r.receives) for r in reshard_rounds(old, new, 0, elements=4)]  # 4 move, then 8
+        [[0], [2]]
+    """
+    by_param: dict[int, list[Transfer]] = {}
+    for t in old.transfers(new):  # each parameter's transfers in element order
+        by_param.setdefault(t.param, []).append(t)
+    rounds: list[list[Transfer]] = []
+    size = elements
+    for moves in by_param.values():
+        moved = sum(t.stop - t.start for t in moves if t.src != t.dst)
+        if size + moved > elements or not rounds:
+            rounds.append([])
+            size = 0
+        rounds[-1] += moves
+        size += moved
+    return [_reshard_plan(moves, rank) for moves in rounds]
+
+
+def _reshard_plan(moves: Sequence[Transfer], rank: int) -> ReshardPlan:
     receives: dict[int, list[Transfer]] = {}
     for t in moves:  # in transfer order, which is each parameter's element order
         if t.dst == rank:
