@@ -10,7 +10,9 @@ continues the same optimisation. Options: :mod:`.train_options`; files: :mod:`.t
 from __future__ import annotations
 
 import copy
+import errno
 import os
+import re
 import signal
 import sys
 import threading
@@ -30,8 +32,13 @@ from torch.optim import Optimizer
 from zero_functional import checkpoint, comm
 from zero_functional.app import train_file
 from zero_functional.app.cluster import ClusterRank, elastic_resume
-from zero_functional.app.failures import LaunchError, disk_full
-from zero_functional.app.launch import TERM_GRACE_S, Terminated, process_group, run_ranks
+from zero_functional.app.launch import (
+    TERM_GRACE_S,
+    LaunchError,
+    Terminated,
+    process_group,
+    run_ranks,
+)
 from zero_functional.app.plan_format import format_bytes
 from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
 from zero_functional.app.train_options import OURS, TrainConfig
@@ -46,6 +53,37 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a Gr
 # Adam's ``fused`` in both runs: torch's fused CPU kernel computes the last ``numel % vector
 # width`` elements of a tensor in double, so ZeRO's pieces (not whole tensors) would round apart
 FUSED = False
+
+
+_NO_SPACE = re.compile(
+    rf"(?:rank (?P<rank>\d+): )?(?:cannot write (?P<file>\S+): )?\[Errno {errno.ENOSPC}\]"
+    rf"[^'\n]*(?:'(?P<quoted>[^'\n]+)')?"
+)
+
+
+def disk_full(error: LaunchError, checkpoint: str | None) -> str | None:
+    """One line naming the rank that found no space left on device, its file and the
+    checkpoint, instead of a traceback per rank; ``None`` if no failure says ENOSPC.
+
+    Example:
+        >>> from zero_functional.app.launch import RankFailure
+        >>> e = LaunchError([RankFailure(0, "raised CheckpointError: checkpoint save failed: "
+        ...     "rank 1: cannot write /d/c.tmp-0/__1_0.distcp: [Errno 28] No space left on device")])
+        >>> print(disk_full(e, "/d/c"))
+        rank 1: no space left on device writing /d/c.tmp-0/__1_0.distcp; /d/c is unchanged: free space there or pass another --checkpoint
+    """
+    for failure in error.failures:
+        found = _NO_SPACE.search(failure.reason)
+        if found is None:
+            continue
+        rank = found["rank"] or str(failure.rank)
+        where = found["file"] or found["quoted"] or checkpoint or "the checkpoint"
+        kept = f"; {checkpoint} is unchanged" if checkpoint else ""
+        return (
+            f"rank {rank}: {os.strerror(errno.ENOSPC).lower()} writing {where}{kept}: free "
+            "space there or pass another --checkpoint"
+        )
+    return None
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
