@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -53,37 +53,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fp16 would need a Gr
 # Adam's ``fused`` in both runs: torch's fused CPU kernel computes the last ``numel % vector
 # width`` elements of a tensor in double, so ZeRO's pieces (not whole tensors) would round apart
 FUSED = False
-
-
-_NO_SPACE = re.compile(
-    rf"(?:rank (?P<rank>\d+): )?(?:cannot write (?P<file>\S+): )?\[Errno {errno.ENOSPC}\]"
-    rf"[^'\n]*(?:'(?P<quoted>[^'\n]+)')?"
-)
-
-
-def disk_full(error: LaunchError, checkpoint: str | None) -> str | None:
-    """One line naming the rank that found no space left on device, its file and the
-    checkpoint, instead of a traceback per rank; ``None`` if no failure says ENOSPC.
-
-    Example:
-        >>> from zero_functional.app.launch import RankFailure
-        >>> e = LaunchError([RankFailure(0, "raised CheckpointError: checkpoint save failed: "
-        ...     "rank 1: cannot write /d/c.tmp-0/__1_0.distcp: [Errno 28] No space left on device")])
-        >>> print(disk_full(e, "/d/c"))
-        rank 1: no space left on device writing /d/c.tmp-0/__1_0.distcp; /d/c is unchanged: free space there or pass another --checkpoint
-    """
-    for failure in error.failures:
-        found = _NO_SPACE.search(failure.reason)
-        if found is None:
-            continue
-        rank = found["rank"] or str(failure.rank)
-        where = found["file"] or found["quoted"] or checkpoint or "the checkpoint"
-        kept = f"; {checkpoint} is unchanged" if checkpoint else ""
-        return (
-            f"rank {rank}: {os.strerror(errno.ENOSPC).lower()} writing {where}{kept}: free "
-            "space there or pass another --checkpoint"
-        )
-    return None
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
@@ -313,12 +282,12 @@ def _train(
                 at = (epoch + 1, 0) if i + 1 == len(batches) else (epoch, i + 1)
                 every = cfg.save_every and (epoch * len(batches) + i + 1) % cfg.save_every == 0
                 if saves and (at[1] == 0 or every):
-                    _write_checkpoint(cfg, rank, model, opt, at, hidden)
+                    train_file.write(cfg, rank, model, opt, at, hidden)
                     if every and rank == 0:
                         print(f"saved {cfg.checkpoint} at epoch {at[0]} step {at[1]}", flush=True)
                 if stop is not None and stop.agreed():  # every rank stops after this step
                     if saves and at[1] != 0:
-                        _write_checkpoint(cfg, rank, model, opt, at, hidden)
+                        train_file.write(cfg, rank, model, opt, at, hidden)
                     raise Preempted(*at, saved=saves)
     finish = getattr(opt, "finish_param_sync", None)
     if finish is not None:
@@ -328,15 +297,6 @@ def _train(
     params = [p.detach().clone() for p in model.parameters()]
     stats = {"state_bytes": _state_bytes(opt), "step_s": step_s / max(steps, 1)}
     return params, {**stats, "accuracy": accuracy}
-
-
-def _write_checkpoint(
-    cfg: TrainConfig, rank: int, model: nn.Module, opt: Optimizer, at: tuple[int, int], hidden: int
-) -> None:
-    """Save after ``at``, (epochs done, steps done in the next epoch); a resume starts there."""
-    assert cfg.checkpoint is not None
-    extra = {**train_file.train_extra(at[0], {**asdict(cfg), "hidden": hidden}), "step": at[1]}
-    train_file.write(cfg.checkpoint, cfg.impl == OURS, rank, model, opt, extra)
 
 
 def _say(message: str) -> None:
@@ -429,6 +389,36 @@ def _summary(cfg: TrainConfig, rows: Sequence[Mapping[str, Any]], world_size: in
     if cfg.checkpoint is not None:
         lines.append(f"checkpoint: {cfg.checkpoint}")
     return "\n".join(lines)
+
+
+_NO_SPACE = re.compile(
+    rf"(?:rank (?P<rank>\d+): )?(?:cannot write (?P<file>\S+): )?\[Errno {errno.ENOSPC}\]"
+    rf"[^'\n]*(?:'(?P<quoted>[^'\n]+)')?"
+)
+
+
+def disk_full(error: LaunchError, checkpoint: str | None) -> str | None:
+    """One line naming the rank that found no space left on device, its file and the
+    checkpoint, instead of a traceback per rank; ``None`` if no failure says ENOSPC.
+
+    Example:
+        >>> from zero_functional.app.launch import RankFailure
+        >>> e = LaunchError([RankFailure(0, "raised CheckpointError: checkpoint save failed: "
+        ...     "rank 1: cannot write /d/c.tmp-0/__1_0.distcp: [Errno 28] No space left on device")])
+        >>> print(disk_full(e, "/d/c"))
+        rank 1: no space left on device writing /d/c.tmp-0/__1_0.distcp; /d/c is unchanged: free space there or pass another --checkpoint
+    """
+    for failure in error.failures:
+        if (found := _NO_SPACE.search(failure.reason)) is None:
+            continue
+        rank = found["rank"] or str(failure.rank)
+        where = found["file"] or found["quoted"] or checkpoint or "the checkpoint"
+        kept = f"; {checkpoint} is unchanged" if checkpoint else ""
+        return (
+            f"rank {rank}: {os.strerror(errno.ENOSPC).lower()} writing {where}{kept}: free "
+            "space there or pass another --checkpoint"
+        )
+    return None
 
 
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
