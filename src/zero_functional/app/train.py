@@ -152,12 +152,8 @@ def _state_bytes(opt: Optimizer) -> int:
     """Bytes of the tensors in this rank's optimizer state (torch's ZeRO keeps them in .optim;
     the reference's main weights count, as ours keep them in the state)."""
     local = getattr(opt, "optim", opt)
-    return sum(int(m.nbytes) for m in getattr(opt, "main", ())) + sum(
-        v.numel() * v.element_size()
-        for s in local.state.values()
-        for v in s.values()
-        if isinstance(v, Tensor)
-    )
+    state = [v for s in local.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return sum(int(t.nbytes) for t in [*getattr(opt, "main", ()), *state])
 
 
 class _ThroughMain(torch.optim.Adam):
@@ -209,17 +205,6 @@ def _optimizer(
     return zero
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    # tqdm's default lock is a multiprocessing RLock: a named semaphore that a rank killed by a
-    # signal can never unlink ("leaked semaphore" at exit); the bars of one rank need a thread lock
-    tqdm.set_lock(threading.RLock())
-    return tqdm(
-        total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled, leave=True
-    )
-
-
 def _train(
     cfg: TrainConfig,
     rank: int,
@@ -233,30 +218,35 @@ def _train(
     dtype = DTYPES[cfg.dtype]
     x_train, x_test = x_train.to(dtype), x_test.to(dtype)
     torch.manual_seed(cfg.seed)
-    hidden = int(ckpt["args"]["hidden"]) if ckpt is not None else cfg.hidden
+    ckpt = ckpt or {}
+    hidden = int(ckpt["args"]["hidden"]) if ckpt else cfg.hidden
     model = build_model(hidden).to(dtype)
-    sharded = ckpt.get("sharded") if ckpt is not None else None
-    if ckpt is not None and sharded is None:
+    if "model" in ckpt:
         model.load_state_dict(ckpt["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt = _optimizer(cfg, ddp, use_zero, world_size)
-    if sharded is not None:
+    if "sharded" in ckpt:
         # each rank reads its own share (every rank for plain DDP's Adam), any world size
-        checkpoint.load(sharded, model=model, optimizer=opt)
-    elif ckpt is not None:
+        checkpoint.load(ckpt["sharded"], model=model, optimizer=opt)
+    elif ckpt:
         # torch's ZeroRedundancyOptimizer.load_state_dict sets the entries of parameters it does
         # not own to None in the dict it is given; the reference run needs them intact.
         opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
-    if ckpt is not None:
+    if ckpt:  # this run's learning rate, not the checkpoint's
         for g in opt.param_groups:
             g["lr"] = cfg.lr
-    start = int(ckpt["epoch"]) if ckpt is not None else 0
-    start_step = int(ckpt.get("step", 0)) if ckpt is not None else 0  # 0: an epoch's end
+    start, start_step = int(ckpt.get("epoch", 0)), int(ckpt.get("step", 0))  # step 0: epoch's end
     total = (cfg.epochs - start) * -(-len(y_train) // cfg.batch_size) - start_step
     saves = use_zero and cfg.checkpoint is not None
     step_s, steps, samples, t_start = 0.0, 0, 0, time.perf_counter()
-    name = "ZeRO + DDP" if use_zero else "plain DDP"
-    with _progress(total, name, cfg.progress and rank == 0) as bar:
+    from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing RLock: a named semaphore that a rank killed by a
+    # signal can never unlink ("leaked semaphore" at exit); the bars of one rank need a thread lock
+    tqdm.set_lock(threading.RLock())
+    name, shown = ("ZeRO + DDP" if use_zero else "plain DDP"), cfg.progress and rank == 0
+    bar = tqdm(total=total, desc=name, unit="step", file=sys.stderr, disable=not shown, leave=True)
+    with bar:
         for epoch in range(start, cfg.epochs):  # one epoch's batches at a time
             batches = epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch)
             for i in range(start_step if epoch == start else 0, len(batches)):
@@ -289,9 +279,8 @@ def _train(
                     if saves and at[1] != 0:
                         train_file.write(cfg, rank, model, opt, at, hidden)
                     raise Preempted(*at, saved=saves)
-    finish = getattr(opt, "finish_param_sync", None)
-    if finish is not None:
-        finish()  # parameters final before they are read outside a forward
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        opt.finish_param_sync()  # parameters final before they are read outside a forward
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     params = [p.detach().clone() for p in model.parameters()]
