@@ -75,12 +75,9 @@ def bert_shapes(
     """
     h, ff = hidden, 4 * hidden
     embeddings: list[Shape] = [
-        (vocab_size, h),
-        (max_positions, h),
-        (type_vocab_size, h),
-        (h,),
-        (h,),
-    ]
+        (vocab_size, h), (max_positions, h), (type_vocab_size, h),  # word, position, token type
+        (h,), (h,),  # LayerNorm
+    ]  # fmt: skip
     layer: list[Shape] = [
         (h, h), (h,), (h, h), (h,), (h, h), (h,),  # attention.self: query, key, value
         (h, h), (h,), (h,), (h,),  # attention.output: dense, LayerNorm
