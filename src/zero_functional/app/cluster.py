@@ -135,15 +135,8 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
         port = _int(env, "MASTER_PORT", source)
     else:  # SLURM's job id: every task derives the same
         port = slurm_port(_int(env, "SLURM_JOB_ID", source))
-    rank, world_size, local_rank = names
-    return ClusterRank(
-        rank=_int(env, rank, source),
-        world_size=_int(env, world_size, source),
-        local_rank=_int(env, local_rank, source) if local_rank in env else 0,
-        master_addr=addr,
-        master_port=port,
-        source=source,
-    )
+    rank, world_size, local_rank = (_int(env, n, source) if n in env else 0 for n in names)
+    return ClusterRank(rank, world_size, local_rank, addr, port, source)  # no local rank: 0
 
 
 def elastic_resume(

@@ -1,10 +1,9 @@
 """The demo training job: an MLP on scikit-learn's digits, DDP + ZeRO, then plain DDP to compare.
 
-In every rank of a gloo group, spawned here (:func:`launch`) or joined under a cluster launcher
-(:func:`run_torchrun`): DDP with a ``ZeroRedundancyOptimizer`` over Adam, then plain DDP and
-Adam from the same seed or checkpoint, and whether both end with the same parameters. Each
-rank's loss is scaled by ``world_size / global_batch``: a run resumed at another world size
-continues the same optimisation. Options: :mod:`.train_options`; files: :mod:`.train_file`.
+Every rank, spawned here (:func:`launch`) or placed by a cluster launcher (:func:`run_torchrun`),
+trains with ZeRO, then with plain DDP + Adam from the same start, and compares the parameters.
+The loss is scaled by ``world_size / global_batch``, so a resume at another world size continues
+the same optimisation.
 """
 
 from __future__ import annotations
@@ -71,13 +70,10 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
 
 
 def parity_verdict(max_diff: float, world_size: int, reduce_on_owners: bool) -> str:
-    """The verdict on the ZeRO run's parameters against the plain run's, after the same steps.
-
-    Both runs do the same arithmetic on every element, except that at 3 or more ranks ZeRO's
-    hooks sum each gradient onto its owner (a reduce) where DDP all-reduces, and gloo adds the
-    ranks' gradients in another order for each; training amplifies that rounding, so no
-    tolerance holds for every run. At 1 or 2 ranks, and with torch's class (which all-reduces
-    too), the comparison is exact; at 3 or more the difference is reported, not judged.
+    """The verdict on the ZeRO run's parameters against the plain run's, after the same steps:
+    exact at 1 or 2 ranks and with torch's class (which all-reduces too); at 3 or more, gloo sums
+    ZeRO's reduce onto owners in another order than DDP's all-reduce, training amplifies the
+    rounding, and the difference is reported, not judged.
 
     Example:
         >>> parity_verdict(0.0, 2, True)
@@ -293,13 +289,10 @@ def _say(message: str) -> None:
 
 
 def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | None]:
-    """Train with ZeRO (and the plain-DDP reference) on every rank of the default group, called
-    as :func:`~.launch.run_ranks` calls. With a checkpoint, SIGTERM stops every rank after the
-    same step, saved there (:mod:`.preempt`).
-
-    Returns:
-        The exit code (0, or 143 after SIGTERM) and, on rank 0 if it finished, the summary.
-    """
+    """Train with ZeRO (and the plain-DDP reference) on every rank of the default group, as
+    :func:`~.launch.run_ranks` calls it; with a checkpoint, SIGTERM stops every rank after the
+    same step, saved there (:mod:`.preempt`). Returns the exit code (0, or 143 after SIGTERM) and,
+    on rank 0 if it finished, the summary."""
     if cfg.checkpoint is None:  # nothing to save: SIGTERM ends the rank at once
         return 0, _run_job(rank, world_size, cfg, None)
     with Preemption(cfg.grace_s, rank=rank, checkpoint=cfg.checkpoint) as stop:
@@ -412,13 +405,10 @@ def disk_full(error: LaunchError, checkpoint: str | None) -> str | None:
 
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
     """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`~.launch.run_ranks`), run the job and
-    print the summary. A rank that fails, dies or hangs past ``timeout_s`` stops the others at
-    once and is named on stderr; SIGTERM and Ctrl-C stop the ranks too, in one line (SIGTERM
-    after ``cfg.grace_s`` to save, with a checkpoint).
-
-    Returns:
-        0; 1 if a rank failed or timed out; 143 after SIGTERM; 130 after Ctrl-C.
-    """
+    print the summary. A rank that fails, dies or hangs past ``timeout_s`` stops the others and
+    is named on stderr, in one line as SIGTERM and Ctrl-C are (SIGTERM after ``cfg.grace_s`` to
+    save, with a checkpoint). Returns 0; 1 if a rank failed or timed out; 143 after SIGTERM;
+    130 after Ctrl-C."""
     term_grace_s = TERM_GRACE_S + (cfg.grace_s if cfg.checkpoint is not None else 0.0)
     try:
         results = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s, term_grace_s=term_grace_s)
