@@ -442,9 +442,7 @@ def run_ranks(
                     process.start()
                     send.close()
                     ranks.append(_Rank(rank, process, receive))
-            failures = _collect(ranks, timeout_s, grace_s)
-            if not failures:
-                failures = _await_exit(ranks)
+            failures = _collect(ranks, timeout_s, grace_s) or _await_exit(ranks)
         finally:
             sigterm.armed = False  # a SIGTERM from here on waits until every rank is stopped
             _release(ranks, term_grace_s)
@@ -456,9 +454,8 @@ def run_ranks(
 
 
 def _read(r: _Rank) -> tuple[bool, object, float] | None:
-    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``,
-    ``t`` the rank's ``time.monotonic()`` (one clock for every process on Linux and macOS: it
-    orders failures that arrive together)."""
+    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``;
+    ``t``, the rank's ``time.monotonic()`` (one clock on Linux and macOS), orders failures."""
     if r.conn is None:
         return None
     try:
