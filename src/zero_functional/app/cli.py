@@ -23,14 +23,113 @@ from pathlib import Path
 from typing import Any
 
 from zero_functional import __version__
-from zero_functional.app.cli_args import IntIn, Parser, fail, local_ranks
+from zero_functional.app.cli_args import IntIn, Parser, fail, local_ranks, shown
 from zero_functional.app.cluster import cluster_rank
 from zero_functional.app.link import rate_bits, run_shaped
-from zero_functional.app.plan_cmd import DEMO_WORLD_SIZES, add_plan_parser, cmd_plan
+from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
+from zero_functional.app.plan_format import (
+    DTYPE_BYTES,
+    format_hybrid,
+    format_memory,
+    format_muon,
+    format_plan,
+)
 from zero_functional.app.train_options import add_flags, train_config
+from zero_functional.core.loads import hybrid_shape
 
 LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py", "bench_phases.py")
 """The benchmarks ``bench --link`` runs: those that measure what bytes cost."""
+DEMO_WORLD_SIZES = (2, 8, 64)  # the world sizes ``plan`` reports by default, and the demo's plan
+MAX_SIMULATED_RANKS = 64
+"""Most ranks ``plan --simulate`` builds per world size (each takes up to a second)."""
+world_sizes = IntIn(1, 1 << 20, "2**20 ranks is more than any cluster has")
+
+
+def rank_list(text: str) -> list[int]:
+    """An argparse type: ranks separated by commas (``0,1023``), each an integer >= 0.
+
+    Example:
+        >>> rank_list("0, 1023")
+        [0, 1023]
+    """
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts) or len(parts) > MAX_SIMULATED_RANKS:
+        raise argparse.ArgumentTypeError(
+            f"expected up to {MAX_SIMULATED_RANKS} ranks (integers >= 0) separated by commas, "
+            f"such as 0,1023, got {shown(text)}"
+        )
+    return [int(part) for part in parts]
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    here = os.getcwd()  # first on sys.path, as python -m has it (the script's is its bin/)
+    if args.model not in MODELS and all(os.path.abspath(p or ".") != here for p in sys.path):
+        sys.path.insert(0, here)
+    dtype, worlds = args.dtype or "fp32", args.world_sizes
+    try:
+        shapes, muon = muon_params(args.model) if args.muon else (model_shapes(args.model), [])
+    except ValueError as e:
+        return fail("plan", str(e))
+    if not shapes:
+        return fail("plan", f"model {args.model!r} has no parameters; nothing to partition")
+    if args.muon and not any(muon):
+        return fail(
+            "plan",
+            f"--muon: model {args.model!r} has no hidden 2-D matrix for Muon (torch.optim.Muon "
+            "takes 2-D parameters only; embeddings and heads go to AdamW): drop --muon",
+        )
+    if args.optimizer not in (None, "adamw"):
+        from zero_functional.functional.lowbit import LOW_BIT  # imports torch: not for --help
+
+        if args.optimizer not in LOW_BIT:
+            names = ", ".join(("adamw", *LOW_BIT))
+            return fail("plan", f"--optimizer: expected one of {names}, got {args.optimizer!r}")
+    if args.remainders and (args.dtype != "bf16" or args.main_params != "fp32"):
+        return fail(
+            "plan",
+            "--remainders keeps the fp32 main copy as bf16 parameters + int16 remainders: it "
+            "needs --dtype bf16 --main-params fp32",
+        )
+    if args.shard_size is not None:
+        try:
+            for w in worlds:
+                hybrid_shape(w, args.shard_size)
+        except ValueError as e:
+            return fail("plan", f"--shard-size: {e} (--world-sizes)")
+    bad = [(r, w) for w in worlds for r in args.simulate or () if not 0 <= r < w]
+    if bad:  # before torch is imported
+        r, w = bad[0]
+        return fail(
+            "plan",
+            f"--simulate: rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}",
+        )
+    if args.simulate is not None:
+        from zero_functional.app.simulate import format_simulated, model_params, simulate
+
+        try:
+            params = model_params(shapes, dtype)
+        except ValueError as e:
+            return fail("plan", f"--simulate: {e}")
+    n = numels(shapes)
+    print(format_plan(args.model, n, worlds))
+    if args.dtype or args.main_params or args.optimizer or args.remainders or args.ema:
+        optimizer = args.optimizer or "adamw"
+        m = format_memory(n, worlds, dtype, args.main_params, optimizer, args.remainders, args.ema)
+        print(f"\n{m}")
+    if args.shard_size is not None:
+        print(f"\n{format_hybrid(n, worlds, args.shard_size, dtype, args.main_params)}")
+    if args.simulate is not None:
+        main = args.main_params is not None and DTYPE_BYTES[dtype] < 4
+        rows = [
+            simulate(params, w, r, partition=p, shard_size=args.shard_size, main_params=main)
+            for w in worlds
+            for r in args.simulate
+            for p in ("sorted_greedy", "flat")
+        ]
+        print(f"\n{format_simulated(rows)}")
+    if args.muon:
+        print(f"\n{format_muon(shapes, muon, worlds)}")
+    return 0
 
 
 def _load_checkpoint(path: str) -> Mapping[str, Any]:
@@ -60,7 +159,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print()
     # parsed as the command line would: a flag added to ``plan`` gets its default here too
     plan_argv = ["plan", "gpt2-small", "--world-sizes", *map(str, DEMO_WORLD_SIZES)]
-    code = cmd_plan(build_parser().parse_args(plan_argv))
+    code = _cmd_plan(build_parser().parse_args(plan_argv))
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return code
 
@@ -176,7 +275,72 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="what `make demo` runs: a short train, then a plan")
     add_flags(demo, epochs=20)
     demo.set_defaults(func=_cmd_demo)
-    add_plan_parser(sub)
+    plan = sub.add_parser(
+        "plan",
+        help="balance of sorted-greedy and flat partitions for a model (pure, instant)",
+        description="MODEL: a built-in spec or module:function returning an nn.Module "
+        "(built on the meta device).",
+    )
+    plan.add_argument("model", metavar="MODEL", help=f"{', '.join(MODELS)}, or module:function")
+    plan.add_argument(
+        "--world-sizes",
+        type=world_sizes,
+        nargs="+",
+        default=list(DEMO_WORLD_SIZES),
+        help=f"world sizes to report (2 8 64; {world_sizes})",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=tuple(DTYPE_BYTES),
+        help="parameters' and gradients' dtype (fp32); with it or --main-params, also print "
+        "the bytes per rank of parameters, gradients, main copy and AdamW state",
+    )
+    plan.add_argument(
+        "--main-params",
+        choices=("fp32",),
+        help="an fp32 main copy of the owned pieces of narrower parameters, with fp32 state "
+        "(main_params_dtype=torch.float32; default: none)",
+    )
+    plan.add_argument(
+        "--shard-size",
+        type=world_sizes,
+        metavar="S",
+        help="also print hybrid sharding (state sharded within groups of S ranks, a node, and "
+        "replicated across world/S): state per rank and bytes per rank and step within and "
+        "across nodes; S must divide every world size",
+    )
+    plan.add_argument(
+        "--simulate",
+        type=rank_list,
+        metavar="RANKS",
+        help="also build the optimizer as these ranks (such as 0,1023) of each world size "
+        "would, under torch's fake process group, step once, and print what each holds",
+    )
+    plan.add_argument(
+        "--muon",
+        action="store_true",
+        help="also print Muon (hidden 2-D matrices, owned whole, balanced by Newton-Schulz cost) "
+        "+ AdamW (the rest, split flat): state bytes and cost per rank, and their max/mean",
+    )
+    plan.add_argument(
+        "--optimizer",
+        metavar="NAME",
+        help="the state's optimizer for the bytes per rank: adamw (default) or torchao's "
+        "low-bit adamw8bit, adamw4bit, adamwfp8 (block-quantized moments, for tensors of >= "
+        "4096 elements)",
+    )
+    plan.add_argument(
+        "--remainders",
+        action="store_true",
+        help="the fp32 main copy kept as the bf16 parameter + an int16 remainder "
+        "(store_param_remainders=True): 2 B per owned element instead of 4",
+    )
+    plan.add_argument(
+        "--ema",
+        action="store_true",
+        help="an EMA of the weights (ShardedEMA): each owner keeps its pieces' in fp32",
+    )
+    plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(
         "bench", help="run benchmarks/bench_*.py and print one table of ratios against torch's best"
     )
@@ -215,5 +379,4 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``zero-functional`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     args = build_parser().parse_args(argv)
-    code: int = args.func(args)
-    return code
+    return int(args.func(args))

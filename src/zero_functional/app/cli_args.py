@@ -14,10 +14,6 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-MAX_LOCAL_RANKS = 64
-"""Most ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week (the launcher's waits take at most 2**31 ms, 24.8 days)
-
 
 class Parser(argparse.ArgumentParser):
     """argparse, but an error is one line (no usage block), still with exit code 2."""
@@ -88,4 +84,5 @@ class PositiveFloat:
         return value
 
 
-local_ranks = IntIn(1, MAX_LOCAL_RANKS, "gloo ranks on this one machine")
+local_ranks = IntIn(1, 64, "gloo ranks on this one machine")
+"""Ranks ``train``, ``demo`` and ``bench`` start: gloo processes on this one machine."""

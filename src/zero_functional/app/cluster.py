@@ -51,10 +51,7 @@ def _expand_one(pattern: str) -> list[str]:
     """The hosts of one pattern with any number of bracket groups, in scontrol's order."""
     m = _GROUP.search(pattern)
     if m is None:
-        if "[" in pattern or "]" in pattern:
-            raise ClusterError(f"unbalanced brackets in host list entry {pattern!r}")
         return [pattern]
-    head, tail = pattern[: m.start()], pattern[m.end() :]
     values: list[str] = []
     for part in m.group(1).split(","):
         lo, sep, hi = part.partition("-")
@@ -65,7 +62,8 @@ def _expand_one(pattern: str) -> list[str]:
         if last < int(lo):
             raise ClusterError(f"host list range {part!r} in {pattern!r} runs backwards")
         values += [f"{i:0{width}d}" for i in range(int(lo), last + 1)]
-    return [f"{head}{v}{rest}" for v in values for rest in _expand_one(tail)]
+    head = pattern[: m.start()]
+    return [f"{head}{v}{rest}" for v in values for rest in _expand_one(pattern[m.end() :])]
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -77,18 +75,13 @@ def expand_hostlist(text: str) -> list[str]:
         >>> expand_hostlist("rack[1-2]-gpu[8-9]")
         ['rack1-gpu8', 'rack1-gpu9', 'rack2-gpu8', 'rack2-gpu9']
     """
-    entries, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += (ch == "[") - (ch == "]")
-        if depth < 0 or depth > 1:
-            raise ClusterError(f"unbalanced brackets in host list {text!r}")
-        if ch == "," and depth == 0:
-            entries.append(text[start:i])
-            start = i + 1
-    entries.append(text[start:])
-    if depth != 0 or any(not e.strip() for e in entries):
-        raise ClusterError(f"host list {text!r} is malformed (empty entry or open bracket)")
-    return [host for entry in entries for host in _expand_one(entry.strip())]
+    entries = [e.strip() for e in re.split(r",(?![^\[]*\])", text)]  # commas outside brackets
+    for entry in entries:
+        if not entry:
+            raise ClusterError(f"host list {text!r} is malformed (an empty entry)")
+        if {"[", "]"} & set(_GROUP.sub("", entry)):
+            raise ClusterError(f"unbalanced brackets in host list entry {entry!r}")
+    return [host for entry in entries for host in _expand_one(entry)]
 
 
 def slurm_port(job_id: int) -> int:
@@ -142,15 +135,8 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
         port = _int(env, "MASTER_PORT", source)
     else:  # SLURM's job id: every task derives the same
         port = slurm_port(_int(env, "SLURM_JOB_ID", source))
-    rank, world_size, local_rank = names
-    return ClusterRank(
-        rank=_int(env, rank, source),
-        world_size=_int(env, world_size, source),
-        local_rank=_int(env, local_rank, source) if local_rank in env else 0,
-        master_addr=addr,
-        master_port=port,
-        source=source,
-    )
+    rank, world_size, local_rank = (_int(env, n, source) if n in env else 0 for n in names)
+    return ClusterRank(rank, world_size, local_rank, addr, port, source)  # no local rank: 0
 
 
 def elastic_resume(

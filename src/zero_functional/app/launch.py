@@ -1,14 +1,15 @@
 """The one launcher: start N ranks of a gloo group on 127.0.0.1, run a function on each, collect
-the results (``train``, the tests, the benchmarks and the notebooks all use :func:`run_ranks`).
+the results, and name what went wrong (``train``, the tests, the benchmarks and the notebooks all
+use :func:`run_ranks`).
 
 A rank's result or traceback comes back pickled over its own pipe; a rank that dies, is stopped
-or hangs is named (:mod:`.failures`); after the first failure the others get :data:`GRACE_S` to
-report, then are killed. SIGTERM to the launcher stops every rank first, then raises
-:class:`Terminated`; a rank whose launcher dies kills itself (:func:`exit_when_orphaned`).
-A rank leaves with ``os._exit`` after a barrier: finalizing a spawned interpreter with gloo's
-threads alive can abort it (``torch.distributed.nn.functional`` binds ``group.WORLD`` as a
-default argument, so each rank imports it before it joins). Ranks start with
-``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a dead peer makes c10d log a C++ stack.
+(SIGSTOP) or hangs is named, the cause first (:class:`LaunchError`); after the first failure the
+others get :data:`GRACE_S` to report, then are killed. SIGTERM to the launcher stops every rank
+first, then raises :class:`Terminated`; a rank whose launcher dies kills itself
+(:func:`exit_when_orphaned`). A rank leaves with ``os._exit`` after a barrier: finalizing a
+spawned interpreter with gloo's threads alive can abort it (``torch.distributed.nn.functional``
+binds ``group.WORLD`` as a default argument, so each rank imports it before it joins). Ranks
+start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a dead peer makes c10d log a C++ stack.
 """
 
 from __future__ import annotations
@@ -24,25 +25,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import connection
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Literal, TypeVar, cast
-
-from zero_functional.app.failures import (
-    LaunchError,
-    RankFailure,
-    StoppedRanks,
-    blame,
-    cut,
-    describe_exit,
-    format_seconds,
-    last_line,
-)
 
 R = TypeVar("R")
 StartMethod = Literal["spawn", "fork", "forkserver"]
@@ -55,6 +45,168 @@ SETTLE_S = 0.25  # after the first rank that raised, for a death behind it to sh
 EXIT_WAIT_S = 30.0  # for a rank that returned to leave its group and exit
 TERM_GRACE_S = 2.0  # between SIGTERM and SIGKILL to a rank being stopped
 CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # set for the ranks unless set (module doc)
+STOPPED_S = 5.0  # seen stopped this long without a break, a rank is named
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """What went wrong on one rank: ``reason`` ends a sentence that starts with ``rank N``
+    (``was killed by signal SIGKILL``), ``traceback`` is its own if it raised, and ``primary``
+    says whether it came first (several if seen together) or is most likely a consequence."""
+
+    rank: int
+    reason: str
+    traceback: str = ""
+    primary: bool = True
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} {self.reason}"
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed; ``failures`` says which and how, the first failure first. The
+    message has a line per failed rank, then the tracebacks of the primary ones.
+
+    Example:
+        >>> e = LaunchError([RankFailure(1, "was killed by signal SIGKILL"),
+        ...                  RankFailure(0, "was stopped after rank 1 failed", primary=False)])
+        >>> print(e)
+        rank 1 was killed by signal SIGKILL
+        rank 0 was stopped after rank 1 failed
+        >>> e.headline
+        'rank 1 was killed by signal SIGKILL'
+    """
+
+    def __init__(
+        self, failures: Sequence[RankFailure], results: Mapping[int, object] | None = None
+    ) -> None:
+        self.failures = tuple(sorted(failures, key=lambda f: (not f.primary, f.rank)))
+        self.results: dict[int, object] = dict(results or {})
+        """What the ranks that returned before the failure returned (a failed exit included)."""
+        lines = [str(f) for f in self.failures]
+        lines += [
+            f"--- rank {f.rank}:\n{f.traceback.rstrip()}"
+            for f in self.failures
+            if f.primary and f.traceback
+        ]
+        super().__init__("\n".join(lines))
+
+    @property
+    def headline(self) -> str:
+        """The first failure, in one line."""
+        return str(self.failures[0])
+
+
+def blame(
+    died: Sequence[RankFailure], raised: Sequence[RankFailure], first: RankFailure | None
+) -> list[RankFailure]:
+    """Failures seen together (``raised`` in the order the ranks raised), the first primary and
+    the rest its consequences. A death comes before what was raised at the same moment: a dead
+    peer breaks the others' collectives, a rank that raises reports before it leaves.
+
+    Example:
+        >>> [str(f) for f in blame([], [RankFailure(1, "raised A"), RankFailure(0, "raised B")], None)]
+        ['rank 1 raised A', 'rank 0 raised B after rank 1 failed']
+    """
+    primary = (list(died) or list(raised[:1])) if first is None else []
+    first = first or primary[0]
+    return [
+        f
+        if f in primary
+        else RankFailure(f.rank, f"{f.reason} after rank {first.rank} failed", f.traceback, False)
+        for f in [*died, *raised]
+    ]
+
+
+def last_line(text: str, limit: int = 300) -> str:
+    """The last line of a traceback (the exception), cut to ``limit`` characters.
+
+    Example:
+        >>> last_line("Traceback (most recent call last):\\nValueError: boom\\n")
+        'ValueError: boom'
+    """
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return cut(lines[-1] if lines else "an exception", limit)
+
+
+def cut(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters (the last three an ellipsis)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for a message: whole seconds from 10 s on, three digits below.
+
+    Example:
+        >>> format_seconds(600.0), format_seconds(12.7), format_seconds(0.5), format_seconds(1.25)
+        ('600 s', '13 s', '0.5 s', '1.25 s')
+    """
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.3g} s"
+
+
+def describe_exit(exitcode: int) -> str:
+    """How a process ended, from ``multiprocessing.Process.exitcode``.
+
+    Example:
+        >>> describe_exit(-9), describe_exit(3)
+        ('was killed by signal SIGKILL', 'exited with code 3')
+    """
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        return f"was killed by signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in ``/proc`` (``R``, ``S``, ``T``: stopped, ...), or
+    ``""`` where it is gone or there is no ``/proc``.
+
+    Example:
+        >>> process_state(os.getpid()) in ("R", "")
+        True
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the name, in parentheses, may hold spaces and parentheses: the state follows the last
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+@dataclass
+class StoppedRanks:
+    """Since when each rank's process has been seen stopped (``T`` in ``/proc/<pid>/stat``; a
+    debugger's ``t`` is left alone), naming it after ``after_s`` without a break, so that a job
+    suspended as a whole is not taken for a failure. Without ``/proc`` the timeout applies.
+
+    Example:
+        >>> watch = StoppedRanks(after_s=5.0, state=lambda pid: "T")
+        >>> watch.reason(1, 1234, now=100.0) is None  # first seen stopped
+        True
+        >>> watch.reason(1, 1234, now=105.0)
+        'stopped reporting: its process was stopped (state T: SIGSTOP or SIGTSTP) 5 s ago and has not resumed'
+    """
+
+    after_s: float = STOPPED_S
+    state: Callable[[int], str] = process_state
+    since: dict[int, float] = field(default_factory=dict)
+
+    def reason(self, rank: int, pid: int | None, now: float | None = None) -> str | None:
+        """Why ``rank`` (process ``pid``) counts as failed, once stopped for ``after_s``; ``None``
+        before, or while it runs (which starts the count again)."""
+        if pid is None or self.state(pid) != "T":
+            self.since.pop(rank, None)
+            return None
+        now = time.monotonic() if now is None else now
+        since = self.since.setdefault(rank, now)
+        if now - since < self.after_s:
+            return None
+        return (
+            "stopped reporting: its process was stopped (state T: SIGSTOP or SIGTSTP) "
+            f"{format_seconds(now - since)} ago and has not resumed"
+        )
 
 
 class Terminated(SystemExit):
@@ -128,20 +280,8 @@ def process_group(
             dist.destroy_process_group()
 
 
-class _Reported(Exception):
-    """``fn`` raised and the launcher has its traceback: leave without the barrier."""
-
-
-def _failure(t: float) -> bytes:
-    return pickle.dumps((False, traceback.format_exc(), t))
-
-
-def _exit_failure() -> bytes:
-    """Why a rank that reported its result could not leave its group: the traceback of that,
-    and the CollectiveErrors it raised (what broke the group), if any."""
-    comm = sys.modules.get("zero_functional.comm")  # imported by whatever used its collectives
-    errors: list[str] = comm.failures() if comm is not None else []
-    return pickle.dumps(("exit", traceback.format_exc(), errors))
+def _failure() -> bytes:
+    return pickle.dumps((False, traceback.format_exc(), time.monotonic()))
 
 
 def _rank_main(
@@ -160,11 +300,9 @@ def _rank_main(
     not overtake the one that explains why."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler: ends a rank
     exit_when_orphaned(report)  # the launcher killed (any signal): this rank stops at once
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    code = 1
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code, sent, returned = 1, False, False
     try:
-        sent = False
         try:
             import torch
 
@@ -172,19 +310,21 @@ def _rank_main(
                 torch.set_num_threads(num_threads)  # the ranks share the machine's cores
             with process_group(backend, rank=rank, world_size=world_size, timeout_s=pg_timeout_s):
                 try:
-                    value = fn(rank, world_size, *args)
-                    ok, data = True, pickle.dumps((True, value, time.monotonic()))
+                    data = pickle.dumps((True, fn(rank, world_size, *args), time.monotonic()))
                 except BaseException:  # assertions and Ctrl-C included
-                    ok, data = False, _failure(time.monotonic())
+                    report.send_bytes(_failure())
+                    sent = True
+                    raise  # out of the group without the barrier: the others may never reach it
                 report.send_bytes(data)
-                sent = True
-                if not ok:
-                    raise _Reported
+                sent = returned = True
             code = 0
-        except _Reported:
-            pass
-        except BaseException:  # joining or leaving the group failed
-            report.send_bytes(_exit_failure() if sent else _failure(time.monotonic()))
+        except BaseException:
+            if not sent:  # joining the group failed
+                report.send_bytes(_failure())
+            elif returned:  # leaving it failed: why, and the CollectiveErrors that broke it
+                comm = sys.modules.get("zero_functional.comm")  # imported if its calls were used
+                errors: list[str] = comm.failures() if comm is not None else []
+                report.send_bytes(pickle.dumps(("exit", traceback.format_exc(), errors)))
         report.close()
         logging.shutdown()
         sys.stdout.flush()
@@ -205,16 +345,15 @@ class _Rank:
     value: object = None
 
 
+@dataclass
 class _SigtermGuard:
     """Armed, SIGTERM raises :class:`Terminated` in the main thread; disarmed (the ranks are
     being stopped), it is only noted, for the launcher to raise after."""
 
-    def __init__(self, ranks: Sequence[_Rank]) -> None:
-        self.ranks = ranks
-        self.armed = False
-        self.received = False
-        self.previous: object = None
-        self.installed = False
+    ranks: Sequence[_Rank]
+    armed: bool = False
+    received: bool = False
+    previous: object = None  # the handler it replaced, if it installed its own
 
     def __enter__(self) -> _SigtermGuard:
         # not over a handler someone installed, nor outside the main thread (Python refuses)
@@ -223,7 +362,6 @@ class _SigtermGuard:
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         ):
             self.previous = signal.signal(signal.SIGTERM, self._handle)
-            self.installed = True
         self.armed = True
         return self
 
@@ -234,7 +372,7 @@ class _SigtermGuard:
             raise Terminated(len(self.ranks))
 
     def __exit__(self, *exc: object) -> None:
-        if self.installed:
+        if self.previous is not None:
             signal.signal(signal.SIGTERM, cast(signal.Handlers, self.previous))
 
 
@@ -275,7 +413,7 @@ def run_ranks(
         >>> run_ranks(math.log, 2, start_method="fork")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        zero_functional.app.failures.LaunchError: rank 0 raised ValueError: math domain error
+        zero_functional.app.launch.LaunchError: rank 0 raised ValueError: math domain error
         --- rank 0:
         Traceback (most recent call last):
         ...
@@ -304,9 +442,7 @@ def run_ranks(
                     process.start()
                     send.close()
                     ranks.append(_Rank(rank, process, receive))
-            failures = _collect(ranks, timeout_s, grace_s)
-            if not failures:
-                failures = _await_exit(ranks)
+            failures = _collect(ranks, timeout_s, grace_s) or _await_exit(ranks)
         finally:
             sigterm.armed = False  # a SIGTERM from here on waits until every rank is stopped
             _release(ranks, term_grace_s)
@@ -318,9 +454,8 @@ def run_ranks(
 
 
 def _read(r: _Rank) -> tuple[bool, object, float] | None:
-    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``,
-    ``t`` the rank's ``time.monotonic()`` (one clock for every process on Linux and macOS: it
-    orders failures that arrive together)."""
+    """The rank's report if one is waiting: ``(True, value, t)`` or ``(False, traceback, t)``;
+    ``t``, the rank's ``time.monotonic()`` (one clock on Linux and macOS), orders failures."""
     if r.conn is None:
         return None
     try:
@@ -480,15 +615,10 @@ def _release(ranks: Sequence[_Rank], term_grace_s: float) -> None:
         r.process.close()
         if r.conn is not None:
             r.conn.close()
-            r.conn = None
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def exit_when_orphaned(
-    report: Connection, kill: Callable[[], None] = _kill_self
+    report: Connection, kill: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGKILL)
 ) -> threading.Thread:
     """Start a daemon thread that calls ``kill`` (SIGKILL of this process) once the reading end
     of ``report``, which only the launcher holds, is closed: the launcher died, by any signal

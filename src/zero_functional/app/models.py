@@ -1,11 +1,6 @@
 """The models ``plan`` partitions: shape specs of well-known models, by formula (no download, no
 memory), in their reference implementation's ``named_parameters()`` order, tied weights once, as
 a partition sees them; or any ``module:function``, built on the meta device.
-
-Example:
-    >>> shapes = model_shapes("gpt2-small")
-    >>> len(shapes), total_numel(shapes)
-    (148, 124439808)
 """
 
 from __future__ import annotations
@@ -50,12 +45,9 @@ def gpt2_shapes(
     """
     d = n_embd
     block: list[Shape] = [
-        (d,), (d,),  # ln_1
-        (d, 3 * d), (3 * d,),  # attn.c_attn (Conv1D: in x out)
-        (d, d), (d,),  # attn.c_proj
-        (d,), (d,),  # ln_2
-        (d, 4 * d), (4 * d,),  # mlp.c_fc
-        (4 * d, d), (d,),  # mlp.c_proj
+        (d,), (d,), (d, 3 * d), (3 * d,),  # ln_1, attn.c_attn (Conv1D: in x out)
+        (d, d), (d,), (d,), (d,),  # attn.c_proj, ln_2
+        (d, 4 * d), (4 * d,), (4 * d, d), (d,),  # mlp.c_fc, mlp.c_proj
     ]  # fmt: skip
     return [(vocab_size, d), (n_positions, d), *block * n_layer, (d,), (d,)]
 
@@ -75,12 +67,9 @@ def bert_shapes(
     """
     h, ff = hidden, 4 * hidden
     embeddings: list[Shape] = [
-        (vocab_size, h),
-        (max_positions, h),
-        (type_vocab_size, h),
-        (h,),
-        (h,),
-    ]
+        (vocab_size, h), (max_positions, h), (type_vocab_size, h),  # word, position, token type
+        (h,), (h,),  # LayerNorm
+    ]  # fmt: skip
     layer: list[Shape] = [
         (h, h), (h,), (h, h), (h,), (h, h), (h,),  # attention.self: query, key, value
         (h, h), (h,), (h,), (h,),  # attention.output: dense, LayerNorm

@@ -134,17 +134,15 @@ def format_memory(
 
     per_param = []
     for w in world_sizes:
-        rows = []
         for label, owned in (
             ("sorted-greedy", [[(k, numels[k]) for k in ks] for ks in sorted_greedy(numels, w)]),
             ("flat", [[(p.param, p.numel) for p in ps] for ps in flat(numels, w).pieces]),
         ):
             cells = max((rank_cells(o) for o in owned), key=lambda c: c[-1])
-            rows.append(cells)
             lines.append(
                 f"{w:>5}  {label:<13}  " + "  ".join(f"{format_bytes(c):>10}" for c in cells)
             )
-        per_param.append(f"{rows[-1][-1] / total if total else 0:.2f} B at {w:,}")
+        per_param.append(f"{cells[-1] / total if total else 0:.2f} B at {w:,}")  # flat's total
     lines.append("per parameter per rank (flat): " + ", ".join(per_param))
     return "\n".join(lines)
 
@@ -225,10 +223,10 @@ def format_muon(
             2  max/mean                                                 1.000               1.333
     """
     sizes = [math.prod(s) for s in shapes]
-    on_muon = sum(n for n, m in zip(sizes, muon) if m)
+    on_muon, matrices = sum(n for n, m in zip(sizes, muon) if m), sum(map(bool, muon))
     lines = [
-        f"Muon on {sum(map(bool, muon)):,} matrices ({on_muon:,} parameters), whole, balanced "
-        f"by Newton-Schulz cost m*n*min(m,n); AdamW on the other {len(muon) - sum(map(bool, muon)):,} "
+        f"Muon on {matrices:,} matrices ({on_muon:,} parameters), whole, balanced by "
+        f"Newton-Schulz cost m*n*min(m,n); AdamW on the other {len(muon) - matrices:,} "
         f"tensors ({sum(sizes) - on_muon:,} parameters), split flat",
         "fp32 state per owned element: Muon's momentum_buffer 4 B, AdamW's exp_avg and "
         "exp_avg_sq 8 B",

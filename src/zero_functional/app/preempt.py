@@ -48,18 +48,14 @@ class Preemption:
     """
 
     def __init__(self, grace_s: float, *, rank: int, checkpoint: str) -> None:
-        if not grace_s > 0:
-            raise ValueError(f"grace_s must be positive, got {grace_s}")
         self.grace_s, self.rank, self.checkpoint = grace_s, rank, checkpoint
         self.requested = False
         self._timer: threading.Timer | None = None
-        self._previous: signal.Handlers | int | None = None
-        self._installed = False
+        self._previous: signal.Handlers | int | None = None  # the handler it replaced, if any
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)  # type: ignore[assignment]
-            self._installed = True
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -90,7 +86,7 @@ class Preemption:
         return bool(comm.any_rank(flag, comm.default_group(None))[0].item())
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
+        if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
         # past the block, leaving the group is bounded by the launcher's or scheduler's kill
         if self._timer is not None:

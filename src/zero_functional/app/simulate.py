@@ -64,15 +64,6 @@ def model_params(shapes: Sequence[Shape], dtype: str = "fp32") -> list[nn.Parame
     return params
 
 
-def _state_bytes(zero: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for s in zero.state.values()
-        for v in s.values()
-        if isinstance(v, Tensor)
-    )
-
-
 def simulate(
     params: Sequence[nn.Parameter],
     world_size: int,
@@ -101,17 +92,17 @@ def simulate(
         )
         zero.step()
         owned = zero.ownership.owned(zero.rank)
-        result = SimulatedRank(
+        state = [v for s in zero.state.values() for v in s.values() if isinstance(v, Tensor)]
+        return SimulatedRank(
             world_size=world_size,
             rank=rank,
             partition=partition,
             shard_size=zero.world_size,
             pieces=len(owned),
             elements=sum(s.stop - s.start for s in owned),
-            state_bytes=_state_bytes(zero),
+            state_bytes=sum(v.nbytes for v in state),
             seconds=time.perf_counter() - started,
         )
-    return result
 
 
 def format_simulated(rows: Sequence[SimulatedRank]) -> str:

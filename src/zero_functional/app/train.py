@@ -1,22 +1,23 @@
 """The demo training job: an MLP on scikit-learn's digits, DDP + ZeRO, then plain DDP to compare.
 
-In every rank of a gloo group, spawned here (:func:`launch`) or joined under a cluster launcher
-(:func:`run_torchrun`): DDP with a ``ZeroRedundancyOptimizer`` over Adam, then plain DDP and
-Adam from the same seed or checkpoint, and whether both end with the same parameters. Each
-rank's loss is scaled by ``world_size / global_batch``: a run resumed at another world size
-continues the same optimisation. Options: :mod:`.train_options`; files: :mod:`.train_file`.
+Every rank, spawned here (:func:`launch`) or placed by a cluster launcher (:func:`run_torchrun`),
+trains with ZeRO, then with plain DDP + Adam from the same start, and compares the parameters.
+The loss is scaled by ``world_size / global_batch``, so a resume at another world size continues
+the same optimisation.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import os
+import re
 import signal
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -30,8 +31,13 @@ from torch.optim import Optimizer
 from zero_functional import checkpoint, comm
 from zero_functional.app import train_file
 from zero_functional.app.cluster import ClusterRank, elastic_resume
-from zero_functional.app.failures import LaunchError, disk_full
-from zero_functional.app.launch import TERM_GRACE_S, Terminated, process_group, run_ranks
+from zero_functional.app.launch import (
+    TERM_GRACE_S,
+    LaunchError,
+    Terminated,
+    process_group,
+    run_ranks,
+)
 from zero_functional.app.plan_format import format_bytes
 from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
 from zero_functional.app.train_options import OURS, TrainConfig
@@ -64,13 +70,10 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
 
 
 def parity_verdict(max_diff: float, world_size: int, reduce_on_owners: bool) -> str:
-    """The verdict on the ZeRO run's parameters against the plain run's, after the same steps.
-
-    Both runs do the same arithmetic on every element, except that at 3 or more ranks ZeRO's
-    hooks sum each gradient onto its owner (a reduce) where DDP all-reduces, and gloo adds the
-    ranks' gradients in another order for each; training amplifies that rounding, so no
-    tolerance holds for every run. At 1 or 2 ranks, and with torch's class (which all-reduces
-    too), the comparison is exact; at 3 or more the difference is reported, not judged.
+    """The verdict on the ZeRO run's parameters against the plain run's, after the same steps:
+    exact at 1 or 2 ranks and with torch's class (which all-reduces too); at 3 or more, gloo sums
+    ZeRO's reduce onto owners in another order than DDP's all-reduce, training amplifies the
+    rounding, and the difference is reported, not judged.
 
     Example:
         >>> parity_verdict(0.0, 2, True)
@@ -145,12 +148,8 @@ def _state_bytes(opt: Optimizer) -> int:
     """Bytes of the tensors in this rank's optimizer state (torch's ZeRO keeps them in .optim;
     the reference's main weights count, as ours keep them in the state)."""
     local = getattr(opt, "optim", opt)
-    return sum(int(m.nbytes) for m in getattr(opt, "main", ())) + sum(
-        v.numel() * v.element_size()
-        for s in local.state.values()
-        for v in s.values()
-        if isinstance(v, Tensor)
-    )
+    state = [v for s in local.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return sum(int(t.nbytes) for t in [*getattr(opt, "main", ()), *state])
 
 
 class _ThroughMain(torch.optim.Adam):
@@ -202,17 +201,6 @@ def _optimizer(
     return zero
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    # tqdm's default lock is a multiprocessing RLock: a named semaphore that a rank killed by a
-    # signal can never unlink ("leaked semaphore" at exit); the bars of one rank need a thread lock
-    tqdm.set_lock(threading.RLock())
-    return tqdm(
-        total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled, leave=True
-    )
-
-
 def _train(
     cfg: TrainConfig,
     rank: int,
@@ -226,30 +214,35 @@ def _train(
     dtype = DTYPES[cfg.dtype]
     x_train, x_test = x_train.to(dtype), x_test.to(dtype)
     torch.manual_seed(cfg.seed)
-    hidden = int(ckpt["args"]["hidden"]) if ckpt is not None else cfg.hidden
+    ckpt = ckpt or {}
+    hidden = int(ckpt["args"]["hidden"]) if ckpt else cfg.hidden
     model = build_model(hidden).to(dtype)
-    sharded = ckpt.get("sharded") if ckpt is not None else None
-    if ckpt is not None and sharded is None:
+    if "model" in ckpt:
         model.load_state_dict(ckpt["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt = _optimizer(cfg, ddp, use_zero, world_size)
-    if sharded is not None:
+    if "sharded" in ckpt:
         # each rank reads its own share (every rank for plain DDP's Adam), any world size
-        checkpoint.load(sharded, model=model, optimizer=opt)
-    elif ckpt is not None:
+        checkpoint.load(ckpt["sharded"], model=model, optimizer=opt)
+    elif ckpt:
         # torch's ZeroRedundancyOptimizer.load_state_dict sets the entries of parameters it does
         # not own to None in the dict it is given; the reference run needs them intact.
         opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
-    if ckpt is not None:
+    if ckpt:  # this run's learning rate, not the checkpoint's
         for g in opt.param_groups:
             g["lr"] = cfg.lr
-    start = int(ckpt["epoch"]) if ckpt is not None else 0
-    start_step = int(ckpt.get("step", 0)) if ckpt is not None else 0  # 0: an epoch's end
+    start, start_step = int(ckpt.get("epoch", 0)), int(ckpt.get("step", 0))  # step 0: epoch's end
     total = (cfg.epochs - start) * -(-len(y_train) // cfg.batch_size) - start_step
     saves = use_zero and cfg.checkpoint is not None
     step_s, steps, samples, t_start = 0.0, 0, 0, time.perf_counter()
-    name = "ZeRO + DDP" if use_zero else "plain DDP"
-    with _progress(total, name, cfg.progress and rank == 0) as bar:
+    from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing RLock: a named semaphore that a rank killed by a
+    # signal can never unlink ("leaked semaphore" at exit); the bars of one rank need a thread lock
+    tqdm.set_lock(threading.RLock())
+    name, shown = ("ZeRO + DDP" if use_zero else "plain DDP"), cfg.progress and rank == 0
+    bar = tqdm(total=total, desc=name, unit="step", file=sys.stderr, disable=not shown, leave=True)
+    with bar:
         for epoch in range(start, cfg.epochs):  # one epoch's batches at a time
             batches = epoch_batches(len(y_train), cfg.batch_size, cfg.seed, epoch)
             for i in range(start_step if epoch == start else 0, len(batches)):
@@ -275,16 +268,15 @@ def _train(
                 at = (epoch + 1, 0) if i + 1 == len(batches) else (epoch, i + 1)
                 every = cfg.save_every and (epoch * len(batches) + i + 1) % cfg.save_every == 0
                 if saves and (at[1] == 0 or every):
-                    _write_checkpoint(cfg, rank, model, opt, at, hidden)
+                    train_file.write(cfg, rank, model, opt, at, hidden)
                     if every and rank == 0:
                         print(f"saved {cfg.checkpoint} at epoch {at[0]} step {at[1]}", flush=True)
                 if stop is not None and stop.agreed():  # every rank stops after this step
                     if saves and at[1] != 0:
-                        _write_checkpoint(cfg, rank, model, opt, at, hidden)
+                        train_file.write(cfg, rank, model, opt, at, hidden)
                     raise Preempted(*at, saved=saves)
-    finish = getattr(opt, "finish_param_sync", None)
-    if finish is not None:
-        finish()  # parameters final before they are read outside a forward
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        opt.finish_param_sync()  # parameters final before they are read outside a forward
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     params = [p.detach().clone() for p in model.parameters()]
@@ -292,27 +284,15 @@ def _train(
     return params, {**stats, "accuracy": accuracy}
 
 
-def _write_checkpoint(
-    cfg: TrainConfig, rank: int, model: nn.Module, opt: Optimizer, at: tuple[int, int], hidden: int
-) -> None:
-    """Save after ``at``, (epochs done, steps done in the next epoch); a resume starts there."""
-    assert cfg.checkpoint is not None
-    extra = {**train_file.train_extra(at[0], {**asdict(cfg), "hidden": hidden}), "step": at[1]}
-    train_file.write(cfg.checkpoint, cfg.impl == OURS, rank, model, opt, extra)
-
-
 def _say(message: str) -> None:
     print(f"zero-functional train: {message}", file=sys.stderr, flush=True)
 
 
 def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | None]:
-    """Train with ZeRO (and the plain-DDP reference) on every rank of the default group, called
-    as :func:`~.launch.run_ranks` calls. With a checkpoint, SIGTERM stops every rank after the
-    same step, saved there (:mod:`.preempt`).
-
-    Returns:
-        The exit code (0, or 143 after SIGTERM) and, on rank 0 if it finished, the summary.
-    """
+    """Train with ZeRO (and the plain-DDP reference) on every rank of the default group, as
+    :func:`~.launch.run_ranks` calls it; with a checkpoint, SIGTERM stops every rank after the
+    same step, saved there (:mod:`.preempt`). Returns the exit code (0, or 143 after SIGTERM) and,
+    on rank 0 if it finished, the summary."""
     if cfg.checkpoint is None:  # nothing to save: SIGTERM ends the rank at once
         return 0, _run_job(rank, world_size, cfg, None)
     with Preemption(cfg.grace_s, rank=rank, checkpoint=cfg.checkpoint) as stop:
@@ -393,15 +373,42 @@ def _summary(cfg: TrainConfig, rows: Sequence[Mapping[str, Any]], world_size: in
     return "\n".join(lines)
 
 
+_NO_SPACE = re.compile(
+    rf"(?:rank (?P<rank>\d+): )?(?:cannot write (?P<file>\S+): )?\[Errno {errno.ENOSPC}\]"
+    rf"[^'\n]*(?:'(?P<quoted>[^'\n]+)')?"
+)
+
+
+def disk_full(error: LaunchError, checkpoint: str | None) -> str | None:
+    """One line naming the rank that found no space left on device, its file and the
+    checkpoint, instead of a traceback per rank; ``None`` if no failure says ENOSPC.
+
+    Example:
+        >>> from zero_functional.app.launch import RankFailure
+        >>> e = LaunchError([RankFailure(0, "raised CheckpointError: checkpoint save failed: "
+        ...     "rank 1: cannot write /d/c.tmp-0/__1_0.distcp: [Errno 28] No space left on device")])
+        >>> print(disk_full(e, "/d/c"))
+        rank 1: no space left on device writing /d/c.tmp-0/__1_0.distcp; /d/c is unchanged: free space there or pass another --checkpoint
+    """
+    for failure in error.failures:
+        if (found := _NO_SPACE.search(failure.reason)) is None:
+            continue
+        rank = found["rank"] or str(failure.rank)
+        where = found["file"] or found["quoted"] or checkpoint or "the checkpoint"
+        kept = f"; {checkpoint} is unchanged" if checkpoint else ""
+        return (
+            f"rank {rank}: {os.strerror(errno.ENOSPC).lower()} writing {where}{kept}: free "
+            "space there or pass another --checkpoint"
+        )
+    return None
+
+
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
     """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`~.launch.run_ranks`), run the job and
-    print the summary. A rank that fails, dies or hangs past ``timeout_s`` stops the others at
-    once and is named on stderr; SIGTERM and Ctrl-C stop the ranks too, in one line (SIGTERM
-    after ``cfg.grace_s`` to save, with a checkpoint).
-
-    Returns:
-        0; 1 if a rank failed or timed out; 143 after SIGTERM; 130 after Ctrl-C.
-    """
+    print the summary. A rank that fails, dies or hangs past ``timeout_s`` stops the others and
+    is named on stderr, in one line as SIGTERM and Ctrl-C are (SIGTERM after ``cfg.grace_s`` to
+    save, with a checkpoint). Returns 0; 1 if a rank failed or timed out; 143 after SIGTERM;
+    130 after Ctrl-C."""
     term_grace_s = TERM_GRACE_S + (cfg.grace_s if cfg.checkpoint is not None else 0.0)
     try:
         results = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s, term_grace_s=term_grace_s)

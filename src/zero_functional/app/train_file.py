@@ -15,6 +15,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_functional import checkpoint
+from zero_functional.app.train_options import OURS, TrainConfig
 from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.keys import STATE_PREFIX, model_key, split_state_key
 from zero_functional.checkpoint.storage import CheckpointError
@@ -36,17 +38,20 @@ def train_extra(epoch: int, args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write(
-    path: str, sharded: bool, rank: int, model: nn.Module, opt: Optimizer, extra: dict[str, Any]
+    cfg: TrainConfig, rank: int, model: nn.Module, opt: Optimizer, at: tuple[int, int], hidden: int
 ) -> None:
-    """Save the job on every rank: ``sharded``, each rank's share of a directory; else (torch's
-    class) the state consolidated on rank 0, which writes one file."""
-    if sharded:
-        checkpoint.save(path, model=model, optimizer=opt, extra=extra)
+    """Save the job on every rank after ``at`` (epochs done, steps done in the next epoch; a
+    resume starts there): ours, each rank's share of a directory; torch's class, the state
+    consolidated on rank 0, which writes one file."""
+    assert cfg.checkpoint is not None
+    extra = {**train_extra(at[0], {**asdict(cfg), "hidden": hidden}), "step": at[1]}
+    if cfg.impl == OURS:
+        checkpoint.save(cfg.checkpoint, model=model, optimizer=opt, extra=extra)
         return
     opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
     if rank == 0:
         payload = {**extra, "model": model.state_dict(), "optimizer": opt.state_dict()}
-        write_train_file(path, payload)
+        write_train_file(cfg.checkpoint, payload)
 
 
 def write_train_file(path: str | os.PathLike[str], payload: Mapping[str, object]) -> None:
@@ -94,10 +99,7 @@ def read_train(
         ...
         zero_functional.checkpoint.storage.CheckpointError: checkpoint no-such-checkpoint does not exist
     """
-    p = Path(path)
-    if p.is_dir():
-        return read_train_directory(p, build_model)
-    return read_train_file(p, build_model)
+    return (read_train_directory if Path(path).is_dir() else read_train_file)(path, build_model)
 
 
 def read_train_file(
@@ -130,7 +132,14 @@ def read_train_file(
         model = build_model(int(ckpt["args"]["hidden"]))
         model.load_state_dict(ckpt["model"])
         torch.optim.Adam(model.parameters()).load_state_dict(ckpt["optimizer"])
-        _check_optimizer_shapes(model, ckpt["optimizer"])
+        params = list(model.parameters())
+        for index, state in ckpt["optimizer"]["state"].items():  # Adam's load checks no shape
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.dim() and value.shape != params[index].shape:
+                    raise ValueError(
+                        f"the optimizer state {key!r} of parameter {index} has shape "
+                        f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}"
+                    )
     except Exception as e:
         raise CheckpointError(f"checkpoint {p} does not fit the demo MLP: {_first_line(e)}") from e
     return dict(ckpt)
@@ -145,17 +154,6 @@ def _train_dict(path: str | os.PathLike[str], saved: object) -> dict[str, Any]:
             f"(no format {TRAIN_FORMAT!r})"
         )
     return saved
-
-
-def _check_optimizer_shapes(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
-    params = list(model.parameters())
-    for index, state in state_dict["state"].items():
-        for key, value in state.items():
-            if isinstance(value, Tensor) and value.dim() and value.shape != params[index].shape:
-                raise ValueError(
-                    f"the optimizer state {key!r} of parameter {index} has shape "
-                    f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}"
-                )
 
 
 def read_train_directory(

@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroTrainerCallback", "accelerate", "transformers"]
 
-_HOME = {"ZeroTrainerCallback": "zero_functional.integrations.transformers"}
-
 
 def __getattr__(name: str) -> Any:
     """Import a submodule, or a public name's module, on first use.
@@ -32,12 +30,9 @@ def __getattr__(name: str) -> Any:
     """
     if name in ("accelerate", "transformers"):
         return importlib.import_module(f"{__name__}.{name}")
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if name == "ZeroTrainerCallback":
+        return importlib.import_module(f"{__name__}.transformers").ZeroTrainerCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

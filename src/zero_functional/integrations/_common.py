@@ -16,12 +16,10 @@ def unwrap(optimizer: object) -> ZeroRedundancyOptimizer | None:
         >>> unwrap(Wrapper()) is None
         True
     """
-    seen = 0
-    while optimizer is not None and seen < 8:  # wrappers of wrappers, never a cycle
+    for _ in range(8):  # wrappers of wrappers, never a cycle
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
     return None
 
 
