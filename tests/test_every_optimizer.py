@@ -22,7 +22,7 @@ from zero_functional.hooks import (
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import max_diff, run_ranks
+from tests.helpers import max_diff, run_ranks, train_both
 
 ATOL = 1e-6
 
@@ -58,6 +58,11 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
 
 
+def backward(module: nn.Module, rank: int, world_size: int, step: int) -> None:
+    x, y = batch(rank, step)
+    ((module(x) - y) ** 2).mean().backward()
+
+
 def groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
     return [
         {"params": list(model.a.parameters()) + list(model.c.parameters())},
@@ -91,16 +96,8 @@ def _classes_worker(rank: int, world_size: int) -> dict[str, float]:
                     torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
                     for o in (zero, plain)
                 ]
-                for step in range(4):
-                    x, y = batch(rank, step)
-                    for d, o in ((ddp, zero), (ref, plain)):
-                        o.zero_grad()
-                        ((d(x) - y) ** 2).mean().backward()
-                        if o is plain or not overlap:
-                            o.step()
-                    for s in scheds:
-                        s.step()  # (overlap mode steps inside backward: torch warns, wrongly)
-                zero.finish_param_sync()
+                # (overlap mode steps inside backward: the schedulers' warning is wrong)
+                train_both([(ddp, zero), (ref, plain)], rank, world_size, 4, backward, scheds)
                 out[name] = max_diff(model, ref_model)
                 # the state dict is torch's format for the class: it loads into a plain one
                 zero.consolidate_state_dict(to=0)
@@ -156,13 +153,7 @@ def _kinds_worker(rank: int, world_size: int) -> dict[str, Any]:
     )
     ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
     plain = torch.optim.Adafactor(ref.parameters(), lr=0.01)
-    for step in range(3):
-        x, y = batch(rank, step)
-        for d, o in ((ddp, zero), (ref, plain)):
-            o.zero_grad()
-            ((d(x) - y) ** 2).mean().backward()
-        plain.step()
-    zero.finish_param_sync()
+    train_both([(ddp, zero), (ref, plain)], rank, world_size, 3, backward)
     out["Adafactor overlap"] = max_diff(model, ref_model)
     return out
 

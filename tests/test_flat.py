@@ -18,7 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_functional.hooks import reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import averaged_backward, consolidated, make_model, max_diff, run_ranks
+from tests.helpers import (
+    averaged_backward,
+    consolidated,
+    make_model,
+    max_diff,
+    run_ranks,
+    train_both,
+)
 from tests.helpers import local_batch as batch
 
 ATOL = 1e-6
@@ -68,11 +75,8 @@ def _parity_worker(rank: int, world_size: int) -> dict[str, float]:
             )
             theirs = TorchZero(torch_m.parameters(), cls, **kw)
             plain = cls(plain_m.parameters(), **kw)
-            for step in range(5):
-                for m, opt in ((ours_m, ours), (torch_m, theirs), (plain_m, plain)):
-                    opt.zero_grad()
-                    averaged_backward(m, rank, world_size, step)
-                    opt.step()
+            pairs = [(ours_m, ours), (torch_m, theirs), (plain_m, plain)]
+            train_both(pairs, rank, world_size, 5)
             out[f"{name} vs torch"] = max_diff(ours_m, torch_m)
             out[f"{name} vs plain"] = max_diff(ours_m, plain_m)
             a, b = consolidated(ours, rank), consolidated(theirs, rank)
@@ -124,18 +128,12 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
     plain = torch.optim.Adam(first_groups(plain_m), lr=0.01)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ours, plain)]
     before = ours.ownership
-    for step in range(7):
-        if step == 3:
-            for m, opt in ((ours_m, ours), (plain_m, plain)):
-                m[4].requires_grad_(True)
-                opt.add_param_group({"params": list(m[4].parameters()), "lr": 0.03})
-            assert ours.ownership != before
-        for m, opt in ((ours_m, ours), (plain_m, plain)):
-            opt.zero_grad()
-            averaged_backward(m, rank, world_size, step)
-            opt.step()
-        for s in scheds:
-            s.step()
+    train_both([(ours_m, ours), (plain_m, plain)], rank, world_size, range(3), schedulers=scheds)
+    for m, opt in ((ours_m, ours), (plain_m, plain)):
+        m[4].requires_grad_(True)
+        opt.add_param_group({"params": list(m[4].parameters()), "lr": 0.03})
+    assert ours.ownership != before
+    train_both([(ours_m, ours), (plain_m, plain)], rank, world_size, range(3, 7), schedulers=scheds)
     out["groups+scheduler+add_param_group"] = max_diff(ours_m, plain_m)
     a, b = consolidated(ours, rank), plain.state_dict()
     assert a is not None
@@ -166,11 +164,7 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
             lr=0.01,
         )
         plain = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        for step in range(4):
-            for m, opt in ((om, ours), (pm, plain)):
-                opt.zero_grad()
-                averaged_backward(m, rank, world_size, step)
-                opt.step()
+        train_both([(om, ours), (pm, plain)], rank, world_size, 4)
         out[f"odd parameters bucket={bucket}"] = max_diff(om, pm)
         a = consolidated(ours, rank)
         assert a is not None
@@ -368,10 +362,7 @@ def _interop_worker(rank: int, world_size: int, saved: dict[str, Any] | None) ->
     if saved is None:
         m = make_model()
         opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, partition="flat", **kw)
-        for step in range(3):
-            opt.zero_grad()
-            averaged_backward(m, rank, world_size, step)
-            opt.step()
+        train_both([(m, opt)], rank, world_size, 3)
         return {"model": copy.deepcopy(m.state_dict()), "optim": consolidated(opt, rank)}
     out: dict[str, float] = {}
     finals = {}
@@ -385,10 +376,7 @@ def _interop_worker(rank: int, world_size: int, saved: dict[str, Any] | None) ->
         else:
             opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, partition=label, **kw)
         opt.load_state_dict(copy.deepcopy(saved["optim"]))
-        for step in range(3, 6):
-            opt.zero_grad()
-            averaged_backward(m, rank, world_size, step)
-            opt.step()
+        train_both([(m, opt)], rank, world_size, range(3, 6))
         finals[label] = m
         if label == "sorted_greedy":
             back = consolidated(opt, rank)

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_functional.hooks import reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import average_grads, consolidated, run_ranks
+from tests.helpers import average_grads, consolidated, run_ranks, train_both
 
 VOCAB, WIDTH, STEPS = 32, 16, 20
 
@@ -92,27 +92,6 @@ def backward(model: nn.Module, rank: int, world_size: int, step: int) -> None:
     average_grads(model, world_size)
 
 
-def train_both(
-    model: nn.Module,
-    zero: ZeroRedundancyOptimizer,
-    ref_model: nn.Module,
-    plain: list[torch.optim.Optimizer],
-    rank: int,
-    world_size: int,
-    steps: int,
-    step_fn: Any = backward,
-) -> None:
-    """``steps`` steps of ``model`` with ``zero`` and of ``ref_model`` with the ``plain``
-    optimizers, each through ``step_fn`` (:func:`backward`, or :func:`ddp_backward`)."""
-    for step in range(steps):
-        for m, opts in ((model, [zero]), (ref_model, plain)):
-            for o in opts:
-                o.zero_grad()
-            step_fn(m, rank, world_size, step)
-            for o in opts:
-                o.step()
-
-
 def exact(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
@@ -137,7 +116,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             # for-loop one differs in the last bit, as for one class for all groups)
             torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1, fused=True),
         ]
-        train_both(model, zero, ref_model, plain, rank, world_size, STEPS)
+        train_both([(model, zero), (ref_model, plain)], rank, world_size, STEPS, backward)
         out[f"{partition} parity"] = exact(model, ref_model)
         out[f"{partition} muon owned whole"] = all(
             s.stop - s.start == p.numel()
@@ -217,7 +196,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             torch.optim.Muon(matrices, lr=0.02),
             torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1, fused=True),
         ]
-        train_both(ddp, zero, ref, plain, rank, world_size, STEPS, ddp_backward)
+        train_both([(ddp, zero), (ref, plain)], rank, world_size, STEPS, ddp_backward)
         out[f"{partition} reduce_scatter_hook parity"] = exact(ddp, ref)
     # a bf16 model with fp32 main parameters: Muon and AdamW step the fp32 main pieces, as
     # the plain optimizers stepping fp32 copies of the bf16 weights with fp32 gradients do
@@ -378,7 +357,7 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, bool]:
             torch.optim.Muon(matrices, lr=0.02),
             torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1, fused=True),
         ]
-        train_both(model, zero, ref_model, plain, rank, world_size, 6)
+        train_both([(model, zero), (ref_model, plain)], rank, world_size, 6, backward)
         out[f"{layout} {partition}"] = exact(model, ref_model)
     return out
 

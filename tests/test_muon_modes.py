@@ -30,7 +30,14 @@ from zero_functional.hooks import (
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import all_to_all_sent, consolidated, max_diff, reduced_grads, run_ranks
+from tests.helpers import (
+    all_to_all_sent,
+    consolidated,
+    max_diff,
+    reduced_grads,
+    run_ranks,
+    train_both,
+)
 from tests.test_muon import STEPS, TinyGPT, backward, ddp_backward, exact, recipe, split
 
 HOOKS: dict[str, Callable[..., Any]] = {
@@ -60,25 +67,6 @@ def in_mode(mode: str, partition: str, **options: Any) -> tuple[DDP, ZeroRedunda
         hook = reduce_scatter_hook(ddp, zero, **options)
     ddp.register_comm_hook(None, hook)
     return ddp, zero
-
-
-def one_step(ddp: DDP, zero: ZeroRedundancyOptimizer, rank: int, world: int, step: int) -> None:
-    zero.zero_grad()
-    ddp_backward(ddp, rank, world, step)
-    if not zero.overlap_with_ddp:
-        zero.step()
-
-
-def plain_step(
-    model: nn.Module, plain: list[torch.optim.Optimizer], rank: int, world: int, step: int
-) -> None:
-    """One step of the plain optimizers: DDP's average (through ``model``, a DDP), or the
-    hand average of :func:`~tests.test_muon.backward` (a plain module)."""
-    for o in plain:
-        o.zero_grad()
-    (ddp_backward if isinstance(model, DDP) else backward)(model, rank, world, step)
-    for o in plain:
-        o.step()
 
 
 @contextmanager
@@ -127,25 +115,18 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             ddp, zero = in_mode(mode, partition)
             ref = DDP(TinyGPT(), bucket_cap_mb=0.002)
             plain = plain_for(ref.module)
-            for step in range(STEPS):
-                one_step(ddp, zero, rank, world, step)
-                plain_step(ref, plain, rank, world, step)
+            train_both([(ddp, zero), (ref, plain)], rank, world, STEPS, ddp_backward)
             out[f"{partition} {mode} parity"] = exact(ddp, ref)
         # after backward with the parameters as bucket views
         model, ref_model = TinyGPT(), TinyGPT()
         zero, plain = recipe(model, partition, parameters_as_bucket_view=True), plain_for(ref_model)
-        for step in range(STEPS):
-            plain_step(model, [zero], rank, world, step)
-            plain_step(ref_model, plain, rank, world, step)
+        train_both([(model, zero), (ref_model, plain)], rank, world, STEPS, backward)
         out[f"{partition} bucket views parity"] = exact(model, ref_model)
     for mode in MODES:  # two steps after DDP rebuilt its buckets (and overlap mode adopted)
         ddp, zero = in_mode(mode, "flat")
-        for step in (0, 1):
-            one_step(ddp, zero, rank, world, step)
-        with counted_bytes() as counted:
-            for step in (2, 3):
-                one_step(ddp, zero, rank, world, step)
-            zero.finish_param_sync()  # overlap mode's last gathers: waited for, none issued
+        train_both([(ddp, zero)], rank, world, (0, 1), ddp_backward)
+        with counted_bytes() as counted:  # overlap mode's last gathers: waited for, none issued
+            train_both([(ddp, zero)], rank, world, (2, 3), ddp_backward)
         owned = sum((s.stop - s.start) * 4 for s in zero.ownership.owned(rank))
         out[f"{mode} bytes"] = (counted["moved"], counted["all_reduce"], owned)
     out["model bytes"] = sum(p.numel() * 4 for p in TinyGPT().parameters())
@@ -200,21 +181,18 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             split(model)[1], torch.optim.AdamW, partition=partition, lr=3e-4, weight_decay=0.1
         )
         plain = plain_for(ref_model)[1:]
-        for step in range(6):
-            if step == 2:
-                muon_group = {"params": split(model)[0], "optimizer_class": "torch.optim.Muon"}
-                zero.add_param_group({**muon_group, "lr": 0.02})
-                plain.insert(0, torch.optim.Muon(split(ref_model)[0], lr=0.02))
-            plain_step(model, [zero], rank, world, step)
-            plain_step(ref_model, plain, rank, world, step)
+        train_both([(model, zero), (ref_model, plain)], rank, world, range(2), backward)
+        muon_group = {"params": split(model)[0], "optimizer_class": "torch.optim.Muon"}
+        zero.add_param_group({**muon_group, "lr": 0.02})
+        plain.insert(0, torch.optim.Muon(split(ref_model)[0], lr=0.02))
+        train_both([(model, zero), (ref_model, plain)], rank, world, range(2, 6), backward)
         out[f"{partition} add_param_group"] = exact(model, ref_model) and [
             g["optimizer_class"] for g in zero.param_groups
         ] == ["torch.optim.AdamW", "torch.optim.Muon"]
     # checkpoint.stateful through torch.distributed.checkpoint, into a fresh optimizer
     model = TinyGPT()
     zero = recipe(model, "flat")
-    for step in range(3):
-        plain_step(model, [zero], rank, world, step)
+    train_both([(model, zero)], rank, world, 3, backward)
     dcp.save({"app": checkpoint.stateful(model, zero)}, checkpoint_id=f"{root}/dcp")
     saved = consolidated(zero, rank)
     other_model = TinyGPT()
@@ -272,9 +250,7 @@ def _three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     for partition in ("flat", "sorted_greedy"):
         model, ref_model = TinyGPT(), TinyGPT()
         zero, plain = recipe(model, partition), plain_for(ref_model)
-        for step in range(STEPS):
-            plain_step(model, [zero], rank, world, step)
-            plain_step(ref_model, plain, rank, world, step)
+        train_both([(model, zero), (ref_model, plain)], rank, world, STEPS, backward)
         out[f"{partition} after backward"] = max_diff(model, ref_model)
         for mode in MODES:
             ddp, zero = in_mode(mode, partition)
@@ -283,7 +259,7 @@ def _three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             plain = plain_for(ref_model)
             worst, muon_exact, n = 0.0, True, len(split(ref_model)[0])
             for step in range(STEPS):
-                one_step(ddp, zero, rank, world, step)
+                train_both([(ddp, zero)], rank, world, (step,), ddp_backward)
                 for p, g in zip(ref_params, reduced_grads(zero, rank), strict=True):
                     p.grad = g
                 for o in plain:
@@ -294,15 +270,13 @@ def _three_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             out[f"{partition} {mode}"] = (worst, muon_exact)
             if partition == "flat":
                 with counted_bytes() as counted:
-                    one_step(ddp, zero, rank, world, STEPS)
-                    zero.finish_param_sync()
+                    train_both([(ddp, zero)], rank, world, (STEPS,), ddp_backward)
                 owned = sum((s.stop - s.start) * 4 for s in zero.ownership.owned(rank))
                 out[f"{mode} bytes"] = (counted["moved"], owned)
     # a sharded checkpoint under "flat" (whole matrices spread by cost) for 2 and 4 ranks
     model = TinyGPT()
     zero = recipe(model, "flat")
-    for step in range(3):
-        plain_step(model, [zero], rank, world, step)
+    train_both([(model, zero)], rank, world, 3, backward)
     checkpoint.save(f"{root}/ck", model=model, optimizer=zero)
     saved = consolidated(zero, rank)
     if rank == 0:
@@ -323,7 +297,7 @@ def _reload(rank: int, world: int, root: str) -> dict[str, bool]:
         checkpoint.load(f"{root}/ck", model=model, optimizer=zero)
         state = same_state(reference["optimizer"], consolidated(zero, rank))
         weights = all(torch.equal(v, model.state_dict()[k]) for k, v in reference["model"].items())
-        plain_step(model, [zero], rank, world, 3)
+        train_both([(model, zero)], rank, world, (3,), backward)
         out[partition] = state and weights
     return out
 

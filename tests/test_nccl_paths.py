@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_functional import comm, hooks, optimizer
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, train_both
 
 
 def _net() -> nn.Module:
@@ -34,6 +34,11 @@ def _net() -> nn.Module:
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 * step + rank)
     return torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _backward(module: nn.Module, rank: int, world_size: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    ((module(x) - y) ** 2).mean().backward()
 
 
 def _even_worker(rank: int, world_size: int) -> dict[str, float]:
@@ -60,14 +65,7 @@ def _even_worker(rank: int, world_size: int) -> dict[str, float]:
         elif "hook" in mode:
             ddp.register_comm_hook(None, hooks.reduce_scatter_hook(ddp, zero))
         plain = torch.optim.Adam(ref.parameters(), lr=0.01)
-        for step in range(4):
-            x, y = _batch(rank, step)
-            for d, o in ((ddp, zero), (ref, plain)):
-                o.zero_grad()
-                ((d(x) - y) ** 2).mean().backward()
-                if o is plain or mode != "overlap":
-                    o.step()
-        zero.finish_param_sync()
+        train_both([(ddp, zero), (ref, plain)], rank, world_size, 4, _backward)
         out[mode] = max(
             (a - b).abs().max().item() for a, b in zip(model.parameters(), ref_model.parameters())
         )

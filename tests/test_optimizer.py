@@ -20,10 +20,12 @@ from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 from tests.helpers import (
     average_grads,
     averaged_backward,
+    local_backward,
     local_batch,
     make_model,
     max_diff,
     run_ranks,
+    train_both,
 )
 
 ATOL = 1e-6
@@ -79,11 +81,7 @@ def _parity_worker(rank: int, world_size: int, steps: int) -> dict[str, tuple[fl
         )
         theirs = TorchZero(torch_m.parameters(), cls, parameters_as_bucket_view=bucket, **kw)
         plain = cls(plain_m.parameters(), **kw)
-        for step in range(steps):
-            for m, opt in ((ours_m, ours), (torch_m, theirs), (plain_m, plain)):
-                opt.zero_grad()
-                averaged_backward(m, rank, world_size, step)
-                opt.step()
+        train_both([(ours_m, ours), (torch_m, theirs), (plain_m, plain)], rank, world_size, steps)
         # consolidated state equals torch's consolidated state
         ours.consolidate_state_dict(to=0)
         theirs.consolidate_state_dict(to=0)
@@ -166,15 +164,12 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
     plain = torch.optim.SGD(
         [p for p in plain_m.parameters() if p.requires_grad], lr=0.1, momentum=0.9
     )
-    for step in range(6):
-        if step == 3:
-            for m, opt in ((ours_m, ours), (plain_m, plain), (torch_m, theirs)):
-                m[0].requires_grad_(True)
-                opt.add_param_group({"params": list(m[0].parameters()), "lr": 0.05})
-        for m, opt in ((ours_m, ours), (plain_m, plain), (torch_m, theirs)):
-            opt.zero_grad()
-            averaged_backward(m, rank, world_size, step)
-            opt.step()
+    pairs = [(ours_m, ours), (plain_m, plain), (torch_m, theirs)]
+    train_both(pairs, rank, world_size, range(3))
+    for m, opt in pairs:
+        m[0].requires_grad_(True)
+        opt.add_param_group({"params": list(m[0].parameters()), "lr": 0.05})
+    train_both(pairs, rank, world_size, range(3, 6))
     out["frozen+add_param_group vs plain"] = max_diff(ours_m, plain_m)
     out["frozen+add_param_group vs torch"] = max_diff(ours_m, torch_m)
 
@@ -188,11 +183,7 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
     theirs = TorchZero(
         torch_m.parameters(), torch.optim.Adam, lr=0.01, parameters_as_bucket_view=True
     )
-    for step in range(4):
-        for m, opt in ((ours_m, ours), (torch_m, theirs)):
-            opt.zero_grad()
-            averaged_backward(m, rank, world_size, step)
-            opt.step()
+    train_both([(ours_m, ours), (torch_m, theirs)], rank, world_size, 4)
     out["frozen inside, bucket view"] = max_diff(ours_m, torch_m)
     assert torch.equal(ours_m[2].weight, make_model()[2].weight)
 
@@ -201,7 +192,7 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
     ours_m[4].double()
     plain_m[4].double()
 
-    def mixed_backward(m: nn.Module, step: int) -> None:
+    def mixed_backward(m: nn.Module, rank: int, world_size: int, step: int) -> None:
         x, y = local_batch(rank, world_size, step)
         h = m[3](m[2](m[1](m[0](x))))
         loss = ((m[4](h.double()) - y.double()) ** 2).mean()
@@ -214,11 +205,7 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
             om.parameters(), torch.optim.AdamW, lr=0.01, parameters_as_bucket_view=bucket
         )
         plain = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        for step in range(4):
-            for m, opt in ((om, ours), (pm, plain)):
-                opt.zero_grad()
-                mixed_backward(m, step)
-                opt.step()
+        train_both([(om, ours), (pm, plain)], rank, world_size, 4, mixed_backward)
         out[f"mixed dtypes bucket={bucket}"] = max_diff(om, pm)
 
     # all ranks hold identical parameters
@@ -265,12 +252,7 @@ def _ddp_join_worker(rank: int, world_size: int) -> dict[str, float]:
         d1.parameters(), torch.optim.Adam, lr=0.01, parameters_as_bucket_view=True
     )
     o2 = torch.optim.Adam(d2.parameters(), lr=0.01)
-    for step in range(5):
-        for d, o in ((d1, o1), (d2, o2)):
-            o.zero_grad()
-            x, y = local_batch(rank, world_size, step)
-            ((d(x) - y) ** 2).mean().backward()
-            o.step()
+    train_both([(d1, o1), (d2, o2)], rank, world_size, 5, local_backward)
     out["ddp: ours vs plain"] = max_diff(m1, m2)
     return out
 
@@ -284,24 +266,15 @@ def test_ddp_and_join_with_uneven_inputs_match_torch() -> None:
 # ---------------------------------------------------------------- state dicts
 
 
-def _train(
-    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world_size: int, steps: range
-) -> None:
-    for step in steps:
-        opt.zero_grad()
-        averaged_backward(model, rank, world_size, step)
-        opt.step()
-
-
 def _save_worker(rank: int, world_size: int, path: str) -> list[torch.Tensor]:
     model = make_model()
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01, amsgrad=True)
-    _train(model, opt, rank, world_size, range(4))
+    train_both([(model, opt)], rank, world_size, 4)
     opt.consolidate_state_dict(to=0)
     if rank == 0:
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
     dist.barrier()
-    _train(model, opt, rank, world_size, range(4, 8))
+    train_both([(model, opt)], rank, world_size, range(4, 8))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -318,7 +291,7 @@ def _resume_worker(rank: int, world_size: int, path: str) -> list[torch.Tensor]:
         for k, v in before["state"][i].items():
             assert torch.equal(v, ckpt["optim"]["state"][i][k])
     assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["amsgrad"] is True
-    _train(model, opt, rank, world_size, range(4, 8))
+    train_both([(model, opt)], rank, world_size, range(4, 8))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -340,8 +313,7 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
     src = TorchZero(src_m.parameters(), torch.optim.AdamW, **kw)
     plain_m = make_model()
     plain = torch.optim.AdamW(plain_m.parameters(), **kw)
-    for opt_m, opt in ((src_m, src), (plain_m, plain)):
-        _train(opt_m, opt, rank, world_size, range(3))
+    train_both([(src_m, src), (plain_m, plain)], rank, world_size, 3)
     src.consolidate_state_dict(to=0)
     blobs: list[Any] = [src.state_dict() if rank == 0 else None, plain.state_dict()]
     dist.broadcast_object_list(blobs, src=0)
@@ -353,8 +325,7 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
         ref_m = copy.deepcopy(plain_m)
         ref = torch.optim.AdamW(ref_m.parameters(), **kw)
         ref.load_state_dict(copy.deepcopy(plain_sd))
-        _train(m, ours, rank, world_size, range(3, 6))
-        _train(ref_m, ref, rank, world_size, range(3, 6))
+        train_both([(m, ours), (ref_m, ref)], rank, world_size, range(3, 6))
         out[label] = max_diff(m, ref_m)
         if label == "plain->ours":
             ours.consolidate_state_dict(to=0)
@@ -363,8 +334,7 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
             t_m = copy.deepcopy(m)
             theirs = TorchZero(t_m.parameters(), torch.optim.AdamW, **kw)
             theirs.load_state_dict(copy.deepcopy(sd_ours[0]))
-            _train(t_m, theirs, rank, world_size, range(6, 9))
-            _train(m, ours, rank, world_size, range(6, 9))
+            train_both([(t_m, theirs), (m, ours)], rank, world_size, range(6, 9))
             out["ours->torch"] = max_diff(m, t_m)
     # consolidating twice, to a rank other than 0
     ours.consolidate_state_dict(to=world_size - 1)
@@ -402,7 +372,7 @@ def _errors_worker(rank: int, world_size: int) -> dict[str, str]:
     )
     fresh = opt.state_dict()  # before any step: torch's format, no state, no collective
     assert fresh["state"] == {} and len(fresh["param_groups"]) == 1
-    _train(model, opt, rank, world_size, range(2))
+    train_both([(model, opt)], rank, world_size, 2)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()
     opt.consolidate_state_dict()
@@ -428,7 +398,7 @@ def _errors_worker(rank: int, world_size: int) -> dict[str, str]:
     extra = nn.Parameter(torch.randn(3, dtype=dtype))
     expect("disagree", RuntimeError, lambda: opt.add_param_group({"params": [extra]}))
     assert len(opt.param_groups) == 1
-    _train(model, opt, rank, world_size, range(2, 3))  # and the optimizer still works
+    train_both([(model, opt)], rank, world_size, range(2, 3))  # and the optimizer still works
     return out
 
 

@@ -29,7 +29,7 @@ from zero_functional.hooks import (
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import average_grads, max_diff, run_ranks
+from tests.helpers import average_grads, max_diff, run_ranks, train_both
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -465,11 +465,11 @@ def _sparse_worker(rank: int, world_size: int) -> dict[str, Any]:
         cls: Any = ZeroRedundancyOptimizer if sharded else torch.optim.SparseAdam
         args = (torch.optim.SparseAdam,) if sharded else ()
         opts.append(cls(models[-1].parameters(), *args, lr=0.1))
-    for step in range(3):
-        for model, opt in zip(models, opts):
-            opt.zero_grad()
-            model(torch.tensor([rank, 3 + step, 5])).pow(2).sum().backward()
-            opt.step()
+
+    def backward(model: nn.Module, rank: int, world_size: int, step: int) -> None:
+        model(torch.tensor([rank, 3 + step, 5])).pow(2).sum().backward()
+
+    train_both(list(zip(models, opts)), rank, world_size, 3, backward)
     out["after backward"] = max_diff(*models)
     return out
 
