@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional.app.launch import LaunchError, run_ranks
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 
 
 def _sum_and_rank(rank: int, world_size: int) -> torch.Tensor:
@@ -123,7 +124,7 @@ def test_a_rank_killed_mid_collective_is_named_and_the_others_are_stopped_at_onc
     death = tmp_path / "death"
     proc = subprocess.run(
         [sys.executable, "-c", KILL_SCRIPT, str(death)],
-        cwd=REPO,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
@@ -189,7 +190,7 @@ def test_process_group_leaves_no_gloo_thread_running_after_ddp_and_an_optimizer(
     # imports it after init_process_group, with its gloo threads still running
     proc = subprocess.run(
         [sys.executable, "-c", THREADS_SCRIPT],
-        cwd=REPO,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -256,7 +257,7 @@ def test_when_rank_0_dies_no_cpp_stack_comes_before_the_launchers_message() -> N
     # an 18-line C++ stack, on the terminal before the launcher's one line
     proc = subprocess.run(
         [sys.executable, "-c", KILL_0_SCRIPT],
-        cwd=REPO,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,

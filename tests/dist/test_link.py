@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from zero_functional.app.link import byte_floor_ms, rate_bits, shaped_command
 
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def _env(**extra: str) -> dict[str, str]:
