@@ -82,22 +82,6 @@ def test_readme_train_example_runs_to_the_end(
         assert parity and parity[0].endswith(": bitwise equal"), parity
 
 
-@pytest.mark.parametrize("argv", cli_commands("plan"), ids=" ".join)
-def test_readme_plan_example_runs_to_the_end(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
-) -> None:
-    code, out, err = run_cli(argv, capsys)
-    assert code == 0, err[-3000:]
-    model = argv[1]
-    assert out.startswith(f"{model}: "), out[:200]
-    if "--dtype" in argv:
-        assert "main copy" in out
-    if "--shard-size" in argv:
-        assert "within" in out and "across" in out
-    if "--simulate" in argv:
-        assert re.search(r"^\s+1024\s+1023\s", out, re.MULTILINE)
-
-
 @pytest.mark.bench  # about two minutes: make bench runs it
 @pytest.mark.parametrize("argv", cli_commands("bench"), ids=" ".join)
 def test_readme_bench_example_runs_to_the_end(argv: list[str]) -> None:
@@ -139,3 +123,4 @@ def test_the_two_node_torchrun_example_runs_on_one_machine() -> None:
     for proc, (_out, err) in zip(procs, outs):
         assert proc.returncode == 0, err[-3000:]
     assert "rank  optimizer state" in outs[0][0]
+

@@ -21,7 +21,7 @@ from zero_functional.app.launch import run_ranks
 from zero_functional.hooks import hook_with_zero_step_interleaved, overlap_state
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.exit_stress import CASES, run_round
+from tests.dist.exit_stress import CASES, run_round
 
 # A user's script: the optimizer's module imported at the top, the group made after it.
 _SCRIPT = """

@@ -194,10 +194,6 @@ def test_batches_are_built_one_epoch_at_a_time_for_any_seed_in_torchs_range() ->
     assert steps == [-(-len(train.load_digits_split()[1]) // 256)]  # epoch 0, then epoch 1
 
 
-def test_the_largest_batch_the_command_line_takes_is_the_training_set() -> None:
-    assert len(train.load_digits_split()[1]) == DIGITS_TRAIN_SIZE
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -276,6 +272,11 @@ def test_train_with_shard_size_on_a_2_by_2_mesh_matches_the_1d_run(
     ]
     assert len(shares) == 4 and all(abs(s - 50.0) < 0.3 for s in shares), out  # 1/S each
     parity = out.split("parity with plain DDP + torch.optim.Adam (seed 0): ")[1].splitlines()[0]
+    # At 4 ranks our reduce and DDP's all-reduce add the gradients in other orders: an average
+    # differs by at most 3 u kappa of itself (u = 2^-24; kappa = sum |g_r| / |sum g_r|, the data's
+    # conditioning, not the machine's), which Adam's step (<= lr = 1e-3, a ratio of gradient
+    # statistics) carries over at most twice: 6 steps (1,438 images / 256) x 2 x 1e-3 x 3 u kappa =
+    # 2.1e-9 kappa, under 1e-6 while kappa < 470; the two runs below differ by twice that.
     assert parity == "bitwise equal" or float(parity.split("max |diff| ")[1][:7]) <= 1e-6, out
 
     code = main(["train", *common, "--no-reference", "--checkpoint", str(flat)])
@@ -291,3 +292,4 @@ def test_train_with_shard_size_on_a_2_by_2_mesh_matches_the_1d_run(
     diff = max((a - b).abs().max().item() for a, b in zip(final(hybrid), final(flat)))
     print(f"2 x 2 mesh against the 1-D run at 4 ranks: max |diff| {diff:.1e}")
     assert diff <= 1e-6
+

@@ -1,6 +1,6 @@
 """The bytes per rank ``plan --optimizer/--remainders/--ema`` prints, against the closed forms
 (``P + G + (main + state + ema) / N`` per parameter), and torchao's facts that
-:mod:`zero_functional.functional.lowbit` keeps (the command: ``tests/dist/test_plan_memory.py``)."""
+:mod:`zero_functional.functional.lowbit` keeps; the command's flags and refusals."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from zero_functional.app.plan_format import format_memory
 from zero_functional.functional.lowbit import LOW_BIT, MIN_QUANTIZED_NUMEL, low_bit_spec
+
+from tests.helpers import run_cli
 
 BIG = [1 << 20] * 6  # every tensor quantized, split evenly
 
@@ -81,3 +83,18 @@ def test_lowbit_facts_are_torchaos() -> None:
         assert low_bit_spec(spec.class_path) is spec
     source = inspect.getsource(optim.adam)
     assert f"numel() >= {MIN_QUANTIZED_NUMEL}" in source  # torchao's own rule, still
+
+
+def test_plan_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "gpt2-small", "--world-sizes", "8", "--dtype", "bf16", "--main-params", "fp32"]
+    code, out, _ = run_cli([*argv, "--optimizer", "adamw8bit", "--remainders", "--ema"], capsys)
+    assert code == 0
+    assert "adamw8bit's 2 block-quantized states, fp32 EMA" in out
+    assert per_parameter(out.strip())[0] == pytest.approx(4 + (2 + 2.03 + 4) / 8, abs=0.01)
+    code, _, err = run_cli(["plan", "gpt2-small", "--remainders"], capsys)
+    assert code == 2 and "needs --dtype bf16 --main-params fp32" in err
+    code, _, err = run_cli(["plan", "gpt2-small", "--optimizer", "adam9bit"], capsys)
+    assert code == 2 and "expected one of adamw, adamw8bit, adamw4bit, adamwfp8" in err
+    # --help names every low-bit optimizer (it lists them without importing torch)
+    code, out, _ = run_cli(["plan", "--help"], capsys)
+    assert code == 0 and all(name in " ".join(out.split()) for name in LOW_BIT)

@@ -1,11 +1,15 @@
 """Every command of the README's ```bash blocks is known to a test, and every ``plan`` flag has a
-README example (the commands run: ``tests/dist/test_readme.py``)."""
+README example; the ``plan`` examples run to the end (the commands that start processes:
+``tests/dist/test_readme.py``)."""
 
 from __future__ import annotations
 
+import re
 import shlex
 
-from tests.helpers import ROOT
+import pytest
+
+from tests.helpers import ROOT, run_cli
 
 README = ROOT / "README.md"
 
@@ -69,3 +73,19 @@ def test_every_plan_flag_has_a_readme_example() -> None:
     shown = {a for argv in cli_commands("plan") for a in argv if a.startswith("--")}
     assert flags <= shown, f"plan flags with no README example: {sorted(flags - shown)}"
     assert any(":" in argv[1] for argv in cli_commands("plan")), "no module:function example"
+
+
+@pytest.mark.parametrize("argv", cli_commands("plan"), ids=" ".join)
+def test_readme_plan_example_runs_to_the_end(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err[-3000:]
+    model = argv[1]
+    assert out.startswith(f"{model}: "), out[:200]
+    if "--dtype" in argv:
+        assert "main copy" in out
+    if "--shard-size" in argv:
+        assert "within" in out and "across" in out
+    if "--simulate" in argv:
+        assert re.search(r"^\s+1024\s+1023\s", out, re.MULTILINE)
