@@ -18,10 +18,13 @@ import pytest
 
 DIST = Path(__file__).resolve().parent / "dist"
 LONGEST_FIRST = (
+    "test_ray.py",
+    "test_preemption.py",
     "test_teardown.py",
     "test_notebooks.py",
     "test_readme.py",
     "test_mesh.py",
+    "test_elastic.py",
     "test_train.py",
 )
 """The modules of ``tests/dist/`` that hold the longest tests (``--durations``), in that order."""

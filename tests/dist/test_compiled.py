@@ -183,6 +183,9 @@ def _tensor_lists(state: AdamState | SGDState) -> dict[str, list[Tensor]]:
 
 
 def _assert_close(run: Run, tol: float) -> None:
+    # The same gradients, nothing fed back, STEPS = 4: inductor's code (-ffp-contract=off) may
+    # round an update in another order, a few ulps of the update, which move a value one ulp of
+    # itself (2^-23 relative) where they cross a rounding boundary: 4 x 2^-23 |b| < tol (1 + |b|).
     for p, q in zip(run.eager_params, run.params):
         torch.testing.assert_close(q, p, rtol=tol, atol=tol)
     eager, ours = _tensor_lists(run.eager_state), _tensor_lists(run.state)
@@ -273,6 +276,7 @@ def test_sgd_group_with_and_without_buffers_matches_eager() -> None:
     compiled_sgd_update_(ours, grads, state, **hyper)
     for a, b in zip(eager + eager_state.momentum_buffer, ours + state.momentum_buffer):
         assert a is not None and b is not None
+        # one step on the same values: an ulp of |a| < 4 at most, 4.8e-7
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
     # the new buffer is a copy of the grad, which stays as it was
     born = state.momentum_buffer[1]
@@ -398,4 +402,7 @@ def _shell_worker(rank: int, world_size: int) -> float:
 def test_the_shell_runs_the_compiled_update_when_asked() -> None:
 
     for diff in run_ranks(_shell_worker, 2, timeout_s=240):
+        # Compiled and eager AdamW on the same gradients: inductor's code (-ffp-contract=off) may
+        # round an update's operations in another order, a few ulps of the update (<= lr = 0.01) per
+        # step, one ulp of a parameter (<= 6e-8 below 1) where that crosses a boundary: 3 x 6e-8.
         assert diff < 1e-6

@@ -307,6 +307,9 @@ def test_muon_with_adamw_schedules_clipping_and_sharded_checkpoints(tmp_path: An
         # (the squares, the square roots, the per-piece norms)
         bound = (got["elements"] + 8) * torch.finfo(torch.float32).eps / 2
         assert max(got["norm errors"]) <= bound, got
+        # bitwise by construction: both sides clip with our total (core/grad_norm.clip_ is torch's
+        # arithmetic) the same two-rank averages (a sum of two, either order), and run the same
+        # kernels on whole tensors; the bound is kept
         assert got["max diff"] <= 1e-6, got
         assert got["checkpoint state"] and got["checkpoint model"], got
         assert got["checkpoint classes"] == ["torch.optim.Muon", "torch.optim.AdamW"]

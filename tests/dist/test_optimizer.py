@@ -18,12 +18,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
 from tests.helpers import (
+    FUSED,
     average_grads,
     averaged_backward,
     local_backward,
     local_batch,
     make_model,
     max_diff,
+    ours_kernel,
     run_ranks,
     train_both,
 )
@@ -75,6 +77,7 @@ def _parity_worker(rank: int, world_size: int, steps: int) -> dict[str, tuple[fl
     out: dict[str, tuple[float, float, float]] = {}
     for name, cls, kw, bucket in CASES:
         ours_m, torch_m, plain_m = make_model(), make_model(), make_model()
+        kw = {**kw, **ours_kernel(cls)}  # (ours runs fused Adam anyway: the groups say so too)
         ours = ZeroRedundancyOptimizer(
             ours_m.parameters(), cls, parameters_as_bucket_view=bucket, **kw
         )
@@ -111,6 +114,14 @@ def test_parity_with_torch_zero_and_plain_optimizer(world_size: int) -> None:
     results = run_ranks(_parity_worker, world_size, 6, timeout_s=240)
     for rank_result in results:
         for name, (vs_torch, vs_plain, state) in rank_result.items():
+            # Both sides average the same gradients (all three average through
+            # tests.helpers.average_grads, the same all-reduce) and run the same kernels (a
+            # reference Adam is FUSED, the kernel ours runs; SGD and the rest run torch's own on
+            # both), so they differ only where a piece cut off a tensor puts elements in a kernel's
+            # scalar tail rather than its vector body: a few ulps of an update per step, which move
+            # a parameter by one ulp of itself only where they cross a rounding boundary: at most 6
+            # steps x ulp(|p| < 1) = 3.6e-7 < 1e-6 (|p| < 1, ulp <= 6e-8: these layers start below
+            # 0.5 and move little). The states: the same kernels' few ulps.
             assert vs_torch < ATOL, (name, world_size, vs_torch)
             assert vs_plain < ATOL, (name, world_size, vs_plain)
             assert state < ATOL, (name, world_size, state)
@@ -129,7 +140,7 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
         ]
 
     ours = ZeroRedundancyOptimizer(groups(ours_m), torch.optim.Adam, lr=0.01)
-    plain = torch.optim.Adam(groups(plain_m), lr=0.01)
+    plain = torch.optim.Adam(groups(plain_m), lr=0.01, **FUSED)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ours, plain)]
     for step in range(6):
         for m, opt in ((ours_m, ours), (plain_m, plain)):
@@ -200,7 +211,7 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
         ours = ZeroRedundancyOptimizer(
             om.parameters(), torch.optim.AdamW, lr=0.01, parameters_as_bucket_view=bucket
         )
-        plain = torch.optim.AdamW(pm.parameters(), lr=0.01)
+        plain = torch.optim.AdamW(pm.parameters(), lr=0.01, **FUSED)
         train_both([(om, ours), (pm, plain)], rank, world_size, 4, mixed_backward)
         out[f"mixed dtypes bucket={bucket}"] = max_diff(om, pm)
 
@@ -215,6 +226,13 @@ def _features_worker(rank: int, world_size: int) -> dict[str, float]:
 def test_features_match_plain_optimizer_at_three_ranks() -> None:
     for rank_result in run_ranks(_features_worker, 3, timeout_s=240):
         for name, diff in rank_result.items():
+            # Both sides average the same gradients (both average through
+            # tests.helpers.average_grads) and run the same kernels (a reference Adam is FUSED, the
+            # kernel ours runs; SGD and the rest run torch's own on both), so they differ only where
+            # a piece cut off a tensor puts elements in a kernel's scalar tail rather than its
+            # vector body: a few ulps of an update per step, which move a parameter by one ulp of
+            # itself only where they cross a rounding boundary: at most 6 steps x ulp(|p| < 1) =
+            # 3.6e-7 < 1e-6 (|p| < 1, ulp <= 6e-8: these layers start below 0.5 and move little).
             assert diff < ATOL, (name, diff)
 
 
@@ -228,7 +246,7 @@ def _ddp_join_worker(rank: int, world_size: int) -> dict[str, float]:
     for label, cls in (("ours", ZeroRedundancyOptimizer), ("torch", TorchZero)):
         model = make_model()
         ddp = DDP(model)
-        opt = cls(ddp.parameters(), torch.optim.Adam, lr=0.01)
+        opt = cls(ddp.parameters(), torch.optim.Adam, lr=0.01, **FUSED)
         with Join([ddp, opt]):
             for step in range(3 + rank):
                 opt.zero_grad()
@@ -244,7 +262,7 @@ def _ddp_join_worker(rank: int, world_size: int) -> dict[str, float]:
     o1 = ZeroRedundancyOptimizer(
         d1.parameters(), torch.optim.Adam, lr=0.01, parameters_as_bucket_view=True
     )
-    o2 = torch.optim.Adam(d2.parameters(), lr=0.01)
+    o2 = torch.optim.Adam(d2.parameters(), lr=0.01, **FUSED)
     train_both([(d1, o1), (d2, o2)], rank, world_size, 5, local_backward)
     out["ddp: ours vs plain"] = max_diff(m1, m2)
     return out
@@ -253,6 +271,13 @@ def _ddp_join_worker(rank: int, world_size: int) -> dict[str, float]:
 def test_ddp_and_join_with_uneven_inputs_match_torch() -> None:
     for rank_result in run_ranks(_ddp_join_worker, 2, timeout_s=180):
         for name, diff in rank_result.items():
+            # Both sides average the same gradients (two ranks: DDP's average of two, either order;
+            # Join's steps are torch's own) and run the same kernels (a reference Adam is FUSED, the
+            # kernel ours runs; SGD and the rest run torch's own on both), so they differ only where
+            # a piece cut off a tensor puts elements in a kernel's scalar tail rather than its
+            # vector body: a few ulps of an update per step, which move a parameter by one ulp of
+            # itself only where they cross a rounding boundary: at most 5 steps x ulp(|p| < 1) =
+            # 3e-7 < 1e-6 (|p| < 1, ulp <= 6e-8: these layers start below 0.5 and move little).
             assert diff < ATOL, (name, diff)
 
 
@@ -292,6 +317,10 @@ def test_resume_at_a_different_world_size_continues_the_same_trajectory(tmp_path
         resumed = run_ranks(_resume_worker, world_size, path, timeout_s=180)
         for params in resumed:
             for a, b in zip(params, reference):
+                # 4 ranks' averages against 2 and 3 ranks' (the same 12 rows summed in other groups,
+                # <= 11 u kappa of an average apart; kappa the seeded data's conditioning) over 4
+                # Adam steps at lr 0.01, carried over at most twice: 4 x 2 x 0.01 x 11 u kappa =
+                # 5.2e-8 kappa, under ATOL while kappa < 19.
                 assert (a - b).abs().max().item() < ATOL
 
 
@@ -300,9 +329,9 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
     kw = {"lr": 0.01, "weight_decay": 0.01}
     # torch's ZeRO -> ours, plain torch.optim -> ours, ours -> torch's ZeRO
     src_m = make_model()
-    src = TorchZero(src_m.parameters(), torch.optim.AdamW, **kw)
+    src = TorchZero(src_m.parameters(), torch.optim.AdamW, **kw, **FUSED)
     plain_m = make_model()
-    plain = torch.optim.AdamW(plain_m.parameters(), **kw)
+    plain = torch.optim.AdamW(plain_m.parameters(), **kw, **FUSED)
     train_both([(src_m, src), (plain_m, plain)], rank, world_size, 3)
     src.consolidate_state_dict(to=0)
     blobs: list[Any] = [src.state_dict() if rank == 0 else None, plain.state_dict()]
@@ -313,7 +342,7 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
         ours = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, **kw)
         ours.load_state_dict(sd)
         ref_m = copy.deepcopy(plain_m)
-        ref = torch.optim.AdamW(ref_m.parameters(), **kw)
+        ref = torch.optim.AdamW(ref_m.parameters(), **kw, **FUSED)
         ref.load_state_dict(copy.deepcopy(plain_sd))
         train_both([(m, ours), (ref_m, ref)], rank, world_size, range(3, 6))
         out[label] = max_diff(m, ref_m)
@@ -322,7 +351,7 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
             sd_ours = [ours.state_dict() if rank == 0 else None]
             dist.broadcast_object_list(sd_ours, src=0)
             t_m = copy.deepcopy(m)
-            theirs = TorchZero(t_m.parameters(), torch.optim.AdamW, **kw)
+            theirs = TorchZero(t_m.parameters(), torch.optim.AdamW, **kw, **FUSED)
             theirs.load_state_dict(copy.deepcopy(sd_ours[0]))
             train_both([(t_m, theirs), (m, ours)], rank, world_size, range(6, 9))
             out["ours->torch"] = max_diff(m, t_m)
@@ -341,6 +370,14 @@ def _interop_worker(rank: int, world_size: int) -> dict[str, float]:
 def test_state_dict_interop_both_ways() -> None:
     for rank_result in run_ranks(_interop_worker, 2, timeout_s=180):
         for name, diff in rank_result.items():
+            # Both sides average the same gradients (two ranks, averaged through
+            # tests.helpers.average_grads; a loaded state is the saved one) and run the same kernels
+            # (a reference Adam is FUSED, the kernel ours runs; SGD and the rest run torch's own on
+            # both), so they differ only where a piece cut off a tensor puts elements in a kernel's
+            # scalar tail rather than its vector body: a few ulps of an update per step, which move
+            # a parameter by one ulp of itself only where they cross a rounding boundary: at most 6
+            # steps x ulp(|p| < 1) = 3.6e-7 < 1e-6 (|p| < 1, ulp <= 6e-8: these layers start below
+            # 0.5 and move little).
             assert diff < ATOL, (name, diff)
 
 

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_functional.hooks import hook_with_zero_step_interleaved, reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import max_diff, run_ranks
+from tests.helpers import FUSED, max_diff, run_ranks
 
 
 class Tied(nn.Module):
@@ -56,7 +56,7 @@ def _worker(rank: int, world_size: int) -> dict[str, float]:
                 )
             else:
                 ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
-            plain = torch.optim.Adam(ref.parameters(), lr=0.01)
+            plain = torch.optim.Adam(ref.parameters(), lr=0.01, **FUSED)
             losses: list[tuple[float, float]] = []
             for step in range(5):
                 g = torch.Generator().manual_seed(10 * step + rank)
@@ -86,6 +86,13 @@ def _worker(rank: int, world_size: int) -> dict[str, float]:
 def test_parameters_gathered_during_the_next_forward_equal_ddp() -> None:
     for result in run_ranks(_worker, 2, timeout_s=240):
         for name, diff in result.items():
+            # Both sides average the same gradients (two ranks: a sum of two, either order) and run
+            # the same kernels (a reference Adam is FUSED, the kernel ours runs; SGD and the rest
+            # run torch's own on both), so they differ only where a piece cut off a tensor puts
+            # elements in a kernel's scalar tail rather than its vector body: a few ulps of an
+            # update per step, which move a parameter by one ulp of itself only where they cross a
+            # rounding boundary: at most 5 steps x ulp(|p| < 1) = 3e-7 < 1e-6 (these layers start
+            # below 0.06). The losses: the same forward on parameters at most that far apart.
             assert diff < 1e-6, (name, diff)
 
 
@@ -120,6 +127,7 @@ def _readers_worker(rank: int, world_size: int) -> Any:
 def test_steps_without_forwards_in_between_still_end_equal() -> None:
     for result in run_ranks(_readers_worker, 2, timeout_s=120):
         for bucket_view, diff in result.items():
+            # plain SGD on constant gradients: p0 - 0.1 x 6 in three roundings (|p| < 1): 1.8e-7.
             assert diff < 1e-6, (bucket_view, diff)
 
 
@@ -162,7 +170,7 @@ def _train(
         run = torch.compile(ddp, backend="aot_eager")  # type: ignore[assignment]
     elif compile_ == "in place":
         ddp.compile(backend="aot_eager")
-    plain = torch.optim.Adam(ref.parameters(), lr=0.05)
+    plain = torch.optim.Adam(ref.parameters(), lr=0.05, **FUSED)
     for step in range(5):
         g = torch.Generator().manual_seed(10 * step + rank)
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
@@ -223,4 +231,9 @@ def test_every_read_of_a_parameter_in_flight_waits_or_is_named() -> None:
             elif name == "compiled in place":  # no eager forward ran: named by its index
                 assert "parameter 4 of the optimizer (3, 6)" in value, value
             else:
+                # Both sides average the same gradients (two ranks: a sum of two, either order)
+                # and run the same kernel (FUSED), so they differ only where a piece puts elements
+                # in its scalar tail: a few ulps of an update, one ulp of a parameter (<= 6e-8
+                # below |p| = 1) where that crosses a rounding boundary, 5 steps: 3e-7. A read
+                # that waited ("state_dict waits") is the gathered value itself: 0.
                 assert value < 1e-6, (name, value)
