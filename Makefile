@@ -41,13 +41,13 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck rules doctest
 	$(MAKE) --no-print-directory unit
 
-# every test that starts no process (pure tests, property tests); tests/conftest.py marks the rest slow
+# every test that starts no process: tests/unit (its conftest fails one that does) and the properties
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -m "not slow and not bench" tests property_tests
+	$(BIN)/pytest -q -m "not bench" tests/unit property_tests
 
 # the exit stress test at 60 rounds (make test runs 12): two spawned ranks per round, no abort
 stress: $(STAMP)
-	EXIT_STRESS_ROUNDS=60 $(BIN)/pytest -q tests/test_teardown.py -k never_abort
+	EXIT_STRESS_ROUNDS=60 $(BIN)/pytest -q tests/dist/test_teardown.py -k never_abort
 
 bench: $(STAMP)
 	$(BIN)/python -m zero_functional bench

@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,13 +65,54 @@ def local_batch(
     return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
+def local_backward(module: nn.Module, rank: int, world_size: int, step: int) -> torch.Tensor:
+    """Backward of the mean squared error on this rank's slice of :func:`global_batch`, through
+    ``module`` (a DDP averages the gradients itself, or its comm hook reduces them)."""
+    x, y = local_batch(rank, world_size, step, next(module.parameters()).dtype)
+    loss = ((module(x) - y) ** 2).mean()
+    loss.backward()
+    return loss.detach()
+
+
 def averaged_backward(model: nn.Module, rank: int, world_size: int, step: int) -> torch.Tensor:
     """Backward on this rank's slice, then average the gradients as DDP does (equal slices)."""
-    x, y = local_batch(rank, world_size, step, next(model.parameters()).dtype)
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
+    loss = local_backward(model, rank, world_size, step)
     average_grads(model, world_size)
-    return loss.detach()
+    return loss
+
+
+Backward = Callable[[nn.Module, int, int, int], object]
+"""``backward(module, rank, world_size, step)``: one step's forward and backward."""
+
+
+def train_both(
+    pairs: Sequence[tuple[nn.Module, torch.optim.Optimizer | Sequence[torch.optim.Optimizer]]],
+    rank: int,
+    world_size: int,
+    steps: int | Iterable[int],
+    backward: Backward = averaged_backward,
+    schedulers: Sequence[Any] = (),
+) -> None:
+    """Train each ``(module, optimizers)`` pair (ours and its references) on the same batches:
+    per step (``steps`` of them, or these step numbers) and pair, ``zero_grad``, ``backward``,
+    ``step``; then each of ``schedulers`` steps. An optimizer in overlap mode has stepped inside
+    backward, so it is not stepped again; its all-gathers are finished at the end, so that the
+    parameters can be compared."""
+    groups = [(m, [o] if isinstance(o, torch.optim.Optimizer) else list(o)) for m, o in pairs]
+    for step in range(steps) if isinstance(steps, int) else steps:
+        for module, opts in groups:
+            for o in opts:
+                o.zero_grad()
+            backward(module, rank, world_size, step)
+            for o in opts:
+                if not getattr(o, "overlap_with_ddp", False):
+                    o.step()
+        for s in schedulers:
+            s.step()
+    for _, opts in groups:
+        for o in opts:
+            if hasattr(o, "finish_param_sync"):
+                o.finish_param_sync()
 
 
 def average_(tensors: Iterable[torch.Tensor], world_size: int) -> None:
@@ -88,6 +129,18 @@ def average_grads(params: nn.Module | Iterable[torch.Tensor], world_size: int) -
     given); a parameter without a gradient is skipped. Collective (default group)."""
     ps = params.parameters() if isinstance(params, nn.Module) else params
     average_([p.grad for p in ps if p.grad is not None], world_size)
+
+
+FUSED = {"fused": True}
+"""For a reference Adam or AdamW: the kernel our functional core runs on the CPU. torch's fused
+and foreach Adam are not the same arithmetic (they drift apart by up to 1e-6 in five steps at
+lr 0.01, depending on the data), so a parity test with its reference on another kernel would
+measure torch's two kernels, not our sharding."""
+
+
+def ours_kernel(cls: type) -> dict[str, bool]:
+    """:data:`FUSED` for ``torch.optim.Adam`` and ``AdamW``, nothing for other classes."""
+    return FUSED if cls in (torch.optim.Adam, torch.optim.AdamW) else {}
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:
