@@ -6,7 +6,7 @@ only, where DDP + ``torch.optim.Muon`` runs it on every matrix on every rank.
 
 The GPT-shaped model is ``_common.TinyGPT(width=48)``: 6 blocks of attention qkv/proj and MLP
 up/down (24 matrices, Muon with lr 0.02), embeddings, LayerNorms, biases and the head with
-AdamW (lr 3e-4, weight decay 0.1): the recipe of ``tests/test_muon.py``. Width 48 because
+AdamW (lr 3e-4, weight decay 0.1): the recipe of ``tests/dist/test_muon.py``. Width 48 because
 ``torch.optim.Muon`` runs Newton–Schulz in bf16, which this CPU computes slowly: at width 48
 every matrix's Newton–Schulz is about 60 ms on one thread, forward + backward about 40 ms (at
 width 192, 4 s and 70 ms). Variants, interleaved round by round inside the same gloo ranks

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from zero_functional.core.checks import check_new_group
 from zero_functional.shell.agreement import agree, agreed_inputs
 
 from tests.helpers import run_ranks

@@ -25,8 +25,8 @@ from zero_functional.app.launch import LaunchError
 from zero_functional.checkpoint.storage import CheckpointError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import run_ranks
 from tests.dist.test_checkpoint import Net, consolidated, groups, train
+from tests.helpers import run_ranks
 
 COLLECTIVES = (
     "all_gather",

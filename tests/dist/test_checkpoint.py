@@ -5,7 +5,6 @@ One spawn per world size runs every case (a spawn costs seconds).
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from zero_functional.checkpoint.storage import CheckpointCorruptError, Checkpoin
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import FUSED, average_grads, run_ranks
-
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),

@@ -26,12 +26,8 @@ from zero_functional.functional import (
     sgd_init,
     sgd_update_,
 )
-from zero_functional.functional.compiled import compile_policy
 
 from tests.helpers import run_ranks
-
-from tests.unit.test_compiled import compiles, fresh_caches
-
 
 compiled_adam_update_ = functools.partial(adam_update_, compile=True)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,7 +32,6 @@ from zero_functional.hooks import (
 from zero_functional.optimizer import PARTIAL_KEY, ZeroRedundancyOptimizer
 
 from tests.helpers import FUSED, max_diff, run_ranks
-
 
 HOOKS = {"hook": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 

@@ -9,12 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
-from hypothesis import strategies as st
 
 from zero_functional import comm
 from zero_functional.comm import exchange
-from zero_functional.core.plans import chunk_layout, exchange_chunks
 
 from tests.helpers import all_to_all_sent, run_ranks
 

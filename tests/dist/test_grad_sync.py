@@ -98,7 +98,8 @@ def _plans_worker(rank: int, world_size: int) -> tuple[bool, bool, bool]:
     same = all(
         # x (r + 1) summed over the ranks and divided against x times their sum over the ranks: two
         # or three roundings of values below 2, at most 3.6e-7.
-        torch.allclose(reduced[a:b], expected[a:b], atol=1e-6) for a, b in first.spans_of(rank)
+        torch.allclose(reduced[a:b], expected[a:b], atol=1e-6)
+        for a, b in first.spans_of(rank)
     )
     return cached, replanned, same
 

@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_functional.app.launch import LaunchError
 from zero_functional.hooks import (
     adopt_buckets,
-    choose_collectives,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
     overlap_state,
@@ -26,7 +25,6 @@ from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell import overlap
 
 from tests.helpers import FUSED, ours_kernel, run_ranks
-
 
 ATOL = 1e-6
 

@@ -26,8 +26,8 @@ from zero_functional import checkpoint
 from zero_functional.app.launch import LaunchError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-from tests.helpers import run_ranks
 from tests.dist.test_checkpoint import Net, consolidated, groups, train
+from tests.helpers import run_ranks
 
 PARTITIONS = ("sorted_greedy", "flat")
 

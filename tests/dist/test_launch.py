@@ -26,7 +26,6 @@ from zero_functional.app.launch import LaunchError, run_ranks
 from tests.helpers import ROOT
 
 
-
 def _sum_and_rank(rank: int, world_size: int) -> torch.Tensor:
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)

@@ -10,16 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from zero_functional.app.cluster import (
-    ClusterError,
-    cluster_rank,
-    expand_hostlist,
     slurm_port,
 )
 from zero_functional.app.launch import free_port
-
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

@@ -11,14 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from zero_functional.app.link import byte_floor_ms, rate_bits, shaped_command
+from zero_functional.app.link import shaped_command
 
 from tests.helpers import ROOT
-
-
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -22,11 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_functional import ZeroRedundancyOptimizer, checkpoint
 from zero_functional.checkpoint import storage
-from zero_functional.comm.testing import fake_world
-from zero_functional.core.layout import piece_view
-from zero_functional.core.piece_state import slice_state
 from zero_functional.functional.lowbit import LOW_BIT
-from zero_functional.functional.registry import update_block, update_kind
 from zero_functional.hooks import (
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
@@ -34,9 +30,15 @@ from zero_functional.hooks import (
 )
 
 from tests.helpers import reduced_grads, run_ranks
-
-from tests.unit.test_lowbit import CLASSES, SHAPES, ao, eager, grads_of, model, plain_stepped, same, tensors
-
+from tests.unit.test_lowbit import (
+    CLASSES,
+    eager,
+    grads_of,
+    model,
+    plain_stepped,
+    same,
+    tensors,
+)
 
 HOOKS: dict[str, Callable[..., Any]] = {
     "hook": hook_with_zero_step,

@@ -21,7 +21,6 @@ from zero_functional.hooks import (
     reduce_scatter_hook,
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
-from zero_functional.shell.amp import unscaled
 from zero_functional.shell.local_shard import LocalShard
 
 from tests.helpers import (
@@ -35,9 +34,7 @@ from tests.helpers import (
     ours_kernel,
     run_ranks,
 )
-
 from tests.unit.test_main_params import FP32
-
 
 BF16 = torch.bfloat16
 

@@ -30,6 +30,7 @@ from zero_functional.hooks import (
 )
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
+from tests.dist.test_muon import STEPS, TinyGPT, backward, ddp_backward, exact, recipe, split
 from tests.helpers import (
     all_to_all_sent,
     consolidated,
@@ -38,7 +39,6 @@ from tests.helpers import (
     run_ranks,
     train_both,
 )
-from tests.dist.test_muon import STEPS, TinyGPT, backward, ddp_backward, exact, recipe, split
 
 HOOKS: dict[str, Callable[..., Any]] = {
     "hook": hook_with_zero_step,

@@ -30,7 +30,6 @@ from tests.helpers import (
     train_both,
 )
 
-
 ATOL = 1e-6
 
 

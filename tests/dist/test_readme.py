@@ -17,9 +17,7 @@ import sys
 import pytest
 
 from tests.helpers import ROOT, forked_train_ranks, run_cli
-
-from tests.unit.test_readme import README, cli_commands, readme_commands
-
+from tests.unit.test_readme import cli_commands, readme_commands
 
 MAKEFILE = ROOT / "Makefile"
 
@@ -123,4 +121,3 @@ def test_the_two_node_torchrun_example_runs_on_one_machine() -> None:
     for proc, (_out, err) in zip(procs, outs):
         assert proc.returncode == 0, err[-3000:]
     assert "rank  optimizer state" in outs[0][0]
-

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,9 +25,7 @@ from zero_functional.hooks import (
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.helpers import averaged_backward, consolidated, local_batch, make_model, run_ranks
-
 from tests.unit.test_remainders import BF16, FP32
-
 
 STEPS = 30
 

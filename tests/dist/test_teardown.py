@@ -10,7 +10,6 @@ import sys
 import weakref
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn

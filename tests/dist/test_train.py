@@ -20,7 +20,6 @@ import torch
 from zero_functional.app import train
 from zero_functional.app.cli import main
 from zero_functional.app.train import CHECKPOINT_FORMAT, build_model
-from zero_functional.app.train_options import DIGITS_TRAIN_SIZE
 
 from tests.helpers import forked_train_ranks, run_ranks
 
@@ -292,4 +291,3 @@ def test_train_with_shard_size_on_a_2_by_2_mesh_matches_the_1d_run(
     diff = max((a - b).abs().max().item() for a, b in zip(final(hybrid), final(flat)))
     print(f"2 x 2 mesh against the 1-D run at 4 ranks: max |diff| {diff:.1e}")
     assert diff <= 1e-6
-

@@ -76,7 +76,7 @@ def simulate(
     """Build AdamW's ``ZeroRedundancyOptimizer`` over ``params`` as ``rank`` of ``world_size``
     would (on a ``(world_size / shard_size) x shard_size`` mesh with ``shard_size``), step once,
     and report what it holds. ``params`` may be shared between calls. (No doctest: it starts a
-    fake world of its own; ``plan --simulate`` in ``tests/test_cli.py`` runs it.)"""
+    fake world of its own; ``plan --simulate`` in ``tests/unit/test_cli.py`` runs it.)"""
     started = time.perf_counter()
     with fake_world(world_size, rank):
         mesh = None
