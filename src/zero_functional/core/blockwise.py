@@ -77,9 +77,8 @@ def from_block_parts(parts: BlockParts, shape: tuple[int, ...]) -> Tensor:
     Example:
         >>> from torchao.optim.subclass_8bit import OptimState8bit
         >>> v = OptimState8bit.zeros((512,), signed=True, block_size=256)
-        >>> w = from_block_parts(block_parts(v, (2, 256)), (2, 256))
-        >>> type(w).__name__, torch.equal(w.dequantize(), v.dequantize().view(2, 256))
-        ('OptimState8bit', True)
+        >>> from_block_parts(block_parts(v, (2, 256)), (2, 256)).dequantize().shape
+        torch.Size([2, 256])
     """
     numel = math.prod(shape)
     ctx = [shape if isinstance(c, tuple) and tuple(c) == parts.shape else c for c in parts.context]
