@@ -139,8 +139,7 @@ def save(
             writes its pieces), or a plain ``torch.optim`` one, alike on every rank (rank 0 writes).
         extra: Any picklable value, the same on every rank (``load`` returns it).
         process_group: The ranks without an optimizer to take it from (default: the world).
-        max_chunk_numel: No stored chunk has more elements: the memory a save needs beyond
-            what the rank already holds.
+        max_chunk_numel: The most elements of a stored chunk: what a save needs beyond its state.
         ema: The :class:`~zero_functional.ema.ShardedEMA` of ``optimizer`` (each rank its pieces).
         blocking: ``False`` returns a :class:`SaveHandle` once the state is copied and the save
             planned; a thread writes and commits behind training, with every guarantee above,
@@ -155,8 +154,7 @@ def save(
     Example:
         >>> import tempfile
         >>> path, model = tempfile.mkdtemp() + "/ckpt", torch.nn.Linear(2, 1)
-        >>> save(path, model=model, extra={"epoch": 3})
-        >>> load(path, model=model)
+        >>> save(path, model=model, extra={"epoch": 3}); load(path, model=model)
         {'epoch': 3}
     """
     if model is None and optimizer is None:
@@ -215,8 +213,7 @@ def load(
     strict: bool = True,
     ema: ShardedEMA | None = None,
 ) -> Any:
-    """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its
-    ``extra``.
+    """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its ``extra``.
 
     Collective, at any world size and under either partition: each rank reads only the boxes
     of optimizer state its pieces need. Everything (keys, shapes, dtypes, checksums, the state

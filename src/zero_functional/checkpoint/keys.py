@@ -51,8 +51,7 @@ def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint,
-    parameters numbered as ``torch.optim`` numbers them (the groups' lists, concatenated).
+    """A ``torch.optim`` state dict from a ``dcp_to_torch_save`` file, numbered as torch numbers.
 
     Example:
         >>> optimizer_state_dict({"state.w.step": 3, "param_groups": [{"params": ["w"]}]})
