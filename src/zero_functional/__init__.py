@@ -1,22 +1,10 @@
 """zero_functional: ZeRO stage-1 sharded optimizers with a pure functional core.
 
-The public surface is what this module re-exports:
-
-* the drop-in shell :class:`ZeroRedundancyOptimizer` and the DDP hooks
-  :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved` (the step inside
-  backward) and :func:`reduce_scatter_hook` (DDP's bytes when stepping after backward);
-* the pure core: partitions (:func:`sorted_greedy`, :func:`flat`, :func:`balance_report`),
-  bucket layouts, and functional optimizers (:func:`sgd`, :func:`adam`, :func:`adamw`);
-* ownership, the one value that says which rank owns which pieces of which parameters
-  (:class:`Ownership`, built by :func:`sorted_greedy_ownership`, :func:`flat_ownership`,
-  :func:`bucket_ownership`), and the collectives policy (:func:`choose_collectives`);
-* :class:`ShardedEMA`, the EMA of the weights each owner keeps for its own pieces;
-* the functional ZeRO step for custom loops (:func:`shard_init`, :func:`shard_update`) with
-  its collectives :func:`reduce_to_owners` and :func:`sync_params`.
-
-Each name is imported from its module on first use (PEP 562), so that importing the package,
-as ``zero-functional --help`` does, does not import torch. ``_MODULES`` is the one list of
-what is public and where it lives; ``__all__`` is derived from it.
+The public surface, listed once in ``_MODULES`` (``__all__`` follows): the drop-in
+:class:`ZeroRedundancyOptimizer` and its DDP hooks, the pure core (partitions, ownership,
+layouts, functional optimizers), :class:`ShardedEMA`, and the functional step for custom loops
+(:func:`shard_update`). Each name is imported on first use (PEP 562): ``zero-functional --help``
+imports no torch.
 """
 
 from __future__ import annotations

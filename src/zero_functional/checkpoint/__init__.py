@@ -1,15 +1,10 @@
 """Sharded checkpoints: each rank writes what it owns, any world size reads what it will own.
 
-A checkpoint is a directory in *model space* (the model's tensors, and the optimizer state in
-each parameter's shape, keyed by name: :mod:`~zero_functional.checkpoint.format`), independent
-of the world size and the partition. Each rank writes its pieces of the parameters and their
-state (a plain ``torch.optim`` optimizer's: rank 0), rank 0 the model's other tensors; each
-reads the whole model and only the boxes of state its pieces need. No byte of state goes
-through the process group.
-
-A plain, unsharded optimizer loads one through ``dcp_to_torch_save`` (one file, in one
-process), :func:`model_state_dict` and :func:`optimizer_state_dict`, as the README shows;
-``torch.distributed.checkpoint`` itself, through :func:`stateful`.
+A checkpoint is a directory in *model space* (:mod:`~zero_functional.checkpoint.format`): the
+model's tensors and each parameter's optimizer state in its shape, by name, whatever the world
+size and partition; no byte of state goes through the process group. A plain optimizer reads one
+through :func:`model_state_dict` and :func:`optimizer_state_dict` (as the README shows),
+``torch.distributed.checkpoint`` through :func:`stateful`.
 """
 
 from __future__ import annotations
@@ -139,28 +134,19 @@ def save(
     mid-save leaves the previous checkpoint. A save writing in the background is waited for.
 
     Args:
-        path: The checkpoint directory.
-        model: The model (a ``DistributedDataParallel`` or the module inside it).
+        model: A ``DistributedDataParallel`` or the module inside it.
         optimizer: A :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` (each rank
-            writes its pieces), or a plain ``torch.optim`` optimizer holding the same state
-            on every rank (rank 0 writes it).
+            writes its pieces), or a plain ``torch.optim`` one, alike on every rank (rank 0 writes).
         extra: Any picklable value, the same on every rank (``load`` returns it).
         process_group: The ranks without an optimizer to take it from (default: the world).
-        max_chunk_numel: No stored chunk has more elements: the memory a save needs beyond
-            what the rank already holds.
-        ema: A :class:`~zero_functional.ema.ShardedEMA` of ``optimizer``: each rank writes
-            its pieces' averages.
-        blocking: ``False`` returns once the state is copied (to pinned host memory from a
-            GPU) and the save planned, with a :class:`SaveHandle`; a thread writes and commits
-            behind training, with every guarantee above. Not over a ``device_mesh``.
+        max_chunk_numel: The most elements of a stored chunk: what a save needs beyond its state.
+        ema: The :class:`~zero_functional.ema.ShardedEMA` of ``optimizer`` (each rank its pieces).
+        blocking: ``False`` returns a :class:`SaveHandle` once the state is copied and the save
+            planned; a thread writes and commits behind training, with every guarantee above,
+            and its ``wait()`` (or the next ``save``) raises what it failed with. Not over a mesh.
         shared: ``False`` when the ranks share no file system (Ray Train, pods): ``path`` is
-            this rank's own directory, with its files, manifest and commit
-            (:mod:`~zero_functional.checkpoint.storage`); ``load`` reads the ranks'
-            directories merged into one. Blocking, and not over a ``device_mesh``.
-
-    Returns:
-        ``None`` when blocking; else the write's :class:`SaveHandle`, whose ``wait()`` raises
-        what the write failed with (so does the next ``save``, if nothing reported it).
+            this rank's own directory (:mod:`~zero_functional.checkpoint.storage`); ``load``
+            reads the ranks' directories merged. Blocking, and not over a ``device_mesh``.
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause; ``path`` is untouched.
@@ -168,8 +154,7 @@ def save(
     Example:
         >>> import tempfile
         >>> path, model = tempfile.mkdtemp() + "/ckpt", torch.nn.Linear(2, 1)
-        >>> save(path, model=model, extra={"epoch": 3})
-        >>> load(path, model=model)
+        >>> save(path, model=model, extra={"epoch": 3}); load(path, model=model)
         {'epoch': 3}
     """
     if model is None and optimizer is None:
@@ -228,22 +213,18 @@ def load(
     strict: bool = True,
     ema: ShardedEMA | None = None,
 ) -> Any:
-    """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its
-    ``extra``.
+    """Read a checkpoint :func:`save` wrote into ``model`` and ``optimizer``; return its ``extra``.
 
     Collective, at any world size and under either partition: each rank reads only the boxes
     of optimizer state its pieces need. Everything (keys, shapes, dtypes, checksums, the state
     against the optimizer's class) is checked before anything changes.
 
     Args:
-        path: The checkpoint directory.
         model: The model to fill (every tensor of its ``state_dict()``).
         optimizer: The :class:`~zero_functional.optimizer.ZeroRedundancyOptimizer` to fill (each
             rank reads its pieces), or a plain ``torch.optim`` optimizer (every rank reads all).
-        process_group: The ranks without an optimizer to take it from (default: the world).
         strict: Refuse model tensors the checkpoint lacks or has in excess.
-        ema: The :class:`~zero_functional.ema.ShardedEMA` of ``optimizer`` to fill (each
-            rank its pieces' averages).
+        process_group, ema: As :func:`save`'s.
 
     Raises:
         CheckpointError: On every rank, naming the cause; model and optimizer unchanged.

@@ -1,10 +1,8 @@
 """Replace a directory atomically: write a marked temporary beside it, swap it in, clean up after.
 
-The steps of a save, which :class:`~zero_functional.checkpoint.storage.AtomicSave` runs:
-:func:`refusal`, :func:`make_temporary`, :func:`commit` (a crash at any moment leaves the
-previous checkpoint or the new one; commits to one directory take turns) and
-:func:`remove_leftovers`. The marker stays in the committed checkpoint (readers ignore it).
-No torch here.
+:class:`~zero_functional.checkpoint.storage.AtomicSave` runs :func:`refusal`,
+:func:`make_temporary`, :func:`commit` and :func:`remove_leftovers`; a crash at any moment leaves
+the previous checkpoint or the new one. No torch here.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import zlib
 from collections.abc import Iterator
 
 MARKER = ".zero_functional-save"
-"""The file in every directory :func:`make_temporary` makes; it names the path saved to."""
+"""The file in every temporary, naming the path saved to; it stays after the commit (unread)."""
 
 _METADATA = ".metadata"  # what every checkpoint directory holds (DCP's index)
 
@@ -33,13 +31,11 @@ def _marker_text(path: str) -> str:
 
 
 class SaveRaceError(FileExistsError):
-    """Another save committed the path while this one was writing (two jobs saving to one
-    directory); the checkpoint there is that save's, and this one's is not committed."""
+    """Another save committed the path while this one was writing (two jobs save to one)."""
 
 
+# this process's temporaries: the locked marker's descriptor, the path's marker at the start
 _HELD: dict[str, tuple[int, str | None]] = {}
-"""This process's temporaries: the locked marker's descriptor, and the marker at the path when
-the save began (``None``: none)."""
 
 
 def _read_marker(directory: str) -> str | None:
@@ -60,14 +56,8 @@ def refusal(path: str) -> str | None:
     """Why a save must not replace ``path``, naming the fix; ``None`` if it may.
 
     Example:
-        >>> import os, tempfile
-        >>> root = tempfile.mkdtemp()
-        >>> refusal(os.path.join(root, "ckpt")) is None  # nothing there yet
+        >>> refusal("/nonexistent/ckpt") is None
         True
-        >>> with open(os.path.join(root, "notes.txt"), "w") as f:
-        ...     _ = f.write("mine")
-        >>> print(refusal(os.path.join(root, "notes.txt")))  # doctest: +ELLIPSIS
-        /.../notes.txt is a file, not a checkpoint directory: a save would move it away; pass another path, or remove the file
     """
     if not os.path.lexists(path):
         return None
@@ -92,12 +82,11 @@ def refusal(path: str) -> str | None:
 
 
 def make_temporary(path: str) -> str:
-    """Create ``<path>.tmp-<12 hex digits>`` (and missing parents), marked as a save to
-    ``path``, which this process holds (no other save's cleanup removes it) until
-    :func:`commit`, :func:`discard` or :func:`release`; its path.
+    """Create ``<path>.tmp-<hex>``, marked as a save to ``path`` and held by this process (no
+    other save's cleanup removes it) until :func:`commit`, :func:`discard` or :func:`release`.
 
     Example:
-        >>> import os, tempfile
+        >>> import tempfile
         >>> tmp = make_temporary(os.path.join(tempfile.mkdtemp(), "ckpt"))
         >>> os.path.basename(tmp)[:9], os.listdir(tmp)
         ('ckpt.tmp-', ['.zero_functional-save'])
@@ -122,7 +111,7 @@ def release(tmp: str) -> None:
     """End this process's hold on its temporary ``tmp``: what stays is a leftover.
 
     Example:
-        >>> import os, tempfile
+        >>> import tempfile
         >>> ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
         >>> release(make_temporary(ckpt)); [n[:9] for n in remove_leftovers(ckpt)]
         ['ckpt.tmp-']
@@ -135,7 +124,7 @@ def discard(tmp: str) -> None:
     """Remove this process's temporary ``tmp`` (a failed save's) and end its hold on it.
 
     Example:
-        >>> import os, tempfile
+        >>> import tempfile
         >>> ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
         >>> discard(make_temporary(ckpt)); os.listdir(os.path.dirname(ckpt))
         []
@@ -168,21 +157,15 @@ def _in_use(directory: str) -> bool:
 
 
 def remove_leftovers(path: str) -> list[str]:
-    """Remove what earlier saves to ``path`` left beside it; the names removed, sorted.
-
-    A leftover is a directory ``<name>.tmp-<hex>`` or ``<name>.old-<hex>`` (a save killed
-    before or during its commit) holding the marker naming ``path``, whose lock no live process
-    holds (another job's save in progress); anything else stays, whatever its name.
+    """Remove what saves to ``path`` killed before or during their commit left beside it (marked
+    ``.tmp-*`` and ``.old-*`` directories no live process holds); the names removed, sorted.
 
     Example:
-        >>> import os, tempfile
-        >>> root = tempfile.mkdtemp()
-        >>> ckpt = os.path.join(root, "ckpt")
-        >>> live = make_temporary(ckpt)                      # a save in progress: kept
-        >>> release(make_temporary(ckpt))                    # a save killed mid-write
-        >>> os.mkdir(os.path.join(root, "ckpt.tmp-0123456789ab"))  # no marker: not ours
-        >>> [name[:9] for name in remove_leftovers(ckpt)], len(os.listdir(root))
-        (['ckpt.tmp-'], 2)
+        >>> import tempfile
+        >>> ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> live = make_temporary(ckpt)  # a save in progress: kept
+        >>> remove_leftovers(ckpt), os.path.exists(live)
+        ([], True)
     """
     target = os.path.abspath(path)
     parent, name = os.path.split(target)
@@ -239,27 +222,15 @@ def _turn(parent: str) -> Iterator[None]:
 
 
 def commit(tmp: str, path: str) -> None:
-    """Put the directory ``tmp`` at ``path`` atomically and remove what was there; the hold
-    on ``tmp`` ends whatever happens.
-
-    Raises:
-        SaveRaceError: Another save committed ``path`` since ``tmp`` was made (nothing is
-            moved; the message names that save).
-        OSError: ``path`` became something :func:`refusal` refuses since the save began
-            (nothing is moved), or a rename failed.
+    """Put the directory ``tmp`` at ``path`` atomically and remove what was there, or raise
+    :class:`SaveRaceError` if another save committed ``path`` since; the hold on ``tmp`` ends.
 
     Example:
-        >>> import os, tempfile
+        >>> import tempfile
         >>> ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
-        >>> for _ in range(2):  # the first puts it there, the second replaces it
-        ...     commit(make_temporary(ckpt), ckpt)
+        >>> commit(make_temporary(ckpt), ckpt); commit(make_temporary(ckpt), ckpt)  # replaced
         >>> os.listdir(os.path.dirname(ckpt)), os.listdir(ckpt)
         (['ckpt'], ['.zero_functional-save'])
-        >>> first, second = make_temporary(ckpt), make_temporary(ckpt)  # two jobs at once
-        >>> commit(first, ckpt); commit(second, ckpt)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        zero_functional.checkpoint.atomic_dir.SaveRaceError: another save committed /.../ckpt while this one was writing (save ... by process ... on ...); ...
     """
     parent, old = os.path.dirname(os.path.abspath(path)), None
     try:
@@ -293,18 +264,11 @@ def commit(tmp: str, path: str) -> None:
 
 
 def not_a_checkpoint(path: str) -> str | None:
-    """Why ``path`` is not a checkpoint to read, named for what it is; ``None`` if it looks
-    like one of ours.
+    """Why ``path`` is not a checkpoint to read, named for what it is; ``None`` if it is ours.
 
     Example:
-        >>> import os, tempfile
-        >>> root = tempfile.mkdtemp()
-        >>> print(not_a_checkpoint(root))  # doctest: +ELLIPSIS
-        /... is an empty directory, not a checkpoint
-        >>> with open(os.path.join(root, ".metadata"), "wb") as f:
-        ...     _ = f.write(b"DCP")
-        >>> print(not_a_checkpoint(root))  # doctest: +ELLIPSIS
-        /... is a torch.distributed.checkpoint directory that zero_functional did not write (no .metadata.crc32): read it with torch.distributed.checkpoint.load
+        >>> not_a_checkpoint("/nonexistent/ckpt")
+        'there is no checkpoint directory at /nonexistent/ckpt'
     """
     if not os.path.lexists(path):
         return f"there is no checkpoint directory at {path}"
@@ -325,14 +289,11 @@ def not_a_checkpoint(path: str) -> str | None:
 
 
 def file_crc(path: str) -> tuple[int, int]:
-    """A file's CRC32 and size, read 1 MiB at a time.
+    """A file's CRC32 and size.
 
     Example:
-        >>> import tempfile
-        >>> with tempfile.NamedTemporaryFile(delete=False) as f:
-        ...     _ = f.write(b"abc")
-        >>> file_crc(f.name)
-        (891568578, 3)
+        >>> file_crc(os.devnull)
+        (0, 0)
     """
     crc, size = 0, 0
     with open(path, "rb") as f:
@@ -342,21 +303,16 @@ def file_crc(path: str) -> tuple[int, int]:
 
 
 def os_error(error: BaseException) -> OSError | None:
-    """The :class:`OSError` a failed write raised, ``error`` itself or one it was raised while
-    handling (``torch.save`` on a full disk raises ``unexpected pos ...`` while handling
-    ``No space left on device``); ``None`` if there is none.
+    """The :class:`OSError` behind a failed write, ``error`` or one it was raised while handling
+    (``torch.save`` on a full disk raises ``unexpected pos``); ``None`` if there is none.
 
     Example:
-        >>> import errno
-        >>> try:
-        ...     try:
-        ...         raise OSError(errno.ENOSPC, "No space left on device")
-        ...     except OSError:
-        ...         raise RuntimeError("unexpected pos 704 vs 598")
-        ... except RuntimeError as e:
-        ...     print(os_error(e))
+        >>> error = RuntimeError("unexpected pos 704 vs 598")
+        >>> error.__context__ = OSError(28, "No space left on device")
+        >>> print(os_error(error))
         [Errno 28] No space left on device
     """
+
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:

@@ -1,8 +1,5 @@
 """The keys of a checkpoint's items, and plain dicts from a ``dcp_to_torch_save`` file of one.
 
-Every format version spells its model, state and EMA items with these
-(:mod:`~zero_functional.checkpoint.format`).
-
 Example:
     >>> model_key("0.weight"), state_key("0.weight", "exp_avg"), ema_key("0.weight")
     ('model.0.weight', 'state.0.weight.exp_avg', 'ema.0.weight')
@@ -18,7 +15,6 @@ from typing import Any
 from zero_functional.checkpoint.storage import CheckpointError
 
 MODEL_PREFIX, STATE_PREFIX, EMA_PREFIX = "model.", "state.", "ema."
-"""The prefixes of the model tensors', optimizer state's and EMA's keys."""
 
 
 def model_key(name: str) -> str:
@@ -55,13 +51,11 @@ def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain ``torch.optim`` state dict from a ``dcp_to_torch_save`` file of a checkpoint,
-    parameters numbered as ``torch.optim`` numbers them (the groups' lists, concatenated).
+    """A ``torch.optim`` state dict from a ``dcp_to_torch_save`` file, numbered as torch numbers.
 
     Example:
-        >>> flat = {"state.w.step": 3, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
-        >>> optimizer_state_dict(flat)
-        {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}
+        >>> optimizer_state_dict({"state.w.step": 3, "param_groups": [{"params": ["w"]}]})
+        {'state': {0: {'step': 3}}, 'param_groups': [{'params': [0]}]}
     """
     groups = flat["param_groups"]
     index = {name: i for i, name in enumerate(name for g in groups for name in g["params"])}
@@ -76,10 +70,8 @@ def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_groups(saved: object, expected: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
-    """The saved ``param_groups``, checked to list the parameters ``expected`` group by group.
-
-    Raises:
-        CheckpointError: They list other parameters (another model, or another group order).
+    """The saved ``param_groups``, checked to list the parameters ``expected`` group by group
+    (else :class:`CheckpointError`: another model, or another group order).
 
     Example:
         >>> check_groups([{"lr": 0.1, "params": ["w"]}], [["w"]])

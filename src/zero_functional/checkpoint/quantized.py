@@ -1,14 +1,11 @@
-"""Block-wise quantized optimizer state in a sharded checkpoint: codes and scales as flat items
-cut on the blocks, the rest as one small object, rebuilt for whatever piece a rank loads.
+"""Block-wise quantized optimizer state in a checkpoint: flat codes and scales, and one object.
 
 A quantized value (torchao's ``OptimState8bit``, ``4bit``, ``Fp8``) has no slice off a block,
-so row boxes cannot carry it. The value ``key`` of the parameter ``name``, of N elements in
-blocks of B (one fp32 scale each) and c code entries a block (4-bit: B/2), is
-``quantized.<name>.<key>.codes`` (N/B x c entries; a piece ``[lo, hi)`` writes ``[lo/B x c,
-hi/B x c)``), ``.scale`` (N/B; ``[lo/B, hi/B)``) and the object ``quantized.<name>.<key>`` (the
-class's import path, its constant inner tensors, its flatten context, the parameter's shape).
-A loading piece on the saved blocks gets the value rebuilt bitwise (:func:`rebuilt`); one off
-them, its elements' dequantized values, which the optimizer converts as loaded fp32 state.
+so row boxes cannot carry it. The state ``key`` of the parameter ``name``, N elements in blocks
+of B with c code entries each (4-bit: B/2), is ``quantized.<name>.<key>.codes`` (N/B x c; a
+piece ``[lo, hi)`` writes ``[lo/B x c, hi/B x c)``), ``.scale`` (N/B fp32) and the object
+``quantized.<name>.<key>`` (class path, constant tensors, flatten context, shape). A piece on
+the saved blocks loads bitwise (:func:`rebuilt`); one off them, as dequantized fp32 state.
 
 Example:
     >>> quantized_key("0.weight", "exp_avg"), codes_key("w", "m"), scale_key("w", "m")
@@ -31,9 +28,7 @@ from zero_functional.core.blockwise import BlockParts, block_parts, from_block_p
 from zero_functional.core.partition import Piece
 
 PREFIX = "quantized."
-"""The prefix of quantized state's items."""
-_TRUSTED = "torchao."
-"""A saved class is imported only from this package (a checkpoint names no arbitrary code)."""
+_TRUSTED = "torchao."  # saved classes import only from here: a checkpoint names no arbitrary code
 
 Items = dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int, Tensor]]]]
 
@@ -56,20 +51,15 @@ def scale_key(name: str, key: str) -> str:
 def items(
     name: str, shape: tuple[int, ...], piece: Piece, key: str, value: Tensor
 ) -> tuple[Items, dict[str, object]]:
-    """The tensor items and the object of the quantized ``value`` of the state ``key`` of the
-    parameter ``name`` (of ``shape``) over ``piece``: codes and scales as flat ranges.
-
-    Raises:
-        CheckpointError: The piece does not start and stop on the value's blocks.
+    """The tensor items (flat codes and scales) and the object of the quantized state ``key`` of
+    the parameter ``name`` over ``piece``, which must start and stop on the value's blocks.
 
     Example:
         >>> from torchao.optim.subclass_4bit import OptimState4bit
         >>> v = OptimState4bit.zeros((256,), signed=True, block_size=128)
-        >>> pieces, objects = items("w", (2, 256), Piece(0, 256, 512, 512), "exp_avg", v)
+        >>> pieces, _ = items("w", (2, 256), Piece(0, 256, 512, 512), "exp_avg", v)
         >>> [(k, s, r[0][:2]) for k, (s, _, r) in pieces.items()]
         [('quantized.w.exp_avg.codes', (256,), (128, 256)), ('quantized.w.exp_avg.scale', (4,), (2, 4))]
-        >>> objects["quantized.w.exp_avg"]["class"]
-        'torchao.optim.subclass_4bit.OptimState4bit'
     """
     parts = block_parts(value.detach(), shape)
     numel, block, c = math.prod(shape), parts.block, parts.code_bytes
@@ -109,11 +99,7 @@ def reads(
     saved: Saved, name: str, shape: tuple[int, ...], piece: Piece
 ) -> tuple[list[QuantizedRead], Wanted]:
     """What a rank reads of the parameter ``name``'s quantized state for ``piece``: one
-    :class:`QuantizedRead` per value, and the ranges to ask storage for (the whole blocks
-    around the piece).
-
-    Raises:
-        CheckpointError: Items that do not fit the parameter (another model).
+    :class:`QuantizedRead` per value, and the ranges of whole blocks to ask storage for.
 
     Example:
         >>> saved = {"quantized.w.m": None, "quantized.w.m.codes": ((1024,), torch.uint8),
@@ -166,12 +152,8 @@ def rebuilt(
     piece: Piece,
     shape: tuple[int, ...],
 ) -> dict[str, Tensor]:
-    """The quantized state of ``piece`` of the parameter ``name`` from what was read by
-    ``plan`` (:func:`reads`), in ``shape``: each value in its saved class, bitwise, where the
-    piece is on its blocks; else its dequantized elements.
-
-    Raises:
-        CheckpointError: A class that cannot be imported.
+    """The quantized state of ``piece`` of the parameter ``name`` from what ``plan`` read: in its
+    saved class (which must import) where the piece is on the saved blocks, else dequantized.
 
     Example:
         >>> # rebuilt("w", plan, tensors, objects, Piece(0, 0, 1024, 1024), (4, 256))["m"]

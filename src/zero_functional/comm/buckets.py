@@ -22,10 +22,7 @@ def start_all_reduce(buffer: Tensor, group: ProcessGroup) -> Pending:
     """Start summing ``buffer`` over the group, in place (DDP's all-reduce of a bucket).
 
     Example:
-        >>> t = torch.ones(2)
-        >>> start_all_reduce(t, group).wait()
-        >>> t
-        tensor([1., 1.])
+        >>> start_all_reduce(torch.ones(2), group).wait()
     """
     return start_one(lambda: dist.all_reduce(buffer, group=group, async_op=True), [], group)
 
@@ -47,8 +44,7 @@ def unflatten_into(buffer: Tensor, tensors: Sequence[Tensor]) -> None:
 
     Example:
         >>> a, b = torch.zeros(1), torch.zeros(2)
-        >>> unflatten_into(torch.arange(3.0), [a, b])
-        >>> b
+        >>> unflatten_into(torch.arange(3.0), [a, b]); b
         tensor([1., 2.])
     """
     if not tensors:
@@ -126,9 +122,8 @@ def sync_params(
     *,
     coalesce_below: int = COALESCE_BELOW,
 ) -> None:
-    """Make every rank hold the owner's value of each tensor, in place: the all-gather half of
-    a functional ZeRO step. Tensors under ``coalesce_below`` elements travel packed, one buffer per
-    (owner, device, dtype); ``params`` may be pieces: ``sync_params(*piece_views(ps, ownership))``.
+    """Make every rank hold the owner's value of each tensor, in place: a functional ZeRO step's
+    all-gather; pieces too: ``sync_params(*piece_views(ps, ownership))``.
 
     Example:
         >>> sync_params([torch.full((2,), 3.0)], [0, 1])
@@ -147,8 +142,7 @@ def reduce_to_owners(
 
     Example:
         >>> gs = [torch.ones(3)]
-        >>> reduce_to_owners(gs, [0])
-        >>> gs[0]
+        >>> reduce_to_owners(gs, [0]); gs[0]
         tensor([1., 1., 1.])
     """
     if len(tensors) != len(owners):

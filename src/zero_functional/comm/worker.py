@@ -27,8 +27,7 @@ class InOrder:
 
     Example:
         >>> seen, worker = [], InOrder("example")
-        >>> worker.put(lambda: seen.append(1))
-        >>> worker.join()
+        >>> worker.put(lambda: seen.append(1)); worker.join()
         >>> seen
         [1]
     """

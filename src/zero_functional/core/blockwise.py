@@ -48,9 +48,8 @@ def block_parts(value: Tensor, shape: tuple[int, ...] | None = None) -> BlockPar
 
     Example:
         >>> from torchao.optim.subclass_8bit import OptimState8bit
-        >>> parts = block_parts(OptimState8bit.zeros((512,), signed=True, block_size=256))
-        >>> parts.block, parts.code_bytes, parts.scale.shape
-        (256, 256, torch.Size([2]))
+        >>> block_parts(OptimState8bit.zeros((512,), block_size=256)).block
+        256
     """
     if not is_blockwise(value):
         raise TypeError("the value is not a block-wise quantized tensor")
@@ -77,9 +76,8 @@ def from_block_parts(parts: BlockParts, shape: tuple[int, ...]) -> Tensor:
     Example:
         >>> from torchao.optim.subclass_8bit import OptimState8bit
         >>> v = OptimState8bit.zeros((512,), signed=True, block_size=256)
-        >>> w = from_block_parts(block_parts(v, (2, 256)), (2, 256))
-        >>> type(w).__name__, torch.equal(w.dequantize(), v.dequantize().view(2, 256))
-        ('OptimState8bit', True)
+        >>> from_block_parts(block_parts(v, (2, 256)), (2, 256)).dequantize().shape
+        torch.Size([2, 256])
     """
     numel = math.prod(shape)
     ctx = [shape if isinstance(c, tuple) and tuple(c) == parts.shape else c for c in parts.context]

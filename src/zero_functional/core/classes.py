@@ -54,8 +54,7 @@ def is_mixed(items: Sequence[Any]) -> bool:
 def param_blocks(
     param_groups: Sequence[Any], default: type[Optimizer], defaults: Mapping[str, Any]
 ) -> list[int] | None:
-    """Per parameter, its class's quantization block (``"flat"`` cuts on it; ``defaults`` reach
-    ``default``'s groups only); ``None`` where no class has one.
+    """Per parameter, its class's quantization block (``"flat"`` cuts on it); ``None`` if none.
 
     Example:
         >>> param_blocks([{"params": [torch.zeros(2)]}], torch.optim.AdamW, {}) is None
@@ -121,8 +120,7 @@ def own_class_group(group: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def check_group_classes(items: Sequence[Any], default: type[Optimizer], first: int = 0) -> None:
-    """Every group's own class checked (:func:`own_class_group`), none needing a closure (it cannot
-    share a step); ``first``: the first group's index.
+    """Every group's own class checked (:func:`own_class_group`), none needing a closure.
 
     Example:
         >>> check_group_classes([{"params": [], "optimizer_class": torch.optim.LBFGS}], object)

@@ -19,9 +19,8 @@ from zero_functional.core.piece_state import join_states
 Shard = Mapping[int, tuple[Range, Mapping[str, object]]]
 """One rank's pieces: global index -> (the piece's range, its state)."""
 
+# marks a state_dict() of a rank that another rank consolidated onto; load_state_dict refuses it
 PARTIAL_KEY = "zero_partial"
-"""Marks the ``state_dict()`` of a rank after consolidation onto another rank (groups, no
-state); ``load_state_dict`` refuses it."""
 
 
 def to_cpu(state: Mapping[str, object]) -> dict[str, object]:
@@ -39,8 +38,7 @@ def to_cpu(state: Mapping[str, object]) -> dict[str, object]:
 def merge_shards(
     shards: Sequence[Shard], shapes: Sequence[Sequence[int]]
 ) -> dict[int, dict[str, object]]:
-    """Each parameter's whole state, in its shape, from every rank's pieces (a RuntimeError where
-    they do not cover it: some ranks stepped it, others not).
+    """Each parameter's whole state, in its shape, from every rank's pieces (which must cover it).
 
     Example:
         >>> a = {0: ((0, 2), {"momentum_buffer": torch.tensor([1.0, 2.0])})}
@@ -67,8 +65,7 @@ def merge_shards(
 
 
 def not_consolidated_message(rank: int) -> str:
-    """What ``state_dict()`` says when the state changed since the last consolidation: torch's
-    words, then the fix for the training framework imported.
+    """``state_dict()``'s error after an unconsolidated change: torch's words, then the fix.
 
     Example:
         >>> not_consolidated_message(1)[:54]
@@ -135,8 +132,7 @@ class Consolidation:
     ``state_dict()`` needs to answer without a collective.
 
     Example:
-        >>> book = Consolidation()
-        >>> book.changed()  # a step
+        >>> book = Consolidation(); book.changed()  # a step
         >>> book.gathered([{0: ((0, 2), {"momentum_buffer": torch.ones(2)})}])
         >>> book.state_dict([{"params": [torch.zeros(2)], "lr": 0.1}], rank=0)["state"]
         {0: {'momentum_buffer': tensor([1., 1.])}}

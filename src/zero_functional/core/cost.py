@@ -1,8 +1,7 @@
 """What an update costs per tensor, and Muon + AdamW ownership balanced by it (pure).
 
-``torch.optim.Muon``'s Newton–Schulz iteration needs whole matrices and costs ``m * n * min(m,
-n)`` per matrix, so :func:`muon_plan` owns them whole balanced by that cost (:func:`cost_greedy`)
-and splits AdamW's elementwise rest evenly (``flat``): what ``zero-functional plan --muon`` prints.
+``torch.optim.Muon``'s Newton–Schulz iteration needs whole matrices, at a cost of ``m * n *
+min(m, n)``: :func:`muon_plan` balances them by it (what ``zero-functional plan --muon`` prints).
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ UPDATE_COSTS: dict[str, Callable[[Sequence[int]], int]] = {"torch.optim.Muon": n
 
 
 def update_cost(class_name: str, shape: Sequence[int]) -> int:
-    """One update of a tensor of ``shape`` under the class named ``class_name``: what
-    whole-owned tensors are balanced by (:data:`UPDATE_COSTS`, else the element count).
+    """One update's cost for ``shape`` under ``class_name``: :data:`UPDATE_COSTS`, else numel.
 
     Example:
         >>> update_cost("torch.optim.Muon", (4, 8)), update_cost("torch.optim.Adafactor", (4, 8))
@@ -52,8 +50,7 @@ def update_cost(class_name: str, shape: Sequence[int]) -> int:
 
 
 def cost_greedy(costs: Sequence[int], world_size: int) -> tuple[tuple[int, ...], ...]:
-    """Whole tensors balanced by cost: :func:`~zero_functional.core.partition.sorted_greedy`
-    keyed by cost (the busiest rank carries at most the mean plus the largest cost).
+    """Whole tensors balanced by cost: ``sorted_greedy`` keyed by it (busiest <= mean + largest).
 
     Example:
         >>> cost_greedy([64, 32, 64, 1], world_size=2)
@@ -90,9 +87,8 @@ class MuonPlan:
 
 
 def muon_plan(shapes: Sequence[Sequence[int]], muon: Sequence[bool], world_size: int) -> MuonPlan:
-    """Muon's matrices (``muon[i]``) whole by :func:`cost_greedy` over their
-    :func:`newton_schulz_cost`, AdamW's rest split ``flat``, as the optimizer owns them; the two
-    are balanced apart (:attr:`MuonPlan.cost`, :attr:`MuonPlan.state_bytes` show the result).
+    """Muon's matrices (``muon[i]``) owned whole by :func:`cost_greedy` of their cost and AdamW's
+    rest split ``flat``, as the optimizer owns them: two balances, apart.
 
     Example:
         >>> plan = muon_plan([(8, 8), (8,), (4, 8), (4, 8)], [True, False, True, True], 2)

@@ -15,14 +15,11 @@ from zero_functional.core.checks import param_tensors
 
 
 def fingerprint(items: Sequence[Any]) -> list[int]:
-    """Groups, parameters, elements and a hash of each parameter's shape, dtype and device
-    type (tensors or param groups): what every rank must agree on.
+    """What ranks must agree on: groups, parameters, elements, a hash of shapes, dtypes, devices.
 
     Example:
-        >>> a = fingerprint([torch.zeros(3)])
-        >>> b = fingerprint([{"params": [torch.zeros(3, dtype=torch.float64)]}])
-        >>> a[:3] == b[:3], a[3] == b[3]
-        (True, False)
+        >>> fingerprint([{"params": [torch.zeros(3), torch.zeros(2)]}])[:3]
+        [1, 2, 5]
     """
     if items and all(isinstance(item, Tensor) for item in items):
         groups = [list(items)]
@@ -37,9 +34,8 @@ def fingerprint(items: Sequence[Any]) -> list[int]:
 def agreement_verdict(
     call: str, problem: Exception | None, everyone: Sequence[object]
 ) -> Exception | None:
-    """What a rank raises once each rank's ``(error type name, message)`` or
-    :func:`fingerprint` is known: its own problem first, else another rank's, else one error
-    naming the ranks whose fingerprints differ from rank 0's.
+    """What a rank raises once each rank's ``(error type name, message)`` or :func:`fingerprint`
+    is known: its own problem, else another rank's, else the ranks that differ from rank 0.
 
     Example:
         >>> agreement_verdict("step()", None, [[1, 2, 3, 4], ("ValueError", "bad")])
@@ -72,9 +68,8 @@ def agreement_verdict(
 def check_unfrozen(
     built: Sequence[bool], now: Sequence[bool], shapes: Sequence[object], ddp: bool
 ) -> list[int]:
-    """The parameters frozen (``built``) that now require gradients (``now``); where a DDP
-    module the optimizer knows reduces the gradients (``ddp``), a RuntimeError naming them.
-    Otherwise they train, as in torch's class, once found averaged (:func:`unaveraged`).
+    """The parameters frozen at the build that now require gradients: an error under a DDP the
+    optimizer knows (``ddp``), else they train, as in torch's, once averaged (:func:`unaveraged`).
 
     Example:
         >>> check_unfrozen([True, False], [True, True], [(2,), (3,)], ddp=False)
@@ -118,8 +113,7 @@ def grad_checksums(grads: Sequence[Tensor]) -> Tensor:
 
 
 def unaveraged(indices: Sequence[int], reduced: Tensor) -> list[int]:
-    """Of the parameters ``indices``, those whose gradients differ between ranks (from the MAX
-    all-reduce of :func:`grad_checksums`): nothing averaged them.
+    """Of ``indices``, those whose gradients differ between ranks (:func:`grad_checksums`).
 
     Example:
         >>> unaveraged([4, 7], torch.tensor([3.0, 5.0, 1.0, 1.0, -3.0, -5.0, -0.5, -1.0]))

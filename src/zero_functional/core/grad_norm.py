@@ -1,8 +1,7 @@
 """Gradient norms from the pieces a rank owns, in torch's arithmetic (pure, but for ``clip_``).
 
-As ``clip_grad_norm_``: each tensor's norm (foreach, per device and dtype), then the norm of
-those; per rank over its pieces, then over the ranks, so that whole tensors give torch's total
-bit for bit.
+As ``clip_grad_norm_``: the norm of the tensors' norms, per rank over its pieces, then over the
+ranks, so that whole tensors give torch's total bit for bit.
 """
 
 from __future__ import annotations
@@ -63,9 +62,8 @@ def clip_(grads: Sequence[Tensor], total: Tensor, max_norm: float) -> None:
     """Scale ``grads`` in place by ``max_norm / (total + 1e-6)`` where below 1 (torch's rule).
 
     Example:
-        >>> g = [torch.tensor([3.0, 4.0])]
-        >>> clip_(g, torch.tensor(5.0), 1.0)
-        >>> g[0]
+        >>> g = torch.tensor([3.0, 4.0])
+        >>> clip_([g], torch.tensor(5.0), 1.0); g
         tensor([0.6000, 0.8000])
     """
     with torch.no_grad():

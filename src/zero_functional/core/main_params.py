@@ -1,10 +1,8 @@
 """Main parameters (pure): a wider copy of the owned pieces of bf16/fp16 parameters.
 
-An owned piece is updated through a ``main_params_dtype`` copy kept in its state under
-:data:`MAIN_KEY` (Megatron-LM's and Apex's sharded "main" params), so it travels with every state
-move; with ``store_param_remainders`` (bf16) the state keeps an int16 remainder instead, the
-fp32 bits being the bf16's shifted up 16 plus it (TransformerEngine's rule), and never leaves its
-rank: what does carries the fp32 main (:func:`with_main`)."""
+Kept in the piece's state under :data:`MAIN_KEY` (Megatron-LM's "main" params), so it moves with
+the state; or, with ``store_param_remainders``, as an int16 remainder beside the bf16 value
+(TransformerEngine's rule, :func:`join_main`), which never leaves its rank (:func:`with_main`)."""
 
 from __future__ import annotations
 
@@ -100,8 +98,7 @@ def join_main(param: Tensor, remainder: Tensor) -> Tensor:
     """The fp32 value whose bits are ``param``'s (bf16) shifted up 16 plus ``remainder``.
 
     Example:
-        >>> one = torch.ones(1, dtype=torch.bfloat16)
-        >>> join_main(one, torch.tensor([1], dtype=torch.int16)).item()
+        >>> join_main(torch.ones(1, dtype=torch.bfloat16), torch.ones(1, dtype=torch.int16)).item()
         1.0000001192092896
     """
     bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
@@ -120,8 +117,7 @@ def tie_count(param: Tensor, remainder: Tensor) -> Tensor:
 
 
 def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Tensor:
-    """A piece's main value: its :data:`MAIN_KEY`, or joined from its remainder and ``view``, or
-    ``view`` in ``dtype`` (a copy).
+    """A piece's main value: its :data:`MAIN_KEY`, or joined from its remainder, or a copy.
 
     Example:
         >>> main_value(torch.ones(1, dtype=torch.bfloat16), {}, torch.float32)
@@ -166,15 +162,12 @@ def step_through_main_(
     remainders: bool = False,
 ) -> Tensor | None:
     """``step_pieces(group, params, grads, states)`` over ``views`` in place, each through its main
-    copy where ``dtypes`` names one (gradient upcast; the piece then gets the copy rounded). With
-    ``remainders``: split instead, returning the summed :func:`tie_count`.
+    copy where ``dtypes`` names one; with ``remainders``, the summed :func:`tie_count`.
 
     Example:
-        >>> p, state = torch.tensor([1.0], dtype=torch.bfloat16), {}
-        >>> def sgd(group, params, grads, states):
-        ...     params[0].sub_(group["lr"] * grads[0])
-        >>> grad = torch.ones(1, dtype=p.dtype)
-        >>> step_through_main_(sgd, {"lr": 1e-3}, [p], [grad], [state], [torch.float32])
+        >>> p, state = torch.ones(1, dtype=torch.bfloat16), {}
+        >>> sgd = lambda group, params, grads, states: params[0].sub_(1e-3 * grads[0])
+        >>> step_through_main_(sgd, {}, [p], [torch.ones_like(p)], [state], [torch.float32])
         >>> state[MAIN_KEY].item(), p.item()  # bf16 alone would have stayed at 1.0
         (0.9990000128746033, 1.0)
     """

@@ -125,7 +125,6 @@ def module_of(model: nn.Module) -> nn.Module:
     """The module a ``DistributedDataParallel`` wraps, else ``model`` itself.
 
     Example:
-        >>> import torch
         >>> module_of(torch.nn.Linear(2, 1))
         Linear(in_features=2, out_features=1, bias=True)
     """

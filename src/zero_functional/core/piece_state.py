@@ -3,12 +3,6 @@
 A rank owning a piece keeps its parameter's state for the piece only: *elementwise* tensors
 (``exp_avg``, ...) hold the piece's elements (1-D, or in the parameter's shape when whole), and
 *per-parameter* values (a 0-d ``step``, a number) are the same on every rank holding a piece.
-
-Example:
-    >>> whole = {"step": torch.tensor(3.0), "exp_avg": torch.arange(6.0).view(2, 3)}
-    >>> a, b = slice_state(whole, (0, 6), (0, 4)), slice_state(whole, (0, 6), (4, 6))
-    >>> join_states([((0, 4), a), ((4, 6), b)], (2, 3))["exp_avg"].tolist()
-    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from zero_functional.core.blockwise import Range, is_blockwise, joined_blocks, s
 
 
 def is_elementwise(value: object, numel: int) -> bool:
-    """Whether a state value holds one entry per element of a piece of ``numel`` (a tensor of at
-    least one dimension), not one per parameter.
+    """Whether a state value holds one entry per element of a piece of ``numel`` (elementwise).
 
     Example:
         >>> is_elementwise(torch.zeros(2, 3), 6), is_elementwise(torch.tensor(1.0), 1)
@@ -35,8 +28,7 @@ def is_elementwise(value: object, numel: int) -> bool:
 
 
 def slice_state(state: Mapping[str, object], held: Range, want: Range) -> dict[str, object]:
-    """A copy of the state of elements ``want`` from that of the piece ``held`` (elementwise
-    tensors 1-D, kept in shape where ``want == held``).
+    """A copy of the state of elements ``want`` from that of the piece ``held``.
 
     Example:
         >>> slice_state({"momentum_buffer": torch.arange(4.0)}, (2, 6), (3, 5))
@@ -79,8 +71,7 @@ def copied(value: Tensor) -> Tensor:
 def join_states(
     parts: Sequence[tuple[Range, Mapping[str, object]]], shape: Sequence[int] | None = None
 ) -> dict[str, object]:
-    """One state from those of adjacent ranges ``((start, stop), state)`` in order: elementwise
-    tensors concatenated (in ``shape`` where they are the whole parameter), the rest the first's.
+    """One state from those of adjacent ranges in order: elementwise tensors joined, the rest kept.
 
     Example:
         >>> join_states([((0, 1), {"v": torch.ones(1)}), ((1, 3), {"v": torch.zeros(2)})])
@@ -132,9 +123,8 @@ def placed(
     copy: bool,
     dtype: torch.dtype | None = None,
 ) -> object:
-    """A loaded or moved state value where torch puts it: on ``param``'s device, floating values in
-    its dtype (or ``dtype``, a main copy's), ``step`` float32 there where ``fp32_step`` (as the
-    fused kernels read it; pytorch#124133); ``copy=False`` keeps a tensor already in place.
+    """A loaded or moved state value where torch puts it: on ``param``'s device, in its dtype (or
+    ``dtype``), ``step`` float32 where ``fp32_step`` (as fused kernels read it; pytorch#124133).
 
     Example:
         >>> placed("step", torch.tensor(3), torch.zeros(2), fp32_step=True, copy=True).dtype

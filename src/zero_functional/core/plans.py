@@ -1,12 +1,10 @@
 """Plans: what to send and reshard, per bucket and per owner, computed from an Ownership (pure).
 
-The stateful parts apply these values and :mod:`zero_functional.comm` executes them. Each
-strategy (:data:`Collectives`) moves every piece's reduced gradients to its owner, then every
-owner's updated pieces to every rank: ``"reduce_scatter+all_gather"`` over even, padded shards
-(NCCL's fastest), or ``"reduce+broadcast"`` per owner's stretch (one launch on NCCL,
-all-to-alls on gloo), both one all-reduce's bytes, as plain DDP; or ``"allreduce+broadcast"``,
-where the user's hook reduces every gradient everywhere: half again DDP's bytes (pytorch#69591).
-On gloo the runs travel as all-to-alls in chunks (:func:`exchange_chunks`) every rank derives alike.
+The stateful parts apply these values and :mod:`zero_functional.comm` executes them. A strategy
+(:data:`Collectives`) moves reduced gradients to their owners, then updated pieces to every rank:
+``"reduce_scatter+all_gather"`` over even shards, ``"reduce+broadcast"`` per owner's stretch (on
+gloo, all-to-alls in chunks), both in DDP's bytes; ``"allreduce+broadcast"`` under a user's hook,
+in half again as many (pytorch#69591).
 """
 
 from __future__ import annotations
@@ -36,9 +34,7 @@ COLLECTIVES: tuple[Collectives, ...] = get_args(Collectives)
 def choose_collectives(
     backend: str, world_size: int, hook_is_allreduce: bool = True, *, even: bool = False
 ) -> Collectives:
-    """The strategy for a buffer: ``"allreduce+broadcast"`` under a hook other than DDP's default
-    all-reduce or on a single rank; even shards (``even``: ``partition="flat"``) on NCCL take its
-    reduce-scatter and all-gather; everything else a reduce and a broadcast per owner.
+    """The strategy for a buffer, from its backend, world, hook and whether its shards are even.
 
     Example:
         >>> choose_collectives("nccl", 8, even=True), choose_collectives("gloo", 8, even=True)
@@ -88,16 +84,15 @@ def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int
 
 @dataclass(frozen=True, slots=True)
 class BufferPlan:
-    """How one buffer of parameters laid end to end travels (:func:`buffer_plan`): who owns which
-    of its ``runs``, and the even shard size ``chunk`` where the strategy takes even shards and the
-    runs are the even split (else one reduce / broadcast per run)."""
+    """How one buffer travels (:func:`buffer_plan`): who owns which of its ``runs``, and the even
+    shard size ``chunk`` where the strategy takes even shards and gets them (:func:`even_chunk`)."""
 
     collectives: Collectives
     runs: tuple[Run, ...]
     chunk: int | None
 
     def spans_of(self, rank: int) -> list[tuple[int, int]]:
-        """The ``(start, stop)`` of the runs ``rank`` owns (:func:`owned_spans`)."""
+        """:func:`owned_spans` of ``rank``."""
         return owned_spans(self.runs, rank)
 
 
@@ -105,8 +100,7 @@ def buffer_plan(ownership: Ownership, order: Sequence[int], collectives: Collect
     """The plan of a buffer holding the parameters ``order`` end to end, under ``collectives``.
 
     Example:
-        >>> from zero_functional.core.ownership import flat_ownership
-        >>> o = flat_ownership([4, 3], 2)
+        >>> o = sorted_greedy_ownership([[4, 3]], 2)
         >>> [buffer_plan(o, order, "reduce_scatter+all_gather").chunk for order in ([0, 1], [1, 0])]
         [4, None]
     """
@@ -139,8 +133,7 @@ def bytes_sent(op: str, nbytes: int, world_size: int) -> float:
 def bucket_view_groups(
     ownership: Ownership, keys: Sequence[BufferKey], trainable: Sequence[bool]
 ) -> list[list[int]]:
-    """The parameters each bucket view holds (global indices), sorted by (owner, key): per
-    owner and buffer key, trainable ones only, under whole-tensor ownership; per key, ``"flat"``.
+    """The parameters (global indices) of each bucket view, sorted by (owner, buffer key).
 
     Example:
         >>> f32 = BufferKey("cpu", "torch.float32")
@@ -159,14 +152,9 @@ def bucket_view_groups(
 
 @dataclass(frozen=True, slots=True)
 class ReshardPlan:
-    """One rank's part in moving state from one ownership to another (:func:`plan_moves`).
-
-    Attributes:
-        sends: Stretches this rank holds now, with where each goes (``dst`` may be this rank).
-        receives: Per parameter, the stretches of this rank's new pieces, in element order.
-        pairs: Every (src, dst) pair of ranks that exchange anything, the same on every rank.
-        held: Parameters of which this rank holds a piece now.
-    """
+    """One rank's part in moving state between ownerships (:func:`plan_moves`): what it
+    ``sends`` (to itself too), ``receives`` per parameter in element order, and ``held`` before;
+    the ``pairs`` of ranks that exchange anything, alike on every rank."""
 
     sends: tuple[Transfer, ...]
     receives: dict[int, tuple[Transfer, ...]]
@@ -179,9 +167,8 @@ def plan_moves(old: Ownership, new: Ownership, rank: int) -> ReshardPlan:
 
     Example:
         >>> from zero_functional.core.ownership import flat_ownership
-        >>> plan = plan_moves(sorted_greedy_ownership([[4, 4]], 2), flat_ownership([4, 4], 2), 0)
-        >>> plan.pairs, sorted(plan.receives), sorted(plan.held)
-        ((), [0], [0])
+        >>> plan_moves(sorted_greedy_ownership([[6, 2]], 2), flat_ownership([6, 2], 2), 0).pairs
+        ((0, 1),)
     """
     return _reshard_plan(old.transfers(new), rank)
 
@@ -253,11 +240,7 @@ def ownership_of(
     pinned: Mapping[int, int] | None = None,
     blocks: Sequence[int] | None = None,
 ) -> Ownership:
-    """The ownership ``partition`` gives the parameters of ``table``.
-
-    ``"sorted_greedy"`` is torch's whole-tensor assignment; ``"flat"`` splits each buffer key's
-    parameters into even ranges aligned to :data:`FLAT_ALIGN_BYTES`, or to a parameter's
-    quantization ``blocks``, except those ``pinned`` to a rank (:func:`whole_owners`), owned whole.
+    """The ownership ``partition`` gives ``table``'s parameters, ``pinned`` ones whole.
 
     Example:
         >>> table = ParamTable.of([{"params": [torch.zeros(8), torch.zeros(3, 3)]}])
@@ -305,12 +288,11 @@ def overlap_ownership(
 def whole_owners(
     shapes: Sequence[tuple[int, ...]], world_size: int, costs: Sequence[int] | None = None
 ) -> list[int]:
-    """The rank that owns each tensor of ``shapes`` whole under ``"flat"``: largest update
-    ``costs`` (default: the element count) first onto the least loaded rank.
+    """The rank owning each of ``shapes`` whole: largest ``costs`` (numel) first, least loaded.
 
     Example:
-        >>> whole_owners([(16, 1), (4, 4), (2, 2)], 2), whole_owners([(16, 1), (4, 4)], 2, [16, 64])
-        ([0, 1, 0], [1, 0])
+        >>> whole_owners([(16, 1), (4, 4)], 2, costs=[16, 64])
+        [1, 0]
     """
     if costs is None:
         costs = [math.prod(shape) for shape in shapes]
@@ -334,8 +316,7 @@ COALESCE_BELOW = 1 << 16  # smaller tensors travel packed; larger ones in place,
 
 @dataclass(frozen=True, slots=True)
 class SyncUnit:
-    """One broadcast of a parameter all-gather: the tensors ``members`` (positions in the list
-    sent) from rank ``owner``, in place (one tensor) or ``packed`` in a staging buffer."""
+    """One broadcast of a parameter all-gather: ``members`` from ``owner``, in place or ``packed``."""
 
     owner: int
     members: tuple[int, ...]
@@ -368,9 +349,8 @@ def sync_plan(
     nccl: bool,
     coalesce_below: int = COALESCE_BELOW,
 ) -> SyncPlan:
-    """The broadcasts that give every rank every owner's tensors, from their metadata (the same
-    on every rank): large contiguous ones in place, in order; smaller ones in one staging buffer
-    per (owner, key), after them; empty ones not at all; on NCCL, all in one launch.
+    """The broadcasts that give every rank every owner's tensors: large contiguous ones in place;
+    smaller ones after them, packed per (owner, key); on NCCL, all in one launch.
 
     Example:
         >>> plan = sync_plan([0, 1, 1], [9, 2, 3], "fff", [True] * 3, nccl=False, coalesce_below=4)
@@ -398,9 +378,8 @@ Stretch = tuple[int, int]
 def exchange_chunks(
     runs: Sequence[tuple[int, int, int]], world_size: int, per_owner: int
 ) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
-    """The ``(start, stop, rank)`` ``runs`` cut into chunks of at most ``per_owner`` elements per
-    owner (each owner's runs read in buffer order as one sequence): per chunk, per rank, the
-    stretches of that rank's runs it carries.
+    """``runs`` cut into chunks of at most ``per_owner`` elements per owner, for gloo's
+    all-to-alls: per chunk, per rank, the stretches of its runs that chunk carries.
 
     Example:
         >>> exchange_chunks([(0, 5, 0), (5, 8, 1)], 2, 3)
@@ -429,9 +408,8 @@ def exchange_chunks(
 
 
 class ChunkLayout(NamedTuple):
-    """One rank's side of one chunk's all-to-all (:func:`chunk_layout`): the elements it ``sends``
-    each rank and ``receives`` from each; the others' stretches it sends (``source``, and ``span``
-    where they make one stretch, sent without a copy); and its own, to add onto (``mine``)."""
+    """One rank's side of one chunk's all-to-all: the elements it ``sends`` and ``receives`` per
+    rank, the stretches it sends (``source``; ``span`` where they join up: no copy), and its own."""
 
     sends: tuple[int, ...]
     receives: tuple[int, ...]
@@ -446,8 +424,6 @@ def chunk_layout(chunk: Sequence[Sequence[Stretch]], rank: int) -> ChunkLayout:
     Example:
         >>> chunk_layout((((0, 3),), ((5, 8),)), 0)
         ChunkLayout(sends=(0, 3), receives=(0, 3), source=((5, 8),), span=(5, 8), mine=((0, 3),))
-        >>> chunk_layout((((3, 4),), ((0, 2),), ((2, 3),)), 1).span is None
-        True
     """
     sizes = [sum(b - a for a, b in part) for part in chunk]
     source = tuple(stretch for r, part in enumerate(chunk) if r != rank for stretch in part)

@@ -1,9 +1,8 @@
 """Low-bit optimizer state: what torchao's 8-bit, 4-bit and FP8 Adam(W) keep per element (pure).
 
-Each moment as ``code_bits`` per element plus one fp32 scale per ``block`` elements from the
-tensor's start, only for a whole tensor of at least :data:`MIN_QUANTIZED_NUMEL` elements and
-whole blocks (bitsandbytes' rule; a piece would decide wrongly, pytorch/ao#4912). The one place
-these facts live: the registry, the planner and ``"flat"`` read them here.
+Each moment as ``code_bits`` per element plus one fp32 scale per ``block`` elements, only for a
+whole tensor of whole blocks and at least :data:`MIN_QUANTIZED_NUMEL` elements (bitsandbytes'
+rule; a piece would decide wrongly: pytorch/ao#4912). The registry and the planner read it here.
 """
 
 from __future__ import annotations

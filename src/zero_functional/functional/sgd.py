@@ -8,9 +8,6 @@ With gradient :math:`g_t`, weight decay :math:`\lambda`, momentum :math:`\mu`, d
     b_t &\leftarrow g_t \text{ at the first step, else } \mu b_{t-1} + (1 - \tau) g_t \\
     g_t &\leftarrow g_t + \mu b_t \text{ (nesterov) or } b_t \\
     \theta_t &\leftarrow \theta_{t-1} - \gamma g_t
-
-One record (:class:`SGDHyper`), one state (:class:`SGDState`, a buffer from the first step with
-momentum), one worker (:func:`sgd_apply_`); :func:`sgd_update_` checks the lists, then runs it.
 """
 
 from __future__ import annotations
@@ -46,10 +43,8 @@ class SGDHyper(NamedTuple):
         """This record, after torch.optim.SGD's checks (with torch's messages).
 
         Example:
-            >>> SGDHyper(lr=-1.0).validated()
-            Traceback (most recent call last):
-            ...
-            ValueError: Invalid learning rate: -1.0
+            >>> SGDHyper(lr=0.1).validated().lr
+            0.1
         """
         reject_tensor("lr", self.lr)
         reject_tensor("weight_decay", self.weight_decay)
@@ -151,8 +146,7 @@ def sgd_update_(
 
     Example:
         >>> p, g = [torch.tensor([1.0, 2.0])], [torch.tensor([1.0, 1.0])]
-        >>> sgd_update_(p, g, sgd_init(p), lr=0.1, momentum=0.9)
-        >>> p[0]
+        >>> sgd_update_(p, g, sgd_init(p), lr=0.1, momentum=0.9); p[0]
         tensor([0.9000, 1.9000])
     """
     h = SGDHyper._make(map(locals().__getitem__, SGDHyper._fields))  # spelled once: above
@@ -174,8 +168,7 @@ def sgd_apply_(
 
     Example:
         >>> p = [torch.tensor([1.0])]
-        >>> sgd_apply_(p, [torch.tensor([2.0])], sgd_init(p), SGDHyper(lr=0.5))
-        >>> p[0]
+        >>> sgd_apply_(p, [torch.tensor([2.0])], sgd_init(p), SGDHyper(lr=0.5)); p[0]
         tensor([0.])
     """
     check_real_number("sgd_update_", "lr", h.lr)

@@ -34,9 +34,8 @@ def unscale_and_check_(grads: list[Tensor], inv_scale: float, device: torch.devi
 
 
 class ScalerFacade:
-    """What ``GradScaler.unscale_`` reads from an optimizer: overlap mode has no
-    ``scaler.step``, so ``scaler.update()`` learns of a skip through ``unscale_`` on this object,
-    whose one "gradient" is inf exactly then."""
+    """What ``GradScaler.unscale_`` reads from an optimizer: overlap mode has no ``scaler.step``,
+    so ``scaler.update()`` learns of a skip from this object's one "gradient", inf exactly then."""
 
     def __init__(self) -> None:
         self.param_groups: list[dict[str, Any]] = [{"params": []}]

@@ -1,7 +1,6 @@
-"""Classes per group: parameter groups that carry their own ``"optimizer_class"``.
+"""Classes per group: adding and marking parameter groups that carry their own class.
 
-Such a group (Muon for the matrices, AdamW for the rest) is filled from its class's defaults
-only and records its class by name. With one class nothing here changes a group.
+With one class nothing here changes a group; the checks are :mod:`zero_functional.core.classes`.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ def mark_classes(groups: list[dict[str, Any]], default: type[Optimizer]) -> None
 
     Example:
         >>> groups = [{"params": []}, {"params": [], "optimizer_class": "torch.optim.Muon"}]
-        >>> mark_classes(groups, torch.optim.AdamW)
-        >>> groups[0]["optimizer_class"]
+        >>> mark_classes(groups, torch.optim.AdamW); groups[0]["optimizer_class"]
         'torch.optim.AdamW'
     """
     if not is_mixed(groups):
@@ -64,9 +62,8 @@ def whole_params(groups: list[dict[str, Any]], default: type[Optimizer]) -> list
     """Per parameter, whether its group's class needs it owned whole; ``None`` with one class.
 
     Example:
-        >>> groups = [{"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"},
-        ...           {"params": [torch.zeros(2)], "optimizer_class": "torch.optim.AdamW"}]
-        >>> whole_params(groups, torch.optim.AdamW)
+        >>> muon = {"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"}
+        >>> whole_params([muon, {"params": [torch.zeros(2)]}], torch.optim.AdamW)
         [True, False]
     """
     if not is_mixed(groups):
@@ -80,8 +77,8 @@ def update_costs(groups: list[dict[str, Any]], default: type[Optimizer]) -> list
     """Per parameter, what one update of it costs under its group's class.
 
     Example:
-        >>> groups = [{"params": [torch.zeros(2, 4)], "optimizer_class": "torch.optim.Muon"}]
-        >>> update_costs(groups + [{"params": [torch.zeros(2)]}], torch.optim.AdamW)
+        >>> muon = {"params": [torch.zeros(2, 4)], "optimizer_class": "torch.optim.Muon"}
+        >>> update_costs([muon, {"params": [torch.zeros(2)]}], torch.optim.AdamW)
         [16, 2]
     """
     return [
