@@ -26,6 +26,13 @@ from zero_functional.core.partition import Piece
 from zero_functional.core.plans import reshard_rounds
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
+SWAPPED = (
+    "the optimizer cannot step inside `with ema.swapped_into(model):` (nor run overlap mode's "
+    "step in a backward there): the block puts the trained parameters back when it ends, so "
+    "the update would be lost while the optimizer's state and the EMA kept it; step after the "
+    "block (swapped_into is for evaluating the averaged weights)"
+)
+
 __all__ = ["MODULE_PREFIX", "N_AVERAGED_KEY", "ShardedEMA"]
 
 MODULE_PREFIX = "module."  # of a parameter's key in the state dict, as AveragedModel's
@@ -44,8 +51,9 @@ class ShardedEMA:
     """The EMA of an optimizer's parameters, each rank keeping its own pieces'.
 
     Equal to ``AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)``
-    updated after each step (a parameter without a gradient in a step is not averaged); ``model``
-    gives :meth:`state_dict` its names and buffers.
+    updated after each step (a parameter without a gradient in a step is averaged as it is, as
+    ``AveragedModel`` averages every parameter); ``model`` gives :meth:`state_dict` its names and
+    buffers.
 
     Example:
         >>> from zero_functional import ZeroRedundancyOptimizer
@@ -74,10 +82,14 @@ class ShardedEMA:
         self._averages: dict[int, Tensor] = {}
         self._counts: dict[int, int] = {}
         self._fill_missing()
+        self._this_step: set[int] = set()  # the pieces averaged in the step under way
         # weak: the optimizer's hooks do not keep this EMA alive
         update, reshard = weakref.WeakMethod(self.update_), weakref.WeakMethod(self.reshard)
+        stepped = weakref.WeakMethod(self._stepped)
         self._handle = optimizer.register_update_hook(
-            lambda values: _if_alive(update, values), lambda old: _if_alive(reshard, old)
+            lambda values: _if_alive(update, values),
+            lambda old: _if_alive(reshard, old),
+            lambda: _if_alive(stepped, None),
         )
 
     def _owned(self) -> dict[int, Piece]:
@@ -125,8 +137,17 @@ class ShardedEMA:
                     emas.append(average)
                     news.append(value.reshape(-1))
                 self._counts[k] += 1
+                self._this_step.add(k)
             for emas, news in groups.values():
                 self.multi_avg_fn(emas, news, None)
+
+    def _stepped(self, _: None) -> None:
+        """A step has ended: average in the pieces it did not update (no gradient), as
+        ``AveragedModel`` averages every parameter at each update."""
+        missed = [k for k in self._averages if k not in self._this_step]
+        if missed:
+            self.update_(self.optimizer.shard.values(missed))
+        self._this_step.clear()
 
     def reshard(self, old: Ownership) -> None:
         """Follow the optimizer's ownership from ``old``, moving the averages; collective.
@@ -272,7 +293,8 @@ class ShardedEMA:
         with comm.call("ShardedEMA.swapped_into()", zero.process_group, timeout=zero.timeout):
             zero.gather_params()
         try:
-            yield model
+            with zero.shard.refusing_updates(SWAPPED):
+                yield model
         finally:
             with torch.no_grad():
                 for p, s in zip(params, saved):

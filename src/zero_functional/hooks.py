@@ -185,6 +185,15 @@ def _make_hook(
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> Future[Tensor]:
         name = f"backward() (hook_with_zero_step, bucket {bucket.index()})"
         with comm.call(name, zero.process_group, timeout=zero.timeout):
+            if zero.shard.refusal is not None:  # inside ShardedEMA.swapped_into: no step
+                # DDP's own reduction, nothing updated; the refusal is raised once DDP has
+                # finished the backward (raised in a hook, or before DDP's own end-of-backward
+                # callback, which is queued after the last hook, it leaves DDP's reducer broken)
+                if bucket.is_last():
+                    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+                    refuse = zero.shard.check_updates
+                    engine.queue_callback(lambda: engine.queue_callback(refuse))
+                return hook(state, bucket)
             if overlap.begins(bucket):
                 zero.check_trainable()  # unfreezing is an error before anything moves
                 overlap.new_backward()

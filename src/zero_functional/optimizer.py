@@ -42,7 +42,13 @@ from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
 from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
 from zero_functional.shell.bucket_sync import step_syncs
 from zero_functional.shell.classes import add_group, pinned_owners
-from zero_functional.shell.local_shard import LocalShard, RemainderTies, Resharded, Updated
+from zero_functional.shell.local_shard import (
+    LocalShard,
+    RemainderTies,
+    Resharded,
+    Stepped,
+    Updated,
+)
 from zero_functional.shell.param_window import ParamWindow
 from zero_functional.shell.steppers import LocalView, Stepper, choose_stepper, state_schemas
 
@@ -130,7 +136,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         backend = comm.backend(self.process_group)
         self.collectives = choose_collectives(backend, self.world_size, even=True)
         self._wire = comm.Wire(self.process_group)
-        self._default_device: torch.device = self.param_groups[0]["params"][0].device
+        self._default_device: torch.device = self.param_table.params[0].device
         spec = functional_spec(optimizer_class)
         spec = spec if spec and all(supports_group(spec, g) for g in self.param_groups) else None
         warn_ignored_bucket_view(overlap_with_ddp, parameters_as_bucket_view)
@@ -249,6 +255,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "step() should not be included in the training loop when overlap_with_ddp=True"
             )
             return None
+        self.shard.check_updates()  # refused (inside ShardedEMA.swapped_into): before anything
         Join.notify_join_context(self)
         self.finish_param_sync()
         if self.check_trainable():
@@ -271,6 +278,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.shard.update(todo)
             for sync in self._syncs:
                 sync.finish_params()
+        self.shard.hooks.stepped()
         return loss
 
     def gather_params(self) -> None:
@@ -303,10 +311,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.shard.update(grads)
 
     def register_update_hook(
-        self, updated: Updated, resharded: Resharded | None = None
+        self,
+        updated: Updated,
+        resharded: Resharded | None = None,
+        stepped: Stepped | None = None,
     ) -> RemovableHandle:
-        """Run ``updated(values)`` after each update, ``resharded(old)`` after each reshard."""
-        return self.shard.hooks.register(updated, resharded)
+        """Run ``updated(values)`` after each update, ``resharded(old)`` after each reshard and
+        ``stepped()`` once each step that updated has ended (in overlap mode, its backward)."""
+        return self.shard.hooks.register(updated, resharded, stepped)
 
     def finish_param_sync(self) -> None:
         """Wait for the all-gathers ``overlap_param_gather`` left in flight."""

@@ -55,8 +55,16 @@ def _same(ema: ShardedEMA, ref: AveragedModel) -> float:
     return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
 
 
-def _zero(model: nn.Module, mode: str, partition: str, view: bool, cls: type, **kwargs: Any) -> Any:
-    ddp = DDP(model)
+def _zero(
+    model: nn.Module,
+    mode: str,
+    partition: str,
+    view: bool,
+    cls: type,
+    find_unused: bool = False,
+    **kwargs: Any,
+) -> Any:
+    ddp = DDP(model, find_unused_parameters=find_unused)
     overlap = mode.startswith("hook_with")
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(),
@@ -300,3 +308,71 @@ def test_the_ema_equals_averaged_model_within_1e_6_in_every_mode_at_3_and_4_rank
                 # against a scalar tail), one ulp of an EMA value (<= 6e-8 below 1) per update, 6
                 # updates: 3.6e-7.
                 assert diff <= 1e-6, (case, diff)
+
+
+class _Branchy(nn.Module):
+    """A trunk, and a branch used on odd steps only (its parameters get no gradient on even
+    steps, with DDP's ``find_unused_parameters=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.branch = nn.Linear(7, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.branch(h) if step % 2 else h
+
+
+def _trial_five(rank: int, world_size: int) -> dict[str, Any]:
+    """Issue 42: item 4, a parameter without a gradient in a step is averaged as it is, as
+    AveragedModel averages every parameter (after backward, reduce_scatter_hook, overlap mode);
+    item 1, a step inside ``swapped_into`` is refused before anything changes, and in overlap
+    mode a backward there is refused once DDP has finished it, DDP training on after."""
+    out: dict[str, Any] = {}
+    for mode in ("after", "reduce_scatter_hook", "hook_with_zero_step_interleaved"):
+        model = _Branchy()
+        ddp, zero = _zero(model, mode, "flat", False, torch.optim.AdamW, True, fused=True)
+        ema = ShardedEMA(zero, DECAY, model=model)
+        ref = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY), use_buffers=False)
+        for step in range(STEPS):
+            x, y = local_batch(rank, world_size, step)
+            ((ddp(x, step) - y) ** 2).mean().backward()
+            if mode == "after" or mode == "reduce_scatter_hook":
+                zero.step()
+            ddp.zero_grad(set_to_none=True)
+            ref.update_parameters(model)
+        out[f"unused {mode}"] = _same(ema, ref)
+        # item 1: inside swapped_into, a step (a backward in overlap mode) is refused
+        steps = [int(s["step"]) for s in zero.state.values() if "step" in s]
+        params = [p.detach().clone() for p in model.parameters()]
+        n_averaged = ema.n_averaged()
+        x, y = local_batch(rank, world_size, STEPS)
+        with ema.swapped_into(ddp):
+            try:
+                ((ddp(x, 1) - y) ** 2).mean().backward()
+                if not mode.startswith("hook_with"):
+                    zero.step()
+                out[f"refused {mode}"] = "no error"
+            except RuntimeError as e:
+                out[f"refused {mode}"] = str(e)
+        out[f"unchanged {mode}"] = (
+            steps == [int(s["step"]) for s in zero.state.values() if "step" in s]
+            and all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            and ema.n_averaged() == n_averaged
+        )
+        ddp.zero_grad(set_to_none=True)
+        ((ddp(x, 1) - y) ** 2).mean().backward()  # training goes on after the block
+        if not mode.startswith("hook_with"):
+            zero.step()
+        zero.finish_param_sync()
+        out[f"trains after {mode}"] = ema.n_averaged() == n_averaged + 1
+    return out
+
+
+def test_a_parameter_without_a_gradient_is_averaged_and_a_step_inside_the_swap_is_refused() -> None:
+    for got in run_ranks(_trial_five, 2, timeout_s=300):
+        for mode in ("after", "reduce_scatter_hook", "hook_with_zero_step_interleaved"):
+            assert got[f"unused {mode}"] == 0.0, (mode, got)  # bitwise at 2 ranks
+            assert "inside `with ema.swapped_into(model):`" in got[f"refused {mode}"], got
+            assert got[f"unchanged {mode}"] and got[f"trains after {mode}"], (mode, got)

@@ -35,8 +35,9 @@ def group_class(group: Any, default: type[Optimizer]) -> type[Optimizer]:
     cls = optimizer_by_name(value) if isinstance(value, str) else value
     if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
         raise TypeError(
-            f"a param group's {GROUP_CLASS_KEY!r} must be a torch.optim.Optimizer subclass (or "
-            f"the name of a torch.optim or registered class), got {value!r}"
+            f"a param group's {GROUP_CLASS_KEY!r} must be a torch.optim.Optimizer subclass, its "
+            "full name ('torch.optim.Muon') or, for torch.optim's and registered classes, its "
+            f"own name ('Muon'); got {value!r}"
         )
     return cls
 

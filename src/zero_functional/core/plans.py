@@ -177,11 +177,12 @@ RESHARD_WINDOW = 1 << 20  # elements moved per round of a reshard (about a DDP b
 
 
 def reshard_rounds(
-    old: Ownership, new: Ownership, rank: int, elements: int = RESHARD_WINDOW
+    old: Ownership, new: Ownership, rank: int, elements: int | None = None
 ) -> list[ReshardPlan]:
     """:func:`plan_moves` in rounds of whole parameters that move at most ``elements`` elements
-    between ranks in all (a parameter that moves more goes alone): the same rounds on every
-    rank, so that a reshard holds at most one round's state twice.
+    between ranks in all (default :data:`RESHARD_WINDOW`, read when called; a parameter that
+    moves more goes alone): the same rounds on every rank, so that a reshard holds at most one
+    round's state twice.
 
     Example:
         >>> from zero_functional.core.ownership import flat_ownership
@@ -189,6 +190,7 @@ def reshard_rounds(
         >>> [sorted(r.receives) for r in reshard_rounds(old, new, 0, elements=4)]  # 4 move, then 8
         [[0], [2]]
     """
+    elements = RESHARD_WINDOW if elements is None else elements
     by_param: dict[int, list[Transfer]] = {}
     for t in old.transfers(new):  # each parameter's transfers in element order
         by_param.setdefault(t.param, []).append(t)

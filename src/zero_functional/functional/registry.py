@@ -291,22 +291,29 @@ def optimizer_name(optimizer_class: type) -> str:
 
 
 def optimizer_by_name(name: str) -> type | None:
-    """The class :func:`optimizer_name` names (torch's, registered, or torchao's), or ``None``.
+    """The class ``name`` names (torch's, registered, or torchao's), or ``None``: its full name
+    (:func:`optimizer_name`, as a state dict records it) or, where one class has it, its own.
 
     Example:
         >>> optimizer_by_name("torch.optim.SGD") is torch.optim.SGD
         True
+        >>> optimizer_by_name("Muon") is torch.optim.Muon
+        True
     """
-    torch_classes = (
+    torch_classes = [
         c
         for c in vars(torch.optim).values()
         if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-    )
-    for cls in (*OPTIMIZER_KINDS, *torch_classes):
-        if optimizer_name(cls) == name:
-            return cls
-    if name in _KNOWN_BY_NAME:  # torchao's, imported only now (an optional dependency)
-        module, _, qualname = name.rpartition(".")
+    ]
+    known = {optimizer_name(c): c for c in (*OPTIMIZER_KINDS, *torch_classes)}
+    full = name if name in known or name in _KNOWN_BY_NAME else None
+    if full is None:  # a class's own name, where it names one class only
+        named = {f for f in (*known, *_KNOWN_BY_NAME) if f.rpartition(".")[2] == name}
+        full = named.pop() if len(named) == 1 else None
+    if full in known:
+        return known[full]
+    if full in _KNOWN_BY_NAME:  # torchao's, imported only now (an optional dependency)
+        module, _, qualname = full.rpartition(".")
         found = getattr(importlib.import_module(module), qualname, None)
         return found if isinstance(found, type) else None
     return None

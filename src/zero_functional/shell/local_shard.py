@@ -6,10 +6,19 @@ the optimizer's own mapping, changed in place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import (
+    Callable,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from typing import Any, cast
 
 import torch
@@ -108,7 +117,37 @@ class LocalShard:
         self.remainders = remainders
         self.hooks = UpdateHooks()
         self.book = Consolidation()  # so that state_dict() needs no collective
+        self.refusal: str | None = None  # why no update may happen now (refusing_updates)
         self.adopt(ownership, stepper)
+
+    @contextlib.contextmanager
+    def refusing_updates(self, why: str) -> Iterator[None]:
+        """Within the block, :meth:`check_updates` (every update, first) raises ``why``.
+
+        Example:
+            >>> import torch
+            >>> from zero_functional.core.ownership import flat_ownership
+            >>> from zero_functional.shell.steppers import choose_stepper
+            >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
+            >>> shard = LocalShard(flat_ownership([2], 1), 0, ParamTable.of(groups), groups, {},
+            ...                    choose_stepper(None, False, torch.optim.SGD(groups), False,
+            ...                                   groups, {0}, {}, {}), "SGD")
+            >>> with shard.refusing_updates("not now"):
+            ...     shard.check_updates()
+            Traceback (most recent call last):
+            ...
+            RuntimeError: not now
+        """
+        before, self.refusal = self.refusal, why
+        try:
+            yield
+        finally:
+            self.refusal = before
+
+    def check_updates(self) -> None:
+        """Raise the reason updates are refused now, if they are (:meth:`refusing_updates`)."""
+        if self.refusal is not None:
+            raise RuntimeError(self.refusal)
 
     def adopt(self, ownership: Ownership, stepper: Stepper) -> None:
         """Own the pieces ``ownership`` gives this rank (their state moved already)."""
@@ -157,6 +196,7 @@ class LocalShard:
 
     def pieces_stepper(self) -> Stepper:
         """The stepper; a RuntimeError where it steps whole parameters (``step()`` only)."""
+        self.check_updates()
         if self.stepper.whole:
             raise RuntimeError(
                 "update_owned needs an optimizer that runs on pieces; this one runs "
@@ -415,6 +455,7 @@ class LocalShard:
 
 Updated = Callable[[Mapping[int, Tensor]], None]  # given LocalShard.values, read-only
 Resharded = Callable[[Ownership], None]  # given the old ownership, on every rank
+Stepped = Callable[[], None]  # once a step has ended
 
 
 class UpdateHooks:
@@ -430,12 +471,21 @@ class UpdateHooks:
 
     def __init__(self) -> None:
         # an OrderedDict, which RemovableHandle can hold a weak reference to (a dict it cannot)
-        self._hooks: OrderedDict[int, tuple[Updated, Resharded | None]] = OrderedDict()
+        self._hooks: OrderedDict[int, tuple[Updated, Resharded | None, Stepped | None]] = (
+            OrderedDict()
+        )
 
-    def register(self, updated: Updated, resharded: Resharded | None = None) -> RemovableHandle:
-        """Run ``updated`` after each update, ``resharded`` after each ownership change."""
+    def register(
+        self,
+        updated: Updated,
+        resharded: Resharded | None = None,
+        stepped: Stepped | None = None,
+    ) -> RemovableHandle:
+        """Run ``updated`` after each update, ``resharded`` after each ownership change and
+        ``stepped`` once at the end of each step that updated (a step updates in several
+        calls: units, buckets)."""
         handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = (updated, resharded)
+        self._hooks[handle.id] = (updated, resharded, stepped)
         return handle
 
     def updated(self, shard: LocalShard, indices: Iterable[int]) -> None:
@@ -443,11 +493,17 @@ class UpdateHooks:
         if not self._hooks:
             return
         values = shard.values(indices)
-        for updated, _ in list(self._hooks.values()):
+        for updated, _, _ in list(self._hooks.values()):
             updated(values)
 
     def resharded(self, old: Ownership) -> None:
         """Run every ``resharded`` hook, given the ownership before the change."""
-        for _, resharded in list(self._hooks.values()):
+        for _, resharded, _ in list(self._hooks.values()):
             if resharded is not None:
                 resharded(old)
+
+    def stepped(self) -> None:
+        """Run every ``stepped`` hook: a step has ended."""
+        for _, _, stepped in list(self._hooks.values()):
+            if stepped is not None:
+                stepped()

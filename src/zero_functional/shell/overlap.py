@@ -269,12 +269,13 @@ class OverlapState:
             local = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
             flags = comm.any_rank(local, self.ddp_group).tolist()
             self.used = {k for k, used in enumerate(flags) if used}
-        if self._scaling():
-            self._scaled_step()
+        skipped = self._scaling() and self._scaled_step()
         self._update_until(len(bw.buckets))
         for sync in bw.gathering:
             sync.finish_params()
         self._backward = _Backward()
+        if not skipped:
+            self.shard.hooks.stepped()
 
     def _drain(self) -> None:
         """Wait for this backward's update thread, if any, to update what it was given."""
@@ -308,8 +309,9 @@ class OverlapState:
             assert b.future is not None
             b.future.set_result(b.sync.rounded_back())
 
-    def _scaled_step(self) -> None:
-        """With a GradScaler: one verdict on every rank, then update everything or nothing."""
+    def _scaled_step(self) -> bool:
+        """With a GradScaler: one verdict on every rank, then update everything or nothing;
+        whether it skipped."""
         assert self.scaler is not None
         buckets = self._backward.buckets
         owned = [
@@ -321,3 +323,5 @@ class OverlapState:
         if overlap_verdict(self.scaler, self._facade, owned, self.device, group):
             self.skipped += 1
             self._update_until(len(buckets), update=False)
+            return True
+        return False
