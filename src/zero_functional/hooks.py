@@ -190,7 +190,7 @@ def _make_hook(
                 # finished the backward (raised in a hook, or before DDP's own end-of-backward
                 # callback, which is queued after the last hook, it leaves DDP's reducer broken)
                 if bucket.is_last():
-                    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+                    engine = torch.autograd.Variable._execution_engine
                     refuse = zero.shard.check_updates
                     engine.queue_callback(lambda: engine.queue_callback(refuse))
                 return hook(state, bucket)
