@@ -6,15 +6,21 @@ The tests of ``tests/dist/`` are also marked ``slow``, so that ``-m "not slow"``
 meaning; ``make test-fast`` runs ``tests/unit`` and ``property_tests``. ``bench`` (a benchmark
 end to end) is set by hand and runs only in ``make bench``.
 
+Two fixtures serve the compile tests of both folders: ``fresh_caches`` and ``compiles``.
+
 ``make unit`` runs on two pytest-xdist workers; the modules with the longest tests go first
 (:data:`LONGEST_FIRST`), so that neither worker is left with a long test at the end.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from torch import Tensor
+
+import zero_functional.functional.compiled as compiled
 
 DIST = Path(__file__).resolve().parent / "dist"
 LONGEST_FIRST = (
@@ -36,3 +42,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
     rank = {DIST / name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest in order
+
+
+@pytest.fixture
+def fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget compiled graphs and failures, so a test sees its own."""
+    monkeypatch.setattr(compiled, "_GRAPHS", {})
+    monkeypatch.setattr(compiled, "_FAILED", {})
+
+
+@pytest.fixture
+def compiles(fresh_caches: None, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The graphs the test asks to compile, by name; none is compiled (each fails)."""
+    asked: list[str] = []
+
+    def record(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
+        asked.append(fn.__name__)
+        raise RuntimeError("not compiled in this test")
+
+    monkeypatch.setattr(compiled, "_compile", record)
+    return asked

@@ -3,11 +3,8 @@ C++ compiler: ``tests/dist/test_compiled.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
-from torch import Tensor
 
 import zero_functional.functional.compiled as compiled
 from zero_functional.functional import (
@@ -15,26 +12,6 @@ from zero_functional.functional import (
     sgd_update_,
 )
 from zero_functional.functional.compiled import compile_policy
-
-
-@pytest.fixture
-def fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forget compiled graphs and failures, so a test sees its own."""
-    monkeypatch.setattr(compiled, "_GRAPHS", {})
-    monkeypatch.setattr(compiled, "_FAILED", {})
-
-
-@pytest.fixture
-def compiles(fresh_caches: None, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The graphs the test asks to compile, by name; none is compiled (each fails)."""
-    asked: list[str] = []
-
-    def record(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
-        asked.append(fn.__name__)
-        raise RuntimeError("not compiled in this test")
-
-    monkeypatch.setattr(compiled, "_compile", record)
-    return asked
 
 
 def test_policy_compiles_only_where_the_table_says(
