@@ -5,11 +5,12 @@ use :func:`run_ranks`).
 A rank's result or traceback comes back pickled over its own pipe; a rank that dies, is stopped
 (SIGSTOP) or hangs is named, the cause first (:class:`LaunchError`); after the first failure the
 others get :data:`GRACE_S` to report, then are killed. SIGTERM to the launcher stops every rank
-first, then raises :class:`Terminated`; a rank whose launcher dies kills itself
-(:func:`exit_when_orphaned`). A rank leaves with ``os._exit`` after a barrier: finalizing a
-spawned interpreter with gloo's threads alive can abort it (``torch.distributed.nn.functional``
-binds ``group.WORLD`` as a default argument, so each rank imports it before it joins). Ranks
-start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a dead peer makes c10d log a C++ stack.
+first, then raises :class:`Terminated`; a rank whose launcher dies is killed by the kernel
+(Linux's ``PR_SET_PDEATHSIG``), else kills itself (:func:`exit_when_orphaned`). A rank leaves
+with ``os._exit`` after a barrier: finalizing a spawned interpreter with gloo's threads alive
+can abort it (``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument,
+so each rank imports it before it joins). Ranks start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless
+it is set: a dead peer makes c10d log a C++ stack.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ EXIT_WAIT_S = 30.0  # for a rank that returned to leave its group and exit
 TERM_GRACE_S = 2.0  # between SIGTERM and SIGKILL to a rank being stopped
 CHILD_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # set for the ranks unless set (module doc)
 STOPPED_S = 5.0  # seen stopped this long without a break, a rank is named
+PR_SET_PDEATHSIG = 1  # prctl's option: the signal this process gets when its parent dies
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,26 +286,50 @@ def _failure() -> bytes:
     return pickle.dumps((False, traceback.format_exc(), time.monotonic()))
 
 
+def _die_with_parent(parent: int | None) -> None:
+    """Have the kernel SIGKILL this rank when its launcher, process ``parent``, dies (Linux's
+    ``PR_SET_PDEATHSIG``: no thread of ours must run for it, so it holds under load), and kill it
+    now if the launcher died before the call. ``None`` (a forkserver's child, whose parent is the
+    server) or no such call: :func:`exit_when_orphaned` alone watches."""
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    zero = ctypes.c_ulong(0)
+    if prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), zero, zero, zero) != 0:
+        return
+    if os.getppid() != parent:  # the launcher died first: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _rank_main(
     rank: int,
+    parent: int | None,
     world_size: int,
     port: int,
     backend: str,
     pg_timeout_s: float,
     num_threads: int | None,
-    fn: Callable[..., object],
-    args: tuple[object, ...],
+    job: bytes | tuple[Callable[..., object], tuple[object, ...]],
     report: Connection,
 ) -> None:
-    """The body of each rank's process, ended with ``os._exit``. The report goes out while the
-    rank is still in the group: the reports of peers whose collectives fail once it leaves must
-    not overtake the one that explains why."""
+    """The body of each rank's process, ended with ``os._exit``. ``job``, ``(fn, args)``, comes
+    pickled (but when forked), to be unpickled once the launcher's death is watched: importing
+    ``fn``'s module (torch) takes seconds. The report goes out while the rank is still in the
+    group: the reports of peers whose collectives fail once it leaves must not overtake the one
+    that explains why."""
+    _die_with_parent(parent)  # the launcher killed (any signal): this rank stops at once
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler: ends a rank
-    exit_when_orphaned(report)  # the launcher killed (any signal): this rank stops at once
+    exit_when_orphaned(report)  # where the kernel cannot: a thread that watches the pipe
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code, sent, returned = 1, False, False
     try:
         try:
+            fn, args = pickle.loads(job) if isinstance(job, bytes) else job
             import torch
 
             if num_threads is not None:
@@ -426,8 +452,10 @@ def run_ranks(
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     ctx = multiprocessing.get_context(start_method)
-    port = free_port()
     pg_timeout = min(60.0, timeout_s) if pg_timeout_s is None else pg_timeout_s
+    parent = None if start_method == "forkserver" else os.getpid()  # the ranks' parent
+    job = (fn, args) if start_method == "fork" else pickle.dumps((fn, args))  # _rank_main's doc
+    same = (parent, world_size, free_port(), backend, pg_timeout, num_threads, job)
     ranks: list[_Rank] = []
     with _SigtermGuard(ranks) as sigterm:
         try:
@@ -435,9 +463,8 @@ def run_ranks(
                 for rank in range(world_size):
                     # one pipe per rank, made just before its process: no other rank inherits it
                     receive, send = ctx.Pipe(duplex=False)
-                    job = (rank, world_size, port, backend, pg_timeout, num_threads, fn, args, send)
                     process: BaseProcess = ctx.Process(  # type: ignore[attr-defined]
-                        target=_rank_main, args=job, name=f"rank {rank}"
+                        target=_rank_main, args=(rank, *same, send), name=f"rank {rank}"
                     )
                     process.start()
                     send.close()
