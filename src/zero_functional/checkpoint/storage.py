@@ -7,12 +7,10 @@ for, whatever ranges were saved, after checking everything. Every item has a CRC
 flipped or truncated byte is a :class:`CheckpointCorruptError`, never NaN state. The files are
 DCP's format: its stock readers read them unchanged.
 
-Without a shared file system (``shared=False``: Ray Train, pods) each rank writes into its own
-directory only its own files (DCP's names are unique to a rank; rank 0 adds the index), then
-its manifest :data:`MANIFEST` (the save's id, its rank, the world size, each file's size and
-CRC32), and commits it. The ranks' directories merged into one (Ray Train does it) are a
-checkpoint ``load`` reads at any world size, once :func:`check_parts` has found every rank's
-part of one save there.
+Without a shared file system (``shared=False``: Ray Train, pods) each rank commits its own
+directory: its own files (DCP's names are unique to a rank; rank 0 adds the index) and its
+manifest (:func:`write_manifest`). Merged into one (Ray Train does it), the ranks' directories
+are a checkpoint that reads at any world size once :func:`check_parts` finds every rank's part.
 """
 
 from __future__ import annotations
@@ -81,16 +79,13 @@ DEFAULT_MAX_BOX_NUMEL = 1 << 22
 """No stored chunk holds more elements: what bounds memory while saving (one chunk at a time)
 and loading (at most two chunks beyond the output)."""
 
-MANIFEST = ".rank-{rank}-of-{world}.json"
-"""Each rank's manifest in a ``shared=False`` checkpoint."""
-_MANIFEST_RE = re.compile(r"^\.rank-(\d+)-of-(\d+)\.json$")
+_MANIFEST_RE = re.compile(r"^\.rank-(\d+)-of-(\d+)\.json$")  # each rank's (shared=False)
 _CRC_ATTR = "zf_crc32"  # pickled with each _StorageInfo in .metadata; stock readers ignore it
 
 
 class CheckpointError(RuntimeError, ValueError):
     """A checkpoint could not be saved, loaded or resumed from; the message names the file (or
-    each rank's cause, raised on every rank). The library's one checkpoint error: a
-    ``RuntimeError`` and a ``ValueError``, as the two it replaced were."""
+    each rank's cause, raised on every rank). Both a ``RuntimeError`` and a ``ValueError``."""
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -207,8 +202,7 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
             if k in saved and not isinstance(saved[k], BytesStorageMetadata):
                 errors.append(f"{k!r} is a tensor there, not an object")
         for k, want in self._wanted.items():
-            meta = saved.get(k)
-            if meta is None:
+            if (meta := saved.get(k)) is None:
                 continue
             if not isinstance(meta, TensorStorageMetadata):
                 errors.append(f"{k!r} is an object there, not a tensor")
@@ -336,20 +330,16 @@ class _ChecksummedReader(FileSystemReader):
                     f"{path} has crc32 {got_crc:08x} ({got_n} bytes) but {want_crc} "
                     f"({want_n} bytes) was recorded: the checkpoint's index is corrupt"
                 )
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError) as e:  # a CheckpointCorruptError too: it is a ValueError
             self._metadata_error = CheckpointCorruptError(f"cannot verify {path}: {e}")
-        except CheckpointCorruptError as e:
-            self._metadata_error = e
         if self._metadata_error is not None:
             return Metadata(state_dict_metadata={}, storage_data={})
         return super().read_metadata(*args, **kwargs)
 
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
+    def set_up_storage_reader(self, *args: Any, **kwargs: Any) -> None:
         if self._metadata_error is not None:
             raise self._metadata_error
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        super().set_up_storage_reader(*args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         requests: dict[MetadataIndex, list[ReadItem]] = {}
@@ -547,15 +537,12 @@ def save_pieces(
     """Write this rank's pieces and ``objects`` to the directory ``path``, atomically; collective.
 
     Args:
-        path: The checkpoint directory; replaced as a whole once every rank has written.
         pieces: What this rank holds (:data:`Pieces`): a whole tensor is ``(0, numel)``; a
             scalar several ranks hold is ``(0, 1)`` on each (written once, the copies checked
             to agree).
         objects: Small picklable values (identical on every rank that passes one).
-        process_group: The ranks that save together (default: the world).
-        max_box_numel: No stored chunk is larger: the memory a save needs beyond the state.
-        shared: ``False``: ``path`` is this rank's own directory (every rank's differs), which
-            gets its files and its manifest (an :class:`AtomicSave` of its own on each rank).
+        max_box_numel: No stored chunk is larger (:data:`DEFAULT_MAX_BOX_NUMEL`).
+        shared: ``False``: ``path`` is this rank's own directory (see the module).
 
     Raises:
         CheckpointError: On every rank, naming each rank's cause (:class:`AtomicSave`).
@@ -588,7 +575,7 @@ def write_manifest(directory: str, save_id: str, rank: int, world_size: int) -> 
             crc, size = atomic_dir.file_crc(os.path.join(directory, name))
             files[name] = {"size": size, "crc32": f"{crc:08x}"}
     body = {"save": save_id, "rank": rank, "world_size": world_size, "files": files}
-    path = os.path.join(directory, MANIFEST.format(rank=rank, world=world_size))
+    path = os.path.join(directory, f".rank-{rank}-of-{world_size}.json")
     with open(path, "w") as f:
         json.dump(body, f, indent=1)
         f.flush()
@@ -632,11 +619,8 @@ def check_parts(path: str | os.PathLike[str]) -> None:
         )
     (world,) = worlds
     if missing := [r for r in range(world) if r not in found]:
-        whose = (
-            f"rank {missing[0]}'s part"
-            if len(missing) == 1
-            else f"ranks {first_of(missing)}'s parts"
-        )
+        many = len(missing) > 1
+        whose = f"ranks {first_of(missing)}'s parts" if many else f"rank {missing[0]}'s part"
         raise CheckpointError(
             f"the checkpoint in {directory} is missing {whose} (ranks 0-{world - 1} of {world} "
             "saved it with shared=False): merge every rank's directory into it"
@@ -714,9 +698,6 @@ def load_pieces(
     process_group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, list[Tensor]], dict[str, object]]:
     """Read the ranges this rank wants, and objects, from the checkpoint at ``path``; collective.
-
-    Only the saved chunks that overlap the ranges are read; every check (keys, shapes, dtypes,
-    coverage, checksums) fails on every rank before anything the caller owns changes.
 
     Returns:
         Per key, one fresh 1-D CPU tensor per wanted range; per object key, its value.
