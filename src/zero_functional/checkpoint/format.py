@@ -147,9 +147,7 @@ def write(
     shared: bool = True,
 ) -> background.SaveHandle | None:
     """Write every rank's snapshot to the directory ``path``, after a save in flight; collective.
-    ``blocking=False`` returns once the state is copied, with the write's handle
-    (:mod:`~zero_functional.checkpoint.background`); ``shared=False`` writes into each rank's
-    own directory (:func:`~zero_functional.checkpoint.storage.save_pieces`).
+    ``blocking`` and ``shared`` are :func:`zero_functional.checkpoint.save`'s.
 
     Raises:
         CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
@@ -233,11 +231,7 @@ def read(
 ) -> Contents:
     """Read what ``request`` needs from the checkpoint at ``path``, each parameter's state by its
     version's reader; collective (the keys and the ``format`` object are read by each rank
-    alone first).
-
-    Each rank reads the model tensors it fills, whole, and of the optimizer state only the
-    boxes its pieces cover; everything (keys, shapes, dtypes, checksums, groups) is checked
-    before a value is handed back.
+    alone first). The model tensors are read whole, the optimizer state over the pieces.
 
     Raises:
         CheckpointError: Not a checkpoint, a version no reader reads, or one that does not fit.
@@ -260,7 +254,49 @@ def read(
         raise CheckpointError(
             f"{os.fspath(path)} has format {version!r}; this version reads {sorted(READERS)}"
         )
-    return _read(path, saved, request, process_group, reader)
+    sources = _model_sources(saved, request)
+    shapes = request.model or {}
+    wanted: dict[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int]]]] = {}
+    for name, item in sources.items():
+        shape, dtype = shapes[name][0], cast(tuple[Any, torch.dtype], saved[item])[1]
+        wanted[item] = (shape, dtype, [(0, math.prod(shape))])
+    objects = ["extra"] if request.owned is None else ["extra", "param_groups"]
+    owned = list(request.owned or ())
+    index: dict[str, dict[str, str]] = {}  # per parameter name, its state keys' items
+    for item in saved:
+        if (split := split_state_key(item)) is not None:
+            index.setdefault(split[0], {})[split[1]] = item
+    params = {}
+    for o in owned:
+        keys = {
+            k: item for k, item in index.get(o.name, {}).items() if k != MAIN_KEY or o.keeps_main
+        }
+        params[o.piece.param] = reads = reader(saved, o, keys)
+        wanted.update(reads.wanted)
+        objects += reads.objects
+    if request.ema:
+        lacking = [o.name for o in owned if saved.get(ema_key(o.name)) is None]
+        if lacking or EMA_N_AVERAGED not in saved:
+            raise CheckpointError(
+                f"{os.fspath(path)} holds no EMA of {first_of(lacking) or 'any parameter'}: it "
+                "was saved without ema=; load it without ema="
+            )
+        objects.append(EMA_N_AVERAGED)
+        for o in owned:
+            dtype = cast(tuple[Any, torch.dtype], saved[ema_key(o.name)])[1]
+            wanted[ema_key(o.name)] = (o.shape, dtype, [(o.piece.start, o.piece.stop)])
+    tensors, values = storage.load_pieces(path, wanted, objects, process_group)
+    states = {k: reads.state((tensors, values)) for k, reads in params.items()}
+    return Contents(
+        model={name: tensors[item][0].view(shapes[name][0]) for name, item in sources.items()},
+        state={k: state for k, state in states.items() if state},
+        param_groups=(
+            [] if request.owned is None else check_groups(values["param_groups"], request.groups)
+        ),
+        extra=values["extra"],
+        ema={o.piece.param: tensors[ema_key(o.name)][0] for o in owned if request.ema},
+        ema_n_averaged=int(cast(int, values.get(EMA_N_AVERAGED, 0))),
+    )
 
 
 def read_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
@@ -315,60 +351,6 @@ def read_v2(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
 
 READERS: dict[str, Reader] = {FORMAT: read_v1, FORMAT_QUANTIZED: read_v2}
 """The reader of each directory format version."""
-
-
-def _read(
-    path: str | os.PathLike[str],
-    saved: Saved,
-    request: Request,
-    process_group: ProcessGroup | None,
-    param: Reader,
-) -> Contents:
-    """Read the model, the groups, the ``extra`` and the EMA, and each owned parameter's state
-    by the version's ``param`` reader."""
-    sources = _model_sources(saved, request)
-    shapes = request.model or {}
-    wanted: dict[str, tuple[Sequence[int], torch.dtype, Sequence[tuple[int, int]]]] = {}
-    for name, item in sources.items():
-        shape, dtype = shapes[name][0], cast(tuple[Any, torch.dtype], saved[item])[1]
-        wanted[item] = (shape, dtype, [(0, math.prod(shape))])
-    objects = ["extra"] if request.owned is None else ["extra", "param_groups"]
-    owned = list(request.owned or ())
-    index: dict[str, dict[str, str]] = {}  # per parameter name, its state keys' items
-    for item in saved:
-        if (split := split_state_key(item)) is not None:
-            index.setdefault(split[0], {})[split[1]] = item
-    params = {}
-    for o in owned:
-        keys = {
-            k: item for k, item in index.get(o.name, {}).items() if k != MAIN_KEY or o.keeps_main
-        }
-        params[o.piece.param] = reads = param(saved, o, keys)
-        wanted.update(reads.wanted)
-        objects += reads.objects
-    if request.ema:
-        lacking = [o.name for o in owned if saved.get(ema_key(o.name)) is None]
-        if lacking or EMA_N_AVERAGED not in saved:
-            raise CheckpointError(
-                f"{os.fspath(path)} holds no EMA of {first_of(lacking) or 'any parameter'}: it "
-                "was saved without ema=; load it without ema="
-            )
-        objects.append(EMA_N_AVERAGED)
-        for o in owned:
-            dtype = cast(tuple[Any, torch.dtype], saved[ema_key(o.name)])[1]
-            wanted[ema_key(o.name)] = (o.shape, dtype, [(o.piece.start, o.piece.stop)])
-    tensors, values = storage.load_pieces(path, wanted, objects, process_group)
-    states = {k: reads.state((tensors, values)) for k, reads in params.items()}
-    return Contents(
-        model={name: tensors[item][0].view(shapes[name][0]) for name, item in sources.items()},
-        state={k: state for k, state in states.items() if state},
-        param_groups=(
-            [] if request.owned is None else check_groups(values["param_groups"], request.groups)
-        ),
-        extra=values["extra"],
-        ema={o.piece.param: tensors[ema_key(o.name)][0] for o in owned if request.ema},
-        ema_n_averaged=int(cast(int, values.get(EMA_N_AVERAGED, 0))),
-    )
 
 
 def _model_sources(saved: Saved, request: Request) -> dict[str, str]:
