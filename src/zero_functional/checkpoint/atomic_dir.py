@@ -26,7 +26,7 @@ _METADATA = ".metadata"  # what every checkpoint directory holds (DCP's index)
 
 
 def _marker_text(path: str) -> str:
-    """The marker's first line; a second names the save (markers before it had none)."""
+    """The marker's first line; a second names the save (:func:`_who`)."""
     return f"zero_functional.checkpoint.atomic_dir: a save to {os.path.abspath(path)}\n"
 
 
@@ -184,10 +184,6 @@ def remove_leftovers(path: str) -> list[str]:
     return sorted(removed)
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
 def _exchange(a: str, b: str) -> bool:
     """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
     try:
@@ -197,8 +193,8 @@ def _exchange(a: str, b: str) -> bool:
         return False
     fd, name = ctypes.c_int, ctypes.c_char_p
     renameat2.argtypes = [fd, name, fd, name, ctypes.c_uint]
-    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    return int(done) == 0
+    cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    return int(renameat2(cwd, os.fsencode(a), cwd, os.fsencode(b), exchange)) == 0
 
 
 def _fsync_dir(path: str) -> None:
@@ -312,7 +308,6 @@ def os_error(error: BaseException) -> OSError | None:
         >>> print(os_error(error))
         [Errno 28] No space left on device
     """
-
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
