@@ -102,12 +102,7 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
         out[key] = (shape, dtype, [(a, z, staged[key, a, z]) for a, z, _ in ranges])
     _STAGED.clear()
     _STAGED.update(staged)
-    events = []
-    for device in devices:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
-    return out, events
+    return out, [torch.cuda.current_stream(device).record_event() for device in devices]
 
 
 def _plan(
@@ -224,8 +219,7 @@ class SaveHandle:
     Example:
         >>> import tempfile, torch, zero_functional.checkpoint as ckpt
         >>> handle = ckpt.save(tempfile.mkdtemp() + "/c", model=torch.nn.Linear(2, 2), blocking=False)
-        >>> handle.wait()
-        >>> handle.done()
+        >>> handle.wait(); handle.done()
         True
     """
 
@@ -254,10 +248,8 @@ class SaveHandle:
         return not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is committed; raise what the write failed with.
-
-        Args:
-            timeout: Seconds to wait at most (default: until the write ends).
+        """Block until the checkpoint is committed (at most ``timeout`` seconds); raise what the
+        write failed with.
 
         Raises:
             CheckpointError: The write failed, naming each failed rank and its file; the
