@@ -60,11 +60,8 @@ class Source:
         return self.ownership is not None or comm.rank_or_zero(self.group) == 0
 
     def names(self, model: nn.Module | None) -> list[str]:
-        """Each parameter's name in ``model`` (its index without one), by global index.
-
-        Raises:
-            CheckpointError: Parameters that are not the model's.
-        """
+        """Each parameter's name in ``model`` (its index without one), by global index; a
+        :class:`CheckpointError` for parameters that are not the model's."""
         try:
             return self.table.names(model)
         except ValueError as e:

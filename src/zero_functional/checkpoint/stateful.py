@@ -74,8 +74,7 @@ class ZeroStateful:
     are this rank's pieces (row-major boxes): each element is written once, by its owner, and
     read into the loading rank's pieces. Before the first step the template is the keys one
     step of the group's class makes, as zeros (``step`` 0), which load as a fresh optimizer's.
-    ``dcp.load`` writes into the model and the state given; :meth:`load_state_dict` installs
-    the optimizer state (checked, collective).
+    ``dcp.load`` writes into the model and the state given; :meth:`load_state_dict` installs it.
     """
 
     def __init__(
@@ -132,18 +131,6 @@ class ZeroStateful:
             out["ema"] = averages
         return out
 
-    def _template(
-        self, src: Source, k: int, probes: dict[tuple[int, tuple[int, ...]], Any]
-    ) -> tuple[dict[str, Any] | None, int]:
-        """The keys one step of parameter ``k``'s group class makes, and how many elements
-        their elementwise values hold (a per-tensor class, Muon: the parameter's shape)."""
-        g, p = src.table.group_of(k), src.table.params[k]
-        cls = src.classes[g]
-        shape = (2,) if update_kind(cls) == "elementwise" else tuple(p.shape)
-        if (g, shape) not in probes:
-            probes[g, shape] = probe_state(cls, src.optimizer.param_groups[g], {}, shape)
-        return probes[g, shape], math.prod(shape)
-
     def _optimizer_state(self, src: Source) -> dict[str, dict[str, Any]]:
         held = src.state()
         probes: dict[tuple[int, tuple[int, ...]], Any] = {}
@@ -152,8 +139,13 @@ class ZeroStateful:
         for k, piece in src.pieces.items():
             p = src.table.params[k]
             values, fresh, probed = held.get(k), k not in held, piece.numel
-            if fresh and p.requires_grad:  # not stepped yet: a fresh state's template
-                values, probed = self._template(src, k, probes)
+            if fresh and p.requires_grad:  # not stepped yet: the keys one step makes, as zeros
+                g = src.table.group_of(k)
+                cls = src.classes[g]  # a per-tensor class (Muon) is probed in the whole shape
+                shape = (2,) if update_kind(cls) == "elementwise" else tuple(p.shape)
+                if (g, shape) not in probes:
+                    probes[g, shape] = probe_state(cls, src.optimizer.param_groups[g], {}, shape)
+                values, probed = probes[g, shape], math.prod(shape)
             if values is None:
                 continue
             entry: dict[str, Any] = {}
@@ -175,9 +167,7 @@ class ZeroStateful:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Install what ``dcp.load`` read into :meth:`state_dict`'s dict; call it on every rank.
-
-        Raises:
-            CheckpointError: The checkpoint's groups list other parameters (another model).
+        A :class:`CheckpointError` if the checkpoint's groups list other parameters (another model).
         """
         src = source(self.optimizer)
         module_of(self.model).load_state_dict(state_dict["model"])
