@@ -224,8 +224,7 @@ class SaveHandle:
     """
 
     def __init__(self, job: _Job) -> None:
-        self.path = job.save.target
-        self._rank = job.rank
+        self.path, self._rank = job.save.target, job.rank
         self._error: CheckpointError | None = None
         self._reported = False
         self._thread = threading.Thread(

@@ -95,16 +95,13 @@ class ZeroStateful:
             )
         if ema is not None and ema.optimizer is not optimizer:
             raise ValueError("stateful(ema=...) takes the ShardedEMA of the optimizer it is given")
-        blockwise = src.blockwise()
-        if blockwise is not None:  # DCP would cut its codes in the parameter's shape
+        if (blockwise := src.blockwise()) is not None:  # DCP would cut its codes in the shape
             raise ValueError(
                 f"stateful() does not take an optimizer whose state is block-wise quantized "
                 f"({blockwise}): use zero_functional.checkpoint.save/load, which store its "
                 "codes and scales on its blocks and reshard them at any world size"
             )
-        self.model = model
-        self.optimizer = optimizer
-        self.ema = ema
+        self.model, self.optimizer, self.ema = model, optimizer, ema
         self._names = src.names(model)  # checks that the parameters are the model's
         self._flat: dict[tuple[str, str], tuple[ShardedTensor, Tensor]] = {}
 

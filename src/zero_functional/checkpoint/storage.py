@@ -130,8 +130,7 @@ class _BoxSavePlanner(DefaultSavePlanner):
 
     def __init__(self, pieces: Pieces, max_box_numel: int | None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._pieces = pieces
-        self._cap = max_box_numel
+        self._pieces, self._cap = pieces, max_box_numel
         self._views: dict[MetadataIndex, Tensor] = {}
 
     def create_local_plan(self) -> SavePlan:
@@ -159,7 +158,7 @@ class _BoxSavePlanner(DefaultSavePlanner):
                     raise CheckpointError(f"{key}: the box at {offsets} is given twice")
                 self._views[index] = view
                 if view.dim() == 0:
-                    digests[key] = _digest(view.detach().cpu())
+                    digests[key] = _digest(view)
                 chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
                 data = TensorWriteData(chunk, TensorProperties(dtype=dtype), shape)
                 items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=data))
@@ -189,8 +188,7 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, wanted: Mapping[str, _Want], objects: Sequence[str]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._wanted = wanted
-        self._objects = list(objects)
+        self._wanted, self._objects = wanted, list(objects)
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
