@@ -146,11 +146,9 @@ def write(
     blocking: bool = True,
     shared: bool = True,
 ) -> background.SaveHandle | None:
-    """Write every rank's snapshot to the directory ``path``, after a save in flight; collective.
+    """Write every rank's snapshot to the directory ``path``, after a save in flight; collective,
+    raising as :func:`~zero_functional.checkpoint.storage.save_pieces` does (on every rank).
     ``blocking`` and ``shared`` are :func:`zero_functional.checkpoint.save`'s.
-
-    Raises:
-        CheckpointError: On every rank (see :func:`~zero_functional.checkpoint.storage.save_pieces`).
 
     Example:
         >>> import os, tempfile

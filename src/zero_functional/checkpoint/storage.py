@@ -92,13 +92,6 @@ class CheckpointCorruptError(CheckpointError):
     """The bytes on disk are not what was written (a checksum mismatch, a truncated file)."""
 
 
-@dataclasses.dataclass
-class _Want:
-    shape: torch.Size
-    dtype: torch.dtype
-    boxes: list[tuple[Box, Tensor]]  # each with its view into the fresh buffer that receives it
-
-
 def box_views(
     shape: Sequence[int], start: int, stop: int, flat: Tensor, max_numel: int | None = None
 ) -> list[tuple[Box, Tensor]]:
@@ -186,9 +179,12 @@ class _BoxSavePlanner(DefaultSavePlanner):
 class _BoxLoadPlanner(DefaultLoadPlanner):
     """Reads exactly the saved chunks that overlap this rank's boxes, after checking everything."""
 
-    def __init__(self, wanted: Mapping[str, _Want], objects: Sequence[str]) -> None:
+    def __init__(
+        self, wanted: Wanted, boxes: Mapping[str, list[tuple[Box, Tensor]]], objects: Sequence[str]
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._wanted, self._objects = wanted, list(objects)
+        self._boxes = boxes  # each box with its view into the fresh buffer that receives it
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
@@ -199,32 +195,30 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         for k in self._objects:
             if k in saved and not isinstance(saved[k], BytesStorageMetadata):
                 errors.append(f"{k!r} is a tensor there, not an object")
-        for k, want in self._wanted.items():
+        for k, (shape, dtype, _) in self._wanted.items():
             if (meta := saved.get(k)) is None:
                 continue
             if not isinstance(meta, TensorStorageMetadata):
                 errors.append(f"{k!r} is an object there, not a tensor")
-            elif meta.size != want.shape or meta.properties.dtype != want.dtype:
+            elif meta.size != torch.Size(shape) or meta.properties.dtype != dtype:
                 errors.append(
                     f"{k!r} is {tuple(meta.size)} {meta.properties.dtype} there, but "
-                    f"{tuple(want.shape)} {want.dtype} here"
+                    f"{tuple(shape)} {dtype} here"
                 )
         if errors:
             raise CheckpointError("the checkpoint does not fit: " + "; ".join(errors))
         items = list(super().create_local_plan().items)  # the objects' reads
-        for k, want in self._wanted.items():
-            if not want.boxes:
+        for k, boxes in self._boxes.items():
+            if not boxes:
                 continue
-            chunks = [
-                ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for (o, s), _ in want.boxes
-            ]
+            chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for (o, s), _ in boxes]
             meta = cast(TensorStorageMetadata, saved[k])
             reads = create_read_items_for_chunk_list(k, meta, chunks)
             covered = [0] * len(chunks)
             for r in reads:
                 assert r.dest_index.index is not None
                 covered[r.dest_index.index] += math.prod(r.lengths)
-            for ((offsets, sizes), _), got in zip(want.boxes, covered):
+            for ((offsets, sizes), _), got in zip(boxes, covered):
                 if got != math.prod(sizes):
                     raise CheckpointCorruptError(
                         f"{k!r}: the checkpoint holds {got} of the {math.prod(sizes)} elements "
@@ -234,9 +228,9 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        want = self._wanted.get(index.fqn)
-        if want is not None and index.index is not None:
-            return want.boxes[index.index][1]
+        boxes = self._boxes.get(index.fqn)
+        if boxes is not None and index.index is not None:
+            return boxes[index.index][1]
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -712,14 +706,12 @@ def load_pieces(
         ({'w': [tensor([1., 2.])]}, {})
     """
     out: dict[str, list[Tensor]] = {}
-    plan: dict[str, _Want] = {}
-    for key, (shape_seq, dtype, ranges) in wanted.items():
-        shape = torch.Size(shape_seq)
+    boxes: dict[str, list[tuple[Box, Tensor]]] = {}
+    for key, (shape, dtype, ranges) in wanted.items():
         out[key] = [torch.empty(stop - start, dtype=dtype) for start, stop in ranges]
-        boxes = [b for (a, z), t in zip(ranges, out[key]) for b in box_views(shape, a, z, t)]
-        plan[key] = _Want(shape, dtype, boxes)
+        boxes[key] = [b for (a, z), t in zip(ranges, out[key]) for b in box_views(shape, a, z, t)]
     state: dict[str, Any] = {k: None for k in objects}
-    reader, planner = _ChecksummedReader(os.fspath(path)), _BoxLoadPlanner(plan, objects)
+    reader, planner = _ChecksummedReader(os.fspath(path)), _BoxLoadPlanner(wanted, boxes, objects)
     with dcp_errors("load"):
         dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)
     return out, state
