@@ -74,7 +74,7 @@ class ZeroStateful:
     are this rank's pieces (row-major boxes): each element is written once, by its owner, and
     read into the loading rank's pieces. Before the first step the template is the keys one
     step of the group's class makes, as zeros (``step`` 0), which load as a fresh optimizer's.
-    ``dcp.load`` writes into the model and the state given; :meth:`load_state_dict` installs it.
+    ``dcp.load`` writes into the model and the state given; :meth:`load_state_dict` installs that.
     """
 
     def __init__(
@@ -163,9 +163,8 @@ class ZeroStateful:
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Install what ``dcp.load`` read into :meth:`state_dict`'s dict; call it on every rank.
-        A :class:`CheckpointError` if the checkpoint's groups list other parameters (another model).
-        """
+        """Install what ``dcp.load`` read into :meth:`state_dict`'s dict, on every rank; a
+        :class:`CheckpointError` if its groups list other parameters (another model)."""
         src = source(self.optimizer)
         module_of(self.model).load_state_dict(state_dict["model"])
         saved = state_dict["optimizer"]
