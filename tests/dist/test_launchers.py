@@ -1,6 +1,7 @@
 """``train`` under SLURM (srun, one task per process) and a Kubeflow PyTorchJob: the rank, world
 size and rendezvous come from their variables (app/cluster.py); processes on 127.0.0.1 given
-those variables train to the end."""
+those variables train to the end, and a task that never starts is named within ``--timeout``
+(app/rendezvous.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from zero_functional.app.cluster import (
     slurm_port,
@@ -31,13 +34,14 @@ def _free(port: int) -> bool:
 
 
 def _run_ranks(
-    envs: list[dict[str, str]], tmp_path: Path
+    envs: list[dict[str, str]], tmp_path: Path, *flags: str
 ) -> list[subprocess.CompletedProcess[str]]:
     """``python -m zero_functional train`` once per rank, each with its own variables."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "zero_functional", *ARGS, "--checkpoint", str(tmp_path / "ck")],
+            [sys.executable, "-m", "zero_functional", *ARGS, "--checkpoint", str(tmp_path / "ck")]
+            + list(flags),
             env={**base, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -64,16 +68,42 @@ def _trained_to_the_end(done: list[subprocess.CompletedProcess[str]]) -> None:
     assert done[1].stdout == ""  # the summary is rank 0's
 
 
-def test_srun_tasks_one_per_process_train_to_the_end(tmp_path: Path) -> None:
-    # MASTER_ADDR from the host list, MASTER_PORT from the job id: a job id whose port is free
+def _srun_envs(ranks: range | tuple[int, ...], ntasks: int = 2) -> list[dict[str, str]]:
+    """srun's variables for the tasks ``ranks`` of ``ntasks``: MASTER_ADDR from the host list,
+    MASTER_PORT from the job id (one whose port is free)."""
     job_id = next(j for j in range(1, 2000) if _free(slurm_port(j)))
-    envs = [
-        {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r)}
+    return [
+        {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(ntasks), "SLURM_LOCALID": str(r)}
         | {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": str(job_id)}
         | {"SLURM_JOB_NODELIST": "127.0.0.1,node[02-03]"}
-        for r in range(2)
+        for r in ranks
     ]
-    _trained_to_the_end(_run_ranks(envs, tmp_path))
+
+
+def test_srun_tasks_one_per_process_train_to_the_end(tmp_path: Path) -> None:
+    _trained_to_the_end(_run_ranks(_srun_envs(range(2)), tmp_path))
+
+
+@pytest.mark.parametrize(
+    "started, missing",
+    [
+        (0, "rank 1 (SLURM task 1) did not join the rendezvous"),
+        (1, "rank 0 (SLURM task 0), which hosts the rendezvous, did not open it"),
+    ],
+)
+def test_a_task_that_never_starts_is_named_within_the_timeout(
+    tmp_path: Path, started: int, missing: str
+) -> None:
+    # one task of 2 alone: it waited past --timeout, naming no one (issue 42); now it ends
+    # within it (_run_ranks kills it after 120 s), in one line that names the other and where
+    [env] = _srun_envs((started,))
+    [done] = _run_ranks([env], tmp_path, "--timeout", "1")
+    port = slurm_port(int(env["SLURM_JOB_ID"]))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"zero-functional train: {missing} at 127.0.0.1:{port} within 1 s; "
+        "raise --timeout if the ranks are just slow to start"
+    ]
 
 
 def test_pytorchjob_pods_without_local_rank_train_to_the_end(tmp_path: Path) -> None:

@@ -1,16 +1,23 @@
 """SLURM's and Kubeflow's variables read as ``app/cluster.py`` reads them: host lists expanded as
-``scontrol`` does, torchrun's variables first (processes that train: ``tests/dist/test_launchers.py``)."""
+``scontrol`` does, torchrun's variables first; the ranks' roll call (``app/rendezvous.py``), in
+threads (processes that train: ``tests/dist/test_launchers.py``)."""
 
 from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from zero_functional.app.cluster import (
     ClusterError,
+    ClusterRank,
     cluster_rank,
     expand_hostlist,
     slurm_port,
 )
+from zero_functional.app.launch import free_port
+from zero_functional.app.rendezvous import JoinError, rendezvous
 
 
 def test_host_lists_expand_as_scontrol_does() -> None:
@@ -45,3 +52,38 @@ def test_torchruns_variables_win_over_slurms_and_a_pytorchjob_has_local_rank_0()
         cluster_rank({**slurm, "SLURM_PROCID": "x"})
     with pytest.raises(ClusterError, match="rank 3 and local rank 0 must be from 0 to"):
         cluster_rank({**job, "RANK": "3"})
+
+
+def _meet(ranks: list[int], world_size: int, timeout_s: float) -> list[object]:
+    """What ``rendezvous`` returns or raises on each of ``ranks``, each in its own thread."""
+    port = free_port()
+
+    def one(rank: int) -> object:
+        try:
+            return rendezvous(
+                ClusterRank(rank, world_size, rank, "127.0.0.1", port, "SLURM"), timeout_s, {}
+            )
+        except JoinError as e:
+            return e
+
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        return list(pool.map(one, ranks))
+
+
+def test_ranks_that_came_name_the_one_that_did_not_within_the_timeout() -> None:
+    for e in _meet([0, 1], world_size=3, timeout_s=0.5):  # rank 2 never starts
+        assert isinstance(e, JoinError) and e.missing == (2,)
+        assert str(e).startswith("rank 2 (SLURM task 2) did not join the rendezvous at 127.0.0.1:")
+    [e] = _meet([2], world_size=3, timeout_s=0.2)  # rank 0, which hosts it, never starts
+    assert isinstance(e, JoinError) and e.missing == (0,)
+    opened = (
+        r"rank 0 \(SLURM task 0\), which hosts the rendezvous, did not open it at 127\.0\.0\.1:"
+    )
+    assert re.fullmatch(opened + r"\d+ within 0\.2 s", str(e)), e
+
+
+def test_ranks_that_all_come_get_the_store_and_torchruns_agent_holds_its_own() -> None:
+    stores = _meet([0, 1, 2], world_size=3, timeout_s=30.0)
+    assert not any(isinstance(s, JoinError) for s in stores) and None not in stores
+    where = ClusterRank(0, 2, 0, "127.0.0.1", free_port(), "torchrun")
+    assert rendezvous(where, 1.0, {"TORCHELASTIC_USE_AGENT_STORE": "True"}) is None

@@ -25,6 +25,7 @@ from typing import Any
 from zero_functional import __version__
 from zero_functional.app.cli_args import IntIn, Parser, fail, local_ranks, shown
 from zero_functional.app.cluster import cluster_rank
+from zero_functional.app.launch import CHILD_ENV
 from zero_functional.app.link import rate_bits, run_shaped
 from zero_functional.app.models import MODELS, model_shapes, muon_params, numels
 from zero_functional.app.plan_format import (
@@ -141,6 +142,8 @@ def _load_checkpoint(path: str) -> Mapping[str, Any]:
 def _cmd_train(args: argparse.Namespace) -> int:
     try:
         where = cluster_rank(os.environ)
+        if where is not None:  # before torch is imported: c10d's warnings as the launcher's ranks
+            os.environ.update({k: v for k, v in CHILD_ENV.items() if k not in os.environ})
         cfg = train_config(args, where, _load_checkpoint)
     except ValueError as e:
         return fail(args.command, str(e))

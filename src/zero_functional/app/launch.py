@@ -33,7 +33,10 @@ from datetime import timedelta
 from multiprocessing import connection
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Literal, TypeVar, cast
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
 
 R = TypeVar("R")
 StartMethod = Literal["spawn", "fork", "forkserver"]
@@ -247,9 +250,11 @@ def process_group(
     rank: int | None = None,
     world_size: int | None = None,
     timeout_s: float | None = None,
+    store: Store | None = None,
 ) -> Iterator[None]:
     """Join the default process group for the block (``rank`` and ``world_size`` None: from the
-    environment, as torchrun sets it); leave it cleanly after: on a clean exit every rank waits
+    environment, as torchrun sets it; ``store``: where the ranks met, else ``MASTER_ADDR`` and
+    ``MASTER_PORT``); leave it cleanly after: on a clean exit every rank waits
     in a barrier (in gloo it also waits for pending collectives), then the group is destroyed.
     After an exception it is destroyed without the barrier, which the others may never reach.
 
@@ -272,6 +277,7 @@ def process_group(
         rank=-1 if rank is None else rank,
         world_size=-1 if world_size is None else world_size,
         timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
+        store=store,
     )
     try:
         yield

@@ -40,6 +40,7 @@ from zero_functional.app.launch import (
 )
 from zero_functional.app.plan_format import format_bytes
 from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
+from zero_functional.app.rendezvous import JoinError, rendezvous
 from zero_functional.app.train_options import OURS, TrainConfig
 from zero_functional.core.loads import hybrid_shape
 from zero_functional.core.ownership import check_partition
@@ -432,11 +433,20 @@ def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
 
 def run_torchrun(cfg: TrainConfig, where: ClusterRank) -> int:
     """Join the job's group as a cluster launcher placed this process (:mod:`.cluster`) and run
-    the job; 0, or 143 after SIGTERM. Errors propagate, for the launcher to name the rank."""
+    the job; 0, 1 if ranks did not join within ``cfg.timeout`` (named on stderr, in one line),
+    or 143 after SIGTERM. A hang fails after ``cfg.timeout``. Other errors propagate, for the
+    launcher to name the rank."""
     # torch's env:// rendezvous reads these two; SLURM's are derived (cluster_rank)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = where.master_addr, str(where.master_port)
     cfg = replace(cfg, resume=elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank))
-    with process_group("gloo", rank=where.rank, world_size=where.world_size):
+    try:
+        store = rendezvous(where, cfg.timeout, os.environ)
+    except JoinError as e:
+        _say(f"{e}; raise --timeout if the ranks are just slow to start")
+        return 1
+    with process_group(
+        "gloo", rank=where.rank, world_size=where.world_size, timeout_s=cfg.timeout, store=store
+    ):
         code, summary = run_job(where.rank, where.world_size, cfg)
         if summary is not None:
             print(summary, flush=True)
