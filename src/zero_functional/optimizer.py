@@ -39,7 +39,7 @@ from zero_functional.core.plans import (
 )
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
-from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
+from zero_functional.shell.amp import refuse_scaler_step
 from zero_functional.shell.bucket_sync import step_syncs
 from zero_functional.shell.classes import add_group, pinned_owners
 from zero_functional.shell.local_shard import (
@@ -261,9 +261,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.check_trainable():
             self._build_buffers()
         self.shard.book.changed()
-        skip, grad_scale = scaler_verdict(self)  # scaler.step(self), with main copies
-        if skip:  # a non-finite gradient on every rank: no parameter changes anywhere
+        found = getattr(self, "found_inf", None)  # scaler.step(self)'s verdict, with main copies
+        if found is not None and float(found) > 0:  # non-finite on a rank: no change anywhere
             return None
+        grad_scale = getattr(self, "grad_scale", None)  # the scale the gradients still carry
         loss, grads = self.shard.local_step(closure, grad_scale, **kwargs)
         todo = dict(grads or {})  # none: a real optimizer stepped its whole parameters
         with self._call("step()"):
