@@ -25,16 +25,6 @@ from zero_functional.shell.local_shard import LocalShard
 from zero_functional.shell.param_window import ParamWindow
 
 
-def threaded(buffer: Tensor) -> bool:
-    """Whether interleaved overlap mode updates a bucket of ``buffer`` on a thread: on the CPU.
-
-    Example:
-        >>> threaded(torch.zeros(2)), threaded(torch.zeros(2, device="meta"))
-        (True, False)
-    """
-    return buffer.device.type == "cpu"
-
-
 class BucketStatus(enum.Enum):
     """Where a bucket of the backward in progress stands (buckets move on in bucket order): its
     reduction issued (``REDUCING``), waited for (``REDUCED``), its pieces stepped and gathering."""
@@ -130,18 +120,6 @@ class _Backward:
         return sum(b.status is BucketStatus.UPDATED for b in self.buckets)
 
 
-def _known(
-    structure: tuple[tuple[int, ...], ...] | None, i: int, indices: tuple[int, ...], last: bool
-) -> bool:
-    """Whether bucket ``i`` (its parameters' ``indices``; ``last`` or not) is as adopted."""
-    return (
-        structure is not None
-        and i < len(structure)
-        and structure[i] == indices
-        and not (last and len(structure) != i + 1)
-    )
-
-
 class OverlapState:
     """What overlap mode keeps between buckets and iterations (one per optimizer).
 
@@ -212,7 +190,13 @@ class OverlapState:
         i, bw = bucket.index(), self._backward
         indices = bucket_indices(self.shard.table, bucket.parameters())
         bw.buckets.append(_Bucket(indices))
-        if not bw.deferred and not _known(self.structure, i, indices, bucket.is_last()):
+        adopted = self.structure
+        known = (  # as adopted: the same parameters, and the last bucket is the last one
+            adopted is not None
+            and adopted[i : i + 1] == (indices,)
+            and not (bucket.is_last() and len(adopted) != i + 1)
+        )
+        if not bw.deferred and not known:
             bw.deferred = True
             if self.structure is not None:
                 self.restructures += 1
@@ -245,7 +229,7 @@ class OverlapState:
         bw.buckets[i].future, bw.buckets[i].status = fut, BucketStatus.REDUCING
         bw.buckets[i].wide = wide
         if self.interleaved and not bw.deferred and not self._scaling() and not self.find_unused:
-            if self.nonblocking and threaded(bucket.buffer()):
+            if self.nonblocking and bucket.buffer().device.type == "cpu":
                 # each bucket as soon as its reduction is done, by a thread (see _Updater)
                 if bw.updater is None:
                     bw.updater = _Updater(functools.partial(self._update, bw=bw))
