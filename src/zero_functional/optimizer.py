@@ -42,13 +42,7 @@ from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
 from zero_functional.shell.amp import refuse_scaler_step
 from zero_functional.shell.bucket_sync import step_syncs
 from zero_functional.shell.classes import add_group, pinned_owners
-from zero_functional.shell.local_shard import (
-    LocalShard,
-    RemainderTies,
-    Resharded,
-    Stepped,
-    Updated,
-)
+from zero_functional.shell.local_shard import LocalShard, RemainderTies, Resharded, Stepped, Updated
 from zero_functional.shell.param_window import ParamWindow
 from zero_functional.shell.steppers import LocalView, Stepper, choose_stepper, state_schemas
 
@@ -194,9 +188,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         )
 
     def reshard(self, ownership: Ownership) -> None:
-        """Move the state to ``ownership`` (same parameters and world size); collective. It
-        moves in rounds of whole parameters (:func:`~.plans.reshard_rounds`), each round's old
-        state dropped as its new state arrives: at most one round's state is held twice."""
+        """Move the state to ``ownership`` (same parameters and world size); collective. In the
+        rounds of :func:`~.plans.reshard_rounds`, each round's old state dropped as it moves."""
         old = self.ownership
         rounds = reshard_rounds(old, ownership, self.rank)  # validates before anything changes
         with self._call("reshard()"):
@@ -312,10 +305,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.shard.update(grads)
 
     def register_update_hook(
-        self,
-        updated: Updated,
-        resharded: Resharded | None = None,
-        stepped: Stepped | None = None,
+        self, updated: Updated, resharded: Resharded | None = None, stepped: Stepped | None = None
     ) -> RemovableHandle:
         """Run ``updated(values)`` after each update, ``resharded(old)`` after each reshard and
         ``stepped()`` once each step that updated has ended (in overlap mode, its backward)."""

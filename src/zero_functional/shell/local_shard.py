@@ -125,13 +125,10 @@ class LocalShard:
         """Within the block, :meth:`check_updates` (every update, first) raises ``why``.
 
         Example:
-            >>> import torch
             >>> from zero_functional.core.ownership import flat_ownership
-            >>> from zero_functional.shell.steppers import choose_stepper
-            >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
-            >>> shard = LocalShard(flat_ownership([2], 1), 0, ParamTable.of(groups), groups, {},
-            ...                    choose_stepper(None, False, torch.optim.SGD(groups), False,
-            ...                                   groups, {0}, {}, {}), "SGD")
+            >>> groups = [{"params": [torch.zeros(2)]}]
+            >>> table, ownership = ParamTable.of(groups), flat_ownership([2], 1)
+            >>> shard = LocalShard(ownership, 0, table, groups, {}, Stepper(), "SGD")
             >>> with shard.refusing_updates("not now"):
             ...     shard.check_updates()
             Traceback (most recent call last):
@@ -476,10 +473,7 @@ class UpdateHooks:
         )
 
     def register(
-        self,
-        updated: Updated,
-        resharded: Resharded | None = None,
-        stepped: Stepped | None = None,
+        self, updated: Updated, resharded: Resharded | None = None, stepped: Stepped | None = None
     ) -> RemovableHandle:
         """Run ``updated`` after each update, ``resharded`` after each ownership change and
         ``stepped`` once at the end of each step that updated (a step updates in several
