@@ -123,7 +123,7 @@ class PieceViewStepper(Stepper):
     (``local`` has one parameter group, given the pieces at each step)."""
 
     def __init__(self, local: Optimizer, defaults: Mapping[str, Any]) -> None:
-        self.local = local
+        self.local: Optimizer = local
         self.defaults = dict(defaults)
         self.tensor_keys = tensor_keys(local)
 
@@ -143,7 +143,6 @@ class PieceViewStepper(Stepper):
             view.grad = g.detach()
             views.append(view)
         local = self.local
-        assert local is not None
         if numels is not None and self.blockwise is not None:
             for view, s, n in zip(views, states, numels, strict=True):
                 if not s:
@@ -186,7 +185,7 @@ class WholeParamStepper(Stepper):
             for g, ps in zip(groups, owned, strict=True)
         ]
         local = optimizer_class(local_groups, **defaults)
-        self.local = local
+        self.local: Optimizer = local
         self.tensor_keys = tensor_keys(local)
         # a rank may own nothing of a group: the placeholder only got the constructor through
         for lg, ps in zip(local.param_groups, owned):
@@ -201,7 +200,6 @@ class WholeParamStepper(Stepper):
     ) -> float | None:
         """``optimizer_class.step`` with the shell's hyperparameters; they are copied back."""
         local = self.local
-        assert local is not None
         for g, lg in zip(groups, local.param_groups, strict=True):
             lg.update(instance_hyper(self.tensor_keys, g))
         loss = local.step(closure, **kwargs) if closure is not None else local.step(**kwargs)
