@@ -49,7 +49,9 @@ from zero_functional.shell.steppers import (
     LocalView,
     Stepper,
     converted_state,
+    hyperparameters,
     loaded_group,
+    owned_params,
     saved_group,
 )
 
@@ -276,7 +278,9 @@ class LocalShard:
         """This rank's share as a local optimizer shows it (torch's ``optim`` attribute)."""
         if self.stepper.whole and self.stepper.local is not None:
             return self.stepper.local
-        return LocalView.of(self.param_groups, self.pieces, self.state)
+        owned = owned_params(self.param_groups, self.pieces)
+        groups = [{**hyperparameters(g), "params": ps} for g, ps in zip(self.param_groups, owned)]
+        return LocalView(groups, self.state)
 
     # ------------------------------------------------------------------ state in and out
 

@@ -1,10 +1,7 @@
 """Steppers: how one rank updates the pieces it owns, one interface per optimizer class.
 
 A stepper updates the pieces of a group in place, with its hyperparameters read *now*; every
-stepper answers the same questions (:meth:`Stepper.for_group`), so no caller asks its kind:
-the functional core (SGD, Adam, AdamW), a real instance over detached views sharing the pieces'
-storage (its in-place update writes them), torch's arrangement of one instance over this
-rank's whole parameters sharing the shell's ``state`` (closures pass), or one per class.
+stepper answers the same questions (:meth:`Stepper.for_group`), so no caller asks its kind.
 """
 
 from __future__ import annotations
@@ -486,22 +483,3 @@ class LocalView:
 
     param_groups: list[dict[str, Any]]
     state: Mapping[Tensor, Any]
-
-    @classmethod
-    def of(
-        cls,
-        param_groups: Sequence[Mapping[str, Any]],
-        own: Container[int],
-        state: Mapping[Tensor, Any],
-    ) -> LocalView:
-        """The view of the parameters whose global index is in ``own``.
-
-        Example:
-            >>> groups = [{"lr": 0.1, "params": [torch.zeros(2), torch.zeros(1)]}]
-            >>> view = LocalView.of(groups, {1}, {})
-            >>> [p.shape for p in view.param_groups[0]["params"]]
-            [torch.Size([1])]
-        """
-        owned = owned_params(param_groups, own)
-        groups = [{**hyperparameters(g), "params": ps} for g, ps in zip(param_groups, owned)]
-        return cls(groups, state)
