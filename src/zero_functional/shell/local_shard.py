@@ -50,9 +50,8 @@ from zero_functional.shell.steppers import (
     Stepper,
     converted_state,
     hyperparameters,
-    loaded_group,
+    instance_hyper,
     owned_params,
-    saved_group,
 )
 
 logger = logging.getLogger(__name__)
@@ -361,8 +360,11 @@ class LocalShard:
         return out
 
     def saved_groups(self) -> list[dict[str, Any]]:
-        """The groups as a state dict carries them (:func:`~.steppers.saved_group`)."""
-        return [saved_group(self.stepper, g) for g in self.param_groups]
+        """The groups as a state dict carries them: a 0-d tensor where a group's class keeps one."""
+        return [
+            {**instance_hyper(self.stepper.for_group(g).tensor_keys, g), "params": g["params"]}
+            for g in self.param_groups
+        ]
 
     def check(
         self,
@@ -407,9 +409,12 @@ class LocalShard:
             for k, value in self.converted(pieces).items()
         }
         for g, s in zip(self.param_groups, saved_groups):
-            # a group's class is this optimizer's (checked): a saved name never adds one
-            loaded = loaded_group(self.stepper, g, s)
-            g.update({k: v for k, v in loaded.items() if k != GROUP_CLASS_KEY})
+            keys = self.stepper.for_group(g).tensor_keys
+            for k, v in hyperparameters(s).items():
+                if k in keys and isinstance(v, Tensor) and not isinstance(g.get(k), Tensor):
+                    v = v.item()  # a number stays a number where the class keeps a tensor
+                if k != GROUP_CLASS_KEY:  # this optimizer's (checked): a saved name adds none
+                    g[k] = v
         self.state.clear()  # in place: a whole-parameter instance shares this mapping
         self.state.update(new)
 

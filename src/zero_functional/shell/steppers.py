@@ -334,37 +334,6 @@ def converted_state(
     return out, how
 
 
-def saved_group(stepper: Stepper, group: Mapping[str, Any]) -> dict[str, Any]:
-    """``group`` as a state dict carries it: a 0-d tensor where its class keeps one.
-
-    Example:
-        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
-        >>> saved_group(PieceViewStepper(local, {}), {"params": [0], "lr": 0.5})
-        {'lr': tensor(0.5000), 'params': [0]}
-    """
-    keys = stepper.for_group(group).tensor_keys
-    return {**instance_hyper(keys, group), "params": group["params"]}
-
-
-def loaded_group(
-    stepper: Stepper, group: Mapping[str, Any], saved: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``saved``'s hyperparameters as the shell's ``group`` keeps them (numbers stay numbers).
-
-    Example:
-        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
-        >>> loaded_group(PieceViewStepper(local, {}), {"lr": 0.1}, {"lr": torch.tensor(0.5)})
-        {'lr': 0.5}
-    """
-    keys = stepper.for_group(group).tensor_keys
-    return {
-        k: v.item()
-        if k in keys and isinstance(v, Tensor) and not isinstance(group.get(k), Tensor)
-        else v
-        for k, v in hyperparameters(saved).items()
-    }
-
-
 def lowbit_state(
     local: Optimizer, group: Mapping[str, Any], piece: Tensor, numel: int
 ) -> dict[str, Tensor]:
