@@ -461,7 +461,7 @@ class LocalShard:
 
 Updated = Callable[[Mapping[int, Tensor]], None]  # given LocalShard.values, read-only
 Resharded = Callable[[Ownership], None]  # given the old ownership, on every rank
-Stepped = Callable[[], None]  # once a step has ended
+Stepped = Callable[[], None]  # once a step (which updates in several calls) has ended
 
 
 class UpdateHooks:
@@ -484,9 +484,7 @@ class UpdateHooks:
     def register(
         self, updated: Updated, resharded: Resharded | None = None, stepped: Stepped | None = None
     ) -> RemovableHandle:
-        """Run ``updated`` after each update, ``resharded`` after each ownership change and
-        ``stepped`` once at the end of each step that updated (a step updates in several
-        calls: units, buckets)."""
+        """Add the callbacks, each run by the method of its name; the handle removes them."""
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = (updated, resharded, stepped)
         return handle
