@@ -24,6 +24,16 @@ from zero_functional.shell.local_shard import LocalShard
 from zero_functional.shell.param_window import ParamWindow
 
 
+def threaded(buffer: Tensor) -> bool:
+    """Whether interleaved overlap mode updates a bucket of ``buffer`` on a thread: on the CPU.
+
+    Example:
+        >>> threaded(torch.zeros(2)), threaded(torch.zeros(2, device="meta"))
+        (True, False)
+    """
+    return buffer.device.type == "cpu"
+
+
 @dataclass(slots=True)
 class _Bucket:
     """One bucket of the backward in progress: its parameters, its reduction (issued once
@@ -217,7 +227,7 @@ class OverlapState:
         bw, i = self._backward, bucket.index()
         bw.buckets[i].future, bw.buckets[i].wide = fut, wide
         if self.interleaved and not bw.deferred and not self._scaling() and not self.find_unused:
-            if self.nonblocking and bucket.buffer().device.type == "cpu":
+            if self.nonblocking and threaded(bucket.buffer()):
                 # each bucket as soon as its reduction is done, by a thread (see _Updater)
                 if bw.updater is None:
                     bw.updater = _Updater(functools.partial(self._update, bw=bw))
