@@ -190,16 +190,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def reshard(self, ownership: Ownership) -> None:
         """Move the state to ``ownership`` (same parameters and world size); collective. In the
         rounds of :func:`~.plans.reshard_rounds`, each round's old state dropped as it moves."""
-        old = self.ownership
+        old, group = self.ownership, self.process_group
         rounds = reshard_rounds(old, ownership, self.rank)  # validates before anything changes
         with self._call("reshard()"):
+            device = self._collective_device()
             for plan in rounds:
                 parts = self.shard.outgoing(plan, old)
                 arrived = parts.pop(self.rank, {})
-                device = self._collective_device()
-                for got in comm.exchange_objects(
-                    parts, plan.pairs, self.process_group, device
-                ).values():
+                for got in comm.exchange_objects(parts, plan.pairs, group, device).values():
                     arrived.update(cast(dict[Transfer, dict[str, Any]], got))
                 self.shard.incoming(plan, ownership, arrived)
         self.shard.adopt(ownership, self._stepper(ownership))  # pieces and stepper: then syncs
