@@ -102,8 +102,6 @@ class FunctionalStepper(Stepper):
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        if not params:
-            return
         spec, hyper = self.spec, group_hyperparams(self.spec, group)
         # the state's tensors are the dicts' own (fresh where a dict is empty): the update
         # changes them in place, and only what it made anew is written back
@@ -132,8 +130,6 @@ class PieceViewStepper(Stepper):
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        if not params:
-            return
         views = []
         for p, g in zip(params, grads, strict=True):
             view = p.detach()
