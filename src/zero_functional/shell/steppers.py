@@ -192,19 +192,14 @@ class WholeParamStepper(Stepper):
         self, groups: Sequence[dict[str, Any]], closure: Callable[[], float] | None, **kwargs: Any
     ) -> float | None:
         """``optimizer_class.step`` with the shell's hyperparameters; they are copied back."""
-        local = self.local
+        local, keys = self.local, self.tensor_keys
         for g, lg in zip(groups, local.param_groups, strict=True):
-            lg.update(instance_hyper(self.tensor_keys, g))
+            lg.update(instance_hyper(keys, g))
         loss = local.step(closure, **kwargs) if closure is not None else local.step(**kwargs)
         for g, lg in zip(groups, local.param_groups, strict=True):
             # the shell keeps a number where the instance keeps a tensor (torchao's lr)
-            g.update(
-                {
-                    k: v
-                    for k, v in hyperparameters(lg).items()
-                    if k not in self.tensor_keys or isinstance(g.get(k), Tensor)
-                }
-            )
+            new = hyperparameters(lg).items()
+            g.update({k: v for k, v in new if k not in keys or isinstance(g.get(k), Tensor)})
         return cast("float | None", loss)
 
 
