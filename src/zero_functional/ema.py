@@ -142,8 +142,7 @@ class ShardedEMA:
                 self.multi_avg_fn(emas, news, None)
 
     def _stepped(self, _: None) -> None:
-        """A step has ended: average in the pieces it did not update (no gradient), as
-        ``AveragedModel`` averages every parameter at each update."""
+        """A step has ended: average in, as they are, the pieces it did not update (no gradient)."""
         missed = [k for k in self._averages if k not in self._this_step]
         if missed:
             self.update_(self.optimizer.shard.values(missed))

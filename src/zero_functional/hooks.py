@@ -228,13 +228,9 @@ def _ddp_buckets(
     """The syncs of DDP's buckets for ``zero`` (``twin``: gathered on a twin group if possible)."""
     group = zero.process_group
     gather = comm.twin_group(group) if twin and zero.world_size > 1 else None
+    wire, ranks = comm.Wire(group, gather), comm.group_size(_ddp_group(ddp))
     return DDPBuckets(
-        comm.Wire(group, gather),
-        collectives,
-        zero.param_window,
-        ranks=comm.group_size(_ddp_group(ddp)),
-        reduce_dtype=reduce_dtype,
-        replicate=zero.replicate_group,
+        wire, collectives, zero.param_window, ranks, reduce_dtype, zero.replicate_group
     )
 
 

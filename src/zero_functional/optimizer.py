@@ -39,16 +39,10 @@ from zero_functional.core.plans import (
 )
 from zero_functional.functional import functional_spec, supports_group
 from zero_functional.shell.agreement import agree, agreed_inputs, check_averaged
-from zero_functional.shell.amp import refuse_scaler_step, scaler_verdict
+from zero_functional.shell.amp import refuse_scaler_step
 from zero_functional.shell.bucket_sync import step_syncs
 from zero_functional.shell.classes import add_group, pinned_owners
-from zero_functional.shell.local_shard import (
-    LocalShard,
-    RemainderTies,
-    Resharded,
-    Stepped,
-    Updated,
-)
+from zero_functional.shell.local_shard import LocalShard, RemainderTies, Resharded, Stepped, Updated
 from zero_functional.shell.param_window import ParamWindow
 from zero_functional.shell.steppers import LocalView, Stepper, choose_stepper, state_schemas
 
@@ -194,19 +188,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         )
 
     def reshard(self, ownership: Ownership) -> None:
-        """Move the state to ``ownership`` (same parameters and world size); collective. It
-        moves in rounds of whole parameters (:func:`~.plans.reshard_rounds`), each round's old
-        state dropped as its new state arrives: at most one round's state is held twice."""
-        old = self.ownership
+        """Move the state to ``ownership`` (same parameters and world size); collective. In the
+        rounds of :func:`~.plans.reshard_rounds`, each round's old state dropped as it moves."""
+        old, group = self.ownership, self.process_group
         rounds = reshard_rounds(old, ownership, self.rank)  # validates before anything changes
         with self._call("reshard()"):
+            device = self._collective_device()
             for plan in rounds:
                 parts = self.shard.outgoing(plan, old)
                 arrived = parts.pop(self.rank, {})
-                device = self._collective_device()
-                for got in comm.exchange_objects(
-                    parts, plan.pairs, self.process_group, device
-                ).values():
+                for got in comm.exchange_objects(parts, plan.pairs, group, device).values():
                     arrived.update(cast(dict[Transfer, dict[str, Any]], got))
                 self.shard.incoming(plan, ownership, arrived)
         self.shard.adopt(ownership, self._stepper(ownership))  # pieces and stepper: then syncs
@@ -261,9 +252,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.check_trainable():
             self._build_buffers()
         self.shard.book.changed()
-        skip, grad_scale = scaler_verdict(self)  # scaler.step(self), with main copies
-        if skip:  # a non-finite gradient on every rank: no parameter changes anywhere
+        found = getattr(self, "found_inf", None)  # scaler.step(self)'s verdict, with main copies
+        if found is not None and float(found) > 0:  # non-finite on a rank: no change anywhere
             return None
+        grad_scale = getattr(self, "grad_scale", None)  # the scale the gradients still carry
         loss, grads = self.shard.local_step(closure, grad_scale, **kwargs)
         todo = dict(grads or {})  # none: a real optimizer stepped its whole parameters
         with self._call("step()"):
@@ -311,10 +303,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.shard.update(grads)
 
     def register_update_hook(
-        self,
-        updated: Updated,
-        resharded: Resharded | None = None,
-        stepped: Stepped | None = None,
+        self, updated: Updated, resharded: Resharded | None = None, stepped: Stepped | None = None
     ) -> RemovableHandle:
         """Run ``updated(values)`` after each update, ``resharded(old)`` after each reshard and
         ``stepped()`` once each step that updated has ended (in overlap mode, its backward)."""

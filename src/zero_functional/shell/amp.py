@@ -86,18 +86,6 @@ def refuse_scaler_step(optimizer: object, kwargs: Mapping[str, Any]) -> None:
         )
 
 
-def scaler_verdict(optimizer: object) -> tuple[bool, Tensor | None]:
-    """Whether ``scaler.step(optimizer)`` said to skip, and the scale the gradients still carry.
-
-    Example:
-        >>> scaler_verdict(object())
-        (False, None)
-    """
-    found = getattr(optimizer, "found_inf", None)
-    scale = getattr(optimizer, "grad_scale", None)
-    return bool(found is not None and float(found) > 0), scale
-
-
 def unscaled(
     grads: Mapping[int, Tensor], dtypes: Mapping[int, torch.dtype | None], grad_scale: Tensor
 ) -> dict[int, Tensor]:

@@ -41,51 +41,9 @@ def add_group(
             del groups[-1][key]
     else:
         add(group)
-    mark_classes(groups, default)
-
-
-def mark_classes(groups: list[dict[str, Any]], default: type[Optimizer]) -> None:
-    """Where any group has its own class, record ``default``'s name in those without one.
-
-    Example:
-        >>> groups = [{"params": []}, {"params": [], "optimizer_class": "torch.optim.Muon"}]
-        >>> mark_classes(groups, torch.optim.AdamW); groups[0]["optimizer_class"]
-        'torch.optim.AdamW'
-    """
-    if not is_mixed(groups):
-        return
-    for g in groups:
-        g.setdefault(GROUP_CLASS_KEY, optimizer_name(default))
-
-
-def whole_params(groups: list[dict[str, Any]], default: type[Optimizer]) -> list[bool] | None:
-    """Per parameter, whether its group's class needs it owned whole; ``None`` with one class.
-
-    Example:
-        >>> muon = {"params": [torch.zeros(2, 2)], "optimizer_class": "torch.optim.Muon"}
-        >>> whole_params([muon, {"params": [torch.zeros(2)]}], torch.optim.AdamW)
-        [True, False]
-    """
-    if not is_mixed(groups):
-        return None
-    return [
-        update_kind(group_class(g, default)) != "elementwise" for g in groups for _ in g["params"]
-    ]
-
-
-def update_costs(groups: list[dict[str, Any]], default: type[Optimizer]) -> list[int]:
-    """Per parameter, what one update of it costs under its group's class.
-
-    Example:
-        >>> muon = {"params": [torch.zeros(2, 4)], "optimizer_class": "torch.optim.Muon"}
-        >>> update_costs([muon, {"params": [torch.zeros(2)]}], torch.optim.AdamW)
-        [16, 2]
-    """
-    return [
-        update_cost(optimizer_name(group_class(g, default)), tuple(p.shape))
-        for g in groups
-        for p in g["params"]
-    ]
+    if is_mixed(groups):  # the groups without a class of their own: ``default``'s name
+        for g in groups:
+            g.setdefault(GROUP_CLASS_KEY, optimizer_name(default))
 
 
 def pinned_owners(
@@ -99,10 +57,10 @@ def pinned_owners(
         >>> pinned_owners(groups, torch.optim.AdamW, ParamTable.of(groups), 2)
         {0: 1, 1: 0}
     """
-    whole = whole_params(groups, default)
-    if not whole:
+    if not is_mixed(groups):
         return {}
-    kept = [k for k, w in enumerate(whole) if w]
-    costs = update_costs(groups, default)
+    classes = [group_class(g, default) for g in groups for _ in g["params"]]
+    kept = [k for k, cls in enumerate(classes) if update_kind(cls) != "elementwise"]
     shapes = [tuple(table.params[k].shape) for k in kept]
-    return dict(zip(kept, whole_owners(shapes, world_size, [costs[k] for k in kept]), strict=True))
+    costs = [update_cost(optimizer_name(classes[k]), s) for k, s in zip(kept, shapes)]
+    return dict(zip(kept, whole_owners(shapes, world_size, costs), strict=True))

@@ -49,8 +49,9 @@ from zero_functional.shell.steppers import (
     LocalView,
     Stepper,
     converted_state,
-    loaded_group,
-    saved_group,
+    hyperparameters,
+    instance_hyper,
+    owned_params,
 )
 
 logger = logging.getLogger(__name__)
@@ -125,13 +126,10 @@ class LocalShard:
         """Within the block, :meth:`check_updates` (every update, first) raises ``why``.
 
         Example:
-            >>> import torch
             >>> from zero_functional.core.ownership import flat_ownership
-            >>> from zero_functional.shell.steppers import choose_stepper
-            >>> groups = [{"params": [torch.zeros(2)], "lr": 0.1}]
-            >>> shard = LocalShard(flat_ownership([2], 1), 0, ParamTable.of(groups), groups, {},
-            ...                    choose_stepper(None, False, torch.optim.SGD(groups), False,
-            ...                                   groups, {0}, {}, {}), "SGD")
+            >>> groups = [{"params": [torch.zeros(2)]}]
+            >>> table, ownership = ParamTable.of(groups), flat_ownership([2], 1)
+            >>> shard = LocalShard(ownership, 0, table, groups, {}, Stepper(), "SGD")
             >>> with shard.refusing_updates("not now"):
             ...     shard.check_updates()
             Traceback (most recent call last):
@@ -279,7 +277,9 @@ class LocalShard:
         """This rank's share as a local optimizer shows it (torch's ``optim`` attribute)."""
         if self.stepper.whole and self.stepper.local is not None:
             return self.stepper.local
-        return LocalView.of(self.param_groups, self.pieces, self.state)
+        owned = owned_params(self.param_groups, self.pieces)
+        groups = [{**hyperparameters(g), "params": ps} for g, ps in zip(self.param_groups, owned)]
+        return LocalView(groups, self.state)
 
     # ------------------------------------------------------------------ state in and out
 
@@ -360,8 +360,11 @@ class LocalShard:
         return out
 
     def saved_groups(self) -> list[dict[str, Any]]:
-        """The groups as a state dict carries them (:func:`~.steppers.saved_group`)."""
-        return [saved_group(self.stepper, g) for g in self.param_groups]
+        """The groups as a state dict carries them: a 0-d tensor where a group's class keeps one."""
+        return [
+            {**instance_hyper(self.stepper.for_group(g).tensor_keys, g), "params": g["params"]}
+            for g in self.param_groups
+        ]
 
     def check(
         self,
@@ -406,9 +409,12 @@ class LocalShard:
             for k, value in self.converted(pieces).items()
         }
         for g, s in zip(self.param_groups, saved_groups):
-            # a group's class is this optimizer's (checked): a saved name never adds one
-            loaded = loaded_group(self.stepper, g, s)
-            g.update({k: v for k, v in loaded.items() if k != GROUP_CLASS_KEY})
+            keys = self.stepper.for_group(g).tensor_keys
+            for k, v in hyperparameters(s).items():
+                if k in keys and isinstance(v, Tensor) and not isinstance(g.get(k), Tensor):
+                    v = v.item()  # a number stays a number where the class keeps a tensor
+                if k != GROUP_CLASS_KEY:  # this optimizer's (checked): a saved name adds none
+                    g[k] = v
         self.state.clear()  # in place: a whole-parameter instance shares this mapping
         self.state.update(new)
 
@@ -455,7 +461,7 @@ class LocalShard:
 
 Updated = Callable[[Mapping[int, Tensor]], None]  # given LocalShard.values, read-only
 Resharded = Callable[[Ownership], None]  # given the old ownership, on every rank
-Stepped = Callable[[], None]  # once a step has ended
+Stepped = Callable[[], None]  # once a step (which updates in several calls) has ended
 
 
 class UpdateHooks:
@@ -476,14 +482,9 @@ class UpdateHooks:
         )
 
     def register(
-        self,
-        updated: Updated,
-        resharded: Resharded | None = None,
-        stepped: Stepped | None = None,
+        self, updated: Updated, resharded: Resharded | None = None, stepped: Stepped | None = None
     ) -> RemovableHandle:
-        """Run ``updated`` after each update, ``resharded`` after each ownership change and
-        ``stepped`` once at the end of each step that updated (a step updates in several
-        calls: units, buckets)."""
+        """Add the callbacks, each run by the method of its name; the handle removes them."""
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = (updated, resharded, stepped)
         return handle

@@ -5,7 +5,6 @@ It drives each bucket's sync and this rank's shard; the hook adopts a new bucket
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,26 +34,17 @@ def threaded(buffer: Tensor) -> bool:
     return buffer.device.type == "cpu"
 
 
-class BucketStatus(enum.Enum):
-    """Where a bucket of the backward in progress stands (buckets move on in bucket order): its
-    reduction issued (``REDUCING``), waited for (``REDUCED``), its pieces stepped and gathering."""
-
-    ARRIVED = enum.auto()
-    REDUCING = enum.auto()
-    REDUCED = enum.auto()
-    UPDATED = enum.auto()
-
-
 @dataclass(slots=True)
 class _Bucket:
-    """One bucket of the backward in progress: its parameters and its reduction."""
+    """One bucket of the backward in progress: its parameters, its reduction (issued once
+    ``future`` is set, waited for once ``flat`` is) and whether its pieces are updated."""
 
     indices: tuple[int, ...]
-    status: BucketStatus = BucketStatus.ARRIVED
     future: Future[Any] | None = None  # what DDP waits on: ours, or the user's hook's
     sync: BucketSync | None = None  # set when reduced onto its owners (by its BucketSync)
-    flat: Tensor | None = None  # its reduced gradients, once REDUCED
+    flat: Tensor | None = None  # its reduced gradients, once waited for
     wide: Tensor | None = None  # the user hook's average in the reduce dtype, if any
+    updated: bool = False  # its pieces stepped and their all-gather started
 
     def ready(self) -> bool:
         """Whether its reduction is done (waiting for it would not block)."""
@@ -75,7 +65,6 @@ class _Bucket:
                 value = self.future.wait()
                 self.flat = value if isinstance(value, Tensor) else value[0]
                 self.flat = self.flat if self.wide is None else self.wide  # not its rounding
-            self.status = BucketStatus.REDUCED
         return self.flat
 
 
@@ -127,19 +116,7 @@ class _Backward:
 
     def next_update(self) -> int:
         """The first bucket not yet updated (they are updated in bucket order)."""
-        return sum(b.status is BucketStatus.UPDATED for b in self.buckets)
-
-
-def _known(
-    structure: tuple[tuple[int, ...], ...] | None, i: int, indices: tuple[int, ...], last: bool
-) -> bool:
-    """Whether bucket ``i`` (its parameters' ``indices``; ``last`` or not) is as adopted."""
-    return (
-        structure is not None
-        and i < len(structure)
-        and structure[i] == indices
-        and not (last and len(structure) != i + 1)
-    )
+        return sum(b.updated for b in self.buckets)
 
 
 class OverlapState:
@@ -212,7 +189,13 @@ class OverlapState:
         i, bw = bucket.index(), self._backward
         indices = bucket_indices(self.shard.table, bucket.parameters())
         bw.buckets.append(_Bucket(indices))
-        if not bw.deferred and not _known(self.structure, i, indices, bucket.is_last()):
+        adopted = self.structure
+        known = (  # as adopted: the same parameters, and the last bucket is the last one
+            adopted is not None
+            and adopted[i : i + 1] == (indices,)
+            and not (bucket.is_last() and len(adopted) != i + 1)
+        )
+        if not bw.deferred and not known:
             bw.deferred = True
             if self.structure is not None:
                 self.restructures += 1
@@ -242,8 +225,7 @@ class OverlapState:
     def on_bucket(self, bucket: GradBucket, fut: Future[Any], wide: Tensor | None = None) -> None:
         """Record the bucket's future (and ``wide`` average); update the buckets reduced already."""
         bw, i = self._backward, bucket.index()
-        bw.buckets[i].future, bw.buckets[i].status = fut, BucketStatus.REDUCING
-        bw.buckets[i].wide = wide
+        bw.buckets[i].future, bw.buckets[i].wide = fut, wide
         if self.interleaved and not bw.deferred and not self._scaling() and not self.find_unused:
             if self.nonblocking and threaded(bucket.buffer()):
                 # each bucket as soon as its reduction is done, by a thread (see _Updater)
@@ -295,7 +277,7 @@ class OverlapState:
         bw = bw or self._backward
         b = bw.buckets[j]
         flat = b.wait()
-        b.status = BucketStatus.UPDATED
+        b.updated = True
         if update:
             sync = self._sync(b.indices)  # under the ownership now (adopted at the last bucket)
             self.window.finish()  # the last step's all-gathers write what this one updates

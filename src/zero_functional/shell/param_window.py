@@ -38,8 +38,7 @@ class ParamWindow:
         >>> from contextlib import nullcontext
         >>> window = ParamWindow(ParamTable((), ()), lambda name: nullcontext(), deferred=False)
         >>> window.defer([(Pending([]), [])])  # not deferred: waited for now
-        >>> window.in_flight
-        False
+        >>> window.finish()  # nothing in flight: a no-op
     """
 
     def __init__(
@@ -84,11 +83,6 @@ class ParamWindow:
                         me._check_not_in_flight(param)
 
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))  # type: ignore[no-untyped-call]
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether any all-gather is still in flight."""
-        return bool(self._in_flight)
 
     def defer(self, units: Sequence[InFlight]) -> None:
         """Leave ``units`` in flight until their parameters are next read (else wait now)."""

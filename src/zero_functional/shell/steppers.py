@@ -1,10 +1,7 @@
 """Steppers: how one rank updates the pieces it owns, one interface per optimizer class.
 
 A stepper updates the pieces of a group in place, with its hyperparameters read *now*; every
-stepper answers the same questions (:meth:`Stepper.for_group`), so no caller asks its kind:
-the functional core (SGD, Adam, AdamW), a real instance over detached views sharing the pieces'
-storage (its in-place update writes them), torch's arrangement of one instance over this
-rank's whole parameters sharing the shell's ``state`` (closures pass), or one per class.
+stepper answers the same questions (:meth:`Stepper.for_group`), so no caller asks its kind.
 """
 
 from __future__ import annotations
@@ -105,8 +102,6 @@ class FunctionalStepper(Stepper):
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        if not params:
-            return
         spec, hyper = self.spec, group_hyperparams(self.spec, group)
         # the state's tensors are the dicts' own (fresh where a dict is empty): the update
         # changes them in place, and only what it made anew is written back
@@ -123,7 +118,7 @@ class PieceViewStepper(Stepper):
     (``local`` has one parameter group, given the pieces at each step)."""
 
     def __init__(self, local: Optimizer, defaults: Mapping[str, Any]) -> None:
-        self.local = local
+        self.local: Optimizer = local
         self.defaults = dict(defaults)
         self.tensor_keys = tensor_keys(local)
 
@@ -135,15 +130,12 @@ class PieceViewStepper(Stepper):
         states: StateDicts,
         numels: Sequence[int] | None = None,
     ) -> None:
-        if not params:
-            return
         views = []
         for p, g in zip(params, grads, strict=True):
             view = p.detach()
             view.grad = g.detach()
             views.append(view)
         local = self.local
-        assert local is not None
         if numels is not None and self.blockwise is not None:
             for view, s, n in zip(views, states, numels, strict=True):
                 if not s:
@@ -186,7 +178,7 @@ class WholeParamStepper(Stepper):
             for g, ps in zip(groups, owned, strict=True)
         ]
         local = optimizer_class(local_groups, **defaults)
-        self.local = local
+        self.local: Optimizer = local
         self.tensor_keys = tensor_keys(local)
         # a rank may own nothing of a group: the placeholder only got the constructor through
         for lg, ps in zip(local.param_groups, owned):
@@ -200,20 +192,14 @@ class WholeParamStepper(Stepper):
         self, groups: Sequence[dict[str, Any]], closure: Callable[[], float] | None, **kwargs: Any
     ) -> float | None:
         """``optimizer_class.step`` with the shell's hyperparameters; they are copied back."""
-        local = self.local
-        assert local is not None
+        local, keys = self.local, self.tensor_keys
         for g, lg in zip(groups, local.param_groups, strict=True):
-            lg.update(instance_hyper(self.tensor_keys, g))
+            lg.update(instance_hyper(keys, g))
         loss = local.step(closure, **kwargs) if closure is not None else local.step(**kwargs)
         for g, lg in zip(groups, local.param_groups, strict=True):
             # the shell keeps a number where the instance keeps a tensor (torchao's lr)
-            g.update(
-                {
-                    k: v
-                    for k, v in hyperparameters(lg).items()
-                    if k not in self.tensor_keys or isinstance(g.get(k), Tensor)
-                }
-            )
+            new = hyperparameters(lg).items()
+            g.update({k: v for k, v in new if k not in keys or isinstance(g.get(k), Tensor)})
         return cast("float | None", loss)
 
 
@@ -339,37 +325,6 @@ def converted_state(
     return out, how
 
 
-def saved_group(stepper: Stepper, group: Mapping[str, Any]) -> dict[str, Any]:
-    """``group`` as a state dict carries it: a 0-d tensor where its class keeps one.
-
-    Example:
-        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
-        >>> saved_group(PieceViewStepper(local, {}), {"params": [0], "lr": 0.5})
-        {'lr': tensor(0.5000), 'params': [0]}
-    """
-    keys = stepper.for_group(group).tensor_keys
-    return {**instance_hyper(keys, group), "params": group["params"]}
-
-
-def loaded_group(
-    stepper: Stepper, group: Mapping[str, Any], saved: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``saved``'s hyperparameters as the shell's ``group`` keeps them (numbers stay numbers).
-
-    Example:
-        >>> local = torch.optim.SGD([torch.zeros(1)], lr=torch.tensor(0.1))
-        >>> loaded_group(PieceViewStepper(local, {}), {"lr": 0.1}, {"lr": torch.tensor(0.5)})
-        {'lr': 0.5}
-    """
-    keys = stepper.for_group(group).tensor_keys
-    return {
-        k: v.item()
-        if k in keys and isinstance(v, Tensor) and not isinstance(group.get(k), Tensor)
-        else v
-        for k, v in hyperparameters(saved).items()
-    }
-
-
 def lowbit_state(
     local: Optimizer, group: Mapping[str, Any], piece: Tensor, numel: int
 ) -> dict[str, Tensor]:
@@ -488,22 +443,3 @@ class LocalView:
 
     param_groups: list[dict[str, Any]]
     state: Mapping[Tensor, Any]
-
-    @classmethod
-    def of(
-        cls,
-        param_groups: Sequence[Mapping[str, Any]],
-        own: Container[int],
-        state: Mapping[Tensor, Any],
-    ) -> LocalView:
-        """The view of the parameters whose global index is in ``own``.
-
-        Example:
-            >>> groups = [{"lr": 0.1, "params": [torch.zeros(2), torch.zeros(1)]}]
-            >>> view = LocalView.of(groups, {1}, {})
-            >>> [p.shape for p in view.param_groups[0]["params"]]
-            [torch.Size([1])]
-        """
-        owned = owned_params(param_groups, own)
-        groups = [{**hyperparameters(g), "params": ps} for g, ps in zip(param_groups, owned)]
-        return cls(groups, state)
