@@ -106,11 +106,16 @@ MESH_DIMS = ("replicate", "shard")  # a hybrid-sharding mesh's dimensions, as FS
 def sharding_groups(
     process_group: ProcessGroup | None, mesh: object
 ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """The groups to shard and to replicate over, from a ``process_group`` or a ``mesh``.
+    """The groups to shard and to replicate over, from a ``process_group`` or a 2-D ``DeviceMesh``
+    named :data:`MESH_DIMS`.
 
     Example:
         >>> sharding_groups(None, None)
         (None, None)
+        >>> sharding_groups(None, "2x2")
+        Traceback (most recent call last):
+        ...
+        TypeError: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got str
     """
     if mesh is None:
         return process_group, None
@@ -119,18 +124,6 @@ def sharding_groups(
             "pass device_mesh (2-D: shard within, replicate across) or process_group (1-D), "
             "not both"
         )
-    return mesh_groups(mesh)
-
-
-def mesh_groups(mesh: object) -> tuple[ProcessGroup, ProcessGroup]:
-    """The shard and the replicate group of a 2-D ``DeviceMesh`` named :data:`MESH_DIMS`.
-
-    Example:
-        >>> mesh_groups("2x2")
-        Traceback (most recent call last):
-        ...
-        TypeError: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got str
-    """
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
