@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zero_functional.comm.collectives import Wire, start_reduce
-from zero_functional.comm.groups import ProcessGroup, default_group, group_rank, group_size
+from zero_functional.comm.collectives import start_reduce
+from zero_functional.comm.groups import ProcessGroup, default_group, group_rank, group_size, is_nccl
 from zero_functional.comm.pending import Pending, issue, start_one
 from zero_functional.core.param_table import buffer_key
 from zero_functional.core.plans import COALESCE_BELOW, sync_plan
@@ -93,7 +93,7 @@ def start_sync_params(
     Example:
         >>> start_sync_params([torch.zeros(2), torch.ones(3)], [0, 0], group).wait()
     """
-    grouped = Wire(group, threaded=False).grouped
+    grouped = is_nccl(group)
     plan = sync_plan(
         owners,
         [t.numel() for t in params],
@@ -131,8 +131,7 @@ def sync_params(
         ...
         ValueError: got 1 tensors but 2 owners; pass one per tensor
     """
-    group = default_group(group)
-    start_sync_params(params, owners, group, coalesce_below=coalesce_below).wait()
+    start_sync_params(params, owners, default_group(group), coalesce_below=coalesce_below).wait()
 
 
 def reduce_to_owners(
