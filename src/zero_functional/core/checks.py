@@ -107,11 +107,8 @@ def param_tensors(items: Sequence[Any]) -> list[Tensor]:
     """
     out: list[Tensor] = []
     for item in items:
-        if isinstance(item, Tensor):
-            out.append(item)
-        else:
-            ps = item["params"]
-            out.extend([ps] if isinstance(ps, Tensor) else list(ps))
+        ps = item if isinstance(item, Tensor) else item["params"]
+        out.extend([ps] if isinstance(ps, Tensor) else ps)
     return out
 
 
