@@ -4,7 +4,6 @@ the one place here that asks a backend: a new strategy is one class and one line
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -16,9 +15,7 @@ from zero_functional.comm.exchange import Exchanger, start_exchange
 from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl
 from zero_functional.comm.pending import Pending, issue, start_one
 from zero_functional.core.ownership import Run
-from zero_functional.core.plans import BufferPlan, Collectives
-
-Runs = Sequence[tuple[int, int, int]]
+from zero_functional.core.plans import BufferPlan, Collectives, Runs
 
 
 class Reducer(Protocol):

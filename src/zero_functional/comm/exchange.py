@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch.futures import Future
 from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, twin_group
 from zero_functional.comm.pending import Pending, hold, settle
 from zero_functional.comm.worker import InOrder
-from zero_functional.core.plans import ChunkLayout, chunk_layout, exchange_chunks
+from zero_functional.core.plans import ChunkLayout, Runs, chunk_layout, exchange_chunks
 
 WINDOW_BYTES = 1 << 20  # the most one chunk receives (two in flight): the memory/CPU trade
 
@@ -29,7 +28,7 @@ WINDOW_BYTES = 1 << 20  # the most one chunk receives (two in flight): the memor
 class _Job:
     """One buffer's exchange on an :class:`Exchanger`'s thread: the caller's work handle."""
 
-    def __init__(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+    def __init__(self, buffer: Tensor, runs: Runs) -> None:
         self.buffer, self.runs = buffer, list(runs)
         self._done = threading.Event()
         self._future: Future[None] = Future()
@@ -83,9 +82,7 @@ def _layouts(
     return tuple(chunk_layout(chunk, me) for chunk in exchange_chunks(runs, world, per_owner))
 
 
-def _exchange(
-    buffer: Tensor, runs: Sequence[tuple[int, int, int]], group: ProcessGroup, windows: _Windows
-) -> None:
+def _exchange(buffer: Tensor, runs: Runs, group: ProcessGroup, windows: _Windows) -> None:
     """Sum ``buffer``'s runs onto their owners over ``group``, chunk by chunk (blocking)."""
     world, me = group_size(group), group_rank(group)
     per_owner = max(1, WINDOW_BYTES // (buffer.element_size() * (world - 1)))
@@ -157,7 +154,7 @@ class Exchanger:
             self._worker = InOrder("zero-exchange")
             weakref.finalize(self, self._worker.close)  # the thread ends with this object
 
-    def start(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> Pending:
+    def start(self, buffer: Tensor, runs: Runs) -> Pending:
         """:func:`start_exchange` on this exchanger's thread (``buffer`` kept until waited for)."""
         if buffer.numel() == 0 or self.world == 1:
             return Pending([])
@@ -176,10 +173,7 @@ class Exchanger:
 
 
 def start_exchange(
-    buffer: Tensor,
-    runs: Sequence[tuple[int, int, int]],
-    group: ProcessGroup,
-    exchanger: Exchanger | None = None,
+    buffer: Tensor, runs: Runs, group: ProcessGroup, exchanger: Exchanger | None = None
 ) -> Pending:
     """Start summing each ``(start, stop, rank)`` run of the 1-D ``buffer`` onto its rank.
 

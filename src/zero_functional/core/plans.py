@@ -29,6 +29,7 @@ from zero_functional.core.partition import owners
 
 Collectives = Literal["allreduce+broadcast", "reduce+broadcast", "reduce_scatter+all_gather"]
 COLLECTIVES: tuple[Collectives, ...] = get_args(Collectives)
+Runs = Sequence[tuple[int, int, int]]  # (start, stop, rank): Ownership.runs or plain tuples
 
 
 def choose_collectives(
@@ -60,7 +61,7 @@ def takes_even_shards(collectives: Collectives) -> bool:
     return collectives == "reduce_scatter+all_gather"
 
 
-def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int) -> int | None:
+def even_chunk(runs: Runs, total: int, world_size: int) -> int | None:
     """The shard size if ``runs`` are the even split of ``total`` elements, else ``None``.
 
     Example:
@@ -303,7 +304,7 @@ def whole_owners(
     return list(owners(cost_greedy(costs, world_size), len(shapes)))
 
 
-def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[int, int]]:
+def owned_spans(runs: Runs, rank: int) -> list[tuple[int, int]]:
     """The ``(start, stop)`` of the runs ``rank`` owns, in buffer order.
 
     Example:
@@ -378,7 +379,7 @@ Stretch = tuple[int, int]
 
 
 def exchange_chunks(
-    runs: Sequence[tuple[int, int, int]], world_size: int, per_owner: int
+    runs: Runs, world_size: int, per_owner: int
 ) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
     """``runs`` cut into chunks of at most ``per_owner`` elements per owner, for gloo's
     all-to-alls: per chunk, per rank, the stretches of its runs that chunk carries.
