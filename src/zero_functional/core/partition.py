@@ -217,11 +217,7 @@ class FlatPartition:
 
 
 def flat(
-    numels: Sequence[int],
-    world_size: int,
-    *,
-    align: int = 1,
-    blocks: Sequence[int] | None = None,
+    numels: Sequence[int], world_size: int, *, align: int = 1, blocks: Sequence[int] | None = None
 ) -> FlatPartition:
     """The concatenated parameters cut into ``world_size`` ranges of at most ``ceil(total /
     world_size)`` elements on multiples of ``align`` (or of each parameter's block in ``blocks``).
