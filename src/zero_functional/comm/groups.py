@@ -33,9 +33,7 @@ def default_group(group: ProcessGroup | None) -> ProcessGroup:
             "(with the Hugging Face Trainer, build it after TrainingArguments(...), which "
             "initializes the process group)"
         )
-    world = dist.group.WORLD
-    assert world is not None
-    return world
+    return cast(ProcessGroup, dist.group.WORLD)  # initialized: never None
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -55,12 +53,11 @@ def global_rank(group: ProcessGroup, rank: int) -> int:
 
 def collective_device(group: ProcessGroup, fallback: torch.device) -> torch.device:
     """The device object messages travel on: CUDA for NCCL (device tensors only), else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        if fallback.type == "cuda":
-            return fallback
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not is_nccl(group):
+        return torch.device("cpu")
+    if fallback.type == "cuda":
+        return fallback
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def rank_or_zero(group: ProcessGroup | None = None) -> int:
