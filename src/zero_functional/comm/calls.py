@@ -47,8 +47,7 @@ def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Ite
         >>> with call("example()", group, timeout=5.0):
         ...     pass
     """
-    outer = getattr(_local, "call", None)
-    if outer is not None:
+    if getattr(_local, "call", None) is not None:  # nested: the outermost call names it
         yield
         return
     key = str(getattr(group, "group_name", "") or "default")

@@ -26,9 +26,7 @@ def refs(t: Tensor) -> int:
 def hold(tensors: Iterable[Tensor], group: ProcessGroup) -> list[tuple[Tensor, int]]:
     """``tensors`` with their reference counts, taken just before a collective is given them;
     nothing on NCCL (only gloo's threads are waited for)."""
-    if is_nccl(group):
-        return []
-    return [(t, refs(t)) for t in tensors]
+    return [] if is_nccl(group) else [(t, refs(t)) for t in tensors]
 
 
 def settle(held: Sequence[tuple[Tensor, int]]) -> None:

@@ -122,8 +122,7 @@ def gather_objects(
     """Every rank's picklable ``obj``, in rank order, on group rank ``to`` (``None`` elsewhere):
     one rank at a time, each moved to the CPU on arrival (torch's consolidation broadcasts every
     shard to every rank: pytorch#68181)."""
-    me = group_rank(group)
-    world = group_size(group)
+    me, world = group_rank(group), group_size(group)
     if not 0 <= to < world:
         raise ValueError(f"to={to} is not a rank of this group (size {world})")
     if me != to:
