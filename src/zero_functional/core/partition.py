@@ -293,19 +293,16 @@ class BucketAssignment:
 
 
 def _least_loaded(loads: Sequence[int], excluded: set[int], bucket: int) -> int:
-    # compat: torch's `_get_min_index`: the first rank of minimal load not yet in this bucket.
-    best = -1
-    for r, load in enumerate(loads):
-        if r not in excluded and (best < 0 or load < loads[best]):
-            best = r
-    if best < 0:
+    free = [r for r in range(len(loads)) if r not in excluded]
+    if not free:
         # compat: torch fails here too (AssertionError "All indices are disallowed").
         raise ValueError(
             f"torch's shard_buckets rule cuts DDP bucket {bucket} into more than "
             f"{len(loads)} pieces, one per rank at most (many parameters each near "
             "total / world_size): pass shard_buckets=False, or a larger bucket_cap_mb to DDP"
         )
-    return best
+    # compat: torch's `_get_min_index`: the first rank of minimal load not yet in this bucket.
+    return min(free, key=lambda r: loads[r])
 
 
 def ddp_bucket_assignments(
