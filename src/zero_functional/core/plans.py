@@ -142,12 +142,10 @@ def bucket_view_groups(
         [[0], [1, 2]]
     """
     by_key: dict[tuple[int, BufferKey], list[int]] = {}
+    whole = ownership.is_whole  # else one view group per key, frozen parameters too
     for k, key in enumerate(keys):
-        if ownership.is_whole:
-            if trainable[k]:
-                by_key.setdefault((ownership.owner(k), key), []).append(k)
-        else:
-            by_key.setdefault((0, key), []).append(k)
+        if trainable[k] or not whole:
+            by_key.setdefault((ownership.owner(k) if whole else 0, key), []).append(k)
     return [members for _, members in sorted(by_key.items())]
 
 
@@ -388,15 +386,13 @@ def exchange_chunks(
         >>> exchange_chunks([(0, 5, 0), (5, 8, 1)], 2, 3)
         ((((0, 3),), ((5, 8),)), (((3, 5),), ()))
     """
-    owned: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    owned: list[list[Stretch]] = [[] for _ in range(world_size)]
     for a, b, rank in runs:
         if b > a:
             owned[rank].append((a, b))
     splits = [sum(b - a for a, b in stretches) for stretches in owned]
     chunks = ceil_div(max(splits, default=0), per_owner)
-    out: list[list[list[tuple[int, int]]]] = [
-        [[] for _ in range(world_size)] for _ in range(chunks)
-    ]
+    out: list[list[list[Stretch]]] = [[[] for _ in range(world_size)] for _ in range(chunks)]
     for rank, stretches in enumerate(owned):
         seen = 0  # elements of this owner's sequence before the stretch
         for a, b in stretches:
