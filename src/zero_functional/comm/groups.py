@@ -103,8 +103,7 @@ MESH_DIMS = ("replicate", "shard")  # a hybrid-sharding mesh's dimensions, as FS
 def sharding_groups(
     process_group: ProcessGroup | None, mesh: object
 ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """The groups to shard and to replicate over, from a ``process_group`` or a 2-D ``DeviceMesh``
-    named :data:`MESH_DIMS`.
+    """The groups to shard and to replicate over, from a ``process_group`` or a 2-D ``mesh``.
 
     Example:
         >>> sharding_groups(None, None)

@@ -137,10 +137,9 @@ def issue(
     *,
     grouped: bool = False,
 ) -> Pending:
-    """Start ``dist.<op>(tensor, root)`` per ``(tensor, root)`` call (``root``: a group rank,
-    ``None`` for an all-reduce), in list order; ``grouped`` (NCCL): all in one coalesced launch,
-    as NCCL builds its own uneven reduce-scatter. The op is looked up per call, so a wrapper
-    installed over it runs."""
+    """Start ``dist.<op>(tensor, root)`` per ``(tensor, root)`` call in list order (``root``: a
+    group rank, ``None`` for an all-reduce); ``grouped`` (NCCL): in one coalesced launch, NCCL's
+    own uneven reduce-scatter. The op is looked up per call: a wrapper installed over it runs."""
     held = hold((tensor for tensor, _ in calls), group)
 
     def start(tensor: Tensor, root: int | None) -> Work:

@@ -113,8 +113,7 @@ def param_tensors(items: Sequence[Any]) -> list[Tensor]:
 
 
 def check_devices(tensors: Sequence[Tensor], backend: str) -> None:
-    """A ValueError unless every parameter is on a device ``backend`` moves (no meta tensors,
-    CUDA for NCCL).
+    """A ValueError unless ``backend`` can move every parameter (no meta tensors, CUDA for NCCL).
 
     Example:
         >>> check_devices([torch.zeros(1)], "gloo")
@@ -166,8 +165,7 @@ def check_update_kind(optimizer_class: type, partition: str, overlap: bool) -> N
 
 def check_world_size(optimizer_class: type, world_size: int) -> None:
     """A ValueError where a ``"closure"`` class (LBFGS) would be sharded: each rank would search
-    on its own tensors and call the closure a different number of times, so the collectives
-    in it would not pair up.
+    on its own tensors, calling the closure (and its collectives) a different number of times.
 
     Example:
         >>> check_world_size(torch.optim.LBFGS, 1)
