@@ -11,8 +11,7 @@ Two rules hold for every collective here; the rest of the package points to them
   ``std::terminate``. So the tensors stay referenced until the backend has let go
   (:class:`Pending`).
 
-Callers import this package, never its modules.
-"""
+Callers import this package, never its modules."""
 
 from __future__ import annotations
 

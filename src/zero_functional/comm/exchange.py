@@ -1,8 +1,7 @@
 """Exchange: gloo's reduce onto owners as all-to-alls in bounded windows, at its byte floor.
 
 Each rank sends each owner its stretches once (gloo's own ``reduce`` and ``reduce_scatter`` send
-more: ``benchmarks/README.md``); the owner adds what arrived onto its values in rank order.
-"""
+more: ``benchmarks/README.md``); the owner adds what arrived onto its values in rank order."""
 
 from __future__ import annotations
 

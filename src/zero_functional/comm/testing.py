@@ -1,8 +1,7 @@
 """fake_world: one process acts as one rank of a world of any size (torch's fake group).
 
 Every collective returns at once with this rank's own data, so construction, ownership and
-memory can be checked at thousands of ranks in one process; nothing is summed or sent.
-"""
+memory can be checked at thousands of ranks in one process; nothing is summed or sent."""
 
 from __future__ import annotations
 

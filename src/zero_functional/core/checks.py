@@ -1,7 +1,6 @@
 """Checks of what users pass in (pure): parameters, class, partition, devices, hyperparameters.
 
-Every check raises before anything is built or changed, with a message that names the fix.
-"""
+Every check raises before anything is built or changed, with a message that names the fix."""
 
 from __future__ import annotations
 

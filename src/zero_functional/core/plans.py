@@ -4,8 +4,7 @@ The stateful parts apply these values and :mod:`zero_functional.comm` executes t
 (:data:`Collectives`) moves reduced gradients to their owners, then updated pieces to every rank:
 ``"reduce_scatter+all_gather"`` over even shards, ``"reduce+broadcast"`` per owner's stretch (on
 gloo, all-to-alls in chunks), both in DDP's bytes; ``"allreduce+broadcast"`` under a user's hook,
-in half again as many (pytorch#69591).
-"""
+in half again as many (pytorch#69591)."""
 
 from __future__ import annotations
 
