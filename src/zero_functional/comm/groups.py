@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 ProcessGroup = dist.ProcessGroup
+MESH_DIMS = ("replicate", "shard")  # a hybrid-sharding mesh's dimensions, as FSDP2 names them
 
 
 class Work(Protocol):
@@ -95,9 +96,6 @@ def backend(group: ProcessGroup) -> str:
 def is_nccl(group: ProcessGroup) -> bool:
     """Whether ``group`` runs on NCCL (whose collectives can be grouped into one launch)."""
     return "nccl" in backend(group).lower()
-
-
-MESH_DIMS = ("replicate", "shard")  # a hybrid-sharding mesh's dimensions, as FSDP2 names them
 
 
 def sharding_groups(

@@ -18,6 +18,8 @@ from zero_functional.core._validate import (
 from zero_functional.core.ownership import Ownership
 from zero_functional.core.partition import Piece
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in an N-d tensor
+
 
 @dataclass(frozen=True, slots=True)
 class BucketLayout:
@@ -147,9 +149,6 @@ def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
     check_splittable([tensor])
     with torch.no_grad():
         return tensor.detach().view(-1)[piece.start : piece.stop]
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in an N-d tensor
 
 
 def flat_range_boxes(

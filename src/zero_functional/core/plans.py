@@ -29,6 +29,10 @@ from zero_functional.core.partition import owners
 Collectives = Literal["allreduce+broadcast", "reduce+broadcast", "reduce_scatter+all_gather"]
 COLLECTIVES: tuple[Collectives, ...] = get_args(Collectives)
 Runs = Sequence[tuple[int, int, int]]  # (start, stop, rank): Ownership.runs or plain tuples
+Stretch = tuple[int, int]
+RESHARD_WINDOW = 1 << 20  # elements moved per round of a reshard (about a DDP bucket of state)
+FLAT_ALIGN_BYTES = 16  # "flat"'s bounds fall on multiples: where kernels and NCCL like a start
+COALESCE_BELOW = 1 << 16  # smaller tensors travel packed; larger ones in place, with no copy
 
 
 def choose_collectives(
@@ -171,9 +175,6 @@ def plan_moves(old: Ownership, new: Ownership, rank: int) -> ReshardPlan:
     return _reshard_plan(old.transfers(new), rank)
 
 
-RESHARD_WINDOW = 1 << 20  # elements moved per round of a reshard (about a DDP bucket of state)
-
-
 def reshard_rounds(
     old: Ownership, new: Ownership, rank: int, elements: int | None = None
 ) -> list[ReshardPlan]:
@@ -215,9 +216,6 @@ def _reshard_plan(moves: Sequence[Transfer], rank: int) -> ReshardPlan:
         pairs=tuple(sorted({(t.src, t.dst) for t in moves if t.src != t.dst})),
         held=frozenset(t.param for t in moves if t.src == rank),
     )
-
-
-FLAT_ALIGN_BYTES = 16  # "flat"'s bounds fall on multiples: where kernels and NCCL like a start
 
 
 def ownership_for(
@@ -311,9 +309,6 @@ def owned_spans(runs: Runs, rank: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b, owner in runs if owner == rank]
 
 
-COALESCE_BELOW = 1 << 16  # smaller tensors travel packed; larger ones in place, with no copy
-
-
 @dataclass(frozen=True, slots=True)
 class SyncUnit:
     """One broadcast of a parameter all-gather: ``members`` from ``owner``, in place or ``packed``."""
@@ -372,12 +367,9 @@ def sync_plan(
     return SyncPlan(tuple(units), nccl and len(units) > 1)
 
 
-Stretch = tuple[int, int]
-
-
 def exchange_chunks(
     runs: Runs, world_size: int, per_owner: int
-) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+) -> tuple[tuple[tuple[Stretch, ...], ...], ...]:
     """``runs`` cut into chunks of at most ``per_owner`` elements per owner, for gloo's
     all-to-alls: per chunk, per rank, the stretches of its runs that chunk carries.
 
