@@ -18,8 +18,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional.core._validate import check_rank, check_world_size
 
-__all__ = ["fake_world"]
-
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
