@@ -31,7 +31,7 @@ from zero_functional.comm.buckets import (
     unflatten_into,
 )
 from zero_functional.comm.calls import CollectiveError, call, failures
-from zero_functional.comm.collectives import Gatherer, Reducer, Wire, start_broadcast, start_reduce
+from zero_functional.comm.collectives import Wire, start_broadcast, start_reduce
 from zero_functional.comm.exchange import Exchanger
 from zero_functional.comm.groups import (
     ProcessGroup,
@@ -64,9 +64,7 @@ from zero_functional.core.plans import COALESCE_BELOW
 
 __all__ = [
     "Exchanger",
-    "Gatherer",
     "InOrder",
-    "Reducer",
     "Wire",
     "COALESCE_BELOW",
     "CollectiveError",
