@@ -47,7 +47,7 @@ def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Ite
         >>> with call("example()", group, timeout=5.0):
         ...     pass
     """
-    if getattr(_local, "call", None) is not None:  # nested: the outermost call names it
+    if getattr(_local, "call", None) is not None:
         yield
         return
     key = str(getattr(group, "group_name", "") or "default")

@@ -32,13 +32,10 @@ def hold(tensors: Iterable[Tensor], group: ProcessGroup) -> list[tuple[Tensor, i
 def settle(held: Sequence[tuple[Tensor, int]]) -> None:
     """Return once the reference counts of ``held`` are back to what they were before their
     collective (:data:`SETTLE_S` at most): the backend has let go of them."""
-    deadline: float | None = None
+    deadline = time.monotonic() + SETTLE_S
     for t, count in held:
         while refs(t) > count:
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + SETTLE_S
-            elif now > deadline:
+            if time.monotonic() > deadline:
                 return
             time.sleep(0)
 
@@ -68,8 +65,7 @@ class Pending:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
-        """Wait for every collective, then run the copies (once); on return the backend holds
-        nothing of these collectives."""
+        """Wait for the collectives, run the copies (once); on return the backend holds nothing."""
         wait_each(self.works)  # (no loop variable here: it would hold the last work)
         finish = self.finish  # and what its copies read, until the backend has let go too
         self._run_finish()
@@ -161,8 +157,7 @@ def start_one(
     group: ProcessGroup,
     finish: list[Callable[[], None]] | None = None,
 ) -> Pending:
-    """``issue()`` one asynchronous collective; its :class:`Pending`, holding ``made`` (the
-    tensors made for it)."""
+    """``issue()`` one collective; its :class:`Pending` holds ``made``, the tensors made for it."""
     held = hold(made, group)
     work = issue()
     assert work is not None

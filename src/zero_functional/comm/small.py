@@ -119,9 +119,8 @@ def from_bytes(data: Tensor) -> object:
 def gather_objects(
     obj: Mapping[str, object], to: int, group: ProcessGroup, device: torch.device
 ) -> list[object] | None:
-    """Every rank's picklable ``obj``, in rank order, on group rank ``to`` (``None`` elsewhere):
-    one rank at a time, each moved to the CPU on arrival (torch's consolidation broadcasts every
-    shard to every rank: pytorch#68181)."""
+    """Every rank's picklable ``obj`` in rank order on group rank ``to`` (``None`` elsewhere), one
+    rank at a time, each to the CPU on arrival (torch's broadcasts every shard: pytorch#68181)."""
     me, world = group_rank(group), group_size(group)
     if not 0 <= to < world:
         raise ValueError(f"to={to} is not a rank of this group (size {world})")
