@@ -93,26 +93,17 @@ def start_sync_params(
     Example:
         >>> start_sync_params([torch.zeros(2), torch.ones(3)], [0, 0], group).wait()
     """
-    grouped = is_nccl(group)
     plan = sync_plan(
         owners,
         [t.numel() for t in params],
         [buffer_key(t) for t in params],
         [t.is_contiguous() for t in params],
-        nccl=grouped,
+        nccl=is_nccl(group),
         coalesce_below=coalesce_below,
     )
-    batches = [
-        start_gather_units(
-            [([params[i] for i in u.members], u.owner, u.packed) for u in b], group, grouped=grouped
-        )
-        for b in plan.batches()
-    ]
-    return Pending(
-        [w for p in batches for w in p.works],
-        [f for p in batches for f in p.finish],
-        [h for p in batches for h in p.held],
-    )
+    # in issue order either way: the plan's batches are one coalesced launch or one call each
+    units = [([params[i] for i in u.members], u.owner, u.packed) for u in plan.units]
+    return start_gather_units(units, group, grouped=plan.coalesced)
 
 
 def sync_params(
