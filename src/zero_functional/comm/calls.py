@@ -76,9 +76,7 @@ def failures() -> list[str]:
     return list(_FAILED)
 
 
-def wait(work: Work | None) -> None:
-    if work is None:
-        return
+def wait(work: Work) -> None:
     current: _Call | None = getattr(_local, "call", None)
     if current is not None and current.timeout is not None:
         left = current.timeout - (time.monotonic() - current.started)

@@ -148,9 +148,8 @@ class Exchanger:
         self.world = group_size(group)
         self.twin = twin_group(group) if self.world > 1 else None
         self.windows = _Windows()
-        self._worker: InOrder | None = None
-        if self.twin is not None:
-            self._worker = InOrder("zero-exchange")
+        self._worker = InOrder("zero-exchange") if self.twin is not None else None
+        if self._worker is not None:
             weakref.finalize(self, self._worker.close)  # the thread ends with this object
 
     def start(self, buffer: Tensor, runs: Runs) -> Pending:
