@@ -232,7 +232,6 @@ def flat(
     check_align(align)
     starts = prefix_sums(numels)
     total = starts[-1]
-    # Integer ceilings: total / world_size in floating point loses exactness past 2**53.
     chunk = round_up(ceil_div(total, world_size), align)
     bounds = tuple((min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(world_size))
     if blocks is not None and any(b > 1 for b in blocks):
