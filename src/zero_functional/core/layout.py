@@ -9,12 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zero_functional.core._validate import (
-    check_align,
-    check_numels,
-    first_of,
-    round_up,
-)
+from zero_functional.core._validate import check_align, check_numels, first_of, round_up
 from zero_functional.core.ownership import Ownership
 from zero_functional.core.partition import Piece
 
