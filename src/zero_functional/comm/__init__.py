@@ -11,8 +11,7 @@ Two rules hold for every collective here; the rest of the package points to them
   ``std::terminate``. So the tensors stay referenced until the backend has let go
   (:class:`Pending`).
 
-Callers import this package, never its modules.
-"""
+Callers import this package, never its modules."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from zero_functional.comm.buckets import (
     unflatten_into,
 )
 from zero_functional.comm.calls import CollectiveError, call, failures
-from zero_functional.comm.collectives import Gatherer, Reducer, Wire, start_broadcast, start_reduce
+from zero_functional.comm.collectives import Wire, start_broadcast, start_reduce
 from zero_functional.comm.exchange import Exchanger
 from zero_functional.comm.groups import (
     ProcessGroup,
@@ -65,9 +64,7 @@ from zero_functional.core.plans import COALESCE_BELOW
 
 __all__ = [
     "Exchanger",
-    "Gatherer",
     "InOrder",
-    "Reducer",
     "Wire",
     "COALESCE_BELOW",
     "CollectiveError",

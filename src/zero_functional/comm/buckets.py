@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zero_functional.comm.collectives import Wire, start_reduce
-from zero_functional.comm.groups import ProcessGroup, default_group, group_rank, group_size
+from zero_functional.comm.collectives import start_reduce
+from zero_functional.comm.groups import ProcessGroup, default_group, group_rank, group_size, is_nccl
 from zero_functional.comm.pending import Pending, issue, start_one
 from zero_functional.core.param_table import buffer_key
 from zero_functional.core.plans import COALESCE_BELOW, sync_plan
@@ -93,26 +93,17 @@ def start_sync_params(
     Example:
         >>> start_sync_params([torch.zeros(2), torch.ones(3)], [0, 0], group).wait()
     """
-    grouped = Wire(group, threaded=False).grouped
     plan = sync_plan(
         owners,
         [t.numel() for t in params],
         [buffer_key(t) for t in params],
         [t.is_contiguous() for t in params],
-        nccl=grouped,
+        nccl=is_nccl(group),
         coalesce_below=coalesce_below,
     )
-    batches = [
-        start_gather_units(
-            [([params[i] for i in u.members], u.owner, u.packed) for u in b], group, grouped=grouped
-        )
-        for b in plan.batches()
-    ]
-    return Pending(
-        [w for p in batches for w in p.works],
-        [f for p in batches for f in p.finish],
-        [h for p in batches for h in p.held],
-    )
+    # in issue order either way: the plan's batches are one coalesced launch or one call each
+    units = [([params[i] for i in u.members], u.owner, u.packed) for u in plan.units]
+    return start_gather_units(units, group, grouped=plan.coalesced)
 
 
 def sync_params(
@@ -131,8 +122,7 @@ def sync_params(
         ...
         ValueError: got 1 tensors but 2 owners; pass one per tensor
     """
-    group = default_group(group)
-    start_sync_params(params, owners, group, coalesce_below=coalesce_below).wait()
+    start_sync_params(params, owners, default_group(group), coalesce_below=coalesce_below).wait()
 
 
 def reduce_to_owners(

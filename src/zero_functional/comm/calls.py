@@ -47,8 +47,7 @@ def call(name: str, group: ProcessGroup, *, timeout: float | None = None) -> Ite
         >>> with call("example()", group, timeout=5.0):
         ...     pass
     """
-    outer = getattr(_local, "call", None)
-    if outer is not None:
+    if getattr(_local, "call", None) is not None:
         yield
         return
     key = str(getattr(group, "group_name", "") or "default")
@@ -77,9 +76,7 @@ def failures() -> list[str]:
     return list(_FAILED)
 
 
-def wait(work: Work | None) -> None:
-    if work is None:
-        return
+def wait(work: Work) -> None:
     current: _Call | None = getattr(_local, "call", None)
     if current is not None and current.timeout is not None:
         left = current.timeout - (time.monotonic() - current.started)

@@ -4,9 +4,8 @@ the one place here that asks a backend: a new strategy is one class and one line
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,9 +15,7 @@ from zero_functional.comm.exchange import Exchanger, start_exchange
 from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl
 from zero_functional.comm.pending import Pending, issue, start_one
 from zero_functional.core.ownership import Run
-from zero_functional.core.plans import BufferPlan, Collectives
-
-Runs = Sequence[tuple[int, int, int]]
+from zero_functional.core.plans import BufferPlan, Collectives, Runs
 
 
 class Reducer(Protocol):
@@ -34,29 +31,17 @@ class Gatherer(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class RunReduces:
-    """One reduce per run onto its owner (one grouped launch where ``grouped``: NCCL)."""
+class PerRun:
+    """One ``op`` per run, onto or from its owner (one grouped launch where ``grouped``: NCCL)."""
 
+    op: Literal["reduce", "broadcast"]
     runs: Runs
     group: ProcessGroup
     grouped: bool
 
     def start(self, buffer: Tensor) -> Pending:
         calls = [(buffer[a:b], rank) for a, b, rank in self.runs]
-        return issue("reduce", calls, self.group, grouped=self.grouped)
-
-
-@dataclass(frozen=True, slots=True)
-class RunBroadcasts:
-    """One broadcast per run from its owner (one grouped launch where ``grouped``: NCCL)."""
-
-    runs: Runs
-    group: ProcessGroup
-    grouped: bool
-
-    def start(self, buffer: Tensor) -> Pending:
-        calls = [(buffer[a:b], rank) for a, b, rank in self.runs]
-        return issue("broadcast", calls, self.group, grouped=self.grouped)
+        return issue(self.op, calls, self.group, grouped=self.grouped)
 
 
 def padded(buffer: Tensor, size: int) -> Tensor:
@@ -136,8 +121,8 @@ class Wire:
     Example:
         >>> plan = BufferPlan("reduce+broadcast", ((0, 3, 0),), None)
         >>> wire = Wire(group, threaded=False)
-        >>> [type(c).__name__ for c in wire.choose(plan, torch.device("cpu"))]
-        ['RunReduces', 'RunBroadcasts']
+        >>> [c.op for c in wire.choose(plan, torch.device("cpu"))]
+        ['reduce', 'broadcast']
     """
 
     def __init__(
@@ -165,10 +150,10 @@ class Wire:
         """The reducer and the gatherer of a buffer on ``device`` laid out by ``plan``."""
         if plan.chunk is not None:
             return ReduceScatter(plan.chunk, self.group), AllGather(plan.chunk, self.gather_group)
-        gather = RunBroadcasts(plan.runs, self.gather_group, self.grouped)
+        gather = PerRun("broadcast", plan.runs, self.gather_group, self.grouped)
         if self.exchanges(device):
             return Exchange(plan.runs, self), gather
-        return RunReduces(plan.runs, self.group, self.grouped), gather
+        return PerRun("reduce", plan.runs, self.group, self.grouped), gather
 
     def exchanges(self, device: torch.device) -> bool:
         """Whether uneven runs on ``device`` are reduced by all-to-alls (gloo, the CPU), not

@@ -1,15 +1,13 @@
 """Exchange: gloo's reduce onto owners as all-to-alls in bounded windows, at its byte floor.
 
 Each rank sends each owner its stretches once (gloo's own ``reduce`` and ``reduce_scatter`` send
-more: ``benchmarks/README.md``); the owner adds what arrived onto its values in rank order.
-"""
+more: ``benchmarks/README.md``); the owner adds what arrived onto its values in rank order."""
 
 from __future__ import annotations
 
 import functools
 import threading
 import weakref
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +19,7 @@ from torch.futures import Future
 from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, twin_group
 from zero_functional.comm.pending import Pending, hold, settle
 from zero_functional.comm.worker import InOrder
-from zero_functional.core.plans import ChunkLayout, chunk_layout, exchange_chunks
+from zero_functional.core.plans import ChunkLayout, Runs, chunk_layout, exchange_chunks
 
 WINDOW_BYTES = 1 << 20  # the most one chunk receives (two in flight): the memory/CPU trade
 
@@ -29,7 +27,7 @@ WINDOW_BYTES = 1 << 20  # the most one chunk receives (two in flight): the memor
 class _Job:
     """One buffer's exchange on an :class:`Exchanger`'s thread: the caller's work handle."""
 
-    def __init__(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+    def __init__(self, buffer: Tensor, runs: Runs) -> None:
         self.buffer, self.runs = buffer, list(runs)
         self._done = threading.Event()
         self._future: Future[None] = Future()
@@ -83,9 +81,7 @@ def _layouts(
     return tuple(chunk_layout(chunk, me) for chunk in exchange_chunks(runs, world, per_owner))
 
 
-def _exchange(
-    buffer: Tensor, runs: Sequence[tuple[int, int, int]], group: ProcessGroup, windows: _Windows
-) -> None:
+def _exchange(buffer: Tensor, runs: Runs, group: ProcessGroup, windows: _Windows) -> None:
     """Sum ``buffer``'s runs onto their owners over ``group``, chunk by chunk (blocking)."""
     world, me = group_size(group), group_rank(group)
     per_owner = max(1, WINDOW_BYTES // (buffer.element_size() * (world - 1)))
@@ -152,12 +148,11 @@ class Exchanger:
         self.world = group_size(group)
         self.twin = twin_group(group) if self.world > 1 else None
         self.windows = _Windows()
-        self._worker: InOrder | None = None
-        if self.twin is not None:
-            self._worker = InOrder("zero-exchange")
+        self._worker = InOrder("zero-exchange") if self.twin is not None else None
+        if self._worker is not None:
             weakref.finalize(self, self._worker.close)  # the thread ends with this object
 
-    def start(self, buffer: Tensor, runs: Sequence[tuple[int, int, int]]) -> Pending:
+    def start(self, buffer: Tensor, runs: Runs) -> Pending:
         """:func:`start_exchange` on this exchanger's thread (``buffer`` kept until waited for)."""
         if buffer.numel() == 0 or self.world == 1:
             return Pending([])
@@ -176,10 +171,7 @@ class Exchanger:
 
 
 def start_exchange(
-    buffer: Tensor,
-    runs: Sequence[tuple[int, int, int]],
-    group: ProcessGroup,
-    exchanger: Exchanger | None = None,
+    buffer: Tensor, runs: Runs, group: ProcessGroup, exchanger: Exchanger | None = None
 ) -> Pending:
     """Start summing each ``(start, stop, rank)`` run of the 1-D ``buffer`` onto its rank.
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 ProcessGroup = dist.ProcessGroup
+MESH_DIMS = ("replicate", "shard")  # a hybrid-sharding mesh's dimensions, as FSDP2 names them
 
 
 class Work(Protocol):
@@ -33,9 +34,7 @@ def default_group(group: ProcessGroup | None) -> ProcessGroup:
             "(with the Hugging Face Trainer, build it after TrainingArguments(...), which "
             "initializes the process group)"
         )
-    world = dist.group.WORLD
-    assert world is not None
-    return world
+    return cast(ProcessGroup, dist.group.WORLD)  # initialized: never None
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -55,12 +54,11 @@ def global_rank(group: ProcessGroup, rank: int) -> int:
 
 def collective_device(group: ProcessGroup, fallback: torch.device) -> torch.device:
     """The device object messages travel on: CUDA for NCCL (device tensors only), else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        if fallback.type == "cuda":
-            return fallback
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not is_nccl(group):
+        return torch.device("cpu")
+    if fallback.type == "cuda":
+        return fallback
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def rank_or_zero(group: ProcessGroup | None = None) -> int:
@@ -100,17 +98,18 @@ def is_nccl(group: ProcessGroup) -> bool:
     return "nccl" in backend(group).lower()
 
 
-MESH_DIMS = ("replicate", "shard")  # a hybrid-sharding mesh's dimensions, as FSDP2 names them
-
-
 def sharding_groups(
     process_group: ProcessGroup | None, mesh: object
 ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """The groups to shard and to replicate over, from a ``process_group`` or a ``mesh``.
+    """The groups to shard and to replicate over, from a ``process_group`` or a 2-D ``mesh``.
 
     Example:
         >>> sharding_groups(None, None)
         (None, None)
+        >>> sharding_groups(None, "2x2")
+        Traceback (most recent call last):
+        ...
+        TypeError: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got str
     """
     if mesh is None:
         return process_group, None
@@ -119,18 +118,6 @@ def sharding_groups(
             "pass device_mesh (2-D: shard within, replicate across) or process_group (1-D), "
             "not both"
         )
-    return mesh_groups(mesh)
-
-
-def mesh_groups(mesh: object) -> tuple[ProcessGroup, ProcessGroup]:
-    """The shard and the replicate group of a 2-D ``DeviceMesh`` named :data:`MESH_DIMS`.
-
-    Example:
-        >>> mesh_groups("2x2")
-        Traceback (most recent call last):
-        ...
-        TypeError: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got str
-    """
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):

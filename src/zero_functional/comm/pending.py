@@ -26,21 +26,16 @@ def refs(t: Tensor) -> int:
 def hold(tensors: Iterable[Tensor], group: ProcessGroup) -> list[tuple[Tensor, int]]:
     """``tensors`` with their reference counts, taken just before a collective is given them;
     nothing on NCCL (only gloo's threads are waited for)."""
-    if is_nccl(group):
-        return []
-    return [(t, refs(t)) for t in tensors]
+    return [] if is_nccl(group) else [(t, refs(t)) for t in tensors]
 
 
 def settle(held: Sequence[tuple[Tensor, int]]) -> None:
     """Return once the reference counts of ``held`` are back to what they were before their
     collective (:data:`SETTLE_S` at most): the backend has let go of them."""
-    deadline: float | None = None
+    deadline = time.monotonic() + SETTLE_S
     for t, count in held:
         while refs(t) > count:
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + SETTLE_S
-            elif now > deadline:
+            if time.monotonic() > deadline:
                 return
             time.sleep(0)
 
@@ -70,8 +65,7 @@ class Pending:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
-        """Wait for every collective, then run the copies (once); on return the backend holds
-        nothing of these collectives."""
+        """Wait for the collectives, run the copies (once); on return the backend holds nothing."""
         wait_each(self.works)  # (no loop variable here: it would hold the last work)
         finish = self.finish  # and what its copies read, until the backend has let go too
         self._run_finish()
@@ -139,10 +133,9 @@ def issue(
     *,
     grouped: bool = False,
 ) -> Pending:
-    """Start ``dist.<op>(tensor, root)`` per ``(tensor, root)`` call (``root``: a group rank,
-    ``None`` for an all-reduce), in list order; ``grouped`` (NCCL): all in one coalesced launch,
-    as NCCL builds its own uneven reduce-scatter. The op is looked up per call, so a wrapper
-    installed over it runs."""
+    """Start ``dist.<op>(tensor, root)`` per ``(tensor, root)`` call in list order (``root``: a
+    group rank, ``None`` for an all-reduce); ``grouped`` (NCCL): in one coalesced launch, NCCL's
+    own uneven reduce-scatter. The op is looked up per call: a wrapper installed over it runs."""
     held = hold((tensor for tensor, _ in calls), group)
 
     def start(tensor: Tensor, root: int | None) -> Work:
@@ -164,8 +157,7 @@ def start_one(
     group: ProcessGroup,
     finish: list[Callable[[], None]] | None = None,
 ) -> Pending:
-    """``issue()`` one asynchronous collective; its :class:`Pending`, holding ``made`` (the
-    tensors made for it)."""
+    """``issue()`` one collective; its :class:`Pending` holds ``made``, the tensors made for it."""
     held = hold(made, group)
     work = issue()
     assert work is not None

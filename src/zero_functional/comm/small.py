@@ -57,9 +57,8 @@ def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
     sizes = [int(n) for n in all_gather_scalar(torch.tensor(payload.numel()), group).tolist()]
     longest = padded(payload, max(sizes))
     out = [torch.empty_like(longest) for _ in sizes]
-    start_one(
-        lambda: dist.all_gather(out, longest, group=group, async_op=True), [*out, longest], group
-    ).wait()
+    gather = functools.partial(dist.all_gather, out, longest, group=group, async_op=True)
+    start_one(gather, [*out, longest], group).wait()
     return [from_bytes(t[:n]) for t, n in zip(out, sizes)]
 
 
@@ -73,9 +72,8 @@ def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") ->
     device = collective_device(group, value.device)
     t = value.detach().reshape(-1).to(device, copy=True)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    start_one(
-        lambda: dist.all_reduce(t, op=reduce_op, group=group, async_op=True), [t], group
-    ).wait()
+    reduce = functools.partial(dist.all_reduce, t, op=reduce_op, group=group, async_op=True)
+    start_one(reduce, [t], group).wait()
     return t.reshape(value.shape).to(value.device)
 
 
@@ -99,9 +97,8 @@ def all_gather_scalar(value: Tensor, group: ProcessGroup) -> Tensor:
     device = collective_device(group, value.device)
     local = value.detach().reshape(1).to(device, copy=True)
     out = [torch.empty_like(local) for _ in range(group_size(group))]
-    start_one(
-        lambda: dist.all_gather(out, local, group=group, async_op=True), [*out, local], group
-    ).wait()
+    gather = functools.partial(dist.all_gather, out, local, group=group, async_op=True)
+    start_one(gather, [*out, local], group).wait()
     return torch.cat(out).to(value.device)
 
 
@@ -122,11 +119,9 @@ def from_bytes(data: Tensor) -> object:
 def gather_objects(
     obj: Mapping[str, object], to: int, group: ProcessGroup, device: torch.device
 ) -> list[object] | None:
-    """Every rank's picklable ``obj``, in rank order, on group rank ``to`` (``None`` elsewhere):
-    one rank at a time, each moved to the CPU on arrival (torch's consolidation broadcasts every
-    shard to every rank: pytorch#68181)."""
-    me = group_rank(group)
-    world = group_size(group)
+    """Every rank's picklable ``obj`` in rank order on group rank ``to`` (``None`` elsewhere), one
+    rank at a time, each to the CPU on arrival (torch's broadcasts every shard: pytorch#68181)."""
+    me, world = group_rank(group), group_size(group)
     if not 0 <= to < world:
         raise ValueError(f"to={to} is not a rank of this group (size {world})")
     if me != to:
@@ -180,18 +175,17 @@ def exchange_objects(
         if me == src:
             tensors: list[Tensor] = []
             send_object(_strip(outgoing.get(dst, {}), tensors), dst, group, device)
+            to = global_rank(group, dst)
             for t in tensors:
-                _send(t.detach().contiguous().to(device), global_rank(group, dst), group)
+                payload = t.detach().contiguous().to(device)
+                send = functools.partial(dist.isend, payload, dst=to, group=group)
+                start_one(send, [payload], group).wait()
         elif me == dst:
             take = functools.partial(
                 _receive, src=global_rank(group, src), group=group, device=device
             )
             received[src] = _fill(recv_object(src, group, device), take)
     return received
-
-
-def _send(payload: Tensor, to: int, group: ProcessGroup) -> None:
-    start_one(lambda: dist.isend(payload, dst=to, group=group), [payload], group).wait()
 
 
 def _receive(sent: _Sent, *, src: int, group: ProcessGroup, device: torch.device) -> Tensor:

@@ -1,8 +1,7 @@
 """fake_world: one process acts as one rank of a world of any size (torch's fake group).
 
 Every collective returns at once with this rank's own data, so construction, ownership and
-memory can be checked at thousands of ranks in one process; nothing is summed or sent.
-"""
+memory can be checked at thousands of ranks in one process; nothing is summed or sent."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from zero_functional.core._validate import check_rank, check_world_size
-
-__all__ = ["fake_world"]
 
 
 @contextlib.contextmanager

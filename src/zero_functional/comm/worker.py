@@ -1,8 +1,7 @@
 """InOrder: a thread that runs what it is given, one at a time, in the order given.
 
 It sets what is per thread: grad mode (off) and the intra-op thread count, its creator's (under
-OpenMP a new thread would spin as many threads as cores after each op, slowing backward).
-"""
+OpenMP a new thread would spin as many threads as cores after each op, slowing backward)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import accumulate
 
+MESSAGES_SHOWN = 3
+MESSAGE_CHARS = 1500  # what the different messages shown share (4,096 stay <= 2 KB)
+
 
 def check_world_size(world_size: object) -> None:
     """Raise a ValueError naming the fix unless ``world_size`` is an int >= 1."""
@@ -60,10 +63,6 @@ def first_of(items: Sequence[object], shown: int = 8) -> str:
     """
     named = ", ".join(str(item) for item in items[:shown])
     return named + (f" and {len(items) - shown} more" if len(items) > shown else "")
-
-
-MESSAGES_SHOWN = 3
-MESSAGE_CHARS = 1500  # what the different messages shown share (4,096 stay <= 2 KB)
 
 
 def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": ") -> str:

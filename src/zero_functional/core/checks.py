@@ -1,7 +1,6 @@
 """Checks of what users pass in (pure): parameters, class, partition, devices, hyperparameters.
 
-Every check raises before anything is built or changed, with a message that names the fix.
-"""
+Every check raises before anything is built or changed, with a message that names the fix."""
 
 from __future__ import annotations
 
@@ -107,17 +106,13 @@ def param_tensors(items: Sequence[Any]) -> list[Tensor]:
     """
     out: list[Tensor] = []
     for item in items:
-        if isinstance(item, Tensor):
-            out.append(item)
-        else:
-            ps = item["params"]
-            out.extend([ps] if isinstance(ps, Tensor) else list(ps))
+        ps = item if isinstance(item, Tensor) else item["params"]
+        out.extend([ps] if isinstance(ps, Tensor) else ps)
     return out
 
 
 def check_devices(tensors: Sequence[Tensor], backend: str) -> None:
-    """A ValueError unless every parameter is on a device ``backend`` moves (no meta tensors,
-    CUDA for NCCL).
+    """A ValueError unless ``backend`` can move every parameter (no meta tensors, CUDA for NCCL).
 
     Example:
         >>> check_devices([torch.zeros(1)], "gloo")
@@ -169,8 +164,7 @@ def check_update_kind(optimizer_class: type, partition: str, overlap: bool) -> N
 
 def check_world_size(optimizer_class: type, world_size: int) -> None:
     """A ValueError where a ``"closure"`` class (LBFGS) would be sharded: each rank would search
-    on its own tensors and call the closure a different number of times, so the collectives
-    in it would not pair up.
+    on its own tensors, calling the closure (and its collectives) a different number of times.
 
     Example:
         >>> check_world_size(torch.optim.LBFGS, 1)

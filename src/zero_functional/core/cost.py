@@ -1,8 +1,7 @@
 """What an update costs per tensor, and Muon + AdamW ownership balanced by it (pure).
 
 ``torch.optim.Muon``'s Newton–Schulz iteration needs whole matrices, at a cost of ``m * n *
-min(m, n)``: :func:`muon_plan` balances them by it (what ``zero-functional plan --muon`` prints).
-"""
+min(m, n)``: :func:`muon_plan` balances them by it (what ``zero-functional plan --muon`` prints)."""
 
 from __future__ import annotations
 

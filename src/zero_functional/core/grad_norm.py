@@ -1,8 +1,7 @@
 """Gradient norms from the pieces a rank owns, in torch's arithmetic (pure, but for ``clip_``).
 
 As ``clip_grad_norm_``: the norm of the tensors' norms, per rank over its pieces, then over the
-ranks, so that whole tensors give torch's total bit for bit.
-"""
+ranks, so that whole tensors give torch's total bit for bit."""
 
 from __future__ import annotations
 

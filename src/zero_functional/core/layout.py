@@ -9,14 +9,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zero_functional.core._validate import (
-    check_align,
-    check_numels,
-    first_of,
-    round_up,
-)
+from zero_functional.core._validate import check_align, check_numels, first_of, round_up
 from zero_functional.core.ownership import Ownership
 from zero_functional.core.partition import Piece
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in an N-d tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +144,6 @@ def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
     check_splittable([tensor])
     with torch.no_grad():
         return tensor.detach().view(-1)[piece.start : piece.stop]
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in an N-d tensor
 
 
 def flat_range_boxes(

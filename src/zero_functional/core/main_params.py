@@ -14,6 +14,9 @@ from torch import Tensor
 
 MAIN_KEY = "main_param"  # the state key of a piece's main copy
 REMAINDER_KEY = "main_param_remainder"  # ... of its int16 remainder (never saved)
+StepPieces = Callable[
+    [Mapping[str, Any], Sequence[Tensor], Sequence[Tensor], list[dict[str, Any]]], None
+]
 
 
 def check_main_params_dtype(value: object) -> torch.dtype | None:
@@ -144,11 +147,6 @@ def with_main(view: Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
     if REMAINDER_KEY in state:
         out[MAIN_KEY] = join_main(view.detach(), state[REMAINDER_KEY])
     return out
-
-
-StepPieces = Callable[
-    [Mapping[str, Any], Sequence[Tensor], Sequence[Tensor], list[dict[str, Any]]], None
-]
 
 
 def step_through_main_(

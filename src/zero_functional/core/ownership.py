@@ -30,6 +30,7 @@ from zero_functional.core.partition import (
 PartitionName = Literal["sorted_greedy", "flat"]
 PARTITIONS: tuple[PartitionName, ...] = ("sorted_greedy", "flat")
 Held = Sequence[tuple[int, Piece]]  # a parameter's (rank, piece), in element order
+Building = list[list[tuple[int, Piece]]]  # per parameter, its (rank, piece) pairs so far
 
 
 def check_partition(partition: object) -> PartitionName:
@@ -93,7 +94,7 @@ class Ownership:
                 f"got {len(self.pieces)}: build it with flat_ownership() or its siblings"
             )
         n = len(self.numels)
-        holders: list[list[tuple[int, Piece]]] = [[] for _ in range(n)]
+        holders: Building = [[] for _ in range(n)]
         for rank, rank_pieces in enumerate(self.pieces):
             last = -1
             for piece in rank_pieces:
@@ -304,7 +305,7 @@ def flat_ownership(
     groups: dict[Hashable, list[int]] = {}
     for k, key in enumerate(keys):
         groups.setdefault(key, []).append(k)
-    per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
+    per_param: Building = [[] for _ in numels]
     for key, members in groups.items():
         step = align[key] if isinstance(align, Mapping) else align
         sub = [blocks[k] for k in members] if blocks is not None else None
@@ -318,11 +319,7 @@ def flat_ownership(
     return _from_holders(numels, world_size, per_param)
 
 
-def _place(
-    per_param: list[list[tuple[int, Piece]]],
-    members: Sequence[int],
-    pieces: Sequence[Sequence[Piece]],
-) -> None:
+def _place(per_param: Building, members: Sequence[int], pieces: Sequence[Sequence[Piece]]) -> None:
     for rank, rank_pieces in enumerate(pieces):
         for s in rank_pieces:
             per_param[members[s.param]].append((rank, replace(s, param=members[s.param])))
@@ -366,7 +363,7 @@ def bucket_ownership(
         if not (0 <= k < len(numels) and 0 <= rank < world_size):
             raise ValueError(f"pinned maps parameter {k} to rank {rank}, out of range")
     rest = [k for k in range(len(numels)) if not seen[k]]
-    per_param: list[list[tuple[int, Piece]]] = [[] for _ in numels]
+    per_param: Building = [[] for _ in numels]
     if partition == "flat":
         for k, rank in pinned.items():
             per_param[k].append((rank, _whole(k, numels[k])))

@@ -217,11 +217,7 @@ class FlatPartition:
 
 
 def flat(
-    numels: Sequence[int],
-    world_size: int,
-    *,
-    align: int = 1,
-    blocks: Sequence[int] | None = None,
+    numels: Sequence[int], world_size: int, *, align: int = 1, blocks: Sequence[int] | None = None
 ) -> FlatPartition:
     """The concatenated parameters cut into ``world_size`` ranges of at most ``ceil(total /
     world_size)`` elements on multiples of ``align`` (or of each parameter's block in ``blocks``).
@@ -236,7 +232,6 @@ def flat(
     check_align(align)
     starts = prefix_sums(numels)
     total = starts[-1]
-    # Integer ceilings: total / world_size in floating point loses exactness past 2**53.
     chunk = round_up(ceil_div(total, world_size), align)
     bounds = tuple((min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(world_size))
     if blocks is not None and any(b > 1 for b in blocks):
@@ -297,19 +292,16 @@ class BucketAssignment:
 
 
 def _least_loaded(loads: Sequence[int], excluded: set[int], bucket: int) -> int:
-    # compat: torch's `_get_min_index`: the first rank of minimal load not yet in this bucket.
-    best = -1
-    for r, load in enumerate(loads):
-        if r not in excluded and (best < 0 or load < loads[best]):
-            best = r
-    if best < 0:
+    free = [r for r in range(len(loads)) if r not in excluded]
+    if not free:
         # compat: torch fails here too (AssertionError "All indices are disallowed").
         raise ValueError(
             f"torch's shard_buckets rule cuts DDP bucket {bucket} into more than "
             f"{len(loads)} pieces, one per rank at most (many parameters each near "
             "total / world_size): pass shard_buckets=False, or a larger bucket_cap_mb to DDP"
         )
-    return best
+    # compat: torch's `_get_min_index`: the first rank of minimal load not yet in this bucket.
+    return min(free, key=lambda r: loads[r])
 
 
 def ddp_bucket_assignments(

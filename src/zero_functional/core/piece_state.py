@@ -2,8 +2,7 @@
 
 A rank owning a piece keeps its parameter's state for the piece only: *elementwise* tensors
 (``exp_avg``, ...) hold the piece's elements (1-D, or in the parameter's shape when whole), and
-*per-parameter* values (a 0-d ``step``, a number) are the same on every rank holding a piece.
-"""
+*per-parameter* values (a 0-d ``step``, a number) are the same on every rank holding a piece."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def copied(value: Tensor) -> Tensor:
         >>> copied(torch.ones(2))
         tensor([1., 1.])
     """
-    flatten = getattr(type(value), "__tensor_flatten__", None)
-    if flatten is None:
+    if getattr(type(value), "__tensor_flatten__", None) is None:
         return value.clone()
     names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = {n: getattr(value, n).clone() for n in names}

@@ -4,8 +4,7 @@ The stateful parts apply these values and :mod:`zero_functional.comm` executes t
 (:data:`Collectives`) moves reduced gradients to their owners, then updated pieces to every rank:
 ``"reduce_scatter+all_gather"`` over even shards, ``"reduce+broadcast"`` per owner's stretch (on
 gloo, all-to-alls in chunks), both in DDP's bytes; ``"allreduce+broadcast"`` under a user's hook,
-in half again as many (pytorch#69591).
-"""
+in half again as many (pytorch#69591)."""
 
 from __future__ import annotations
 
@@ -29,6 +28,11 @@ from zero_functional.core.partition import owners
 
 Collectives = Literal["allreduce+broadcast", "reduce+broadcast", "reduce_scatter+all_gather"]
 COLLECTIVES: tuple[Collectives, ...] = get_args(Collectives)
+Runs = Sequence[tuple[int, int, int]]  # (start, stop, rank): Ownership.runs or plain tuples
+Stretch = tuple[int, int]
+RESHARD_WINDOW = 1 << 20  # elements moved per round of a reshard (about a DDP bucket of state)
+FLAT_ALIGN_BYTES = 16  # "flat"'s bounds fall on multiples: where kernels and NCCL like a start
+COALESCE_BELOW = 1 << 16  # smaller tensors travel packed; larger ones in place, with no copy
 
 
 def choose_collectives(
@@ -60,7 +64,7 @@ def takes_even_shards(collectives: Collectives) -> bool:
     return collectives == "reduce_scatter+all_gather"
 
 
-def even_chunk(runs: Sequence[tuple[int, int, int]], total: int, world_size: int) -> int | None:
+def even_chunk(runs: Runs, total: int, world_size: int) -> int | None:
     """The shard size if ``runs`` are the even split of ``total`` elements, else ``None``.
 
     Example:
@@ -141,12 +145,10 @@ def bucket_view_groups(
         [[0], [1, 2]]
     """
     by_key: dict[tuple[int, BufferKey], list[int]] = {}
+    whole = ownership.is_whole  # else one view group per key, frozen parameters too
     for k, key in enumerate(keys):
-        if ownership.is_whole:
-            if trainable[k]:
-                by_key.setdefault((ownership.owner(k), key), []).append(k)
-        else:
-            by_key.setdefault((0, key), []).append(k)
+        if trainable[k] or not whole:
+            by_key.setdefault((ownership.owner(k) if whole else 0, key), []).append(k)
     return [members for _, members in sorted(by_key.items())]
 
 
@@ -171,9 +173,6 @@ def plan_moves(old: Ownership, new: Ownership, rank: int) -> ReshardPlan:
         ((0, 1),)
     """
     return _reshard_plan(old.transfers(new), rank)
-
-
-RESHARD_WINDOW = 1 << 20  # elements moved per round of a reshard (about a DDP bucket of state)
 
 
 def reshard_rounds(
@@ -217,9 +216,6 @@ def _reshard_plan(moves: Sequence[Transfer], rank: int) -> ReshardPlan:
         pairs=tuple(sorted({(t.src, t.dst) for t in moves if t.src != t.dst})),
         held=frozenset(t.param for t in moves if t.src == rank),
     )
-
-
-FLAT_ALIGN_BYTES = 16  # "flat"'s bounds fall on multiples: where kernels and NCCL like a start
 
 
 def ownership_for(
@@ -303,7 +299,7 @@ def whole_owners(
     return list(owners(cost_greedy(costs, world_size), len(shapes)))
 
 
-def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[int, int]]:
+def owned_spans(runs: Runs, rank: int) -> list[tuple[int, int]]:
     """The ``(start, stop)`` of the runs ``rank`` owns, in buffer order.
 
     Example:
@@ -311,9 +307,6 @@ def owned_spans(runs: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[i
         [(0, 4), (6, 9)]
     """
     return [(a, b) for a, b, owner in runs if owner == rank]
-
-
-COALESCE_BELOW = 1 << 16  # smaller tensors travel packed; larger ones in place, with no copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,12 +367,9 @@ def sync_plan(
     return SyncPlan(tuple(units), nccl and len(units) > 1)
 
 
-Stretch = tuple[int, int]
-
-
 def exchange_chunks(
-    runs: Sequence[tuple[int, int, int]], world_size: int, per_owner: int
-) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+    runs: Runs, world_size: int, per_owner: int
+) -> tuple[tuple[tuple[Stretch, ...], ...], ...]:
     """``runs`` cut into chunks of at most ``per_owner`` elements per owner, for gloo's
     all-to-alls: per chunk, per rank, the stretches of its runs that chunk carries.
 
@@ -387,15 +377,13 @@ def exchange_chunks(
         >>> exchange_chunks([(0, 5, 0), (5, 8, 1)], 2, 3)
         ((((0, 3),), ((5, 8),)), (((3, 5),), ()))
     """
-    owned: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    owned: list[list[Stretch]] = [[] for _ in range(world_size)]
     for a, b, rank in runs:
         if b > a:
             owned[rank].append((a, b))
     splits = [sum(b - a for a, b in stretches) for stretches in owned]
     chunks = ceil_div(max(splits, default=0), per_owner)
-    out: list[list[list[tuple[int, int]]]] = [
-        [[] for _ in range(world_size)] for _ in range(chunks)
-    ]
+    out: list[list[list[Stretch]]] = [[[] for _ in range(world_size)] for _ in range(chunks)]
     for rank, stretches in enumerate(owned):
         seen = 0  # elements of this owner's sequence before the stretch
         for a, b in stretches:

@@ -2,8 +2,7 @@
 
 :func:`shard_init` builds state for the pieces this rank owns and :func:`shard_update` updates
 them purely; ``comm.reduce_to_owners`` and ``comm.sync_params`` (over ``piece_views(tensors,
-ownership)``) move the gradients and parameters around it.
-"""
+ownership)``) move the gradients and parameters around it."""
 
 from __future__ import annotations
 
@@ -92,8 +91,7 @@ def shard_update(
     rank: int,
 ) -> tuple[dict[str, Tensor] | list[Tensor], ShardState]:
     """Pure update of this rank's pieces: a parameter it owns a piece of comes back new with
-    the piece updated, the others as the same objects (same container as ``params``); then
-    ``comm.sync_params(*piece_views(new_params, ownership))`` gives every rank every piece.
+    the piece updated, the others as the same objects (same container as ``params``).
 
     Example:
         >>> from zero_functional.functional import adam
