@@ -4,19 +4,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+ALL_EXTRAS := test,dev,demo,integrations,lowbit,ray
 
 .PHONY: setup demo test test-fast lint typecheck rules unit doctest bench stress clean
 
-$(STAMP): pyproject.toml
+# the venv, then this package with extras $(1), torch pinned in the same pip call: no extra may
+# replace it
+define install
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q "$(TORCH)" -e ".[test,dev,demo,integrations,lowbit,ray]"  # torch pinned: no extra may replace it
-	touch $(STAMP)
+	$(BIN)/pip install -q "$(TORCH)" -e ".[$(1)]"
+endef
+
+# `make demo` installs what the demo needs; every other target all the extras, the demo's too
+$(DEMO_STAMP): pyproject.toml
+	$(call install,demo)
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml
+	$(call install,$(ALL_EXTRAS))
+	touch $(STAMP) $(DEMO_STAMP)
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m zero_functional demo
 
 lint: $(STAMP)

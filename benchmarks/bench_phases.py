@@ -100,13 +100,15 @@ def main() -> None:
     args = ap.parse_args()
     run_shaped(args.link)
     numel = args.numel or 8 * args.width * args.width
+    # the label counts the model's parameters: mlp() keeps whole layers (2M at width 512: 1.8M)
+    label = f"{sum(p.numel() for p in mlp(numel, width=args.width).parameters()) / 1e6:.1f}M MLP"
     rows = []
     for ws in args.world_sizes:
         results = run_ranks(_worker, ws, numel, args.width, args.rounds, timeout_s=1800)
         ms = {m: {p: max(r["ms"][m][p] for r in results) for p in PHASES} for m in MODES}
         base = ms[MODES[0]]["iteration"]
         link = f" on {args.link}" if args.link else ""
-        print(f"\n== {numel / 1e6:.1f}M MLP{link}, world size {ws}, median of {args.rounds} rounds")
+        print(f"\n== {label}{link}, world size {ws}, median of {args.rounds} rounds")
         print(f"{'variant':<34}" + "".join(f"{p:>11}" for p in PHASES) + f"{'x ddp':>8}")
         for m in MODES:
             t = ms[m]
@@ -117,7 +119,7 @@ def main() -> None:
             )
             rows.append(
                 {
-                    "benchmark": f"phases ({numel / 1e6:.1f}M MLP{link})",
+                    "benchmark": f"phases ({label}{link})",
                     "world_size": ws,
                     "variant": m,
                     "ms": t["iteration"],

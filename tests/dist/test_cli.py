@@ -4,11 +4,14 @@ equal to its reference, help and argument errors in a fresh interpreter without 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from zero_functional.app import cli
 from zero_functional.app.plan_format import format_bytes
 
 from tests.helpers import forked_train_ranks, run_cli
@@ -67,6 +70,42 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
         if "torch zero best" in line or " torch best " in line or "torch's ZeRO:" in line:
             assert "1.00x" in line, line
     assert any("ours overlap flat" in line for line in table)
+
+
+FAKE_BENCH = {
+    "bench_alpha.py": (
+        '"""Alpha: what it measures."""\nimport json, sys\nprint("ran alpha")\n'
+        "row = dict(benchmark='alpha', world_size=2, variant='torch best', ms=1.0, vs_torch_best=1.0)"
+        "\njson.dump([row], open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n"
+    ),
+    "bench_lowbit_compiled.py": '"""Compiles."""\nprint("ran compiled")\nraise SystemExit(3)\n',
+}
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_bench_says_what_each_script_measures_before_it_starts_and_how_long_it_took(
+    quick: bool, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42: a silent ``bench --quick`` ran past 300 s. Now it states how many scripts it
+    runs and about how long they take, what each measures before it starts and its time after,
+    and leaves out the compiled benchmark (a full ``bench`` runs it)."""
+    for name, text in FAKE_BENCH.items():
+        (tmp_path / name).write_text(text)
+    code, out, _ = run_cli(["bench", "--dir", str(tmp_path), *["--quick"] * quick], capfd)
+    lines = out.splitlines()
+    if quick:
+        assert code == 0 and "ran compiled" not in out, out
+        assert lines[0].startswith("-- left out by --quick: bench_lowbit_compiled.py (it compiles")
+        assert lines[1] == f"-- bench --quick runs 1 of 2 scripts, {cli.QUICK_TAKES}"
+        lines = lines[2:]
+    else:
+        assert code == 3 and "ran compiled" in out and "--quick" not in out, out
+    assert lines[:2] == [
+        f"== bench_alpha.py (1/{2 - quick}): Alpha: what it measures.",
+        "ran alpha",
+    ]
+    assert re.fullmatch(r"-- bench_alpha\.py: \d+ s \(\d+ s in all\)", lines[2]), lines
+    assert "alpha  " in out.split("== summary")[1]
 
 
 def test_a_timeout_below_one_second_is_printed_as_it_was_given(

@@ -9,6 +9,8 @@ every comparison here is bitwise.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -280,3 +282,47 @@ def test_sharded_checkpoints_of_quantized_state_reshard_3_to_2_and_4_bitwise(
     for world in (2, 4):
         for result in run_ranks(_load_lowbit, world, path, saved, name, timeout_s=120):
             assert result == dict.fromkeys(result, True), (name, world, result)
+
+
+QUIET_SCRIPT = """
+import logging
+import sys
+import torch
+from torch import nn
+from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+from zero_functional import ZeroRedundancyOptimizer
+from zero_functional.comm.testing import fake_world
+
+name, world = sys.argv[1], int(sys.argv[2])
+torch.compiler.set_stance("force_eager")  # a compiled step costs ~11 s: its warning comes below
+w = nn.Parameter(torch.randn(64, 96))
+with fake_world(world, 0):
+    group = {"params": [w], "optimizer_class": name}  # torchao imported by us, by name
+    zero = ZeroRedundancyOptimizer([group], torch.optim.AdamW, partition="flat", lr=1e-2)
+    w.grad = torch.randn(64, 96)
+    zero.step()
+# what torchao's first compiled step warns of: torch's AOT cache key of its quantized state
+pickler = AOTAutogradCachePickler(torch.fx.GraphModule(nn.Module(), torch.fx.Graph()))
+pickler.reducer_override(zero.state[w]["exp_avg"])
+logging.getLogger("torchao").warning("Failed to load the user's own")  # theirs: printed
+print("stepped", type(zero.state[w]["exp_avg"]).__name__)
+"""
+NOISE = ("_C_mxfp8", "_C_cutlass", "_pytree", "Enum subclass", "_stable_hash_for_caching")
+
+
+@pytest.mark.parametrize(("name", "world"), [("AdamW8bit", 1), ("AdamW4bit", 2)])
+def test_a_low_bit_class_we_import_prints_none_of_torchaos_noise(name: str, world: int) -> None:
+    """Issue 42: every process importing torchao printed "Failed to load ..._C_mxfp8.so" (and
+    _C_cutlass_90a), a ``_pytree`` deprecation of its Enums, and at its first compiled step
+    "OptimState8bit does not implement _stable_hash_for_caching". Where we import it: none."""
+    proc = subprocess.run(
+        [sys.executable, "-c", QUIET_SCRIPT, name, str(world)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == f"stepped OptimState{name[5:]}\n", proc.stdout
+    noise = [n for n in NOISE if n in proc.stdout + proc.stderr]
+    assert not noise, proc.stderr
+    assert "Failed to load the user's own" in proc.stderr, proc.stderr

@@ -7,12 +7,15 @@ door cannot break again with CI green (issue 29: ``make demo`` crashed at its la
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +68,60 @@ def test_make_demo_runs_to_the_end() -> None:
     for world in (2, 8, 64):
         assert re.search(rf"^\s+{world}\s+flat\s", out, re.MULTILINE), world
     assert out.rstrip().splitlines()[-1].startswith("demo finished in ")
+
+
+FAKE_TOOL = '#!/bin/sh\necho "$(basename "$0") $*" >> "$(dirname "$0")/../../calls"\n'
+"""A venv tool that only records its call (``pip install -q torch==2.13.0 -e .[demo]``)."""
+
+
+def pip_installs(clone: Path, *targets: str) -> list[list[str]]:
+    """The ``pip install`` calls (but pip's own upgrade) of ``make TARGETS`` in ``clone``, whose
+    venv's tools only record their calls: the Makefile's stamps decide what is installed."""
+    calls = clone / "calls"
+    calls.unlink(missing_ok=True)
+    subprocess.run(["make", "-s", *targets], cwd=clone, check=True, capture_output=True, timeout=60)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    argvs = [shlex.split(line) for line in lines if line.startswith("pip install")]
+    return [argv for argv in argvs if "--upgrade" not in argv]
+
+
+@pytest.fixture
+def clone(tmp_path: Path) -> Path:
+    """The Makefile and pyproject.toml of a fresh clone, with a venv of recording tools."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    os.utime(tmp_path / "pyproject.toml", (1e9, 1e9))  # older than any stamp make writes
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    for tool in ("pip", "python", "ruff", "mypy", "pytest"):
+        (tmp_path / ".venv" / "bin" / tool).write_text(FAKE_TOOL)
+        (tmp_path / ".venv" / "bin" / tool).chmod(0o755)
+    return tmp_path
+
+
+def extras_of(install: list[str]) -> set[str] | None:
+    """The extras of ``pip install ... -e .[a,b]`` (``None``: no package) if it pins torch."""
+    assert any(a.startswith("torch==") for a in install), f"torch not pinned: {install}"
+    editable = install[install.index("-e") + 1] if "-e" in install else ""
+    return set(editable[2:-1].split(",")) if editable.startswith(".[") else None
+
+
+def test_make_demo_installs_only_the_demo_extra_and_make_test_the_rest(clone: Path) -> None:
+    """Issue 42: ``make demo`` on a fresh clone installed every extra (Ray, Transformers). Now
+    torch and the demo extra; a ``make test`` after it installs all the extras; a third
+    ``make demo`` installs nothing."""
+    demo = pip_installs(clone, "demo")
+    assert [extras_of(i) for i in demo] == [{"demo"}], demo
+    every = set(importlib.metadata.metadata("zero_functional").get_all("Provides-Extra") or [])
+    test = pip_installs(clone, "test")
+    assert [extras_of(i) for i in test] == [every], test
+    assert pip_installs(clone, "demo") == []
+    assert pip_installs(clone, "test") == []
+
+
+def test_make_demo_after_make_test_installs_nothing(clone: Path) -> None:
+    every = set(importlib.metadata.metadata("zero_functional").get_all("Provides-Extra") or [])
+    assert [extras_of(i) for i in pip_installs(clone, "test")] == [every]
+    assert pip_installs(clone, "demo") == []
 
 
 @pytest.mark.parametrize("argv", cli_commands("train"), ids=" ".join)

@@ -333,6 +333,22 @@ def test_bench_lists_the_scripts_in_benchmarks(capsys: pytest.CaptureFixture[str
     assert out
 
 
+def test_bench_quick_leaves_out_the_compiled_benchmarks_and_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 42: ``bench --quick`` did not finish in 300 s, torchao compiling its step."""
+    listed = {Path(line).name for line in run_cli(["bench", "--list"], capsys)[1].splitlines()}
+    assert set(cli.NOT_QUICK) <= listed  # each still names a benchmark
+    code, out, _ = run_cli(["bench", "--quick", "--list"], capsys)
+    assert code == 0
+    left = [line for line in out.splitlines() if line.startswith("-- left out by --quick: ")]
+    assert [line.split()[5] for line in left] == list(cli.NOT_QUICK), left
+    assert "bench_lowbit_compiled.py (it compiles torchao's" in out
+    assert {Path(line).name for line in out.splitlines() if line not in left} == listed - set(
+        cli.NOT_QUICK
+    )
+
+
 def test_bench_rejects_a_directory_without_benchmarks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

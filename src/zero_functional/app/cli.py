@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -40,6 +41,13 @@ from zero_functional.core.loads import hybrid_shape
 
 LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py", "bench_phases.py")
 """The benchmarks ``bench --link`` runs: those that measure what bytes cost."""
+NOT_QUICK = {
+    "bench_lowbit_compiled.py": "it compiles torchao's AdamW8bit step for each piece shape; "
+    "run it without --quick",
+}
+"""The benchmarks ``bench --quick`` leaves out, and why."""
+QUICK_TAKES = "about 2 min on 2 idle cores: each starts its own ranks and times every variant"
+"""What ``bench --quick`` says of its time (not under a minute), before it starts."""
 DEMO_WORLD_SIZES = (2, 8, 64)  # the world sizes ``plan`` reports by default, and the demo's plan
 MAX_SIMULATED_RANKS = 64
 """Most ranks ``plan --simulate`` builds per world size (each takes up to a second)."""
@@ -227,6 +235,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     if args.link:  # the scripts that measure bytes on a link (issue 33)
         scripts = [s for s in scripts if s.name in LINK_SCRIPTS]
+    total = len(scripts)
+    if args.quick:
+        for s in scripts:
+            if s.name in NOT_QUICK:
+                print(f"-- left out by --quick: {s.name} ({NOT_QUICK[s.name]})")
+        scripts = [s for s in scripts if s.name not in NOT_QUICK]
     if args.list:
         print("\n".join(str(s) for s in scripts))
         return 0
@@ -242,19 +256,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         forwarded += [flag, *map(str, values)] if values else []
     rows: list[dict[str, object]] = []
     worst = 0
+    if args.quick:
+        print(f"-- bench --quick runs {len(scripts)} of {total} scripts, {QUICK_TAKES}")
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for script in scripts:
+        for i, script in enumerate(scripts, 1):
             out = Path(tmp) / f"{script.stem}.json"
-            print(f"== {script.name}", flush=True)
+            print(f"== {script.name} ({i}/{len(scripts)}): {_what(script)}", flush=True)
+            began = time.perf_counter()
             code = subprocess.run(
                 [sys.executable, str(script), *forwarded, "--json", str(out)], check=False
             ).returncode
+            now = time.perf_counter()
+            print(f"-- {script.name}: {now - began:.0f} s ({now - start:.0f} s in all)")
             worst = max(worst, code)
             if code == 0 and out.is_file():
                 rows.extend(json.loads(out.read_text()))
     print("\n== summary: every benchmark against torch's best configuration, same run")
     print(format_bench(rows))
     return worst
+
+
+def _what(script: Path) -> str:
+    """What ``script`` measures: its docstring's first line (read, not imported)."""
+    doc = ast.get_docstring(ast.parse(script.read_text()))
+    return doc.splitlines()[0] if doc else "(no docstring)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,7 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--list", action="store_true", help="only list the scripts")
     bench.add_argument(
-        "--quick", action="store_true", help="2 ranks, 3 rounds, 2M parameters (a smoke run)"
+        "--quick",
+        action="store_true",
+        help="2 ranks, 3 rounds, 2M parameters, no compiled benchmark (a smoke run)",
     )
     bench.add_argument(
         "--world-sizes",

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from torch import Tensor
 from zero_functional.checkpoint.storage import CheckpointError, Saved, Wanted
 from zero_functional.core.blockwise import BlockParts, block_parts, from_block_parts
 from zero_functional.core.partition import Piece
+from zero_functional.functional.registry import import_torchao
 
 PREFIX = "quantized."
 _TRUSTED = "torchao."  # saved classes import only from here: a checkpoint names no arbitrary code
@@ -135,7 +135,7 @@ def _class(path: str) -> type:
     module, _, qualname = path.rpartition(".")
     cls = None
     if module.startswith(_TRUSTED):
-        cls = getattr(importlib.import_module(module), qualname, None)
+        cls = getattr(import_torchao(module), qualname, None)
     if not isinstance(cls, type) or not issubclass(cls, Tensor):
         raise CheckpointError(
             f"the checkpoint's quantized state is of {path!r}, not a block-wise tensor class of "

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import numbers
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Literal, Union, cast
 
 import torch
@@ -214,6 +216,43 @@ _KNOWN_BY_NAME: dict[str, tuple[UpdateKind, int]] = {
 }
 
 
+_TORCHAO_NOISE = (
+    ("torchao", "Failed to load "),  # its CUDA kernels (_C_mxfp8.so), absent on this machine
+    ("torch.utils._pytree", "%s is an Enum subclass"),  # torch deprecating how it registers Enums
+)
+"""What importing torchao logs that its user cannot act on: (logger, start of the message)."""
+
+
+def _not_torchao_noise(record: logging.LogRecord) -> bool:
+    return not any(record.name == n and str(record.msg).startswith(m) for n, m in _TORCHAO_NOISE)
+
+
+def import_torchao(module: str) -> ModuleType:
+    """torchao's ``module``, imported without the noise torchao prints that its user cannot act on:
+    the log lines of :data:`_TORCHAO_NOISE` during the import, and at its first compiled step
+    torch's warning that its quantized state classes have no stable hash for the AOT cache.
+
+    Other messages of these loggers, and the user's own torchao warnings after it, still print.
+
+    Example:
+        >>> import_torchao("torchao.optim").AdamW8bit.__name__
+        'AdamW8bit'
+    """
+    warnings.filterwarnings(  # persists: the warning comes at the first compiled step
+        "ignore",
+        message=r"OptimState\w+ does not implement _stable_hash_for_caching",
+        category=UserWarning,
+    )
+    loggers = [logging.getLogger(name) for name, _ in _TORCHAO_NOISE]
+    for logger in loggers:
+        logger.addFilter(_not_torchao_noise)
+    try:
+        return importlib.import_module(module)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_not_torchao_noise)
+
+
 def register_optimizer(optimizer_class: type, kind: UpdateKind, *, block: int = 1) -> None:
     """Declare how ``optimizer_class`` updates (:data:`OPTIMIZER_KINDS`) and its ``block``.
 
@@ -314,6 +353,6 @@ def optimizer_by_name(name: str) -> type | None:
         return known[full]
     if full in _KNOWN_BY_NAME:  # torchao's, imported only now (an optional dependency)
         module, _, qualname = full.rpartition(".")
-        found = getattr(importlib.import_module(module), qualname, None)
+        found = getattr(import_torchao(module), qualname, None)
         return found if isinstance(found, type) else None
     return None
