@@ -183,13 +183,21 @@ class BucketSync:
         flat, bucket = self._grad
         if bucket is not flat:
             bucket.copy_(flat)
+        self._let_go()
         return bucket
 
     def grad_pending(self) -> comm.Pending:
         """What DDP's future waits on when stepping after backward: the reduction, rounded back."""
         assert self._grad is not None
         self._across_replicas()
-        return self._pending.copy_after(self._grad[1], self._grad[0])
+        pending = self._pending.copy_after(self._grad[1], self._grad[0])
+        self._let_go()
+        return pending
+
+    def _let_go(self) -> None:
+        # DDP's bucket is its own, replaced when DDP rebuilds its buckets: held here past its
+        # backward, the first layout's buffers (a model's gradients) would outlive the rebuild
+        self._grad, self._pending = None, comm.Pending([])
 
     # ------------------------------------------------------------------ parameters
 
