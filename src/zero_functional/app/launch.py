@@ -3,14 +3,13 @@ the results, and name what went wrong (``train``, the tests, the benchmarks and 
 use :func:`run_ranks`).
 
 A rank's result or traceback comes back pickled over its own pipe; a rank that dies, is stopped
-(SIGSTOP) or hangs is named, the cause first (:class:`LaunchError`); after the first failure the
-others get :data:`GRACE_S` to report, then are killed. SIGTERM to the launcher stops every rank
-first, then raises :class:`Terminated`; a rank whose launcher dies is killed by the kernel
-(Linux's ``PR_SET_PDEATHSIG``), else kills itself (:func:`exit_when_orphaned`). A rank leaves
-with ``os._exit`` after a barrier: finalizing a spawned interpreter with gloo's threads alive
-can abort it (``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument,
-so each rank imports it before it joins). Ranks start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless
-it is set: a dead peer makes c10d log a C++ stack.
+(SIGSTOP) or hangs is named, the cause first (:class:`LaunchError`). SIGTERM to the launcher
+stops every rank first, then raises :class:`Terminated`; a rank whose launcher dies is killed
+(Linux's ``PR_SET_PDEATHSIG``, else :func:`exit_when_orphaned`). A rank leaves with ``os._exit``
+after a barrier: finalizing a spawned interpreter with gloo's threads alive can abort it
+(``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument, so each rank
+imports it before it joins). Ranks start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a
+dead peer makes c10d log a C++ stack.
 """
 
 from __future__ import annotations
@@ -73,12 +72,8 @@ class LaunchError(RuntimeError):
     message has a line per failed rank, then the tracebacks of the primary ones.
 
     Example:
-        >>> e = LaunchError([RankFailure(1, "was killed by signal SIGKILL"),
-        ...                  RankFailure(0, "was stopped after rank 1 failed", primary=False)])
-        >>> print(e)
-        rank 1 was killed by signal SIGKILL
-        rank 0 was stopped after rank 1 failed
-        >>> e.headline
+        >>> LaunchError([RankFailure(0, "was stopped after rank 1 failed", primary=False),
+        ...              RankFailure(1, "was killed by signal SIGKILL")]).headline
         'rank 1 was killed by signal SIGKILL'
     """
 
@@ -254,9 +249,9 @@ def process_group(
 ) -> Iterator[None]:
     """Join the default process group for the block (``rank`` and ``world_size`` None: from the
     environment, as torchrun sets it; ``store``: where the ranks met, else ``MASTER_ADDR`` and
-    ``MASTER_PORT``); leave it cleanly after: on a clean exit every rank waits
-    in a barrier (in gloo it also waits for pending collectives), then the group is destroyed.
-    After an exception it is destroyed without the barrier, which the others may never reach.
+    ``MASTER_PORT``); leave it cleanly after: on a clean exit every rank waits in a barrier (in
+    gloo it also waits for pending collectives), then the group is destroyed; after an exception,
+    without the barrier, which the others may never reach.
 
     Example (one rank; :func:`run_ranks` sets ``MASTER_ADDR`` and ``MASTER_PORT`` for its ranks):
         >>> import os, torch
@@ -539,8 +534,7 @@ def _poll(
 
 def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[RankFailure]:
     """Wait until every rank has reported or ended, or until the first failure's grace is over."""
-    deadline = time.monotonic() + timeout_s
-    stop_at = deadline
+    stop_at = deadline = time.monotonic() + timeout_s
     failures: list[RankFailure] = []
     stops = StoppedRanks()
     while True:

@@ -100,9 +100,8 @@ def run_shaped(rate: str | None, argv: Sequence[str] | None = None) -> None:
             shaped_command(rate, ["true"]), capture_output=True, text=True, check=False
         )
         lines = (probe.stderr or probe.stdout).strip().splitlines()
-        why = (
-            "" if probe.returncode == 0 else (lines[-1] if lines else f"status {probe.returncode}")
-        )
+        if probe.returncode != 0:
+            why = lines[-1] if lines else f"status {probe.returncode}"
     if why:
         print(f"--link {rate}: cannot shape a private loopback here ({why})", file=sys.stderr)
         raise SystemExit(2)

@@ -155,9 +155,8 @@ def format_hybrid(
     main_params: str | None = None,
 ) -> str:
     """State and bytes moved per rank and step under hybrid sharding (``W / shard_size``
-    replica groups of ``S = shard_size`` ranks, a node), against 1-D ZeRO over the world: for
-    ``B`` bytes of gradients, ``2 B (S-1)/S`` within a node and ``2 (B/S)(R-1)/R`` across
-    (:func:`~zero_functional.core.partition.rank_traffic`).
+    replica groups of ``shard_size`` ranks, a node), against 1-D ZeRO over the world
+    (:func:`~zero_functional.core.loads.rank_traffic`).
 
     Example:
         >>> print(format_hybrid([6, 3, 3], [4], 2))

@@ -4,7 +4,7 @@ the ranks that did not come, where ``init_process_group`` would wait for them si
 Rank 0 hosts a TCP store at ``MASTER_ADDR:MASTER_PORT`` (:class:`~.cluster.ClusterRank`), every
 rank signs in there, rank 0 waits for them all until the deadline and posts the ranks missing,
 which each rank that came reads before rank 0 leaves. The process group then forms on that
-store. torchrun's agent holds its own rendezvous: its workers join through it, as before.
+store. torchrun's agent holds its own rendezvous: its workers join through it.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def rendezvous(where: ClusterRank, timeout_s: float, env: Mapping[str, str]) -> 
         raise closed from None
     store.set(f"{JOINED}{rank}", "")
     if rank == 0:
-        missing = _roll_call(store, world, deadline)
+        everyone = [f"{JOINED}{r}" for r in range(world)]
+        missing = [] if _wait(store, everyone, deadline) else _absent(store, world)
         store.set(MISSING, ",".join(map(str, missing)))
         if missing:  # the ranks that came read the word before the store goes with this process
             came = [f"{HEARD}{r}" for r in range(1, world) if r not in missing]
@@ -144,15 +145,6 @@ def _wait(store: Store, keys: list[str], deadline: float) -> bool:
 
 def _absent(store: Store, world: int) -> list[int]:
     return [r for r in range(world) if not store.check([f"{JOINED}{r}"])]
-
-
-def _roll_call(store: Store, world: int, deadline: float) -> list[int]:
-    """Rank 0: the ranks that have not signed in by ``deadline``."""
-    return (
-        []
-        if _wait(store, [f"{JOINED}{r}" for r in range(world)], deadline)
-        else _absent(store, world)
-    )
 
 
 def _word(store: Store, rank: int, world: int, deadline: float) -> list[int]:

@@ -63,8 +63,7 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
         >>> [len(b) for b in epoch_batches(5, 2, seed=2**64 - 1, epoch=999_999)]  # any seed
         [2, 2, 1]
     """
-    # torch takes seeds from -2**63 to 2**64-1 and uses them modulo 2**64: reducing here keeps
-    # every (seed, epoch) that fitted before on the same permutation, and makes the rest fit
+    # torch takes seeds from -2**63 to 2**64-1 and uses them modulo 2**64: reduced, all fit
     g = torch.Generator().manual_seed((seed * 100_003 + epoch) % 2**64)
     perm = torch.randperm(n, generator=g)
     return list(torch.tensor_split(perm, list(range(batch_size, n, batch_size))))
@@ -72,9 +71,8 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
 
 def parity_verdict(max_diff: float, world_size: int, reduce_on_owners: bool) -> str:
     """The verdict on the ZeRO run's parameters against the plain run's, after the same steps:
-    exact at 1 or 2 ranks and with torch's class (which all-reduces too); at 3 or more, gloo sums
-    ZeRO's reduce onto owners in another order than DDP's all-reduce, training amplifies the
-    rounding, and the difference is reported, not judged.
+    exact at 1 or 2 ranks and with torch's class; at 3 or more, reported, not judged (the text
+    says why).
 
     Example:
         >>> parity_verdict(0.0, 2, True)
@@ -405,11 +403,9 @@ def disk_full(error: LaunchError, checkpoint: str | None) -> str | None:
 
 
 def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
-    """Spawn ``nproc`` gloo ranks on 127.0.0.1 (:func:`~.launch.run_ranks`), run the job and
-    print the summary. A rank that fails, dies or hangs past ``timeout_s`` stops the others and
-    is named on stderr, in one line as SIGTERM and Ctrl-C are (SIGTERM after ``cfg.grace_s`` to
-    save, with a checkpoint). Returns 0; 1 if a rank failed or timed out; 143 after SIGTERM;
-    130 after Ctrl-C."""
+    """Spawn ``nproc`` ranks (:func:`~.launch.run_ranks`), run the job and print the summary; a
+    failure, SIGTERM (the ranks get ``cfg.grace_s`` more to save) or Ctrl-C is named on stderr.
+    Returns 0; 1 if a rank failed or timed out; 143 after SIGTERM; 130 after Ctrl-C."""
     term_grace_s = TERM_GRACE_S + (cfg.grace_s if cfg.checkpoint is not None else 0.0)
     try:
         results = run_ranks(run_job, nproc, cfg, timeout_s=timeout_s, term_grace_s=term_grace_s)
@@ -433,9 +429,8 @@ def launch(cfg: TrainConfig, nproc: int, timeout_s: float = 600.0) -> int:
 
 def run_torchrun(cfg: TrainConfig, where: ClusterRank) -> int:
     """Join the job's group as a cluster launcher placed this process (:mod:`.cluster`) and run
-    the job; 0, 1 if ranks did not join within ``cfg.timeout`` (named on stderr, in one line),
-    or 143 after SIGTERM. A hang fails after ``cfg.timeout``. Other errors propagate, for the
-    launcher to name the rank."""
+    the job; 0, 1 if ranks did not join within ``cfg.timeout`` (named on stderr), or 143 after
+    SIGTERM. Other errors propagate, for the launcher to name the rank."""
     # torch's env:// rendezvous reads these two; SLURM's are derived (cluster_rank)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = where.master_addr, str(where.master_port)
     cfg = replace(cfg, resume=elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank))

@@ -152,10 +152,9 @@ def _foreach(ps: list[Tensor], gs: list[Tensor], s: AdamState, h: AdamHyper) -> 
     if torch.is_complex(ps[0]):
         ps, gs, ms, vs = ([torch.view_as_real(t) for t in ts] for ts in (ps, gs, ms, vs))
         vmaxs = [torch.view_as_real(t) for t in vmaxs]
-    owned = False
-    if h.maximize:
+    owned = h.maximize  # whether gs are our temporaries or the caller's grads
+    if owned:
         gs = list(torch._foreach_neg(gs))
-        owned = True
     torch._foreach_add_(steps, 1)
     if h.weight_decay != 0:
         if h.decoupled_weight_decay:

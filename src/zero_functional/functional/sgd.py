@@ -91,10 +91,9 @@ def sgd_init(params: Sequence[Tensor]) -> SGDState:
 
 
 def _foreach(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor | None], h: SGDHyper) -> None:
-    owned = False  # whether gs are our temporaries (safe to modify) or the caller's grads
-    if h.maximize:
+    owned = h.maximize  # whether gs are our temporaries (safe to modify) or the caller's grads
+    if owned:
         gs = list(torch._foreach_neg(gs))
-        owned = True
     if h.weight_decay != 0:
         if owned:
             torch._foreach_add_(gs, ps, alpha=h.weight_decay)
