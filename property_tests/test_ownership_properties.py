@@ -24,6 +24,7 @@ from zero_functional.core.plans import (
     buffer_plan,
     even_chunk,
     owned_spans,
+    reshard_rounds,
     sync_plan,
     takes_even_shards,
 )
@@ -192,6 +193,44 @@ def test_transfers_cover_every_element_from_its_old_owner_to_its_new(
     if m != n:
         with pytest.raises(ValueError, match="same parameters and ranks"):
             old.transfers(flat_ownership(numels, m))
+
+
+@given(numels_st, world_st, st.integers(1, 300))
+def test_reshard_rounds_make_every_transfer_once_alike_on_every_rank_within_their_size(
+    numels: list[int], n: int, elements: int
+) -> None:
+    old, new = sorted_greedy_ownership([numels], n), flat_ownership(numels, n)
+    per_rank = [reshard_rounds(old, new, r, elements) for r in range(n)]
+    assert len({len(rounds) for rounds in per_rank}) == 1
+    made = []
+    for plans in zip(*per_rank):
+        assert len({plan.pairs for plan in plans}) == 1  # the same exchange on every rank
+        sends = [t for plan in plans for t in plan.sends]
+        for r, plan in enumerate(plans):
+            received = sorted(t for m in plan.receives.values() for t in m)
+            assert sorted(t for t in sends if t.dst == r) == received
+            for moves in plan.receives.values():  # each parameter's in element order
+                assert [t.start for t in moves] == sorted(t.start for t in moves)
+        moved = sum(t.stop - t.start for t in sends if t.src != t.dst)
+        assert moved <= elements or len({t.param for t in sends}) == 1
+        made += sends
+    assert sorted(made) == sorted(old.transfers(new))
+
+
+@given(st.integers(1, 12), st.integers(1, 50))
+def test_reshard_rounds_hold_a_swap_at_most_one_parameter_over(half: int, numel: int) -> None:
+    """Ranks 0 and 1 trade all their parameters: in parameter order rank 1 would receive all of
+    its new state before it sends any of its old (``half`` parameters over); a round at most."""
+    owners = [0] * half + [1] * half
+    old = whole_ownership([numel] * 2 * half, owners, 2)
+    new = whole_ownership([numel] * 2 * half, owners[::-1], 2)
+    for rank in (0, 1):
+        grown = worst = 0
+        for plan in reshard_rounds(old, new, rank, elements=numel):
+            grown += sum(t.stop - t.start for m in plan.receives.values() for t in m)
+            grown -= sum(t.stop - t.start for t in plan.sends)
+            worst = max(worst, grown)
+        assert worst <= numel
 
 
 @given(numels_st, world_st)

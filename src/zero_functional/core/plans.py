@@ -180,8 +180,8 @@ def reshard_rounds(
 ) -> list[ReshardPlan]:
     """:func:`plan_moves` in rounds of whole parameters that move at most ``elements`` elements
     between ranks in all (default :data:`RESHARD_WINDOW`, read when called; a parameter that
-    moves more goes alone): the same rounds on every rank, so that a reshard holds at most one
-    round's state twice.
+    moves more goes alone): the same rounds on every rank, in :func:`balanced_order`, so that a
+    reshard holds little more than a round's state twice.
 
     Example:
         >>> from zero_functional.core.ownership import flat_ownership
@@ -195,7 +195,7 @@ def reshard_rounds(
         by_param.setdefault(t.param, []).append(t)
     rounds: list[list[Transfer]] = []
     size = elements
-    for moves in by_param.values():
+    for moves in balanced_order(list(by_param.values())):
         moved = sum(t.stop - t.start for t in moves if t.src != t.dst)
         if size + moved > elements or not rounds:
             rounds.append([])
@@ -203,6 +203,44 @@ def reshard_rounds(
         rounds[-1] += moves
         size += moved
     return [_reshard_plan(moves, rank) for moves in rounds]
+
+
+def balanced_order(
+    moves: Sequence[Sequence[Transfer]], lookahead: int = 64
+) -> list[Sequence[Transfer]]:
+    """Parameters' moves in the order a reshard takes them: each, of the next ``lookahead`` in
+    parameter order, the one that grows the most grown rank it touches least. In parameter order
+    alone, a rank that receives its new pieces before it sends its old ones holds both.
+
+    Example:
+        >>> swap = [[Transfer(k, 0, 4, k // 2, 1 - k // 2)] for k in range(4)]  # 0,1 to rank 1
+        >>> [m[0].param for m in balanced_order(swap)]  # each rank sends, then receives
+        [0, 2, 1, 3]
+    """
+    growths = [_growth(m) for m in moves]
+    left = list(range(len(moves)))
+    grown: dict[int, int] = {}  # each rank's state, in elements, over what it held before
+    order: list[Sequence[Transfer]] = []
+
+    def worst(k: int) -> int:
+        return max((grown.get(r, 0) + d for r, d in growths[k].items()), default=0)
+
+    while left:
+        k = left.pop(min(range(min(lookahead, len(left))), key=lambda i: worst(left[i])))
+        for r, d in growths[k].items():
+            grown[r] = grown.get(r, 0) + d
+        order.append(moves[k])
+    return order
+
+
+def _growth(moves: Sequence[Transfer]) -> dict[int, int]:
+    """Per rank, the elements of state it gains (received less sent) when ``moves`` are made."""
+    out: dict[int, int] = {}
+    for t in moves:
+        if t.src != t.dst:
+            out[t.dst] = out.get(t.dst, 0) + t.stop - t.start
+            out[t.src] = out.get(t.src, 0) - (t.stop - t.start)
+    return out
 
 
 def _reshard_plan(moves: Sequence[Transfer], rank: int) -> ReshardPlan:
