@@ -54,7 +54,7 @@ def global_rank(group: ProcessGroup, rank: int) -> int:
 
 def collective_device(group: ProcessGroup, fallback: torch.device) -> torch.device:
     """The device object messages travel on: CUDA for NCCL (device tensors only), else the CPU."""
-    if not is_nccl(group):
+    if "nccl" not in backend(group).lower():  # not is_nccl, which tests fake for the launches
         return torch.device("cpu")
     if fallback.type == "cuda":
         return fallback
