@@ -8,8 +8,8 @@ end to end) is set by hand and runs only in ``make bench``.
 
 Two fixtures serve the compile tests of both folders: ``fresh_caches`` and ``compiles``.
 
-``make unit`` runs on two pytest-xdist workers; the modules with the longest tests go first
-(:data:`LONGEST_FIRST`), so that neither worker is left with a long test at the end.
+``make unit`` runs on three pytest-xdist workers; the modules with the longest tests go first
+(:data:`LONGEST_FIRST`), so that no worker is left with a long test at the end.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,11 +319,16 @@ def test_failed_compilation_warns_once_and_runs_eager(
 
 
 def test_missing_cxx_compiler_falls_back_with_a_warning_naming_it(
-    fresh_caches: None, caplog: pytest.LogCaptureFixture
+    fresh_caches: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     import torch._inductor.config as inductor_config
 
-    # a shape no other test compiles, so that no cached kernel stands in for the compiler
+    # a shape no other test compiles and no cache on disk (an earlier run's, another worker's),
+    # so that no cached kernel stands in for the compiler
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     params, expected = [torch.ones(11)], [torch.ones(11)]
     state = sgd_init(params)
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
@@ -330,7 +336,7 @@ def test_missing_cxx_compiler_falls_back_with_a_warning_naming_it(
             compiled_sgd_update_(params, [torch.ones(11)], state, lr=0.5)
     sgd_update_(expected, [torch.ones(11)], sgd_init(expected), lr=0.5)
     assert torch.equal(params[0], expected[0])
-    [warning] = [r.getMessage() for r in caplog.records]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == compiled.__name__]
     assert "C++ compiler" in warning and "/nonexistent/c++" in warning
 
 

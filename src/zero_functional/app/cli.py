@@ -46,7 +46,9 @@ NOT_QUICK = {
     "run it without --quick",
 }
 """The benchmarks ``bench --quick`` leaves out, and why."""
-QUICK_TAKES = "about 2 min on 2 idle cores: each starts its own ranks and times every variant"
+QUICK_ARGS = {"bench_iteration.py": ("--models", "mlp"), "bench_step.py": ("--models", "mlp")}
+"""What ``bench --quick`` passes a script besides the shared flags: the MLP, not the GPT too."""
+QUICK_TAKES = "about 100 s on 2 idle cores: each starts its own ranks and times every variant"
 """What ``bench --quick`` says of its time (not under a minute), before it starts."""
 DEMO_WORLD_SIZES = (2, 8, 64)  # the world sizes ``plan`` reports by default, and the demo's plan
 MAX_SIMULATED_RANKS = 64
@@ -259,13 +261,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.quick:
         print(f"-- bench --quick runs {len(scripts)} of {total} scripts, {QUICK_TAKES}")
     start = time.perf_counter()
+
+    def extra(script: Path) -> tuple[str, ...]:
+        return QUICK_ARGS.get(script.name, ()) if args.quick else ()
+
     with tempfile.TemporaryDirectory() as tmp:
         for i, script in enumerate(scripts, 1):
             out = Path(tmp) / f"{script.stem}.json"
             print(f"== {script.name} ({i}/{len(scripts)}): {_what(script)}", flush=True)
             began = time.perf_counter()
             code = subprocess.run(
-                [sys.executable, str(script), *forwarded, "--json", str(out)], check=False
+                [sys.executable, str(script), *forwarded, *extra(script), "--json", str(out)],
+                check=False,
             ).returncode
             now = time.perf_counter()
             print(f"-- {script.name}: {now - began:.0f} s ({now - start:.0f} s in all)")
@@ -377,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="2 ranks, 3 rounds, 2M parameters, no compiled benchmark (a smoke run)",
+        help="2 ranks, 3 rounds, 2M parameters, the MLP alone, nothing compiled (a smoke run)",
     )
     bench.add_argument(
         "--world-sizes",
