@@ -318,25 +318,30 @@ def test_failed_compilation_warns_once_and_runs_eager(
     assert [s.item() for s in state.step] == [3.0, 3.0]  # the step counted once per update
 
 
-def test_missing_cxx_compiler_falls_back_with_a_warning_naming_it(
-    fresh_caches: None,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
-) -> None:
+def _missing_cxx_worker(rank: int, world_size: int, cache_dir: str) -> tuple[bool, list[str]]:
+    """In a fresh process (no kernel compiled before, no logging changed by an earlier test):
+    the update with no working C++ compiler against the eager one, and what it warned."""
+    import os
+
     import torch._inductor.config as inductor_config
 
-    # a shape no other test compiles and no cache on disk (an earlier run's, another worker's),
-    # so that no cached kernel stands in for the compiler
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # no kernel of an earlier run on disk
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(compiled.__name__).addHandler(handler)
     params, expected = [torch.ones(11)], [torch.ones(11)]
     state = sgd_init(params)
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
-        with caplog.at_level(logging.WARNING, logger=compiled.__name__):
-            compiled_sgd_update_(params, [torch.ones(11)], state, lr=0.5)
+        compiled_sgd_update_(params, [torch.ones(11)], state, lr=0.5)
     sgd_update_(expected, [torch.ones(11)], sgd_init(expected), lr=0.5)
-    assert torch.equal(params[0], expected[0])
-    [warning] = [r.getMessage() for r in caplog.records if r.name == compiled.__name__]
+    return torch.equal(params[0], expected[0]), warned
+
+
+def test_missing_cxx_compiler_falls_back_with_a_warning_naming_it(tmp_path: Path) -> None:
+    [(equal, warned)] = run_ranks(_missing_cxx_worker, 1, str(tmp_path), timeout_s=120)
+    assert equal
+    [warning] = warned
     assert "C++ compiler" in warning and "/nonexistent/c++" in warning
 
 
