@@ -44,9 +44,9 @@ doctest: $(STAMP)
 rules: $(STAMP)
 	$(BIN)/python .ci/rules.py
 
-# three workers on two cores, work-stealing: the tests wait on ranks, subprocesses, links and
-# timeouts (with three, pytest and what it reaped used 571 CPU-seconds in 565 s; with two the
-# tests took 622 s)
+# three workers on two cores, work-stealing: the tests also wait (on ranks, subprocesses, links,
+# timeouts), and a third worker fills the gaps (issue 42: 622 s with two, 543-563 s with three,
+# the machine then 1.8 of 2 cores busy)
 unit: $(STAMP)
 	$(BIN)/pytest -q -n 3 --dist worksteal -m "not bench" --durations=12 tests property_tests
 
