@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from zero_functional.app.cluster import ClusterRank
 from zero_functional.app.launch import format_seconds
+from zero_functional.core._validate import first_of
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -42,6 +43,8 @@ def rank_names(ranks: Sequence[int], source: str) -> str:
     Example:
         >>> rank_names([1], "SLURM"), rank_names([2, 3, 4, 7], "torchrun")
         ('rank 1 (SLURM task 1)', 'ranks 2-4, 7')
+        >>> rank_names(range(1, 4096, 2), "torchrun")  # 2,048 ranks, one line
+        'ranks 1, 3, 5, 7, 9, 11, 13, 15 and 2040 more'
     """
     runs: list[list[int]] = []
     for r in sorted(ranks):
@@ -49,7 +52,7 @@ def rank_names(ranks: Sequence[int], source: str) -> str:
             runs[-1][1] = r
         else:
             runs.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    text = first_of([str(a) if a == b else f"{a}-{b}" for a, b in runs])  # short at any size
     s = "s" if len(ranks) > 1 else ""
     return f"rank{s} {text}" + (f" (SLURM task{s} {text})" if source == "SLURM" else "")
 
