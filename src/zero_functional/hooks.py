@@ -75,6 +75,16 @@ def _check_reduce_dtype(reduce_dtype: object, hook: Hook | None = None) -> torch
     return reduce_dtype
 
 
+def _check_wire_dtype(wire_dtype: object, hook: Hook | None = None) -> comm.Codec | None:
+    codec = comm.check_wire_dtype(wire_dtype)
+    if codec is not None and hook is not None and hook is not default_hooks.allreduce_hook:
+        raise ValueError(
+            f"wire_dtype replaces the reduction of DDP's default allreduce_hook; a custom "
+            f"hook ({getattr(hook, '__name__', hook)!r}) keeps its own: compress there"
+        )
+    return codec
+
+
 def _check_ddp(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> None:
     if getattr(ddp, "mixed_precision", None) is not None:
         raise ValueError(
@@ -137,8 +147,10 @@ def _make_hook(
     collectives: Collectives | None,
     grad_scaler: GradScaler | None,
     reduce_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> Hook:
     reduce_dtype = _check_reduce_dtype(reduce_dtype, hook)
+    codec = _check_wire_dtype(wire_dtype, hook)
     if not isinstance(zero, ZeroRedundancyOptimizer) or not zero.overlap_with_ddp:
         raise ValueError(
             "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use "
@@ -158,6 +170,13 @@ def _make_hook(
             f"hook ({getattr(hook, '__name__', hook)!r}) keeps its own reduction: use "
             "'allreduce+broadcast'"
         )
+    if codec is not None and collectives == "allreduce+broadcast" and zero.world_size > 1:
+        raise ValueError(
+            "wire_dtype needs the hook's own reduction onto the owners: leave collectives= "
+            "to choose_collectives, or pass 'reduce+broadcast'"
+        )
+    if codec is not None and reduce_dtype is None:
+        reduce_dtype = torch.float32  # summed in fp32: the update reads that sum
     if reduce_dtype is not None and collectives == "allreduce+broadcast" and zero.world_size > 1:
         raise ValueError(
             "reduce_dtype needs the hook's own reduction onto the owners: leave collectives= "
@@ -172,7 +191,7 @@ def _make_hook(
     overlap = OverlapState(
         zero.shard,
         zero.param_window,
-        _ddp_buckets(ddp, zero, collectives, reduce_dtype, twin=interleaved),
+        _ddp_buckets(ddp, zero, collectives, reduce_dtype, codec, twin=interleaved),
         _ddp_group(ddp),
         zero.join_device,
         shard_buckets=shard_buckets,
@@ -222,13 +241,14 @@ def _ddp_buckets(
     zero: ZeroRedundancyOptimizer,
     collectives: Collectives,
     reduce_dtype: torch.dtype | None,
+    codec: comm.Codec | None,
     *,
     twin: bool = False,
 ) -> DDPBuckets:
     """The syncs of DDP's buckets for ``zero`` (``twin``: gathered on a twin group if possible)."""
     group = zero.process_group
     gather = comm.twin_group(group) if twin and zero.world_size > 1 else None
-    wire, ranks = comm.Wire(group, gather), comm.group_size(_ddp_group(ddp))
+    wire, ranks = comm.Wire(group, gather, codec=codec), comm.group_size(_ddp_group(ddp))
     return DDPBuckets(
         wire, collectives, zero.param_window, ranks, reduce_dtype, zero.replicate_group
     )
@@ -252,6 +272,7 @@ def hook_with_zero_step(
     collectives: Collectives | None = None,
     grad_scaler: GradScaler | None = None,
     reduce_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> Hook:
     """Wrap a DDP comm hook so that the ZeRO step runs at the end of backward.
 
@@ -267,11 +288,15 @@ def hook_with_zero_step(
             non-finite gradient on any rank skips the update everywhere and lowers the scale.
         reduce_dtype: Reduce in this dtype (Megatron-LM's ``grad_reduce_in_fp32``) and update from
             those values.
+        wire_dtype: Each rank's contribution to an owner travels in this format
+            (``torch.bfloat16``, ``torch.float16``, ``torch.int8``, ``torch.float8_e4m3fn``:
+            :mod:`~zero_functional.comm.codec`), rounded once; the owner sums in fp32.
 
     Example:
         >>> # ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
     """
-    return _make_hook(hook, ddp, zero, shard_buckets, False, collectives, grad_scaler, reduce_dtype)
+    args = (collectives, grad_scaler, reduce_dtype, wire_dtype)
+    return _make_hook(hook, ddp, zero, shard_buckets, False, *args)
 
 
 def hook_with_zero_step_interleaved(
@@ -283,6 +308,7 @@ def hook_with_zero_step_interleaved(
     collectives: Collectives | None = None,
     grad_scaler: GradScaler | None = None,
     reduce_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> Hook:
     """Like :func:`hook_with_zero_step`, but each bucket is updated while backward goes on: when a
     bucket arrives, each earlier one whose reduction is done is updated and its all-gather started,
@@ -291,7 +317,8 @@ def hook_with_zero_step_interleaved(
     Example:
         >>> # hook = hook_with_zero_step_interleaved(allreduce_hook, ddp, zero)
     """
-    return _make_hook(hook, ddp, zero, shard_buckets, True, collectives, grad_scaler, reduce_dtype)
+    args = (collectives, grad_scaler, reduce_dtype, wire_dtype)
+    return _make_hook(hook, ddp, zero, shard_buckets, True, *args)
 
 
 def reduce_scatter_hook(
@@ -300,6 +327,7 @@ def reduce_scatter_hook(
     *,
     grad_scaler: GradScaler | None = None,
     reduce_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> Hook:
     """DDP's gradient averaging, but each piece summed onto its owner only (step after backward).
 
@@ -311,18 +339,22 @@ def reduce_scatter_hook(
         grad_scaler: The ``GradScaler`` whose ``step(zero)`` follows; the hook makes its verdict
             common (:func:`~zero_functional.shell.amp.common_verdict`).
         reduce_dtype: Average each bucket in a copy of this dtype, rounded back once.
+        wire_dtype: As :func:`hook_with_zero_step`'s: contributions cross in 8 or 16 bits.
 
     Example:
         >>> # ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
     """
     reduce_dtype = _check_reduce_dtype(reduce_dtype)
+    codec = _check_wire_dtype(wire_dtype)
+    if codec is not None and reduce_dtype is None:
+        reduce_dtype = torch.float32  # summed in fp32: the update reads that sum
     if not isinstance(zero, ZeroRedundancyOptimizer) or zero.overlap_with_ddp:
         raise ValueError(
             "reduce_scatter_hook serves a ZeroRedundancyOptimizer that steps after backward; "
             "with overlap_with_ddp=True use hook_with_zero_step(allreduce_hook, ddp, zero)"
         )
     _check_ddp(ddp, zero)
-    buckets = _ddp_buckets(ddp, zero, zero.collectives, reduce_dtype)
+    buckets = _ddp_buckets(ddp, zero, zero.collectives, reduce_dtype, codec)
     ranks = buckets.ranks
     scaled: list[tuple[Tensor, tuple[Run, ...], comm.Pending]] = []
 

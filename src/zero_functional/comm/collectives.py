@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zero_functional.comm.codec import Codec
 from zero_functional.comm.exchange import Exchanger, start_exchange
 from zero_functional.comm.groups import ProcessGroup, group_rank, group_size, is_nccl
 from zero_functional.comm.pending import Pending, issue, start_one
@@ -100,14 +101,17 @@ class AllGather:
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
-    """gloo's reduce onto owners (:mod:`~zero_functional.comm.exchange`), on the wire's exchanger
-    thread where it has one, else on the caller's."""
+    """The reduce onto owners as all-to-alls (:mod:`~zero_functional.comm.exchange`): gloo's, on
+    the wire's exchanger thread where it has one, else on the caller's; encoded by the wire's
+    codec where it has one (on any backend)."""
 
     runs: Runs
     wire: Wire
 
     def start(self, buffer: Tensor) -> Pending:
-        return start_exchange(buffer, self.runs, self.wire.group, self.wire.exchanger())
+        wire = self.wire
+        exchanger = wire.exchanger() if wire.exchanges(buffer.device) else None
+        return start_exchange(buffer, self.runs, wire.group, exchanger, wire.codec)
 
 
 class Wire:
@@ -117,6 +121,8 @@ class Wire:
         gather_group: Parameters are gathered over it (default: ``group``; overlap mode's twin).
         threaded: On gloo, run the exchanges on a thread (made, with its twin group, at the first
             exchange: a collective every rank reaches there), or on ``exchanger``.
+        codec: Gradients travel in this wire format (:mod:`~zero_functional.comm.codec`): every
+            buffer is reduced by an encoded :class:`Exchange`.
 
     Example:
         >>> plan = BufferPlan("reduce+broadcast", ((0, 3, 0),), None)
@@ -132,8 +138,10 @@ class Wire:
         *,
         threaded: bool = True,
         exchanger: Exchanger | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.group = group
+        self.codec = codec
         self.gather_group = group if gather_group is None else gather_group
         self.grouped = is_nccl(group)  # NCCL takes grouped launches; its reduce is native
         self.threaded = threaded
@@ -149,10 +157,13 @@ class Wire:
     def choose(self, plan: BufferPlan, device: torch.device) -> tuple[Reducer, Gatherer]:
         """The reducer and the gatherer of a buffer on ``device`` laid out by ``plan``."""
         if plan.chunk is not None:
-            return ReduceScatter(plan.chunk, self.group), AllGather(plan.chunk, self.gather_group)
-        gather = PerRun("broadcast", plan.runs, self.gather_group, self.grouped)
-        if self.exchanges(device):
+            gather: Gatherer = AllGather(plan.chunk, self.gather_group)
+        else:
+            gather = PerRun("broadcast", plan.runs, self.gather_group, self.grouped)
+        if self.codec is not None or (plan.chunk is None and self.exchanges(device)):
             return Exchange(plan.runs, self), gather
+        if plan.chunk is not None:
+            return ReduceScatter(plan.chunk, self.group), gather
         return PerRun("reduce", plan.runs, self.group, self.grouped), gather
 
     def exchanges(self, device: torch.device) -> bool:
