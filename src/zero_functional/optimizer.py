@@ -68,6 +68,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             call waits for it (:mod:`zero_functional.shell.param_window`).
         compile: ``torch.compile`` the functional core: where faster (``None``), always, never.
         main_params_dtype: Step bf16/fp16 parameters through fp32 copies of the owned pieces.
+        gather_dtype: The all-gather carries each piece's change (main copy - parameter) in this
+            format (:mod:`~zero_functional.comm.codec`), which every rank adds: parameters equal
+            everywhere, within half a quantum of the owner's fp32 main copy (implied).
         store_param_remainders: Keep bf16 parameters' fp32 main copies as int16 remainders.
         device_mesh: Instead of ``process_group``, a 2-D mesh named ``("replicate", "shard")``.
         timeout: Seconds any collective may wait (default: the group's).
@@ -103,6 +106,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         main_params_dtype: torch.dtype | None = None,
         store_param_remainders: bool = False,
         device_mesh: Any = None,
+        gather_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         self._initialized = False
@@ -110,8 +114,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.timeout = timeout
         self.partition: PartitionName = partition
         args = (params, optimizer_class, process_group, partition, overlap_with_ddp, defaults)
-        main = (main_params_dtype, store_param_remainders)
+        main = (main_params_dtype, store_param_remainders, gather_dtype)
         self.process_group, items, probe = agreed_inputs(*args, timeout, *main)
+        self.gather_dtype = gather_dtype
+        if gather_dtype is not None and main_params_dtype is None:
+            main_params_dtype = torch.float32  # the owners' main copies the changes come from
         self.main_params_dtype = main_params_dtype
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
@@ -129,7 +136,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.param_window = ParamWindow(self.param_table, call, self.overlap_param_gather)
         backend = comm.backend(self.process_group)
         self.collectives = choose_collectives(backend, self.world_size, even=True)
-        self._wire = comm.Wire(self.process_group)
+        gather_codec = comm.check_wire_dtype(gather_dtype) if self.world_size > 1 else None
+        self._wire = comm.Wire(self.process_group, gather_codec=gather_codec)
         self._default_device: torch.device = self.param_table.params[0].device
         spec = functional_spec(optimizer_class)
         spec = spec if spec and all(supports_group(spec, g) for g in self.param_groups) else None
@@ -147,6 +155,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             optimizer_class.__name__,
             main_params_dtype,
             RemainderTies() if store_param_remainders else None,
+            changes_gathered=gather_codec is not None,
         )
         self._build_buffers()
         self._initialized = True
@@ -207,7 +216,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _build_buffers(self) -> None:
         bucket_view = self.parameters_as_bucket_view and not self.overlap_with_ddp
         args = (self.param_table, self.ownership, self.rank, self._wire, self.collectives)
-        self._syncs = step_syncs(*args, self.param_window, bucket_view)
+        self._syncs = step_syncs(*args, self.param_window, bucket_view, self.changes())
+
+    def changes(self) -> Callable[[Iterable[int]], Mapping[int, Tensor]] | None:
+        """Where parameters' changes are gathered (``gather_dtype``): the owned main copies."""
+        return self.shard.values if self.shard.changes_gathered else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group and reshard to the new ownership; collective."""

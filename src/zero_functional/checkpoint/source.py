@@ -53,6 +53,7 @@ class Source:
     ownership: Ownership | None = None
     main_dtype: torch.dtype | None = None
     replicate_group: ProcessGroup | None = None
+    keeps_main_of: Callable[[int], bool] | None = None  # ours: its shard answers
 
     @property
     def writes(self) -> bool:
@@ -73,6 +74,8 @@ class Source:
 
     def keeps_main(self, k: int) -> bool:
         """Whether the optimizer keeps a main copy of parameter ``k`` (in a wider dtype)."""
+        if self.keeps_main_of is not None:
+            return self.keeps_main_of(k)
         return main_dtype_for(self.table.params[k].dtype, self.main_dtype) is not None
 
     def blockwise(self) -> str | None:
@@ -130,4 +133,5 @@ def _sharded(zero: ZeroRedundancyOptimizer) -> Source:
         zero.ownership,
         zero.main_params_dtype,
         zero.replicate_group,
+        lambda k: zero.shard.main_dtype(zero.param_table.params[k]) is not None,
     )

@@ -123,6 +123,8 @@ class Wire:
             exchange: a collective every rank reaches there), or on ``exchanger``.
         codec: Gradients travel in this wire format (:mod:`~zero_functional.comm.codec`): every
             buffer is reduced by an encoded :class:`Exchange`.
+        gather_codec: Parameters' changes travel in this format, not their values (the
+            buffer syncs encode them; see ``BucketSync``).
 
     Example:
         >>> plan = BufferPlan("reduce+broadcast", ((0, 3, 0),), None)
@@ -139,9 +141,10 @@ class Wire:
         threaded: bool = True,
         exchanger: Exchanger | None = None,
         codec: Codec | None = None,
+        gather_codec: Codec | None = None,
     ) -> None:
         self.group = group
-        self.codec = codec
+        self.codec, self.gather_codec = codec, gather_codec
         self.gather_group = group if gather_group is None else gather_group
         self.grouped = is_nccl(group)  # NCCL takes grouped launches; its reduce is native
         self.threaded = threaded

@@ -41,17 +41,19 @@ def check_main_params_dtype(value: object) -> torch.dtype | None:
 
 
 def main_dtype_for(
-    param_dtype: torch.dtype, main_params_dtype: torch.dtype | None
+    param_dtype: torch.dtype, main_params_dtype: torch.dtype | None, always: bool = False
 ) -> torch.dtype | None:
-    """A parameter's main dtype: ``main_params_dtype`` where wider, else ``None`` (in place).
+    """A parameter's main dtype: ``main_params_dtype`` where wider (or ``always``: a gather of
+    changes keeps fp32 parameters' main copies too), else ``None`` (updated in place).
 
     Example:
-        >>> main_dtype_for(torch.bfloat16, torch.float32)
-        torch.float32
+        >>> main_dtype_for(torch.bfloat16, torch.float32), main_dtype_for(torch.float32, torch.float32)
+        (torch.float32, None)
     """
     if main_params_dtype is None or not param_dtype.is_floating_point:
         return None
-    return main_params_dtype if param_dtype.itemsize < main_params_dtype.itemsize else None
+    wider = param_dtype.itemsize < main_params_dtype.itemsize
+    return main_params_dtype if wider or always else None
 
 
 def check_remainders(
@@ -158,9 +160,11 @@ def step_through_main_(
     dtypes: Sequence[torch.dtype | None],
     *,
     remainders: bool = False,
+    write_back: bool = True,
 ) -> Tensor | None:
     """``step_pieces(group, params, grads, states)`` over ``views`` in place, each through its main
-    copy where ``dtypes`` names one; with ``remainders``, the summed :func:`tie_count`.
+    copy where ``dtypes`` names one; with ``remainders``, the summed :func:`tie_count`. Without
+    ``write_back`` the views keep their values (a gather of the changes writes them).
 
     Example:
         >>> p, state = torch.ones(1, dtype=torch.bfloat16), {}
@@ -196,7 +200,8 @@ def step_through_main_(
     with torch.no_grad():
         for view, main, state in written:
             if not remainders:
-                view.copy_(main)
+                if write_back:
+                    view.copy_(main)
                 continue
             rounded, state[REMAINDER_KEY] = split_main(main)
             state.pop(MAIN_KEY, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -66,6 +67,7 @@ def agreed_inputs(
     timeout: float | None = None,
     main_params_dtype: object = None,
     store_param_remainders: object = False,
+    gather_dtype: object = None,
 ) -> tuple[comm.ProcessGroup, list[Any], Optimizer]:
     """The optimizer's arguments checked on every rank: the group, the items and the probe.
 
@@ -79,12 +81,21 @@ def agreed_inputs(
     checked: tuple[list[Any], Optimizer] | None = None
     try:
         checked = check_inputs(params, optimizer_class, partition, overlap_with_ddp, dict(defaults))
-        if (main := check_main_params_dtype(main_params_dtype)) is not None:
-            if update_kind(cast(type, optimizer_class)) != "elementwise":
+        main = check_main_params_dtype(main_params_dtype)
+        if comm.check_wire_dtype(gather_dtype, "gather_dtype") is not None:
+            if store_param_remainders:
                 raise ValueError(
-                    f"main_params_dtype needs an elementwise optimizer; "
-                    f"{cast(type, optimizer_class).__name__} couples its parameters"
+                    "gather_dtype sends each step's change, which every rank adds to its "
+                    "parameters, and store_param_remainders keeps main copies as the remainder "
+                    "below the parameter: pass store_param_remainders=False"
                 )
+            main = main or torch.float32
+        if main is not None and update_kind(cast(type, optimizer_class)) != "elementwise":
+            which = "main_params_dtype" if gather_dtype is None else "gather_dtype (main copies)"
+            raise ValueError(
+                f"{which} needs an elementwise optimizer; "
+                f"{cast(type, optimizer_class).__name__} couples its parameters"
+            )
         dtypes = [t.dtype for t in param_tensors(checked[0])]
         check_remainders(store_param_remainders, main, dtypes)
     except CHECK_ERRORS as e:

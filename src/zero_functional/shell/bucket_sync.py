@@ -7,7 +7,7 @@ Megatron-LM's bucket group: ``start_grad``/``finish_grad`` beside ``start_params
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +18,7 @@ from zero_functional import comm
 from zero_functional.core.layout import bucket_layout, piece_view, views
 from zero_functional.core.ownership import Ownership
 from zero_functional.core.param_table import ParamTable
+from zero_functional.core.partition import Piece
 from zero_functional.core.plans import (
     BufferPlan,
     Collectives,
@@ -27,6 +28,8 @@ from zero_functional.core.plans import (
     sync_plan,
 )
 from zero_functional.shell.param_window import InFlight, ParamWindow
+
+Mains = Callable[[Iterable[int]], Mapping[int, Tensor]]  # LocalShard.values: flat main copies
 
 
 def widened(t: Tensor, dtype: torch.dtype | None) -> Tensor:
@@ -86,6 +89,9 @@ class BucketSync:
         ranks: The ranks gradients are averaged over (DDP's world).
         replicate: Under a device mesh, the group the owned runs are summed across.
         view: Make the parameters views of one buffer, gathered in place.
+        mains: Global indices -> this rank's main copies of its pieces (``LocalShard.values``):
+            where the wire has a ``gather_codec``, each owner sends main - parameter in it and
+            every rank adds the decoded change, so that the parameters stay equal everywhere.
 
     Example:
         >>> from zero_functional.core.ownership import flat_ownership
@@ -112,8 +118,11 @@ class BucketSync:
         reduce_dtype: torch.dtype | None = None,
         replicate: comm.ProcessGroup | None = None,
         view: bool = False,
+        mains: Mains | None = None,
     ) -> None:
         self.indices = tuple(indices)
+        self.codec = wire.gather_codec if mains is not None else None
+        self.mains = mains
         self.table, self.ownership, self.rank = table, ownership, rank
         self.wire, self.window = wire, window
         self.ranks, self.reduce_dtype, self.replicate = ranks, reduce_dtype, replicate
@@ -218,7 +227,7 @@ class BucketSync:
         """The all-gather's units, and each one's broadcasts where pieces travel on their own."""
         if self.ownership.world_size == 1:
             return (), []
-        if self.buffer is not None or self.plan.chunk is not None:
+        if self.buffer is not None or self.plan.chunk is not None or self.codec is not None:
             owners = frozenset(run.rank for run in self.plan.runs)
             return (GatherUnit(self.indices, owners),), []
         params, sends = self.table.params, self._sends
@@ -245,7 +254,9 @@ class BucketSync:
             if unit is not None and u is not unit:
                 continue
             covered = [params[k] for k in u.indices]
-            if self.buffer is not None:
+            if self.codec is not None:
+                pending = self._start_changes()
+            elif self.buffer is not None:
                 pending = self.gatherer.start(self.buffer)
             elif self.plan.chunk is not None:  # pack, gather the even shards, unpack
                 with torch.no_grad():
@@ -255,6 +266,37 @@ class BucketSync:
             else:
                 pending = self._start_pieces(self._batches[j])
             self._in_flight.append((pending, covered))
+
+    def _start_changes(self) -> comm.Pending:
+        """One broadcast per owner of its pieces' changes (main - parameter, encoded); once
+        done, every rank (the owner too) adds the decoded changes to the parameters."""
+        assert self.codec is not None and self.mains is not None
+        codec, params = self.codec, self.table.params
+        by_owner: dict[int, list[tuple[int, Piece]]] = {}
+        for k, r, piece in self._sends:
+            by_owner.setdefault(r, []).append((k, piece))
+        payloads: list[tuple[Tensor, int, list[tuple[int, Piece]]]] = []
+        for r, pieces in sorted(by_owner.items()):
+            numel = sum(piece.numel for _, piece in pieces)
+            device = params[pieces[0][0]].device
+            if r == self.rank:
+                mains = self.mains([k for k, _ in pieces])
+                with torch.no_grad():
+                    change = torch.cat(
+                        [
+                            mains[k].float()
+                            - piece_view(params[k], pc).detach().reshape(-1).float()
+                            for k, pc in pieces
+                        ]
+                    )
+                payload = codec.encode(change)
+            else:
+                payload = torch.empty(codec.nbytes(numel), dtype=torch.uint8, device=device)
+            payloads.append((payload, r, pieces))
+        calls = [([payload], r, False) for payload, r, _ in payloads]
+        pending = comm.start_gather_units(calls, self.wire.gather_group, grouped=self.wire.grouped)
+        pending.finish.append(functools.partial(_add_changes, payloads, params, codec))
+        return pending
 
     def _start_pieces(self, batch: tuple[SyncUnit, ...]) -> comm.Pending:
         """One launch of pieces: each unit's in place, or packed."""
@@ -272,6 +314,22 @@ class BucketSync:
             self.window.defer(in_flight)
 
 
+def _add_changes(
+    payloads: Sequence[tuple[Tensor, int, Sequence[tuple[int, Piece]]]],
+    params: Sequence[Tensor],
+    codec: comm.Codec,
+) -> None:
+    """Add each owner's decoded changes to its pieces of ``params`` (the same bits everywhere)."""
+    with torch.no_grad():
+        for payload, _, pieces in payloads:
+            change = codec.decode(payload, sum(piece.numel for _, piece in pieces))
+            at = 0
+            for k, piece in pieces:
+                view = piece_view(params[k].detach(), piece)
+                view.add_(change[at : at + piece.numel].view_as(view))
+                at += piece.numel
+
+
 @dataclass
 class DDPBuckets:
     """The :class:`BucketSync` of each DDP bucket, built once per bucket and ownership."""
@@ -282,6 +340,7 @@ class DDPBuckets:
     ranks: int = 1
     reduce_dtype: torch.dtype | None = None
     replicate: comm.ProcessGroup | None = None
+    mains: Mains | None = None
     _syncs: dict[tuple[int, ...], BucketSync] = field(default_factory=dict, init=False)
     _ownership: Ownership | None = field(default=None, init=False)
 
@@ -304,6 +363,7 @@ class DDPBuckets:
                 ranks=self.ranks,
                 reduce_dtype=self.reduce_dtype,
                 replicate=self.replicate,
+                mains=self.mains,
             )
         return sync
 
@@ -316,6 +376,7 @@ def step_syncs(
     collectives: Collectives,
     window: ParamWindow,
     bucket_view: bool,
+    mains: Mains | None = None,
 ) -> list[BucketSync]:
     """The syncs of ``step()``'s all-gather: one per bucket view, else one over all trainable."""
     window.finish()  # the old views may still be being written
@@ -325,12 +386,15 @@ def step_syncs(
         # separate tensors: their pieces travel on their own, never packed in one staging
         # copy of the whole model (no even shards)
         live = [k for k, t in enumerate(trainable) if t]
-        return [BucketSync(live, table, ownership, rank, wire, "reduce+broadcast", window)]
+        strategy: Collectives = "reduce+broadcast"
+        return [BucketSync(live, table, ownership, rank, wire, strategy, window, mains=mains)]
     if ownership.is_whole:
         for p in params:
             if not p.requires_grad and p.data._base is not None:
                 p.data = p.data.detach().clone()  # leave a bucket without losing the value
     return [
-        BucketSync(members, table, ownership, rank, wire, collectives, window, view=True)
+        BucketSync(
+            members, table, ownership, rank, wire, collectives, window, view=True, mains=mains
+        )
         for members in bucket_view_groups(ownership, table.keys, trainable)
     ]

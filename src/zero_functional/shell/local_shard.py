@@ -111,10 +111,14 @@ class LocalShard:
         name: str,
         main_params_dtype: torch.dtype | None = None,
         remainders: RemainderTies | None = None,
+        *,
+        changes_gathered: bool = False,
     ) -> None:
         self.rank, self.table, self.param_groups, self.state = rank, table, param_groups, state
         self.name = name
         self.main_params_dtype = main_params_dtype
+        # every parameter has a main copy and only the gather of changes writes the parameters
+        self.changes_gathered = changes_gathered
         self.remainders = remainders
         self.hooks = UpdateHooks()
         self.book = Consolidation()  # so that state_dict() needs no collective
@@ -160,6 +164,10 @@ class LocalShard:
         """Cover ``table``'s parameters under ``ownership``, the old one extended to them."""
         self.table = table
         self.adopt(ownership, self.stepper)
+
+    def main_dtype(self, p: Tensor) -> torch.dtype | None:
+        """The dtype of parameter ``p``'s main copy, ``None`` where it has none."""
+        return main_dtype_for(p.dtype, self.main_params_dtype, self.changes_gathered)
 
     def piece(self, k: Hashable, what: str) -> Piece:
         """The piece of parameter ``k`` this rank owns; ValueError naming ``what`` if none."""
@@ -219,14 +227,18 @@ class LocalShard:
             ps.append(view)
             gs.append(grad.view_as(view))
             ss.append(self.state[p])
-            ds.append(main_dtype_for(p.dtype, self.main_params_dtype))
+            ds.append(self.main_dtype(p))
             ns.append(p.numel())
         self.book.changed()
         ties, remainders = self.remainders, self.remainders is not None
         for g, (ps, gs, ss, ds, ns) in sorted(by_group.items()):
             step = functools.partial(stepper.step_pieces, numels=ns)
             n = step_through_main_(
-                step, self.param_groups[g], ps, gs, ss, ds, remainders=remainders
+                step,
+                self.param_groups[g],
+                *(ps, gs, ss, ds),
+                remainders=remainders,
+                write_back=not self.changes_gathered,
             )
             if ties is not None and n is not None:
                 ties.add(n)
@@ -249,7 +261,7 @@ class LocalShard:
         self.reduced = {}  # used once: the next backward's reduction holds its own
         if grad_scale is not None:
             params = self.table.params
-            dtypes = {k: main_dtype_for(params[k].dtype, self.main_params_dtype) for k in grads}
+            dtypes = {k: self.main_dtype(params[k]) for k in grads}
             grads = unscaled(grads, dtypes, grad_scale)
         return loss, grads
 
@@ -354,8 +366,7 @@ class LocalShard:
         out: dict[Tensor, Tensor] = {}
         for k, piece in sorted(self.pieces.items()):
             p = params[k]
-            dtype = main_dtype_for(p.dtype, self.main_params_dtype)
-            if dtype is not None:
+            if (dtype := self.main_dtype(p)) is not None:
                 out[p] = main_value(piece_view(p, piece), self.state.get(p, {}), dtype).detach()
         return out
 
@@ -389,7 +400,7 @@ class LocalShard:
         fp32_step = self.stepper.for_group(group).functional or bool(
             group.get("fused") or group.get("capturable")
         )
-        dtype = main_dtype_for(p.dtype, self.main_params_dtype)
+        dtype = self.main_dtype(p)
         return {
             key: placed(key, v, p, fp32_step=fp32_step, copy=copy, dtype=dtype)
             for key, v in value.items()
@@ -452,7 +463,7 @@ class LocalShard:
         for k in indices:
             p, piece = params[k], self.piece(k, "values")
             view = piece_view(p, piece)
-            dtype = main_dtype_for(p.dtype, self.main_params_dtype)
+            dtype = self.main_dtype(p)
             # the fp32 main: kept, joined from a remainder, or (before a first step) upcast
             value = view if dtype is None else main_value(view, self.state.get(p, {}), dtype)
             out[k] = value.detach().reshape(-1)
