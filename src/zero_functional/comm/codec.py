@@ -115,7 +115,7 @@ class Codec:
     def rounding_bound(self, x: Tensor) -> Tensor:
         """The most each element of ``x`` (1-D) can move through :meth:`encode` and
         :meth:`decode`: half a quantum (a block's scale over 2 for int8; half an ulp, subnormals
-        included, for the floating formats).
+        included, for the floating formats; no bound past fp16's largest value: it becomes inf).
 
         Example:
             >>> Codec(torch.int8).rounding_bound(torch.tensor([127.0, 1.0])).tolist()
@@ -124,8 +124,10 @@ class Codec:
         x = x.float()
         if not self.blockwise:
             bits = _MANTISSA[self.dtype]
-            tiny = torch.finfo(self.dtype).smallest_normal * 2.0 ** (1 - bits)  # a subnormal's ulp
-            return torch.maximum(x.abs() * 2.0**-bits, torch.full_like(x, tiny / 2))
+            info = torch.finfo(self.dtype)
+            tiny = info.smallest_normal * 2.0 ** (1 - bits)  # a subnormal's ulp
+            bound = torch.maximum(x.abs() * 2.0**-bits, torch.full_like(x, tiny / 2))
+            return bound.masked_fill_(x.abs() > info.max, torch.inf)  # fp16 overflows past 65504
         n, blocks = x.numel(), -(-x.numel() // BLOCK)
         padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
         padded[:n].copy_(x.abs())
