@@ -287,11 +287,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return loss
 
     def gather_params(self) -> None:
-        """``step()``'s all-gather without an update; collective, waited for."""
+        """``step()``'s all-gather without an update (the owners' values, exact, where
+        ``gather_dtype`` would send changes); collective, waited for."""
         self.finish_param_sync()
         with self._call("gather_params()"):
             for sync in self._syncs:
-                sync.start_params()
+                sync.start_params(values=True)
                 sync.finish_params()
             self.finish_param_sync()
 

@@ -293,8 +293,88 @@ def _resume_case(rank: int, world: int, directory: str) -> dict[str, bool]:
     }
 
 
+def _composes_case(rank: int, world: int) -> dict[str, Any]:
+    """int8 both ways with the rest: clipping and an EMA, Muon's whole matrices (the wire only:
+    gather_dtype needs an elementwise class), torchao's low-bit state, a 2 x 2 mesh in overlap
+    mode, sorted_greedy with split buckets: parameters bitwise equal on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_functional.ema import ShardedEMA
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out: dict[str, Any] = {}
+
+    def zero_of(ddp: nn.Module, cls: Any = torch.optim.AdamW, **kw: Any) -> ZeroRedundancyOptimizer:
+        return ZeroRedundancyOptimizer(ddp.parameters(), cls, lr=1e-2, **kw)
+
+    def muon(ddp: nn.Module) -> ZeroRedundancyOptimizer:
+        params = list(ddp.parameters())
+        matrices = {
+            "params": [p for p in params if p.ndim == 2],
+            "optimizer_class": torch.optim.Muon,
+        }
+        groups = [{**matrices, "lr": 0.02}, {"params": [p for p in params if p.ndim != 2]}]
+        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=1e-2)
+
+    cases: dict[str, tuple[Callable[[nn.Module], ZeroRedundancyOptimizer], str]] = {
+        "clip and EMA": (lambda d: zero_of(d, partition="flat", gather_dtype=INT8), "rs"),
+        "Muon": (muon, "rs"),
+        "mesh, overlap": (
+            lambda d: zero_of(
+                d, partition="flat", device_mesh=mesh, gather_dtype=INT8, overlap_with_ddp=True
+            ),
+            "interleaved",
+        ),
+        "sorted_greedy, shard_buckets": (
+            lambda d: zero_of(d, gather_dtype=INT8, overlap_with_ddp=True),
+            "shard_buckets",
+        ),
+    }
+    try:
+        import torchao.optim
+
+        cases["torchao AdamW8bit"] = (
+            lambda d: zero_of(d, torchao.optim.AdamW8bit, partition="flat", gather_dtype=INT8),
+            "rs",
+        )
+    except ImportError:  # the lowbit extra: make test installs it
+        out["torchao AdamW8bit"] = "not installed"
+    for name, (make, how) in cases.items():
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        zero = make(ddp)
+        if how == "rs":
+            hook = hooks.reduce_scatter_hook(ddp, zero, wire_dtype=INT8)
+        else:
+            make_hook = (
+                hooks.hook_with_zero_step_interleaved
+                if how == "interleaved"
+                else hooks.hook_with_zero_step
+            )
+            hook = make_hook(
+                default_hooks.allreduce_hook, ddp, zero, how == "shard_buckets", wire_dtype=INT8
+            )  # type: ignore[arg-type]
+        ddp.register_comm_hook(None, hook)
+        ema = ShardedEMA(zero, decay=0.9, model=model) if name == "clip and EMA" else None
+        for step in range(3):
+            zero.zero_grad()
+            local_backward(ddp, rank, world, step)
+            if ema is not None:
+                zero.clip_grad_norm_(0.05)
+            if not zero.overlap_with_ddp:
+                zero.step()
+        zero.finish_param_sync()
+        equal = _same_everywhere(_flat(model))
+        if ema is not None:
+            with ema.swapped_into(model):
+                equal = equal and _same_everywhere(_flat(model))
+        out[name] = equal
+    return out
+
+
 def _worker(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {
+        "composes": _composes_case(rank, world),
         "exchange": _exchange_case(rank, world),
         "modes": _modes_case(rank, world),
         "scaler": _scaler_case(rank, world),
@@ -343,6 +423,11 @@ def test_fp16_on_the_wire_is_no_less_exact_than_ddps_fp16_compress_hook(
     errors = four_ranks[0]["fp16"]
     assert errors["ours max"] <= errors["fp16_compress_hook max"], errors
     assert errors["ours mean"] <= errors["fp16_compress_hook mean"], errors
+
+
+def test_it_composes_with_the_rest(four_ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(four_ranks):
+        assert set(result["composes"].values()) == {True}, (rank, result["composes"])
 
 
 def test_a_resume_keeps_the_main_copies_and_is_bitwise_the_same(

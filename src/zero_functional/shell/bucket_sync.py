@@ -247,14 +247,22 @@ class BucketSync:
         )
         return units, list(plan.batches())
 
-    def start_params(self, unit: GatherUnit | None = None) -> None:
-        """Start the all-gather of ``unit`` (default: every unit) from its owners."""
+    def start_params(self, unit: GatherUnit | None = None, *, values: bool = False) -> None:
+        """Start the all-gather of ``unit`` (default: every unit) from its owners; with
+        ``values``, the owners' values as they are, where a ``gather_codec`` sends changes."""
         params = self.table.params
         for j, u in enumerate(self.units):
             if unit is not None and u is not unit:
                 continue
             covered = [params[k] for k in u.indices]
-            if self.codec is not None:
+            if self.codec is not None and values:  # each owner's pieces packed, exact
+                calls = [
+                    ([piece_view(params[k], pc) for k, pc in pieces], r, True)
+                    for r, pieces in self._by_owner().items()
+                ]
+                group, grouped = self.wire.gather_group, self.wire.grouped
+                pending = comm.start_gather_units(calls, group, grouped=grouped)
+            elif self.codec is not None:
                 pending = self._start_changes()
             elif self.buffer is not None:
                 pending = self.gatherer.start(self.buffer)
@@ -272,11 +280,8 @@ class BucketSync:
         done, every rank (the owner too) adds the decoded changes to the parameters."""
         assert self.codec is not None and self.mains is not None
         codec, params = self.codec, self.table.params
-        by_owner: dict[int, list[tuple[int, Piece]]] = {}
-        for k, r, piece in self._sends:
-            by_owner.setdefault(r, []).append((k, piece))
         payloads: list[tuple[Tensor, int, list[tuple[int, Piece]]]] = []
-        for r, pieces in sorted(by_owner.items()):
+        for r, pieces in self._by_owner().items():
             numel = sum(piece.numel for _, piece in pieces)
             device = params[pieces[0][0]].device
             if r == self.rank:
@@ -297,6 +302,13 @@ class BucketSync:
         pending = comm.start_gather_units(calls, self.wire.gather_group, grouped=self.wire.grouped)
         pending.finish.append(functools.partial(_add_changes, payloads, params, codec))
         return pending
+
+    def _by_owner(self) -> dict[int, list[tuple[int, Piece]]]:
+        """Owner -> its pieces here (global index, piece), in rank order."""
+        by_owner: dict[int, list[tuple[int, Piece]]] = {}
+        for k, r, piece in self._sends:
+            by_owner.setdefault(r, []).append((k, piece))
+        return dict(sorted(by_owner.items()))
 
     def _start_pieces(self, batch: tuple[SyncUnit, ...]) -> comm.Pending:
         """One launch of pieces: each unit's in place, or packed."""
