@@ -169,6 +169,9 @@ def small_mlp() -> nn.Module:
         ["train", "--shard-size", "0"],
         ["train", "--nproc", "4", "--shard-size", "2", "--impl", "torch"],
         ["train", "--save-every", "5"],
+        ["train", "--wire-dtype", "fp32"],
+        ["train", "--gather-dtype", "int8", "--impl", "torch"],
+        ["train", "--wire-dtype", "int8", "--impl", "torch"],
         ["demo", "--grace-s", "5"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
@@ -707,3 +710,24 @@ def test_plan_simulate_names_the_ranks_each_world_size_has(
         "zero-functional plan: error: --simulate: rank 1023 is not a rank of world size 64: "
         "pass ranks from 0 to 63\n"
     )
+
+
+def test_plan_with_compressed_collectives_prints_bytes_per_step_beside_ddps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    total = sum(p.numel() for p in small_mlp().parameters())  # 4,160
+    argv = ["plan", "tests.unit.test_cli:small_mlp", "--world-sizes", "4"]
+    code, out, err = run_cli([*argv, "--wire-dtype", "int8", "--gather-dtype", "bf16"], capsys)
+    assert code == 0, err
+    # gather_dtype keeps fp32 main copies of an fp32 model's owned pieces: 4/N B more each
+    assert "fp32 parameters and gradients, fp32 main copy" in out
+    owned = total // 4
+    assert memory_rows(out)[("4", "flat")][2] == format_bytes(4 * owned)
+    row = out.split("ours  x DDP\n")[1].splitlines()[0].split()
+    # DDP's ring all-reduce: 2 x 3/4 x 4 B; int8: 1 B + 4 B per 256 (17 blocks); bf16: 2 B
+    ddp, grads, params = 2 * 0.75 * 4 * total, 0.75 * (4 * 17 + total), 0.75 * 2 * total
+    assert row[0] == "4" and " ".join(row[1:3]) == format_bytes(ddp)
+    assert " ".join(row[3:5]) == format_bytes(grads) and " ".join(row[5:7]) == format_bytes(params)
+    assert float(row[-1]) == pytest.approx((grads + params) / ddp, abs=1e-3)
+    code, _, err = run_cli([*argv, "--wire-dtype", "fp32"], capsys)
+    assert code == 2 and "invalid choice: 'fp32'" in err

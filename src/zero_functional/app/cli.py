@@ -35,6 +35,7 @@ from zero_functional.app.plan_format import (
     format_memory,
     format_muon,
     format_plan,
+    format_wire,
 )
 from zero_functional.app.train_options import add_flags, train_config
 from zero_functional.core.loads import hybrid_shape
@@ -123,10 +124,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             return fail("plan", f"--simulate: {e}")
     n = numels(shapes)
     print(format_plan(args.model, n, worlds))
-    if args.dtype or args.main_params or args.optimizer or args.remainders or args.ema:
+    main_params = "fp32" if args.gather_dtype else args.main_params  # implied
+    if args.dtype or main_params or args.optimizer or args.remainders or args.ema:
         optimizer = args.optimizer or "adamw"
-        m = format_memory(n, worlds, dtype, args.main_params, optimizer, args.remainders, args.ema)
+        changes = args.gather_dtype is not None
+        m = format_memory(
+            n, worlds, dtype, main_params, optimizer, args.remainders, args.ema, changes
+        )
         print(f"\n{m}")
+    if args.wire_dtype or args.gather_dtype:
+        print(f"\n{format_wire(n, worlds, dtype, args.wire_dtype, args.gather_dtype)}")
     if args.shard_size is not None:
         print(f"\n{format_hybrid(n, worlds, args.shard_size, dtype, args.main_params)}")
     if args.simulate is not None:
@@ -337,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="an fp32 main copy of the owned pieces of narrower parameters, with fp32 state "
         "(main_params_dtype=torch.float32; default: none)",
     )
+    for flag, what in (
+        ("--wire-dtype", "gradients cross to their owners in"),
+        ("--gather-dtype", "parameters' changes cross (from fp32 main copies) in"),
+    ):
+        plan.add_argument(
+            flag,
+            choices=("bf16", "fp16", "int8", "fp8"),
+            help=f"{what} this format: print the bytes per rank and step beside DDP's",
+        )
     plan.add_argument(
         "--shard-size",
         type=world_sizes,

@@ -86,8 +86,10 @@ def format_memory(
     optimizer: str = "adamw",
     remainders: bool = False,
     ema: bool = False,
+    changes: bool = False,
 ) -> str:
-    """Bytes per rank (the fullest rank) of an AdamW run, per world size and partition.
+    """Bytes per rank (the fullest rank) of an AdamW run, per world size and partition
+    (``changes``: ``gather_dtype``'s main copies, kept for parameters of every width).
 
     Parameters and gradients are whole in ``dtype``; the main copy (only for parameters narrower
     than it; 2 B with ``remainders``), the moments (in the main dtype if any; block-quantized per
@@ -105,7 +107,7 @@ def format_memory(
 
     param_bytes = DTYPE_BYTES[dtype]
     main_bytes = DTYPE_BYTES[main_params] if main_params else 0
-    has_main = main_bytes > param_bytes
+    has_main = main_bytes > param_bytes or (changes and main_bytes > 0)
     full = main_bytes if has_main else param_bytes  # the moments' and the EMA's dtype
     wide = main_params if has_main else dtype
     spec = LOW_BIT.get(optimizer)
@@ -144,6 +146,50 @@ def format_memory(
             )
         per_param.append(f"{cells[-1] / total if total else 0:.2f} B at {w:,}")  # flat's total
     lines.append("per parameter per rank (flat): " + ", ".join(per_param))
+    return "\n".join(lines)
+
+
+def format_wire(
+    numels: Sequence[int],
+    world_sizes: Sequence[int],
+    dtype: str,
+    wire: str | None,
+    gather: str | None,
+) -> str:
+    """Bytes each rank sends per step (ring model) for DDP's all-reduce and for ours with
+    gradients in ``wire`` and parameters' changes in ``gather`` (``None``: the model's dtype).
+
+    Example:
+        >>> print(format_wire([1024], [2], "fp32", "int8", "int8"))
+        bytes per rank and step: 4.0 KiB of fp32 gradients (and as many parameters)
+        world   DDP all-reduce  ours: gradients  ours: parameters       ours  x DDP
+            2          4.0 KiB            520 B             520 B    1.0 KiB  0.254
+    """
+    from zero_functional.comm import WIRE_NAMES, Codec  # imports torch: not for --help
+
+    total, element = sum(numels), DTYPE_BYTES[dtype]
+
+    def on_wire(name: str | None) -> float:
+        return element * total if name is None else Codec(WIRE_NAMES[name]).nbytes(total)
+
+    lines = [
+        f"bytes per rank and step: {format_bytes(element * total)} of {dtype} gradients (and "
+        "as many parameters)",
+        f"{'world':>5}  {'DDP all-reduce':>15}  {'ours: gradients':>15}  "
+        f"{'ours: parameters':>16}  {'ours':>9}  x DDP",
+    ]
+    for w in world_sizes:
+        share = (w - 1) / w
+        ddp, grads, params = (
+            2 * share * element * total,
+            share * on_wire(wire),
+            share * on_wire(gather),
+        )
+        ratio = f"{(grads + params) / ddp:.3f}" if ddp else "-"
+        lines.append(
+            f"{w:>5}  {format_bytes(ddp):>15}  {format_bytes(grads):>15}  "
+            f"{format_bytes(params):>16}  {format_bytes(grads + params):>9}  {ratio}"
+        )
     return "\n".join(lines)
 
 

@@ -69,10 +69,12 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[Tensor
     return list(torch.tensor_split(perm, list(range(batch_size, n, batch_size))))
 
 
-def parity_verdict(max_diff: float, world_size: int, reduce_on_owners: bool) -> str:
+def parity_verdict(
+    max_diff: float, world_size: int, reduce_on_owners: bool, compressed: str = ""
+) -> str:
     """The verdict on the ZeRO run's parameters against the plain run's, after the same steps:
-    exact at 1 or 2 ranks and with torch's class; at 3 or more, reported, not judged (the text
-    says why).
+    exact at 1 or 2 ranks and with torch's class; at 3 or more, or ``compressed`` (what crosses
+    in fewer bits), reported, not judged (the text says why).
 
     Example:
         >>> parity_verdict(0.0, 2, True)
@@ -82,6 +84,8 @@ def parity_verdict(max_diff: float, world_size: int, reduce_on_owners: bool) -> 
     """
     if max_diff == 0:
         return "bitwise equal"
+    if compressed and world_size > 1:
+        return f"not compared bitwise (max |diff| {max_diff:.1e}): {compressed}, rounded once"
     if world_size >= 3 and reduce_on_owners:
         return (
             f"not compared bitwise (max |diff| {max_diff:.1e}): at {world_size} ranks gloo sums "
@@ -192,12 +196,20 @@ def _optimizer(
         fused=FUSED,
         main_params_dtype=torch.float32 if cfg.main_params else None,
         device_mesh=mesh,
+        gather_dtype=_wire(cfg.gather_dtype),
     )
+    wire = _wire(cfg.wire_dtype)
     if cfg.overlap:
-        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        ddp.register_comm_hook(
+            None, hook_with_zero_step(allreduce_hook, ddp, zero, wire_dtype=wire)
+        )
     else:  # gradients reduced onto their owners only: with step()'s all-gather, DDP's bytes
-        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero))
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero, wire_dtype=wire))
     return zero
+
+
+def _wire(name: str | None) -> torch.dtype | None:
+    return None if name is None else comm.WIRE_NAMES[name]
 
 
 def _train(
@@ -340,6 +352,13 @@ def _summary(cfg: TrainConfig, rows: Sequence[Mapping[str, Any]], world_size: in
         mode += f", mesh {world_size // cfg.shard_size} x {cfg.shard_size} (replicate x shard)"
     if cfg.dtype != "fp32":
         mode += f", {cfg.dtype} model" + (", fp32 main params" if cfg.main_params else "")
+    compressed = ", ".join(
+        f"{what} {name}"
+        for what, name in (("gradients in", cfg.wire_dtype), ("changes in", cfg.gather_dtype))
+        if name is not None
+    )
+    if compressed:
+        mode += f", {compressed}"
     lines = [
         f"ZeroRedundancyOptimizer ({impl}, {mode}) over Adam, {world_size} rank(s), "
         f"epochs up to {cfg.epochs}",
@@ -362,7 +381,7 @@ def _summary(cfg: TrainConfig, rows: Sequence[Mapping[str, Any]], world_size: in
         lines.append("parity with plain DDP + torch.optim.Adam: not run (--no-reference)")
     else:
         diff = max(row["max_diff"] for row in rows)
-        verdict = parity_verdict(diff, world_size, ours)
+        verdict = parity_verdict(diff, world_size, ours, compressed)
         on = " on fp32 main weights" if cfg.main_params else ""
         lines.append(f"parity with plain DDP + torch.optim.Adam{on} (seed {cfg.seed}): {verdict}")
     if cfg.resume is not None:

@@ -128,6 +128,18 @@ class TrainConfig:
             Needs("impl", OURS, f"{TORCH} keeps no main copy"),
         ),
     )
+    wire_dtype: str | None = option(
+        None,
+        "gradients cross to their owners in this format, rounded once, summed in fp32",
+        choices=("bf16", "fp16", "int8", "fp8"),
+        needs=(Needs("impl", OURS, f"{TORCH} sends the gradients' dtype"),),
+    )
+    gather_dtype: str | None = option(
+        None,
+        "parameters' changes cross in this format from fp32 main copies (every rank adds them)",
+        choices=("bf16", "fp16", "int8", "fp8"),
+        needs=(Needs("impl", OURS, f"{TORCH} sends the parameters' values"),),
+    )
     shard_size: int | None = option(
         None,
         "hybrid sharding: state sharded in groups of S ranks, replicated across the groups",

@@ -31,7 +31,7 @@ from zero_functional.comm.buckets import (
     unflatten_into,
 )
 from zero_functional.comm.calls import CollectiveError, call, failures
-from zero_functional.comm.codec import WIRE_DTYPES, Codec, check_wire_dtype
+from zero_functional.comm.codec import WIRE_DTYPES, WIRE_NAMES, Codec, check_wire_dtype
 from zero_functional.comm.collectives import Wire, start_broadcast, start_reduce
 from zero_functional.comm.exchange import Exchanger
 from zero_functional.comm.groups import (
@@ -65,6 +65,7 @@ from zero_functional.core.plans import COALESCE_BELOW
 
 __all__ = [
     "WIRE_DTYPES",
+    "WIRE_NAMES",
     "Codec",
     "check_wire_dtype",
     "Exchanger",

@@ -15,6 +15,12 @@ from torch import Tensor
 
 BLOCK = 256  # elements per scale
 WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
+WIRE_NAMES = {  # the command line's names
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
 _LIMIT = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # the largest code
 _MANTISSA = {torch.bfloat16: 8, torch.float16: 11}  # significant bits
 
