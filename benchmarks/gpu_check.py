@@ -549,6 +549,67 @@ def _main_params_case(env: Env) -> Row:
     return {"status": "PASS" if ok else "FAIL", "detail": detail, "vs_plain": vs_ref}
 
 
+def _compressed_case(env: Env) -> Row:
+    """Compressed collectives (issue 41) on the device: each wire format's round trip within its
+    bound; from 2 ranks the encoded all-to-all reduce (uint8 ``all_to_all_single``) against the
+    exact sum, and int8 both ways through ``reduce_scatter_hook``: parameters equal on every rank."""
+    if "gather_dtype" not in inspect.signature(ZeroRedundancyOptimizer.__init__).parameters:
+        return {"status": "SKIP", "detail": "no gather_dtype keyword in this version"}
+    from zero_functional import comm
+    from zero_functional.comm.exchange import start_exchange
+
+    dev, world, rank = _device(env), dist.get_world_size(), dist.get_rank()
+    worst, notes = 0.0, []
+    for dtype in comm.WIRE_DTYPES:
+        codec = comm.Codec(dtype)
+        x = torch.randn(3000, generator=torch.Generator().manual_seed(rank)).to(dev)
+        error = (codec.decode(codec.encode(x), x.numel()) - x).abs()
+        worst = max(
+            worst, float((error / (codec.rounding_bound(x) + 4 * 2.0**-24 * x.abs() + 1e-30)).max())
+        )
+        if world > 1:
+            runs = [(a * 3000 // world, (a + 1) * 3000 // world, a) for a in range(world)]
+            values = [
+                torch.randn(3000, generator=torch.Generator().manual_seed(r)).to(dev)
+                for r in range(world)
+            ]
+            buffer = values[rank].clone()
+            start_exchange(buffer, runs, dist.group.WORLD, None, codec).wait()
+            a, b, _ = runs[rank]
+            bound = sum(codec.rounding_bound(v[a:b]) for r, v in enumerate(values) if r != rank)
+            exact = sum(v[a:b].double() for v in values)
+            ratio = float(
+                (
+                    (buffer[a:b].double() - exact).abs()
+                    / (bound + 8 * 2.0**-24 * exact.abs() + 1e-30)
+                ).max()
+            )
+            worst = max(worst, ratio)
+    if world > 1:
+        model = _net(env, torch.float32)
+        ddp = _ddp(model, cap=0.01)
+        cls, kw = OPTS["AdamW"]
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(), cls, partition="flat", gather_dtype=torch.int8, **kw
+        )
+        ddp.register_comm_hook(None, reduce_scatter_hook(ddp, zero, wire_dtype=torch.int8))
+        _train_steps(env, [(ddp, zero)], range(env["steps"]))
+        zero.finish_param_sync()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        equal = all(torch.equal(g, flat) for g in gathered)
+        notes.append(f"int8 both ways: parameters {'equal' if equal else 'DIFFER'} on every rank")
+    else:
+        equal = True
+        notes.append("1 rank: nothing crosses (the codec alone)")
+    ok = worst <= 1.0 and equal
+    detail = f"worst error / bound {worst:.3f} over {len(comm.WIRE_DTYPES)} formats; " + "; ".join(
+        notes
+    )
+    return {"status": "PASS" if ok else "FAIL", "detail": detail}
+
+
 def _collectives_case(env: Env) -> Row:
     """The comm paths NCCL takes that a 1-rank training run skips (step(), the hooks and
     reduce_scatter_hook do no collective at 1 rank): reduce_scatter_single / all_gather_single
@@ -758,6 +819,7 @@ def _mode_cases(env: Env) -> list[tuple[str, Callable[[], Row]]]:
             c(dtype=bf16, mode="overlap", partition="flat", torch_ref=False),
         ),
         ("bf16 model, main_params_dtype=float32", lambda: _main_params_case(env)),
+        ("compressed collectives (wire_dtype, gather_dtype int8)", lambda: _compressed_case(env)),
         # last: a broken NCCL path can take the process down with it
         ("comm paths (coalesced, padded, twin group, scalars)", lambda: _collectives_case(env)),
         ("Pending.future stream ordering on CUDA", lambda: _future_streams_case(env)),
