@@ -339,8 +339,12 @@ def _composes_case(rank: int, world: int) -> dict[str, Any]:
         )
     except ImportError:  # the lowbit extra: make test installs it
         out["torchao AdamW8bit"] = "not installed"
+    cases["bf16 model, fp32 main copies"] = (
+        lambda d: zero_of(d, partition="flat", gather_dtype=INT8),
+        "rs",
+    )
     for name, (make, how) in cases.items():
-        model = _model()
+        model = _model(dtype=torch.bfloat16 if name.startswith("bf16") else torch.float32)
         ddp = DDP(model, bucket_cap_mb=0.004)
         zero = make(ddp)
         if how == "rs":

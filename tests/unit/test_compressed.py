@@ -43,3 +43,22 @@ def test_gather_dtype_is_checked_with_the_other_inputs() -> None:
         )
     with pytest.raises(ValueError, match=r"gather_dtype \(main copies\) needs an elementwise"):
         ZeroRedundancyOptimizer([w], torch.optim.LBFGS, gather_dtype=torch.int8)
+
+
+def test_a_wire_with_a_codec_reduces_every_buffer_by_an_encoded_exchange() -> None:
+    from zero_functional import comm
+    from zero_functional.comm.collectives import AllGather, Exchange, PerRun, ReduceScatter
+    from zero_functional.comm.testing import fake_world
+    from zero_functional.core.ownership import Run
+    from zero_functional.core.plans import BufferPlan
+
+    runs = tuple(Run(4 * r, 4 * r + 4, r) for r in range(4))
+    even = BufferPlan("reduce_scatter+all_gather", runs, 4)
+    uneven = BufferPlan("reduce+broadcast", runs, None)
+    with fake_world(4) as group:
+        plain = comm.Wire(group, threaded=False)
+        coded = comm.Wire(group, threaded=False, codec=comm.Codec(torch.int8))
+        cpu = torch.device("cpu")
+        assert [type(c) for c in plain.choose(even, cpu)] == [ReduceScatter, AllGather]
+        assert [type(c) for c in coded.choose(even, cpu)] == [Exchange, AllGather]
+        assert [type(c) for c in coded.choose(uneven, cpu)] == [Exchange, PerRun]
