@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from zero_functional import checkpoint
 from zero_functional.app.train_options import OURS, TrainConfig
 from zero_functional.checkpoint import storage
-from zero_functional.checkpoint.keys import STATE_PREFIX, model_key, split_state_key
+from zero_functional.checkpoint.format import STATE_PREFIX, model_key, split_state_key
 from zero_functional.checkpoint.storage import CheckpointError
 
 TRAIN_FORMAT = "zero_functional.app.train/1"  # the ``format`` key; others are refused

@@ -17,7 +17,7 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.checkpoint.keys import check_groups
+from zero_functional.checkpoint.format import check_groups
 from zero_functional.checkpoint.source import Source, source
 from zero_functional.checkpoint.storage import box_views
 from zero_functional.core.param_table import module_of
