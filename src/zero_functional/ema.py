@@ -33,8 +33,6 @@ SWAPPED = (
     "block (swapped_into is for evaluating the averaged weights)"
 )
 
-__all__ = ["MODULE_PREFIX", "N_AVERAGED_KEY", "ShardedEMA"]
-
 MODULE_PREFIX = "module."  # of a parameter's key in the state dict, as AveragedModel's
 N_AVERAGED_KEY = "n_averaged"  # AveragedModel's buffer of the number of updates averaged
 T = TypeVar("T")

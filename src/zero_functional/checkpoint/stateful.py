@@ -27,8 +27,6 @@ from zero_functional.functional import update_kind
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.steppers import hyperparameters, probe_state
 
-__all__ = ["ZeroStateful", "stateful"]
-
 
 def _sharded(src: Source, k: int, local: Tensor) -> ShardedTensor:
     """``local`` (this rank's flat piece of parameter ``k``, or of a tensor of its shape) as a
