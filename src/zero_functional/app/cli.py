@@ -107,9 +107,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 hybrid_shape(w, args.shard_size)
         except ValueError as e:
             return fail("plan", f"--shard-size: {e} (--world-sizes)")
-    bad = [(r, w) for w in worlds for r in args.simulate or () if not 0 <= r < w]
-    if bad:  # before torch is imported
-        r, w = bad[0]
+    if bad := [(r, w) for w in worlds for r in args.simulate or () if not 0 <= r < w]:
+        r, w = bad[0]  # before torch is imported
         return fail(
             "plan",
             f"--simulate: rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}",

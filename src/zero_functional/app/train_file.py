@@ -125,8 +125,7 @@ def read_train_file(
     except Exception as e:
         raise CheckpointError(f"checkpoint {p} is corrupt: {_first_line(e)}") from e
     ckpt = _train_dict(p, ckpt)
-    missing = {"model", "optimizer", "epoch", "args"} - ckpt.keys()
-    if missing:
+    if missing := {"model", "optimizer", "epoch", "args"} - ckpt.keys():
         raise CheckpointError(f"checkpoint {p} lacks {sorted(missing)}; it is truncated or edited")
     try:
         model = build_model(int(ckpt["args"]["hidden"]))

@@ -209,8 +209,7 @@ def train_config(
         if (value := getattr(args, f.name)) is not None
     }
     cfg = TrainConfig(**{**args.train_defaults, **given})
-    missing = [d for m, d in DEMO_MODULES.items() if not _findable(m)]
-    if missing:
+    if missing := [d for m, d in DEMO_MODULES.items() if not _findable(m)]:
         are = "is" if len(missing) == 1 else "are"
         raise ValueError(
             f"the train job needs {' and '.join(missing)}, which {are} not installed: "

@@ -372,8 +372,7 @@ def read_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
     objects: list[str] = []
     for item in keys.values():
-        meta = saved[item]
-        if meta is None:
+        if (meta := saved[item]) is None:
             objects.append(item)
         elif meta[0] == ():
             wanted[item] = ((), meta[1], [(0, 1)])
@@ -384,8 +383,7 @@ def read_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
         tensors, values = read
         entry: dict[str, Any] = {}
         for key, item in keys.items():
-            meta = saved[item]
-            if meta is None:
+            if (meta := saved[item]) is None:
                 entry[key] = values[item]
             else:
                 entry[key] = tensors[item][0].view(() if meta[0] == () else shape)
