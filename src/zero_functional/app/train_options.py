@@ -193,9 +193,7 @@ def add_flags(parser: argparse.ArgumentParser, **defaults: object) -> None:
 
 
 def train_config(
-    args: argparse.Namespace,
-    where: ClusterRank | None,
-    load: Callable[[str], Mapping[str, Any]],
+    args: argparse.Namespace, where: ClusterRank | None, load: Callable[[str], Mapping[str, Any]]
 ) -> TrainConfig:
     """The config ``args`` give, after every check a parent can make: the flags (no torch),
     the ``demo`` extra, the world, the checkpoint's path, then the checkpoint ``load`` reads.
