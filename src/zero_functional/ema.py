@@ -33,8 +33,6 @@ SWAPPED = (
     "block (swapped_into is for evaluating the averaged weights)"
 )
 
-__all__ = ["MODULE_PREFIX", "N_AVERAGED_KEY", "ShardedEMA"]
-
 MODULE_PREFIX = "module."  # of a parameter's key in the state dict, as AveragedModel's
 N_AVERAGED_KEY = "n_averaged"  # AveragedModel's buffer of the number of updates averaged
 T = TypeVar("T")
@@ -42,8 +40,7 @@ T = TypeVar("T")
 
 def _if_alive(method: Callable[[], Callable[[T], None] | None], arg: T) -> None:
     """``method()(arg)``, unless the weak ``method``'s object is gone."""
-    bound = method()
-    if bound is not None:
+    if (bound := method()) is not None:
         bound(arg)
 
 
@@ -143,8 +140,7 @@ class ShardedEMA:
 
     def _stepped(self, _: None) -> None:
         """A step has ended: average in, as they are, the pieces it did not update (no gradient)."""
-        missed = [k for k in self._averages if k not in self._this_step]
-        if missed:
+        if missed := [k for k in self._averages if k not in self._this_step]:
             self.update_(self.optimizer.shard.values(missed))
         self._this_step.clear()
 
@@ -264,8 +260,7 @@ class ShardedEMA:
 
     def load_pieces(self, pieces: Mapping[int, Tensor], n_averaged: int) -> None:
         """Replace this rank's averages by ``pieces`` (flat), ``n_averaged`` times over; local."""
-        lacking = sorted(set(self._averages) - set(pieces))
-        if lacking:
+        if lacking := sorted(set(self._averages) - set(pieces)):
             raise ValueError(f"no EMA values for the owned parameters {first_of(lacking)}")
         with torch.no_grad():
             for k, average in self._averages.items():

@@ -108,9 +108,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 hybrid_shape(w, args.shard_size)
         except ValueError as e:
             return fail("plan", f"--shard-size: {e} (--world-sizes)")
-    bad = [(r, w) for w in worlds for r in args.simulate or () if not 0 <= r < w]
-    if bad:  # before torch is imported
-        r, w = bad[0]
+    if bad := [(r, w) for w in worlds for r in args.simulate or () if not 0 <= r < w]:
+        r, w = bad[0]  # before torch is imported
         return fail(
             "plan",
             f"--simulate: rank {r} is not a rank of world size {w}: pass ranks from 0 to {w - 1}",
@@ -268,18 +267,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.quick:
         print(f"-- bench --quick runs {len(scripts)} of {total} scripts, {QUICK_TAKES}")
     start = time.perf_counter()
-
-    def extra(script: Path) -> tuple[str, ...]:
-        return QUICK_ARGS.get(script.name, ()) if args.quick else ()
-
     with tempfile.TemporaryDirectory() as tmp:
         for i, script in enumerate(scripts, 1):
             out = Path(tmp) / f"{script.stem}.json"
-            print(f"== {script.name} ({i}/{len(scripts)}): {_what(script)}", flush=True)
+            doc = ast.get_docstring(ast.parse(script.read_text()))  # what it measures
+            what = doc.splitlines()[0] if doc else "(no docstring)"
+            print(f"== {script.name} ({i}/{len(scripts)}): {what}", flush=True)
             began = time.perf_counter()
+            extra = QUICK_ARGS.get(script.name, ()) if args.quick else ()
             code = subprocess.run(
-                [sys.executable, str(script), *forwarded, *extra(script), "--json", str(out)],
-                check=False,
+                [sys.executable, str(script), *forwarded, *extra, "--json", str(out)], check=False
             ).returncode
             now = time.perf_counter()
             print(f"-- {script.name}: {now - began:.0f} s ({now - start:.0f} s in all)")
@@ -289,12 +286,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print("\n== summary: every benchmark against torch's best configuration, same run")
     print(format_bench(rows))
     return worst
-
-
-def _what(script: Path) -> str:
-    """What ``script`` measures: its docstring's first line (read, not imported)."""
-    doc = ast.get_docstring(ast.parse(script.read_text()))
-    return doc.splitlines()[0] if doc else "(no docstring)"
 
 
 def build_parser() -> argparse.ArgumentParser:

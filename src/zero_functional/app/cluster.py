@@ -117,8 +117,7 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
     if "RANK" in env and "WORLD_SIZE" in env:
         torchrun = "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env
         source = "torchrun" if torchrun else "RANK/WORLD_SIZE (a PyTorchJob)"
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-        if missing:
+        if missing := [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]:
             raise ClusterError(f"{source}: RANK and WORLD_SIZE are set but not {missing}")
         names, addr = ("RANK", "WORLD_SIZE", "LOCAL_RANK"), env["MASTER_ADDR"]
     elif all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")):

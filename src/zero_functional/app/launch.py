@@ -552,8 +552,7 @@ def _collect(ranks: Sequence[_Rank], timeout_s: float, grace_s: float) -> list[R
         if first is None and raised and not died:
             # A peer's death can reach a survivor (a reset connection) before the dead process
             # can be reaped: give the deaths behind these errors a moment to show.
-            still = [r for r in running if r.state == "running"]
-            if still:
+            if still := [r for r in running if r.state == "running"]:
                 connection.wait([r.process.sentinel for r in still], timeout=SETTLE_S)
                 _poll(still, raised, died, stops)
         if raised or died:
@@ -585,8 +584,7 @@ def _await_exit(ranks: Sequence[_Rank]) -> list[RankFailure]:
             reason = f"returned its result but had not exited {format_seconds(EXIT_WAIT_S)} later"
         elif code != 0:
             reason = f"returned its result, then {describe_exit(code)} while exiting"
-            why = _why_not_left(r)
-            if why is not None:
+            if (why := _why_not_left(r)) is not None:
                 reason, tb = f"{reason}: {cut(why[0], 400)}", why[1]
         else:
             continue

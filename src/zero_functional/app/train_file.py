@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from zero_functional import checkpoint
 from zero_functional.app.train_options import OURS, TrainConfig
 from zero_functional.checkpoint import storage
-from zero_functional.checkpoint.keys import STATE_PREFIX, model_key, split_state_key
+from zero_functional.checkpoint.format import MODEL_PREFIX, STATE_PREFIX, model_key, split_state_key
 from zero_functional.checkpoint.storage import CheckpointError
 
 TRAIN_FORMAT = "zero_functional.app.train/1"  # the ``format`` key; others are refused
@@ -125,8 +125,7 @@ def read_train_file(
     except Exception as e:
         raise CheckpointError(f"checkpoint {p} is corrupt: {_first_line(e)}") from e
     ckpt = _train_dict(p, ckpt)
-    missing = {"model", "optimizer", "epoch", "args"} - ckpt.keys()
-    if missing:
+    if missing := {"model", "optimizer", "epoch", "args"} - ckpt.keys():
         raise CheckpointError(f"checkpoint {p} lacks {sorted(missing)}; it is truncated or edited")
     try:
         model = build_model(int(ckpt["args"]["hidden"]))
@@ -170,22 +169,19 @@ def read_train_directory(
     extra = _train_dict(path, extra)
     model = build_model(int(extra["args"]["hidden"]))
     keys = storage.read_keys(path)
-    names = [name for name, _ in model.named_parameters()]
-    for name, p in model.named_parameters():
-        for key, meta in keys.items():
-            split = split_state_key(key)
-            if key == model_key(name) or (split is not None and split[0] == name):
-                if meta is not None and meta[0] not in ((), tuple(p.shape)):
-                    raise CheckpointError(
-                        f"checkpoint {path} does not fit the demo MLP: {key} has shape "
-                        f"{meta[0]}, the model's {name} {tuple(p.shape)}"
-                    )
-    unknown = sorted(
-        k
-        for k in keys
-        if k.startswith(STATE_PREFIX) and (split_state_key(k) or ("", ""))[0] not in names
-    )
-    if unknown or any(model_key(n) not in keys for n in names):
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    unknown = []
+    for key, meta in sorted(keys.items()):
+        split = split_state_key(key)  # the parameter a model or state item is of
+        name = split[0] if split is not None else key.removeprefix(MODEL_PREFIX)
+        if key.startswith(STATE_PREFIX) and name not in shapes:
+            unknown.append(key)
+        elif name in shapes and meta is not None and meta[0] not in ((), shapes[name]):
+            raise CheckpointError(
+                f"checkpoint {path} does not fit the demo MLP: {key} has shape {meta[0]}, the "
+                f"model's {name} {shapes[name]}"
+            )
+    if unknown or any(model_key(n) not in keys for n in shapes):
         raise CheckpointError(
             f"checkpoint {path} does not fit the demo MLP (hidden {extra['args']['hidden']}): "
             f"{unknown[:3] or 'model tensors are missing'}"

@@ -205,9 +205,7 @@ def add_flags(parser: argparse.ArgumentParser, **defaults: object) -> None:
 
 
 def train_config(
-    args: argparse.Namespace,
-    where: ClusterRank | None,
-    load: Callable[[str], Mapping[str, Any]],
+    args: argparse.Namespace, where: ClusterRank | None, load: Callable[[str], Mapping[str, Any]]
 ) -> TrainConfig:
     """The config ``args`` give, after every check a parent can make: the flags (no torch),
     the ``demo`` extra, the world, the checkpoint's path, then the checkpoint ``load`` reads.
@@ -221,8 +219,7 @@ def train_config(
         if (value := getattr(args, f.name)) is not None
     }
     cfg = TrainConfig(**{**args.train_defaults, **given})
-    missing = [d for m, d in DEMO_MODULES.items() if not _findable(m)]
-    if missing:
+    if missing := [d for m, d in DEMO_MODULES.items() if not _findable(m)]:
         are = "is" if len(missing) == 1 else "are"
         raise ValueError(
             f"the train job needs {' and '.join(missing)}, which {are} not installed: "

@@ -21,8 +21,15 @@ from zero_functional import comm
 from zero_functional.checkpoint import format as checkpoint_format
 from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.background import SaveHandle
-from zero_functional.checkpoint.format import FORMAT, Held, Owned, Request, Snapshot
-from zero_functional.checkpoint.keys import model_state_dict, optimizer_state_dict
+from zero_functional.checkpoint.format import (
+    FORMAT,
+    Held,
+    Owned,
+    Request,
+    Snapshot,
+    model_state_dict,
+    optimizer_state_dict,
+)
 from zero_functional.checkpoint.source import Source, source
 from zero_functional.checkpoint.stateful import ZeroStateful, stateful
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError

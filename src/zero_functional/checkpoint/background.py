@@ -35,8 +35,6 @@ from zero_functional.checkpoint import atomic_dir, storage
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.core._validate import by_rank
 
-__all__ = ["RENDEZVOUS_TIMEOUT_S", "SaveHandle", "settle", "start"]
-
 RENDEZVOUS_TIMEOUT_S = 1800.0
 """How long a rank's thread waits for the other ranks' files (rank 0) or for the commit (the
 others) before it gives up, naming the ranks it did not hear from; what a dead peer costs."""

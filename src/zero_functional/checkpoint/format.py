@@ -2,12 +2,12 @@
 per format version (:data:`READERS`).
 
 **zero_functional.checkpoint/1** (:data:`FORMAT`): a :mod:`~zero_functional.checkpoint.storage`
-directory in *model space* (independent of the world size and the partition), with the keys of
-:mod:`~zero_functional.checkpoint.keys`: ``model.<name>`` (the model's ``state_dict()``
-tensors), ``state.<parameter name>.<key>`` (the optimizer state: an elementwise value in its
-parameter's shape, a 0-d tensor as one, anything else as an object), ``ema.<parameter name>``
-with the object ``ema_n_averaged`` (a :class:`~zero_functional.ema.ShardedEMA`'s averages), and
-the objects ``param_groups`` (hyperparameters, parameter names), ``extra`` and ``format``.
+directory in *model space* (independent of the world size and the partition), with the keys
+``model.<name>`` (the model's ``state_dict()`` tensors), ``state.<parameter name>.<key>`` (the
+optimizer state: an elementwise value in its parameter's shape, a 0-d tensor as one, anything
+else as an object), ``ema.<parameter name>`` with the object ``ema_n_averaged`` (a
+:class:`~zero_functional.ema.ShardedEMA`'s averages), and the objects ``param_groups``
+(hyperparameters, parameter names), ``extra`` and ``format``.
 
 **zero_functional.checkpoint/2** (:data:`FORMAT_QUANTIZED`, written when a group's class
 quantizes its state in blocks: torchao's low-bit AdamWs): checkpoint/1 plus each block-wise
@@ -15,6 +15,12 @@ quantized value as its codes and scales (:mod:`~zero_functional.checkpoint.quant
 
 A new layout is a new version: a new constant, the writer changed, a reader added to
 :data:`READERS`; the readers of earlier versions stay.
+
+Example:
+    >>> model_key("0.weight"), state_key("0.weight", "exp_avg"), ema_key("0.weight")
+    ('model.0.weight', 'state.0.weight.exp_avg', 'ema.0.weight')
+    >>> split_state_key("state.0.weight.exp_avg"), split_state_key("model.0.weight")
+    (('0.weight', 'exp_avg'), None)
 """
 
 from __future__ import annotations
@@ -29,16 +35,6 @@ import torch
 from torch import Tensor
 
 from zero_functional.checkpoint import background, quantized, storage
-from zero_functional.checkpoint.keys import (
-    MODEL_PREFIX,
-    check_groups,
-    ema_key,
-    model_key,
-    split_state_key,
-    state_key,
-)
-from zero_functional.checkpoint.keys import model_state_dict as model_state_dict
-from zero_functional.checkpoint.keys import optimizer_state_dict as optimizer_state_dict
 from zero_functional.checkpoint.storage import CheckpointError, Pieces, Saved, Wanted
 from zero_functional.comm import ProcessGroup
 from zero_functional.core._validate import first_of
@@ -55,6 +51,77 @@ FORMAT_QUANTIZED = "zero_functional.checkpoint/2"
 
 EMA_N_AVERAGED = "ema_n_averaged"
 """The object that holds a saved EMA's number of averaged updates."""
+
+MODEL_PREFIX, STATE_PREFIX, EMA_PREFIX = "model.", "state.", "ema."
+
+
+def model_key(name: str) -> str:
+    """The key of the model tensor ``name`` (see the module's example)."""
+    return MODEL_PREFIX + name
+
+
+def state_key(name: str, key: str) -> str:
+    """The key of the optimizer state ``key`` (which has no dot) of the parameter ``name``."""
+    return f"{STATE_PREFIX}{name}.{key}"
+
+
+def ema_key(name: str) -> str:
+    """The key of the EMA of the parameter ``name``."""
+    return EMA_PREFIX + name
+
+
+def split_state_key(key: str) -> tuple[str, str] | None:
+    """The parameter name and state key of an optimizer state item; ``None`` for another item."""
+    if not key.startswith(STATE_PREFIX):
+        return None
+    name, _, rest = key[len(STATE_PREFIX) :].rpartition(".")
+    return (name, rest) if name else None
+
+
+def model_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's ``state_dict`` from a ``dcp_to_torch_save`` file of a checkpoint.
+
+    Example:
+        >>> model_state_dict({"model.w": 1, "state.w.step": 2, "extra": None})
+        {'w': 1}
+    """
+    return {k[len(MODEL_PREFIX) :]: v for k, v in flat.items() if k.startswith(MODEL_PREFIX)}
+
+
+def optimizer_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``torch.optim`` state dict from a ``dcp_to_torch_save`` file, numbered as torch numbers.
+
+    Example:
+        >>> optimizer_state_dict({"state.w.step": 3, "param_groups": [{"params": ["w"]}]})
+        {'state': {0: {'step': 3}}, 'param_groups': [{'params': [0]}]}
+    """
+    groups = flat["param_groups"]
+    index = {name: i for i, name in enumerate(name for g in groups for name in g["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if (split := split_state_key(key)) is not None:
+            state.setdefault(index[split[0]], {})[split[1]] = value
+    return {
+        "state": state,
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+    }
+
+
+def check_groups(saved: object, expected: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
+    """The saved ``param_groups``, checked to list the parameters ``expected`` group by group
+    (else :class:`CheckpointError`: another model, or another group order).
+
+    Example:
+        >>> check_groups([{"lr": 0.1, "params": ["w"]}], [["w"]])
+        [{'lr': 0.1, 'params': ['w']}]
+    """
+    listed = [list(names) for names in expected]
+    if not isinstance(saved, list) or [g.get("params") for g in saved] != listed:
+        raise CheckpointError(
+            "the checkpoint's parameter groups list other parameters than the optimizer's: "
+            "it belongs to another model (or the groups were built in another order)"
+        )
+    return saved
 
 
 @dataclass(frozen=True)
@@ -305,8 +372,7 @@ def read_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[int, int]]]] = {}
     objects: list[str] = []
     for item in keys.values():
-        meta = saved[item]
-        if meta is None:
+        if (meta := saved[item]) is None:
             objects.append(item)
         elif meta[0] == ():
             wanted[item] = ((), meta[1], [(0, 1)])
@@ -317,8 +383,7 @@ def read_v1(saved: Saved, owned: Owned, keys: Mapping[str, str]) -> ParamRead:
         tensors, values = read
         entry: dict[str, Any] = {}
         for key, item in keys.items():
-            meta = saved[item]
-            if meta is None:
+            if (meta := saved[item]) is None:
                 entry[key] = values[item]
             else:
                 entry[key] = tensors[item][0].view(() if meta[0] == () else shape)

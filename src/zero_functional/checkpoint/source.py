@@ -26,8 +26,6 @@ from zero_functional.core.partition import Piece
 from zero_functional.functional.registry import update_block
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["Source", "source"]
-
 State = dict[int, dict[str, Any]]
 """Optimizer state by global parameter index."""
 

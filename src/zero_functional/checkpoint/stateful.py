@@ -17,7 +17,7 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.optim import Optimizer
 
 from zero_functional import comm
-from zero_functional.checkpoint.keys import check_groups
+from zero_functional.checkpoint.format import check_groups
 from zero_functional.checkpoint.source import Source, source
 from zero_functional.checkpoint.storage import box_views
 from zero_functional.core.param_table import module_of
@@ -26,8 +26,6 @@ from zero_functional.ema import MODULE_PREFIX, N_AVERAGED_KEY, ShardedEMA
 from zero_functional.functional import update_kind
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 from zero_functional.shell.steppers import hyperparameters, probe_state
-
-__all__ = ["ZeroStateful", "stateful"]
 
 
 def _sharded(src: Source, k: int, local: Tensor) -> ShardedTensor:

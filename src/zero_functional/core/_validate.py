@@ -85,7 +85,6 @@ def by_rank(messages: Sequence[tuple[int, str]], shown: int = 4, sep: str = ": "
         parts.append(
             f"{'rank' if len(ranks) == 1 else 'ranks'} {first_of(ranks, shown)}{sep}{message}"
         )
-    rest = sum(len(ranks) for _, ranks in ordered[MESSAGES_SHOWN:])
-    if rest:
+    if rest := sum(len(ranks) for _, ranks in ordered[MESSAGES_SHOWN:]):
         parts.append(f"and {rest} more {'rank' if rest == 1 else 'ranks'} with other messages")
     return "; ".join(parts)

@@ -43,8 +43,7 @@ def agreement_verdict(
     """
     if problem is not None:
         return problem
-    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, tuple)}
-    if failed:
+    if failed := {r: v for r, v in enumerate(everyone) if isinstance(v, tuple)}:
         kinds: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
         name, message = next(iter(failed.values()))
         ranks = sorted(failed)

@@ -47,8 +47,7 @@ def check_param_state(
     for key in state:
         if not isinstance(key, str):
             raise TypeError(f"{where}'s loaded state has a key {key!r}; state keys are strings")
-    missing = sorted(set(schema or {}) - set(state))
-    if missing:
+    if missing := sorted(set(schema or {}) - set(state)):
         raise ValueError(
             f"{where}'s loaded state lacks {missing} (it has {sorted(state)}): the state comes "
             "from another optimizer class or other options (e.g. amsgrad)"

@@ -110,26 +110,17 @@ class RankBytes:
     main: int
     state: int
 
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.main + self.state
 
-
-def rank_bytes(
-    load: int, total: int, *, param_bytes: int, main_bytes: int = 0, states: int = 2
-) -> RankBytes:
-    """The bytes of a rank owning ``load`` of ``total`` elements (ZeRO-1): its ``states``
+def rank_bytes(load: int, total: int, *, param_bytes: int, main_bytes: int = 0) -> RankBytes:
+    """The bytes of a rank owning ``load`` of ``total`` elements (ZeRO-1): AdamW's two
     per-element states in the main copy's dtype where ``main_bytes > param_bytes``.
 
     Example:
         >>> rank_bytes(6, 12, param_bytes=2, main_bytes=4)  # bf16, fp32 main copy, AdamW
         RankBytes(params=24, grads=24, main=24, state=48)
     """
-    if load < 0 or total < load or states < 0:
-        raise ValueError(
-            f"need 0 <= load <= total and states >= 0, got load {load}, total {total}, "
-            f"states {states}"
-        )
+    if load < 0 or total < load:
+        raise ValueError(f"need 0 <= load <= total, got load {load} and total {total}")
     if param_bytes < 1 or main_bytes < 0:
         raise ValueError(
             f"param_bytes must be >= 1 and main_bytes >= 0 (0: no main copy), got "
@@ -140,7 +131,7 @@ def rank_bytes(
         params=param_bytes * total,
         grads=param_bytes * total,
         main=main * load,
-        state=states * (main or param_bytes) * load,
+        state=2 * (main or param_bytes) * load,
     )
 
 

@@ -128,11 +128,9 @@ def main_value(view: Tensor, state: Mapping[str, Any], dtype: torch.dtype) -> Te
         >>> main_value(torch.ones(1, dtype=torch.bfloat16), {}, torch.float32)
         tensor([1.])
     """
-    main = state.get(MAIN_KEY)
-    if main is not None:
+    if (main := state.get(MAIN_KEY)) is not None:
         return cast(Tensor, main)
-    remainder = state.get(REMAINDER_KEY)
-    if remainder is not None:
+    if (remainder := state.get(REMAINDER_KEY)) is not None:
         return join_main(view.detach(), remainder)
     return view.detach().to(dtype, copy=True)
 

@@ -36,8 +36,7 @@ def sorted_greedy(
             f"initial_loads has {len(loads)} entries but world_size is {world_size}: "
             "pass one load per rank, or None to start from zero"
         )
-    negative = [r for r, load in enumerate(loads) if load < 0]
-    if negative:
+    if negative := [r for r, load in enumerate(loads) if load < 0]:
         raise ValueError(
             f"initial_loads has a negative load at ranks {first_of(negative)} (rank "
             f"{negative[0]}: {loads[negative[0]]}): pass element counts (>= 0)"

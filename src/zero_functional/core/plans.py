@@ -71,19 +71,13 @@ def even_chunk(runs: Runs, total: int, world_size: int) -> int | None:
         >>> even_chunk([(0, 4, 0), (4, 7, 1)], 7, 2), even_chunk([(0, 3, 0), (3, 7, 1)], 7, 2)
         (4, None)
     """
-    by_rank: dict[int, tuple[int, int]] = {}
-    for a, b, rank in runs:
-        if rank in by_rank:
-            return None
-        by_rank[rank] = (a, b)
-    first = by_rank.get(0)
-    if total == 0 or first is None or first[0] != 0:
+    if total == 0 or not runs or runs[0][0] != 0 or runs[0][2] != 0:
         return None
-    chunk = first[1]
-    expected = {
-        r: (r * chunk, min((r + 1) * chunk, total)) for r in range(world_size) if r * chunk < total
-    }
-    return chunk if by_rank == expected else None
+    chunk = runs[0][1]  # rank r's run is [r * chunk, (r + 1) * chunk), in rank order
+    even = [
+        (r * chunk, min((r + 1) * chunk, total), r) for r in range(world_size) if r * chunk < total
+    ]
+    return chunk if [tuple(run) for run in runs] == even else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,6 @@ class LowBitSpec:
     suffix: str
     code_bits: int
     block: int
-    moments: int = 2
 
     @property
     def class_path(self) -> str:
@@ -42,7 +41,7 @@ class LowBitSpec:
         return quantized(numel, self.block)
 
     def state_bytes(self, numel: int, full_bytes: int = 4, owned: int | None = None) -> float:
-        """Bytes of the moments of ``owned`` elements (all by default) of a tensor of ``numel``:
+        """Bytes of the two moments of ``owned`` elements (all by default) of a tensor of ``numel``:
         codes and scales where it is quantized, else ``full_bytes`` per element per moment.
 
         Example:
@@ -53,10 +52,10 @@ class LowBitSpec:
         if not 0 <= n <= numel:
             raise ValueError(f"owned must be in [0, numel={numel}], got {owned}")
         if not self.quantized(numel):
-            return float(self.moments * full_bytes * n)
+            return float(2 * full_bytes * n)
         codes = n * self.code_bits / 8
         scales = 4 * math.ceil(n / self.block)
-        return float(self.moments * (codes + scales))
+        return float(2 * (codes + scales))
 
 
 LOW_BIT: dict[str, LowBitSpec] = {

@@ -11,7 +11,7 @@ Usage::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -61,5 +61,4 @@ def register(accelerator: Accelerator, *optimizers: Optimizer) -> RemovableHandl
         for zero, to in zeros:
             zero.consolidate_state_dict(to=to)
 
-    handle: RemovableHandle = accelerator.register_save_state_pre_hook(consolidate)
-    return handle
+    return cast(RemovableHandle, accelerator.register_save_state_pre_hook(consolidate))
