@@ -21,8 +21,15 @@ R = TypeVar("R")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "zero_functional.optimizer")
-"""What the forkserver imports once, so that no rank imports it again."""
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "zero_functional.optimizer",
+    "sklearn.datasets",
+)
+"""What the forkserver imports once, so that no rank imports it again (``sklearn.datasets``:
+the digits of every ``train`` job whose ranks are forked, :func:`forked_train_ranks`)."""
 
 
 def run_ranks(
