@@ -24,16 +24,27 @@ import zero_functional.functional.compiled as compiled
 
 DIST = Path(__file__).resolve().parent / "dist"
 LONGEST_FIRST = (
+    "test_link.py",
+    "test_launchers.py",
     "test_ray.py",
-    "test_preemption.py",
-    "test_teardown.py",
-    "test_notebooks.py",
-    "test_readme.py",
-    "test_mesh.py",
     "test_elastic.py",
+    "test_teardown.py",
+    "test_launch.py",
     "test_train.py",
+    "test_mesh.py",
+    "test_reliability.py",
+    "test_compiled.py",
+    "test_notebooks.py",
+    "test_muon_modes.py",
+    "test_preemption.py",
+    "test_lowbit.py",
+    "test_readme.py",
+    "test_optimizer.py",
+    "test_checkpoint.py",
 )
-"""The modules of ``tests/dist/`` that hold the longest tests (``--durations``), in that order."""
+"""The modules of ``tests/dist/`` that hold the longest tests, by their longest (``--durations``
+of ``tests/dist`` without xdist), in that order: the README's ``bench --link`` line and the
+``train`` jobs of SLURM and Kubeflow first, each a minute or more on a loaded machine."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

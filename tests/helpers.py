@@ -21,8 +21,21 @@ R = TypeVar("R")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "zero_functional.optimizer")
-"""What the forkserver imports once, so that no rank imports it again."""
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "zero_functional.optimizer",
+    "torch.distributed.optim",
+    "torch.distributed.checkpoint",
+    "zero_functional.checkpoint",
+    "sklearn.datasets",
+    "pytest",
+)
+"""What the forkserver imports once, so that no rank imports it again: what the tests' own
+modules import (a rank imports the module of its function; torch's ZeRO and DCP, 0.1-0.3 s of
+CPU a rank) and the digits of every ``train`` job whose ranks are forked
+(:func:`forked_train_ranks`)."""
 
 
 def run_ranks(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -213,12 +212,14 @@ def _lowbit_steps(module: nn.Module, zero: ZeroRedundancyOptimizer, steps: range
         zero.step()
 
 
-def _save_lowbit(
-    rank: int, world: int, path: str, name: str
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
+Saved = tuple[dict[str, Any], list[torch.Tensor]]
+"""What a saving run gives back: its consolidated state (rank 0's) and its parameters after a
+third step."""
+
+
+def _save_lowbit(rank: int, world: int, path: str, name: str) -> Saved:
     """Two steps of ``CLASSES[name]`` under ``"flat"`` at ``world`` ranks, saved; the
     consolidated state then, and the parameters after a third step."""
-    eager()
     module = model()
     zero = ZeroRedundancyOptimizer(list(module.parameters()), CLASSES[name], partition="flat")
     _lowbit_steps(module, zero, range(2))
@@ -228,12 +229,9 @@ def _save_lowbit(
     return state, [p.detach().clone() for p in module.parameters()]
 
 
-def _load_lowbit(
-    rank: int, world: int, path: str, saved: tuple[dict[str, Any], list[torch.Tensor]], name: str
-) -> dict[str, bool]:
+def _load_lowbit(rank: int, world: int, path: str, saved: Saved, name: str) -> dict[str, bool]:
     """The checkpoint loaded at ``world`` ranks under each partition into a model of other
     values: the consolidated state equals the saving run's, bitwise, and a third step its."""
-    eager()
     out: dict[str, bool] = {}
     for partition in ("flat", "sorted_greedy"):
         torch.manual_seed(1)
@@ -260,17 +258,50 @@ def _same_flat(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else bool(a == b)
 
 
+def _save_every_class(rank: int, world: int, paths: dict[str, str]) -> dict[str, Saved]:
+    """:func:`_save_lowbit` for each class, into ``paths[name]``: one launch for all three."""
+    eager()
+    return {name: _save_lowbit(rank, world, path, name) for name, path in paths.items()}
+
+
+def _load_every_class(
+    rank: int, world: int, paths: dict[str, str], saved: dict[str, Saved]
+) -> dict[str, dict[str, bool]]:
+    """:func:`_load_lowbit` for each class: one launch for all three."""
+    eager()
+    return {
+        name: _load_lowbit(rank, world, path, saved[name], name) for name, path in paths.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def resharded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, str], dict[str, Saved], dict[int, list[dict[str, dict[str, bool]]]]]:
+    """Every class saved at 3 ranks and loaded at 2 and 4, three launches for the three classes
+    (a launch per class and world size cost 9): the paths, what the saves gave back, and each
+    rank's results by world size and class."""
+    root = tmp_path_factory.mktemp("lowbit")
+    paths = {name: str(root / name) for name in sorted(CLASSES)}
+    saved = run_ranks(_save_every_class, 3, paths, timeout_s=120)[0]
+    loaded = {
+        world: run_ranks(_load_every_class, world, paths, saved, timeout_s=120) for world in (2, 4)
+    }
+    return paths, saved, loaded
+
+
 @pytest.mark.parametrize("name", sorted(CLASSES))
 def test_sharded_checkpoints_of_quantized_state_reshard_3_to_2_and_4_bitwise(
-    tmp_path: Path, name: str
+    resharded: tuple[dict[str, str], dict[str, Saved], dict[int, list[dict[str, dict[str, bool]]]]],
+    name: str,
 ) -> None:
     """Saved at 3 ranks under ``"flat"`` (6144- and 4608-element weights quantized, cut on
     their blocks; biases and a 192-element weight in fp32), loaded at 2 and 4 under both
     partitions: the consolidated state is the saving run's, bitwise, and training goes on as
     it would have."""
     spec = LOW_BIT[f"adamw{name}"]
-    path = str(tmp_path / "ck")
-    saved = run_ranks(_save_lowbit, 3, path, name, timeout_s=120)[0]
+    paths, every_saved, loaded = resharded
+    path, saved = paths[name], every_saved[name]
     keys = storage.read_keys(path)
     codes = keys["quantized.0.weight.exp_avg.codes"]
     assert codes[0] == (6144 * spec.code_bits // 8,) and codes[1].itemsize == 1, codes
@@ -280,7 +311,7 @@ def test_sharded_checkpoints_of_quantized_state_reshard_3_to_2_and_4_bitwise(
     assert any(isinstance(v, tuple) and v[0].startswith("OptimState") for v in saved[0].values())
     assert any(isinstance(v, torch.Tensor) and v.dim() for v in saved[0].values())
     for world in (2, 4):
-        for result in run_ranks(_load_lowbit, world, path, saved, name, timeout_s=120):
+        for result in (rank_results[name] for rank_results in loaded[world]):
             assert result == dict.fromkeys(result, True), (name, world, result)
 
 

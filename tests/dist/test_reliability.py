@@ -457,16 +457,26 @@ def test_ranks_stop_within_2_s_of_the_train_parents_death_under_load(
 
     argv = [sys.executable, "-m", "zero_functional", "train", "--epochs", "50"]
     argv += ["--no-reference", "--no-progress", *(f.format(tmp=tmp_path) for f in flags)]
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     parent = subprocess.Popen(
         argv, cwd=ROOT, env=env_with_src(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     ranks: list[int] = []
+    load: list[subprocess.Popen[bytes]] = []
     try:
         deadline = time.monotonic() + 120
         while len(_ranks(parent.pid)) < int(flags[1]):
             assert time.monotonic() < deadline and parent.poll() is None
             time.sleep(0.05)
+        # both cores kept busy from here to the end: the ranks' start, the kill and the 2 s
+        # (not the parent's own start before it, which no assertion times); each spinner says
+        # when it spins
+        busy = "print(flush=True)\nwhile True: pass"
+        load = [
+            subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE) for _ in range(2)
+        ]
+        for spinner in load:
+            assert spinner.stdout is not None
+            spinner.stdout.readline()
         time.sleep(3 if training else 0)  # training, or still importing torch
         ranks = _ranks(parent.pid)
         os.kill(parent.pid, signal.SIGKILL)
