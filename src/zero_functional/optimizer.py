@@ -219,7 +219,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._syncs = step_syncs(*args, self.param_window, bucket_view, self.changes())
 
     def changes(self) -> Callable[[Iterable[int]], Mapping[int, Tensor]] | None:
-        """Where parameters' changes are gathered (``gather_dtype``): the owned main copies."""
+        """Where parameters' changes are gathered (``gather_dtype``): the owned main copies.
+
+        Example:
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> zero = ZeroRedundancyOptimizer([w], torch.optim.SGD, gather_dtype=torch.int8)
+            >>> zero.changes() is None  # one rank: nothing crosses, the update writes w
+            True
+        """
         return self.shard.values if self.shard.changes_gathered else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
