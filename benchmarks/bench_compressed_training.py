@@ -20,7 +20,7 @@ format, under ``partition="flat"``, stepping after backward:
 The curves (the loss of each step, averaged over the ranks; and each run's difference from fp32)
 go to ``--png``; rank 0 prints the final losses.
 
-    python benchmarks/bench_compressed_training.py [--nproc 4] [--gpt-steps 300]
+    python benchmarks/bench_compressed_training.py [--nproc 4] [--gpt-steps 500]
         [--mlp-epochs 20] [--png benchmarks/results/compressed_training.png]
 """
 
@@ -188,7 +188,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--jobs", nargs="+", choices=["gpt", "mlp"], default=["gpt", "mlp"])
-    ap.add_argument("--gpt-steps", type=int, default=300)
+    ap.add_argument("--gpt-steps", type=int, default=500)
     ap.add_argument("--mlp-epochs", type=int, default=20)
     ap.add_argument("--png", default="benchmarks/results/compressed_training.png")
     args = ap.parse_args()
