@@ -161,6 +161,8 @@ def _report(name: str, world_size: int) -> dict[str, tuple[float, float]]:
         top = max(r[variant][0] for r in results)
         total = sum(r[variant][1] for r in results)
         count = sum(r[variant][2] for r in results)
+        # ours: the owned pieces tile the gradient once; DDP: every rank holds all of it
+        assert count == numel * (1 if variant in WIRE else world_size), (variant, count)
         mean = total / count
         rows[variant] = (top, mean)
         print(f"{variant:<40} {top:10.3e} {mean:10.3e} {top / rms:10.3e} {mean / rms:10.3e}")
