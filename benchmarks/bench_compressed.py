@@ -349,7 +349,8 @@ def _failure(error: LaunchError, log: Path) -> str:
                 iteration = line.rsplit(" ", 1)[-1]
             elif "enforce fail" in line:
                 check = line.split("] ", 1)[-1].split(" Is there")[0]
-                return f"failed at iteration {iteration} ({path.stem}): gloo: {check}"
+                where = f"iteration {iteration}, {path.stem}; compressed from iteration 3"
+                return f"failed ({where}): gloo: {check}"
     lines = str(error).strip().splitlines()
     return f"failed: {lines[0] if lines else 'no message'}"
 
