@@ -55,6 +55,7 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
         "checkpoint save",
         "checkpoint save, async",
         "collectives (2M fp32)",
+        "compressed (7 x Linear(512, 512) MLP + Adam)",
         "iteration (2.0M MLP)",
         "main params (2M bf16 AdamW)",
         "muon iteration (GPT 0.22M, 24 matrices)",
