@@ -15,8 +15,8 @@ threads: gloo's too), which a loaded machine disturbs less:
 * ``ddp + muon``: DDP's all-reduce, then every rank steps every parameter with
   ``torch.optim.Muon`` + ``torch.optim.AdamW(fused=True)``: the baseline, 1.00x;
 * ``ours``: DDP's all-reduce, then our ``ZeroRedundancyOptimizer`` with the recipe,
-  ``partition="flat"``, step after backward: each matrix is updated, then broadcast on its own
-  (while the next is updated);
+  ``partition="flat"``, step after backward: each large matrix is updated, then broadcast on its
+  own while the next is updated (smaller tensors packed per owner, last);
 * ``ours + reduce_scatter_hook``: the same with each gradient reduced onto its owner only;
 * ``ours, bucket view``: ``ours`` with ``parameters_as_bucket_view=True``: one update of this
   rank's matrices, then one broadcast per owner, in place.
