@@ -19,7 +19,8 @@ threads: gloo's too), which a loaded machine disturbs less:
   own while the next is updated (smaller tensors packed per owner, last);
 * ``ours + reduce_scatter_hook``: the same with each gradient reduced onto its owner only;
 * ``ours, bucket view``: ``ours`` with ``parameters_as_bucket_view=True``: one update of this
-  rank's matrices, then one broadcast per owner, in place.
+  rank's pieces, then each run of one owner's elements in the shared buffer broadcast in place
+  (one run per owner where every parameter is owned whole).
 
 The profile, measured in the same rounds on the same ranks: Newton–Schulz (``torch.optim.Muon``'s
 step) over every matrix and over this rank's own matrices, the baseline's fused AdamW over the
