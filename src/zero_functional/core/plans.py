@@ -143,7 +143,16 @@ def bucket_view_groups(
     for k, key in enumerate(keys):
         if trainable[k] or not whole:
             by_key.setdefault((ownership.owner(k) if whole else 0, key), []).append(k)
-    return [members for _, members in sorted(by_key.items())]
+    groups = [members for _, members in sorted(by_key.items())]
+    if whole:
+        return groups
+    # each owner's whole parameters side by side (Muon's matrices): one run, one broadcast each
+
+    def place(k: int) -> tuple[int, int]:
+        holders = ownership.holders(k)
+        return (holders[0][0] if len(holders) == 1 else ownership.world_size, k)
+
+    return [sorted(members, key=place) for members in groups]
 
 
 @dataclass(frozen=True, slots=True)
