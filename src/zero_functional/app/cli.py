@@ -45,9 +45,14 @@ LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py", "bench_phases.py")
 NOT_QUICK = {
     "bench_lowbit_compiled.py": "it compiles torchao's AdamW8bit step for each piece shape; "
     "run it without --quick",
+    "bench_compressed_training.py": "it trains 8 runs of a few hundred steps: minutes",
 }
 """The benchmarks ``bench --quick`` leaves out, and why."""
-QUICK_ARGS = {"bench_iteration.py": ("--models", "mlp"), "bench_step.py": ("--models", "mlp")}
+QUICK_ARGS = {
+    "bench_iteration.py": ("--models", "mlp"),
+    "bench_step.py": ("--models", "mlp"),
+    "bench_compressed_error.py": ("--models", "mlp"),
+}
 """What ``bench --quick`` passes a script besides the shared flags: the MLP, not the GPT too."""
 QUICK_TAKES = "about 100 s on 2 idle cores: each starts its own ranks and times every variant"
 """What ``bench --quick`` says of its time (not under a minute), before it starts."""
