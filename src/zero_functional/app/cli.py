@@ -42,10 +42,10 @@ from zero_functional.core.loads import hybrid_shape
 
 LINK_SCRIPTS = ("bench_collectives.py", "bench_iteration.py", "bench_phases.py")
 """The benchmarks ``bench --link`` runs: those that measure what bytes cost."""
-NOT_QUICK = {
+NOT_QUICK = {  # in the order the scripts run
+    "bench_compressed_training.py": "it trains 8 runs of a few hundred steps: minutes",
     "bench_lowbit_compiled.py": "it compiles torchao's AdamW8bit step for each piece shape; "
     "run it without --quick",
-    "bench_compressed_training.py": "it trains 8 runs of a few hundred steps: minutes",
 }
 """The benchmarks ``bench --quick`` leaves out, and why."""
 QUICK_ARGS = {
