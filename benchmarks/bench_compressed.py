@@ -89,6 +89,7 @@ MODES = ("after backward", "hook_with_zero_step", "interleaved")
 FSDP2 = [f"fsdp2, reshard_after_forward={r}" for r in (False, True)]
 DEEPSPEED = [f"deepspeed zero-{s}" for s in (1, 2)]
 POWERSGD = "ddp + powerSGD_hook"
+POWERSGD_S = 180  # it may hang on gloo instead of failing: its ranks get this long
 BARRIERS = "(the barriers alone)"  # the kernel bytes every call's barriers send, subtracted
 TARGETS = {"int8": 0.30, "bf16": 0.55}  # issue 41: bytes x ours uncompressed
 
@@ -351,8 +352,15 @@ def _failure(error: LaunchError, log: Path) -> str:
                 check = line.split("] ", 1)[-1].split(" Is there")[0]
                 where = f"iteration {iteration}, {path.stem}; compressed from iteration 3"
                 return f"failed ({where}): gloo: {check}"
+    reached = [
+        int(line.rsplit(" ", 1)[-1])
+        for path in log.glob("rank*.txt")
+        for line in path.read_text(errors="replace").splitlines()
+        if line.startswith(f"{POWERSGD}: iteration")
+    ]
     lines = str(error).strip().splitlines()
-    return f"failed: {lines[0] if lines else 'no message'}"
+    where = f" (iteration {max(reached)}; compressed from iteration 3)" if reached else ""
+    return f"failed{where}: {lines[0] if lines else 'no message'}"
 
 
 def _run_private(kernel: bool) -> bool:
@@ -507,7 +515,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as log:
                 try:
                     work = (args.numel, args.width, args.rounds, log)
-                    got = run_ranks(_powersgd_worker, ws, *work, timeout_s=600)
+                    got = run_ranks(_powersgd_worker, ws, *work, timeout_s=POWERSGD_S)
                 except LaunchError as e:
                     got, why[POWERSGD] = [], _failure(e, Path(log))
             if got:
