@@ -52,10 +52,8 @@ QUICK_ARGS = {
     "bench_iteration.py": ("--models", "mlp"),
     "bench_step.py": ("--models", "mlp"),
     "bench_compressed_error.py": ("--models", "mlp"),
-    "bench_compressed.py": ("--only", "int8"),
 }
-"""What ``bench --quick`` passes a script besides the shared flags: the MLP, not the GPT too;
-the compressed variants in int8 only."""
+"""What ``bench --quick`` passes a script besides the shared flags: the MLP, not the GPT too."""
 QUICK_TAKES = "about 100 s on 2 idle cores: each starts its own ranks and times every variant"
 """What ``bench --quick`` says of its time (not under a minute), before it starts."""
 DEMO_WORLD_SIZES = (2, 8, 64)  # the world sizes ``plan`` reports by default, and the demo's plan
