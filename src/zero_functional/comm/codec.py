@@ -96,10 +96,10 @@ class Codec:
         if whole < n:
             tail = torch.zeros(BLOCK, dtype=x.dtype, device=x.device)
             tail[: n - whole].copy_(x[whole:])
-            self._encode_rows(tail.view(1, BLOCK), scales[-1:], codes[whole:], n - whole)
+            self._encode_rows(tail.view(1, BLOCK), scales[-1:], codes[whole:])
 
-    def _encode_rows(self, rows: Tensor, scales: Tensor, codes: Tensor, n: int = -1) -> None:
-        """One scale per row of ``rows`` into ``scales``, its first ``n`` codes into ``codes``."""
+    def _encode_rows(self, rows: Tensor, scales: Tensor, codes: Tensor) -> None:
+        """One scale per row of ``rows`` into ``scales``, as many codes as ``codes`` holds."""
         limit = _LIMIT[self.dtype]
         absmax = rows.abs().amax(dim=1).float()  # NaN or inf where a value is not finite
         scales.copy_(absmax / limit)
@@ -110,7 +110,7 @@ class Codec:
         q = rows.float().mul(inverse[:, None]).nan_to_num_(0.0, 0.0, 0.0)
         if self.dtype == torch.int8:
             q.round_()
-        codes.copy_(q.view(-1)[: codes.numel() if n < 0 else n])
+        codes.copy_(q.view(-1)[: codes.numel()])
 
     def decode(self, payload: Tensor, numel: int) -> Tensor:
         """The fp32 values of ``numel`` elements :meth:`encode` wrote into ``payload``.

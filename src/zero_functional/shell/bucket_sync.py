@@ -132,6 +132,7 @@ class BucketSync:
         self.reducer, self.gatherer = wire.choose(self.plan, device)
         self.buffer = self._make_view(params) if view else None
         self._sends = [(k, r, piece) for k in self.indices for r, piece in ownership.holders(k)]
+        self._by_owner = _by_owner(self._sends)  # the gather of changes' payloads, per owner
         self.units, self._batches = self._gather_units()
         self._in_flight: list[InFlight] = []
         # the reduction in flight: (what is reduced, the bucket it rounds back into)
@@ -258,7 +259,7 @@ class BucketSync:
             if self.codec is not None and values:  # each owner's pieces packed, exact
                 calls = [
                     ([piece_view(params[k], pc) for k, pc in pieces], r, True)
-                    for r, pieces in self._by_owner().items()
+                    for r, pieces in self._by_owner.items()
                 ]
                 group, grouped = self.wire.gather_group, self.wire.grouped
                 pending = comm.start_gather_units(calls, group, grouped=grouped)
@@ -281,7 +282,7 @@ class BucketSync:
         assert self.codec is not None and self.mains is not None
         codec, params = self.codec, self.table.params
         payloads: list[tuple[Tensor, int, list[tuple[int, Piece]]]] = []
-        for r, pieces in self._by_owner().items():
+        for r, pieces in self._by_owner.items():
             numel = sum(piece.numel for _, piece in pieces)
             device = params[pieces[0][0]].device
             if r == self.rank:
@@ -303,13 +304,6 @@ class BucketSync:
         pending.finish.append(functools.partial(_add_changes, payloads, params, codec))
         return pending
 
-    def _by_owner(self) -> dict[int, list[tuple[int, Piece]]]:
-        """Owner -> its pieces here (global index, piece), in rank order."""
-        by_owner: dict[int, list[tuple[int, Piece]]] = {}
-        for k, r, piece in self._sends:
-            by_owner.setdefault(r, []).append((k, piece))
-        return dict(sorted(by_owner.items()))
-
     def _start_pieces(self, batch: tuple[SyncUnit, ...]) -> comm.Pending:
         """One launch of pieces: each unit's in place, or packed."""
         params, sends = self.table.params, self._sends
@@ -324,6 +318,14 @@ class BucketSync:
         in_flight, self._in_flight = self._in_flight, []
         if in_flight:
             self.window.defer(in_flight)
+
+
+def _by_owner(sends: Sequence[tuple[int, int, Piece]]) -> dict[int, list[tuple[int, Piece]]]:
+    """Owner -> its pieces among ``sends`` (global index, piece), in rank order."""
+    by_owner: dict[int, list[tuple[int, Piece]]] = {}
+    for k, r, piece in sends:
+        by_owner.setdefault(r, []).append((k, piece))
+    return dict(sorted(by_owner.items()))
 
 
 def _add_changes(
