@@ -126,6 +126,20 @@ def torch_step(
     return cls(ps, **kw).step
 
 
+def add_untimed_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags ``zero-functional bench`` forwards, for a script that times nothing: ``--rounds``
+    and ``--numel`` accepted and ignored, ``--json`` given no rows (:func:`write_no_rows`)."""
+    ap.add_argument("--rounds", type=int, help="ignored: nothing is timed")
+    ap.add_argument("--numel", type=int, help="ignored: the models are fixed")
+    ap.add_argument("--json", help="writes an empty list: no timing rows for bench's summary")
+
+
+def write_no_rows(args: argparse.Namespace) -> None:
+    """Where ``--json`` asks, the empty list of rows of a script that times nothing."""
+    if args.json:
+        Path(args.json).write_text("[]")
+
+
 def add_link_argument(ap: argparse.ArgumentParser) -> None:
     """``--link RATE``: run the script on the loopback of a private network namespace shaped to
     RATE (:mod:`zero_functional.app.link`), where bytes cost what they cost on a network."""

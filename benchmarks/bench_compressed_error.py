@@ -38,7 +38,6 @@ import argparse
 import shlex
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import TinyGPT, gpt_batch, mlp, run_ranks
+from _common import TinyGPT, add_untimed_flags, gpt_batch, mlp, run_ranks, write_no_rows
 from zero_functional.hooks import reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
@@ -180,12 +179,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--rounds", type=int, help="ignored: nothing is timed")
-    ap.add_argument("--numel", type=int, help="ignored: the models are fixed by their shapes")
-    ap.add_argument("--json", help="writes an empty list: no timing rows for bench's summary")
+    add_untimed_flags(ap)
     args = ap.parse_args()
-    if args.json:
-        Path(args.json).write_text("[]")
+    write_no_rows(args)
     print("$ python " + shlex.join(sys.argv), flush=True)
     summary = []
     for name in args.models:

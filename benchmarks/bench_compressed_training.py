@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import TinyGPT, run_ranks
+from _common import TinyGPT, add_untimed_flags, run_ranks, write_no_rows
 from zero_functional.app.train import build_model, epoch_batches, load_digits_split, rank_slice
 from zero_functional.hooks import reduce_scatter_hook
 from zero_functional.optimizer import ZeroRedundancyOptimizer
@@ -198,12 +198,9 @@ def main() -> None:
     ap.add_argument("--mlp-epochs", type=int, default=20)
     ap.add_argument("--png", help="draw the curves into this PNG")
     ap.add_argument("--world-sizes", type=int, nargs="+", help="ignored: the runs take --nproc")
-    ap.add_argument("--rounds", type=int, help="ignored: nothing is timed")
-    ap.add_argument("--numel", type=int, help="ignored: the models are fixed")
-    ap.add_argument("--json", help="writes an empty list: no timing rows for bench's summary")
+    add_untimed_flags(ap)
     args = ap.parse_args()
-    if args.json:
-        Path(args.json).write_text("[]")
+    write_no_rows(args)
     print("$ python " + shlex.join(sys.argv), flush=True)
     results: dict[str, Any] = {}
     for job in args.jobs:

@@ -248,8 +248,7 @@ def _ddp_buckets(
     """The syncs of DDP's buckets for ``zero`` (``twin``: gathered on a twin group if possible)."""
     group = zero.process_group
     gather = comm.twin_group(group) if twin and zero.world_size > 1 else None
-    gather_codec = comm.check_wire_dtype(zero.gather_dtype) if zero.changes() else None
-    wire = comm.Wire(group, gather, codec=codec, gather_codec=gather_codec)
+    wire = comm.Wire(group, gather, codec=codec, gather_codec=zero.gather_codec)
     ranks, window = comm.group_size(_ddp_group(ddp)), zero.param_window
     return DDPBuckets(
         wire, collectives, window, ranks, reduce_dtype, zero.replicate_group, zero.changes()

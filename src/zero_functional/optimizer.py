@@ -166,6 +166,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self.process_group
 
     @property
+    def gather_codec(self) -> comm.Codec | None:
+        """The format parameters' changes cross in (``gather_dtype``; ``None`` at one rank)."""
+        return self._wire.gather_codec
+
+    @property
     def remainder_ties(self) -> int:
         """With ``store_param_remainders``: the bf16 elements this rank wrote that differ from
         ``main.to(torch.bfloat16)`` (exact ties, rounded away from zero); else 0."""
