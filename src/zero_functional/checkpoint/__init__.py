@@ -4,7 +4,9 @@ A checkpoint is a directory in *model space* (:mod:`~zero_functional.checkpoint.
 model's tensors and each parameter's optimizer state in its shape, by name, whatever the world
 size and partition; no byte of state goes through the process group. A plain optimizer reads one
 through :func:`model_state_dict` and :func:`optimizer_state_dict` (as the README shows),
-``torch.distributed.checkpoint`` through :func:`stateful`.
+``torch.distributed.checkpoint`` through :func:`stateful`. :func:`snapshot` keeps the same in
+memory, each rank's share on its node and a copy on another (:mod:`.snapshots`), and
+:func:`restore` reads the newest complete one back after a restart, at any world size.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.optim import Optimizer
 
 from zero_functional import comm
 from zero_functional.checkpoint import format as checkpoint_format
-from zero_functional.checkpoint import storage
+from zero_functional.checkpoint import snapshots, storage
 from zero_functional.checkpoint.background import SaveHandle
 from zero_functional.checkpoint.format import (
     FORMAT,
@@ -30,6 +32,7 @@ from zero_functional.checkpoint.format import (
     model_state_dict,
     optimizer_state_dict,
 )
+from zero_functional.checkpoint.snapshots import SnapshotHandle
 from zero_functional.checkpoint.source import Source, source
 from zero_functional.checkpoint.stateful import ZeroStateful, stateful
 from zero_functional.checkpoint.storage import DEFAULT_MAX_BOX_NUMEL, CheckpointError
@@ -41,11 +44,15 @@ __all__ = [
     "FORMAT",
     "CheckpointError",
     "SaveHandle",
+    "SnapshotHandle",
     "ZeroStateful",
     "load",
     "model_state_dict",
     "optimizer_state_dict",
+    "remove_snapshots",
+    "restore",
     "save",
+    "snapshot",
     "stateful",
 ]
 
@@ -257,3 +264,162 @@ def load(
     if ema is not None:
         ema.load_pieces(contents.ema, contents.ema_n_averaged)
     return contents.extra
+
+
+def _steps_taken(src: Source | None) -> int | None:
+    """The optimizer's count of steps, from its state's ``step`` (Adam's, AdamW's...); ``None``
+    where this rank holds none."""
+    counts = [e["step"] for e in src.state().values() if "step" in e] if src is not None else []
+    return int(max(float(c) for c in counts)) if counts else None
+
+
+def snapshot(
+    *,
+    model: nn.Module | None = None,
+    optimizer: Optimizer | None = None,
+    extra: Any = None,
+    ema: ShardedEMA | None = None,
+    step: int | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+    process_group: ProcessGroup | None = None,
+    max_chunk_numel: int = DEFAULT_MAX_BOX_NUMEL,
+) -> SnapshotHandle:
+    """Keep this rank's share of ``model`` and ``optimizer`` in memory, and a copy of it on
+    another node, behind training; :func:`restore` reads the newest complete one back.
+
+    Collective. The share (as :func:`save` writes it) is copied on the caller's thread; a thread
+    writes it into ``snapshot_dir`` on this node, sends it to the next node's rank of the same
+    local rank (on one node, the next rank), keeps the copy it gets, and once every share is on
+    two ranks, the older snapshots go. One snapshot is in flight per process: the next waits.
+
+    Args:
+        model, optimizer, extra, ema, process_group, max_chunk_numel: As :func:`save`'s.
+        step: The optimizer steps taken (default: its state's ``step``, as Adam keeps); the
+            ranks must agree.
+        snapshot_dir: This node's directory (default: :func:`~.snapshots.default_snapshot_dir`,
+            ``/dev/shm/zero_functional-<run id>``); the same on a node's ranks.
+
+    Raises:
+        ValueError: Neither a model nor an optimizer, or an optimizer over a ``device_mesh``.
+        CheckpointError: The previous snapshot failed (on every rank, naming each rank's cause).
+
+    Example:
+        >>> import tempfile
+        >>> where, model = tempfile.mkdtemp(), torch.nn.Linear(2, 1)
+        >>> snapshot(model=model, step=5, snapshot_dir=where).wait()
+        >>> restore(model=model, snapshot_dir=where)
+        5
+    """
+    if model is None and optimizer is None:
+        raise ValueError("snapshot needs a model, an optimizer or both")
+    if ema is not None and ema.optimizer is not optimizer:
+        raise ValueError("snapshot(ema=...) takes the ShardedEMA of the optimizer it is given")
+    src = None if optimizer is None else source(optimizer, process_group)
+    if src is not None and src.replicate_group is not None:
+        raise ValueError(
+            "snapshot does not take an optimizer sharded over a device_mesh: its replicas hold "
+            "the same share; save it with checkpoint.save"
+        )
+    if src is not None:
+        src.finish()
+    group = process_group if src is None else src.group
+    directory = os.fspath(snapshot_dir or snapshots.default_snapshot_dir())
+    peers = snapshots.peers(group, directory)
+    pieces, objects = checkpoint_format.layout(_snapshot(model, src, extra, peers.rank, ema))
+    steps = step if step is not None else _steps_taken(src)
+    return snapshots.start(pieces, objects, peers, steps, max_chunk_numel)
+
+
+@overload
+def restore(
+    *,
+    model: nn.Module | None = ...,
+    optimizer: Optimizer | None = ...,
+    ema: ShardedEMA | None = ...,
+    snapshot_dir: str | os.PathLike[str] | None = ...,
+    process_group: ProcessGroup | None = ...,
+    strict: bool = ...,
+    min_step: int | None = ...,
+    return_extra: Literal[False] = ...,
+) -> int | None: ...
+@overload
+def restore(
+    *,
+    model: nn.Module | None = ...,
+    optimizer: Optimizer | None = ...,
+    ema: ShardedEMA | None = ...,
+    snapshot_dir: str | os.PathLike[str] | None = ...,
+    process_group: ProcessGroup | None = ...,
+    strict: bool = ...,
+    min_step: int | None = ...,
+    return_extra: Literal[True],
+) -> tuple[int, Any] | None: ...
+def restore(
+    *,
+    model: nn.Module | None = None,
+    optimizer: Optimizer | None = None,
+    ema: ShardedEMA | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+    process_group: ProcessGroup | None = None,
+    strict: bool = True,
+    min_step: int | None = None,
+    return_extra: bool = False,
+) -> int | tuple[int, Any] | None:
+    """Read the newest complete :func:`snapshot` into ``model`` and ``optimizer``, at this world
+    size and partition; return its step, or ``None`` if no snapshot is complete.
+
+    Collective. The ranks agree on the newest step whose every share is on some node (a rank's
+    own or its copy; a file that fails its checksum is skipped, named on stderr), a node lacking
+    a share fetches it from one that has it, and each rank reads what it owns as :func:`load`
+    does. Afterwards each node keeps that snapshot alone.
+
+    Args:
+        model, optimizer, ema, process_group, strict: As :func:`load`'s.
+        snapshot_dir: As :func:`snapshot`'s.
+        min_step: Ignore snapshots of earlier steps (a newer disk checkpoint wins).
+        return_extra: Return ``(step, extra)``, the ``extra`` the snapshot was given.
+
+    Raises:
+        CheckpointError: On every rank, as :func:`load`; model and optimizer unchanged.
+
+    Example:
+        >>> import tempfile
+        >>> restore(model=torch.nn.Linear(2, 1), snapshot_dir=tempfile.mkdtemp()) is None
+        True
+    """
+    if model is None and optimizer is None:
+        raise ValueError("restore needs a model, an optimizer or both")
+    src = None if optimizer is None else source(optimizer, process_group)
+    group = process_group if src is None else src.group
+    directory = os.fspath(snapshot_dir or snapshots.default_snapshot_dir())
+    with snapshots.newest(group, directory, min_step) as found:
+        if found is None:
+            return None
+        extra = load(
+            found.view,
+            model=model,
+            optimizer=optimizer,
+            process_group=process_group,
+            strict=strict,
+            ema=ema,
+        )
+    return (found.step, extra) if return_extra else found.step
+
+
+def remove_snapshots(
+    *,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+    process_group: ProcessGroup | None = None,
+) -> None:
+    """Remove every snapshot in ``snapshot_dir`` on every node, once the one in flight is done
+    (what a job that ended well does); collective.
+
+    Example:
+        >>> import os, tempfile
+        >>> where = tempfile.mkdtemp()
+        >>> snapshot(model=torch.nn.Linear(2, 1), step=1, snapshot_dir=where).wait()
+        >>> remove_snapshots(snapshot_dir=where); os.path.exists(where)
+        False
+    """
+    directory = os.fspath(snapshot_dir or snapshots.default_snapshot_dir())
+    snapshots.remove(snapshots.peers(process_group, directory))

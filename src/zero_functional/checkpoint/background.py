@@ -82,15 +82,25 @@ class _Job:
     copied: list[torch.cuda.Event]  # recorded after the copies to pinned memory
 
 
-def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
-    """Each range's tensor copied off the training's hands, and the events that say when the
-    device copies have landed. Call it with no write in flight: it reuses the last one's."""
+def copy_pieces(
+    pieces: Pieces, cache: dict[tuple[str, int, int], Tensor]
+) -> tuple[Pieces, list[torch.cuda.Event]]:
+    """Each range's tensor copied off the training's hands into host memory, and the events
+    that say when the device copies have landed. ``cache`` holds the last copies, which this
+    one reuses and replaces: call it with no write of them in flight.
+
+    Example:
+        >>> cache = {}
+        >>> copied, events = copy_pieces({"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, cache)
+        >>> copied["w"][2][0][2] is cache["w", 0, 2], events
+        (True, [])
+    """
     out: dict[str, Any] = {}
     staged: dict[tuple[str, int, int], Tensor] = {}
     devices: set[torch.device] = set()
     for key, (shape, dtype, ranges) in pieces.items():
         for start, stop, t in ranges:
-            t, host = t.detach(), _STAGED.get((key, start, stop))
+            t, host = t.detach(), cache.get((key, start, stop))
             kind = (t.shape, t.dtype, t.is_cuda)  # pinned for a device copy
             if host is None or (host.shape, host.dtype, host.is_pinned()) != kind:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
@@ -98,8 +108,8 @@ def _copy(pieces: Pieces) -> tuple[Pieces, list[torch.cuda.Event]]:
             if t.is_cuda:
                 devices.add(t.device)
         out[key] = (shape, dtype, [(a, z, staged[key, a, z]) for a, z, _ in ranges])
-    _STAGED.clear()
-    _STAGED.update(staged)
+    cache.clear()
+    cache.update(staged)
     return out, [torch.cuda.current_stream(device).record_event() for device in devices]
 
 
@@ -309,7 +319,7 @@ def start(
         ['.metadata', '.metadata.crc32']
     """
     settle(process_group)
-    copied, events = _copy(pieces)
+    copied, events = copy_pieces(pieces, _STAGED)
     owned = copy.deepcopy(dict(objects))
     with storage.AtomicSave(path, process_group) as save:
         planner, writer = storage.dcp_parts(save.tmp, copied, max_box_numel)

@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import uuid
 import zlib
@@ -296,12 +297,16 @@ class _ChecksummedWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
-        path = os.path.join(str(self.path), ".metadata")
-        crc, n = atomic_dir.file_crc(path)
-        with open(path + ".crc32", "w") as f:
-            f.write(f"{crc:08x} {n}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _write_index_crc(os.path.join(str(self.path), ".metadata"))
+
+
+def _write_index_crc(path: str) -> None:
+    """Record the index file's CRC32 and length beside it (``.metadata.crc32``), flushed."""
+    crc, n = atomic_dir.file_crc(path)
+    with open(path + ".crc32", "w") as f:
+        f.write(f"{crc:08x} {n}\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class _ChecksummedReader(FileSystemReader):
@@ -355,6 +360,11 @@ class _ChecksummedReader(FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def item_checksum(info: _StorageInfo) -> tuple[int | None, int]:
+    """An index entry's recorded CRC32 (``None``: none recorded) and length."""
+    return getattr(info, _CRC_ATTR, None), info.length
 
 
 def _checked(f: io.BufferedReader, where: str, info: _StorageInfo) -> bytes:
@@ -629,7 +639,40 @@ def check_parts(path: str | os.PathLike[str]) -> None:
                 )
 
 
-def _metadata(path: str | os.PathLike[str]) -> Metadata:
+def write_alone(
+    directory: str, pieces: Pieces, objects: Mapping[str, object], max_box_numel: int | None
+) -> None:
+    """Write ``pieces`` and ``objects`` into the new directory ``directory`` as a checkpoint of
+    their own, in this process alone: no collective, no commit (the caller renames it into
+    place); a thread may call it. The format and checksums are :func:`save_pieces`'.
+
+    Raises:
+        CheckpointError: A piece that does not fit, or a file that cannot be written.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "share")
+        >>> write_alone(path, {"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, {"n": 1}, None)
+        >>> read_objects(path, ["n"]), verify(path)
+        ({'n': 1}, 2)
+    """
+    os.makedirs(directory)
+    planner, writer = dcp_parts(directory, pieces, max_box_numel)
+    planner.set_up_planner(dict(objects), writer.storage_meta(), True)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)  # writes .metadata
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    central, metadata = planner.create_global_plan([local])
+    plan = planner.finish_plan(writer.prepare_global_plan(central)[0])
+    writer.finish(metadata, [writer.write_data(plan, planner).value()])
+
+
+def read_index(path: str | os.PathLike[str]) -> Metadata:
+    """The index (DCP's ``Metadata``) of the checkpoint at ``path``, its checksum checked.
+
+    Raises:
+        CheckpointError: No checkpoint at ``path``.
+        CheckpointCorruptError: The index does not match its checksum.
+    """
     if (problem := atomic_dir.not_a_checkpoint(os.fspath(path))) is not None:
         raise CheckpointError(problem)  # named for what it is, not "corrupt"
     reader = _ChecksummedReader(os.fspath(path))
@@ -637,6 +680,17 @@ def _metadata(path: str | os.PathLike[str]) -> Metadata:
     if reader._metadata_error is not None:
         raise reader._metadata_error
     return metadata
+
+
+def write_index(directory: str, metadata: Metadata) -> None:
+    """Write ``metadata`` as the index of ``directory`` with its checksum, as DCP's writer
+    does: what reads the files of several checkpoints as one (their indexes merged)."""
+    path = os.path.join(directory, ".metadata")
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _write_index_crc(path)
 
 
 def verify(path: str | os.PathLike[str]) -> int:
@@ -647,7 +701,7 @@ def verify(path: str | os.PathLike[str]) -> int:
         CheckpointError: No checkpoint at ``path``.
         CheckpointCorruptError: A missing or truncated file, a checksum that does not match.
     """
-    metadata = _metadata(path)
+    metadata = read_index(path)
     for _ in _checked_items(os.fspath(path), metadata.storage_data, metadata.storage_data):
         pass
     return len(metadata.storage_data)
@@ -660,7 +714,7 @@ def read_objects(path: str | os.PathLike[str], keys: Sequence[str]) -> dict[str,
         CheckpointError: No checkpoint, or a key it lacks or holds as a tensor.
         CheckpointCorruptError: An object's bytes are not what was written.
     """
-    metadata = _metadata(path)
+    metadata = read_index(path)
     for key in keys:
         if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
             raise CheckpointError(f"the checkpoint at {os.fspath(path)} holds no object {key!r}")
@@ -679,7 +733,7 @@ def read_keys(path: str | os.PathLike[str]) -> Saved:
         key: (tuple(meta.size), meta.properties.dtype)
         if isinstance(meta, TensorStorageMetadata)
         else None
-        for key, meta in _metadata(path).state_dict_metadata.items()
+        for key, meta in read_index(path).state_dict_metadata.items()
     }
 
 

@@ -1,0 +1,456 @@
+"""In-memory snapshots: each rank's share in its node's memory, a copy on another node, read back.
+
+:func:`start` copies a rank's share on the caller's thread (as a background save does), then a
+thread writes it into ``step-<S>/`` of the node's snapshot directory (a memory file system by
+default), sends it to its partner (:func:`~.shares.partners`) and writes the copy it gets from
+the rank whose partner it is, over a gloo group of its own (:class:`Peers`); the ranks' threads
+then agree on the verdict, and once every share of step ``S`` is on two ranks, each node's first
+rank removes its older snapshots. :func:`newest` finds the newest complete snapshot across the
+nodes, fetches the shares a node lacks from a node that has them, and gives a directory that
+:func:`zero_functional.checkpoint.load` reads (:func:`~.shares.assemble`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zero_functional import comm
+from zero_functional.checkpoint import atomic_dir, background, shares, storage
+from zero_functional.checkpoint.shares import Key
+from zero_functional.checkpoint.storage import CheckpointError, Pieces
+from zero_functional.comm import ProcessGroup
+from zero_functional.core._validate import by_rank
+
+MEMORY_ROOT = "/dev/shm"
+"""Where the default snapshot directory goes (a memory file system on Linux); elsewhere the
+temporary directory."""
+
+
+def default_snapshot_dir(env: Mapping[str, str] | None = None) -> str:
+    """``/dev/shm/zero_functional-<run id>``, the run id torchrun's (``TORCHELASTIC_RUN_ID``) or
+    SLURM's job id: every node's ranks, and their restarts, find the same directory.
+
+    Raises:
+        ValueError: No run id in the environment: pass ``snapshot_dir``.
+
+    Example:
+        >>> default_snapshot_dir({"TORCHELASTIC_RUN_ID": "job7"})
+        '/dev/shm/zero_functional-job7'
+    """
+    env = os.environ if env is None else env
+    run = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID")
+    if not run or run == "none":
+        raise ValueError(
+            "snapshots need a directory that outlives the workers: pass snapshot_dir=, or run "
+            "under torchrun with --rdzv-id (TORCHELASTIC_RUN_ID) or SLURM (SLURM_JOB_ID)"
+        )
+    root = MEMORY_ROOT if os.path.isdir(MEMORY_ROOT) else tempfile.gettempdir()
+    return os.path.join(root, f"zero_functional-{run}")
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The ranks of a snapshot as nodes: this rank's place (``rank`` of ``world_size``), each
+    rank's node (its host and snapshot directory), the rank it sends its copy to and those it
+    keeps copies of, and a gloo group of the same ranks for the copies (``None`` at one rank)."""
+
+    group: ProcessGroup | None
+    directory: str
+    rank: int
+    world_size: int
+    nodes: tuple[int, ...]
+    partner: int | None
+    sources: tuple[int, ...]
+    copies: ProcessGroup | None
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank is the first of its node (it cleans and fetches for the node)."""
+        return self.nodes.index(self.nodes[self.rank]) == self.rank
+
+    def leaders(self) -> list[int]:
+        """The first rank of each node, by node."""
+        return [self.nodes.index(n) for n in sorted(set(self.nodes))]
+
+
+_PEERS: dict[str, Peers] = {}
+
+
+def peers(group: ProcessGroup | None, directory: str) -> Peers:
+    """This rank's :class:`Peers` over ``group`` (default: the world) for ``directory``; made
+    once per group and directory, collectively (every rank of ``group`` calls it)."""
+    directory = os.path.realpath(directory)
+    made = _PEERS.get(directory)
+    if made is not None and made.group is group and dist.is_initialized():
+        return made
+    rank, world = comm.rank_or_zero(group), comm.group_size(comm.default_group(group))
+    where = (socket.gethostname(), directory)
+    seen = cast(list[tuple[str, str]], comm.all_gather_objects(where, comm.default_group(group)))
+    first = {node: i for i, node in reversed(list(enumerate(seen)))}
+    nodes = tuple(first[node] for node in seen)
+    partner = shares.partners(nodes)
+    copies = None
+    if world > 1:
+        ranks = dist.get_process_group_ranks(comm.default_group(group))
+        copies = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    made = Peers(
+        group,
+        directory,
+        rank,
+        world,
+        tuple(sorted(set(nodes)).index(n) for n in nodes),
+        partner[rank],
+        tuple(q for q, p in enumerate(partner) if p == rank),
+        copies,
+    )
+    _PEERS[directory] = made
+    return made
+
+
+def _read_files(directory: str) -> dict[str, bytes]:
+    return {
+        name: open(os.path.join(directory, name), "rb").read()  # noqa: SIM115 - read whole
+        for name in sorted(os.listdir(directory))
+    }
+
+
+def _write_files(directory: str, files: Mapping[str, bytes]) -> None:
+    """Write ``files`` into a temporary beside ``directory`` and rename it into place."""
+    tmp = os.path.join(os.path.dirname(directory), f".{os.path.basename(directory)}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name, raw in files.items():
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(raw)
+    _into_place(tmp, directory)
+
+
+def _into_place(tmp: str, directory: str) -> None:
+    """Rename the written ``tmp`` onto ``directory``, an older one there removed first."""
+    if os.path.exists(directory):
+        shutil.rmtree(directory)
+    os.rename(tmp, directory)
+
+
+def _packed(files: Mapping[str, bytes] | None) -> tuple[Tensor, Tensor]:
+    """A share's files (``None``: none to send) as its sizes and one byte tensor."""
+    names = [] if files is None else [[n, len(b)] for n, b in files.items()]
+    head = json.dumps({"ok": files is not None, "files": names}).encode()
+    body = b"".join(files.values()) if files is not None else b""
+    sizes = torch.tensor([len(head), len(body)], dtype=torch.int64)
+    return sizes, torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+
+
+def _unpacked(sizes: Tensor, payload: Tensor) -> dict[str, bytes] | None:
+    """What :func:`_packed` packed."""
+    n_head = int(sizes[0])
+    raw = payload.numpy().tobytes()
+    head = json.loads(raw[:n_head])
+    if not head["ok"]:
+        return None
+    out, at = {}, n_head
+    for name, size in head["files"]:
+        out[name] = raw[at : at + size]
+        at += size
+    return out
+
+
+def _transfer(
+    group: ProcessGroup, send: Mapping[int, Mapping[str, bytes] | None], receive: list[int]
+) -> dict[int, dict[str, bytes] | None]:
+    """Send each rank of ``send`` its files and receive from each rank of ``receive``, all at
+    once (ranks of ``group``): the sizes first, then the bytes."""
+    packed = {to: _packed(files) for to, files in send.items()}
+    sizes = {q: torch.empty(2, dtype=torch.int64) for q in receive}
+    glob = functools.partial(dist.get_global_rank, group)
+    works = [dist.isend(s, glob(to), group=group) for to, (s, _) in packed.items()]
+    works += [dist.irecv(t, glob(q), group=group) for q, t in sizes.items()]
+    for work in works:
+        cast(dist.Work, work).wait()
+    payloads = {q: torch.empty(int(t.sum()), dtype=torch.uint8) for q, t in sizes.items()}
+    works = [dist.isend(b, glob(to), group=group) for to, (_, b) in packed.items()]
+    works += [dist.irecv(t, glob(q), group=group) for q, t in payloads.items()]
+    for work in works:
+        cast(dist.Work, work).wait()
+    return {q: _unpacked(sizes[q], payloads[q]) for q in receive}
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A snapshot as its thread takes it: everything copied on the caller's thread."""
+
+    peers: Peers
+    step: int | None  # this rank's count (None: it cannot tell); the ranks agree on one
+    pieces: Pieces
+    objects: dict[str, Any]
+    max_box_numel: int | None
+    copied: list[torch.cuda.Event]
+
+
+class SnapshotHandle:
+    """A snapshot being taken behind training (what ``checkpoint.snapshot`` returns).
+
+    Example:
+        >>> import tempfile, torch, zero_functional.checkpoint as ckpt
+        >>> handle = ckpt.snapshot(model=torch.nn.Linear(2, 2), step=1, snapshot_dir=tempfile.mkdtemp())
+        >>> handle.wait(); handle.step
+        1
+    """
+
+    def __init__(self, job: _Job) -> None:
+        self.directory, self._rank = job.peers.directory, job.peers.rank
+        self.step: int | None = None
+        self._error: CheckpointError | None = None
+        self._reported = False
+        self._thread = threading.Thread(
+            target=self._run, args=(job,), name=f"zero_functional-snapshot-rank{job.peers.rank}"
+        )
+        self._thread.start()
+
+    def _run(self, job: _Job) -> None:
+        try:
+            self.step = _take(job)
+        except CheckpointError as e:
+            self._error = e
+        except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
+            self._error = CheckpointError(
+                f"snapshot in {self.directory} failed: rank {self._rank}: {type(e).__name__}: {e}"
+            )
+
+    def done(self) -> bool:
+        """Whether the snapshot has ended: complete on both copies, or failed."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the snapshot is complete on both copies (at most ``timeout`` seconds);
+        raise what it failed with (the same on every rank).
+
+        Raises:
+            CheckpointError: It failed, naming each rank's cause; the previous one is kept.
+            TimeoutError: ``timeout`` passed with the snapshot still being taken.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"rank {self._rank}: the snapshot is still being taken")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+
+
+_IN_FLIGHT: list[SnapshotHandle] = []  # this process's snapshot being taken: at most one
+_STAGED: dict[tuple[str, int, int], Tensor] = {}  # the last snapshot's host copies
+
+
+def settle() -> None:
+    """Wait for this process's snapshot being taken, if any, and raise its failure if no
+    :meth:`SnapshotHandle.wait` did (every rank's thread agreed on it: every rank raises)."""
+    if not _IN_FLIGHT:
+        return
+    handle = _IN_FLIGHT.pop()
+    handle._thread.join()
+    if handle._error is not None and not handle._reported:
+        raise CheckpointError(f"the previous snapshot failed: {handle._error}")
+
+
+def start(
+    pieces: Pieces,
+    objects: Mapping[str, object],
+    peers_: Peers,
+    step: int | None,
+    max_box_numel: int | None,
+) -> SnapshotHandle:
+    """Copy ``pieces`` and ``objects`` now and take the snapshot in a thread.
+
+    Raises:
+        CheckpointError: The previous snapshot failed (:func:`settle`).
+    """
+    settle()
+    copied, events = background.copy_pieces(pieces, _STAGED)
+    job = _Job(peers_, step, copied, copy.deepcopy(dict(objects)), max_box_numel, events)
+    handle = SnapshotHandle(job)
+    _IN_FLIGHT.append(handle)
+    return handle
+
+
+def _agree(peers_: Peers, mine: object) -> list[Any]:
+    """Every rank's ``mine`` (over the copies' group: this runs in the thread)."""
+    if peers_.copies is None:
+        return [mine]
+    out: list[Any] = [None] * peers_.world_size
+    dist.all_gather_object(out, mine, group=peers_.copies)
+    return out
+
+
+def _take(job: _Job) -> int:
+    """The thread: agree on the step, write this rank's share, swap copies with the partner
+    ranks, agree on the verdict; the first rank of each node then drops the older snapshots.
+    Returns the step."""
+    for event in job.copied:
+        event.synchronize()
+    p = job.peers
+    steps = _agree(p, job.step)
+    known = sorted({s for s in steps if s is not None})
+    if len(known) != 1:
+        why = "no rank could tell" if not known else f"the ranks passed {known}"
+        raise CheckpointError(
+            f"snapshot failed: the ranks must agree on its step, and {why}: pass step="
+        )
+    step = int(known[0])
+    step_dir = os.path.join(p.directory, shares.step_name(step))
+    mine, failure = None, None
+    try:
+        os.makedirs(step_dir, exist_ok=True)
+        target = os.path.join(step_dir, shares.share_name(p.rank, p.world_size))
+        tmp = os.path.join(step_dir, f".{shares.share_name(p.rank, p.world_size)}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        storage.write_alone(tmp, job.pieces, {**job.objects}, job.max_box_numel)
+        storage.write_manifest(tmp, f"step-{step}", p.rank, p.world_size)
+        mine = _read_files(tmp) if p.partner is not None else None
+        _into_place(tmp, target)
+    except (OSError, CheckpointError) as e:
+        failure = f"cannot write its share into {step_dir}: {atomic_dir.os_error(e) or e}"
+    if p.copies is not None:
+        failure = _swap_copies(p, step_dir, mine if failure is None else None) or failure
+    verdicts = _agree(p, failure)
+    if failed := [(r, str(v)) for r, v in enumerate(verdicts) if v is not None]:
+        raise CheckpointError(f"snapshot of step {step} failed: {by_rank(failed)}")
+    if p.leader:
+        _remove_steps(p.directory, keep=lambda s: s >= step)
+    return step
+
+
+def _swap_copies(p: Peers, step_dir: str, mine: dict[str, bytes] | None) -> str | None:
+    """Send this rank's share to its partner and keep the copies sent to it; why that
+    failed, or ``None``."""
+    assert p.copies is not None and p.partner is not None
+    failure = None
+    for q, got in _transfer(p.copies, {p.partner: mine}, list(p.sources)).items():
+        if got is None:
+            continue  # rank q failed to write its share: its failure is its own to report
+        target = os.path.join(step_dir, shares.share_name(q, p.world_size, copy=True))
+        try:
+            _write_files(target, got)
+        except OSError as e:
+            failure = f"cannot keep the copy of rank {q}'s share in {step_dir}: {e}"
+            continue
+        if (why := shares.check_share(target)) is not None:
+            failure = f"the copy of rank {q}'s share arrived damaged: {why}"
+    return failure
+
+
+def _remove_steps(directory: str, keep: Callable[[int], bool]) -> None:
+    """Remove the snapshot directories whose step ``keep`` rejects (a node's first rank)."""
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        if (m := shares.STEP_RE.match(name)) is not None and not keep(int(m[1])):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The snapshot a restore reads: its step and world size, and the directory that reads
+    as a checkpoint of it (its shares linked, their indexes merged)."""
+
+    step: int
+    world_size: int
+    view: str
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, RuntimeWarning, stacklevel=4)  # at the caller of restore
+
+
+@contextlib.contextmanager
+def newest(
+    group: ProcessGroup | None, directory: str, min_step: int | None
+) -> Iterator[Found | None]:
+    """The newest snapshot every share of which some node holds (at ``min_step`` or later),
+    fetched where a node lacks a share and assembled for reading; ``None`` if there is none.
+    Collective. Leaving it removes the reading directory and, on each node, every other
+    snapshot (the one read stays until a newer one is complete)."""
+    settle()
+    p = peers(group, directory)
+    held: dict[Key, dict[int, str]] = {}
+    if p.leader:
+        held, skipped = shares.inventory(p.directory)
+        for line in skipped:
+            _warn(f"skipping a snapshot share: {line}; its other copy is used if there is one")
+    everyone = cast(list[dict[Key, dict[int, str]]], _all(p, held))
+    chosen = shares.newest_complete([everyone[r] for r in p.leaders()], min_step)
+    if chosen is None:
+        yield None
+        return
+    step, world = chosen
+    fetched = cast(list[dict[int, str]], _all(p, _fetch(p, everyone, chosen)))
+    leader = p.nodes.index(p.nodes[p.rank])  # whose inventory and fetches are this node's
+    local = {**everyone[leader].get(chosen, {}), **fetched[leader]}
+    view = os.path.join(p.directory, f".restore-{p.rank}-{os.getpid()}")
+    shutil.rmtree(view, ignore_errors=True)
+    try:
+        shares.assemble(view, local)
+        yield Found(step, world, view)
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+    _all(p, None)
+    if p.leader:
+        _remove_steps(p.directory, keep=lambda s: s == step)
+
+
+def _all(p: Peers, mine: object) -> list[object]:
+    return comm.all_gather_objects(mine, comm.default_group(p.group))
+
+
+def _fetch(p: Peers, everyone: list[dict[Key, dict[int, str]]], chosen: Key) -> dict[int, str]:
+    """Send and receive the shares some node lacks (its first rank receives each from the first
+    node that has it), in one order on every rank; the paths this rank received into."""
+    step, world = chosen
+    leaders = p.leaders()
+    moves = []
+    for node, leader in enumerate(leaders):
+        have = everyone[leader].get(chosen, {})
+        for q in range(world):
+            if q not in have:
+                holder = next(r for r in leaders if q in everyone[r].get(chosen, {}))
+                moves.append((holder, leader, q))
+    got: dict[int, str] = {}
+    for holder, receiver, q in moves:  # one at a time: a fetch is rare
+        assert p.copies is not None
+        send = {receiver: _read_files(everyone[holder][chosen][q])} if p.rank == holder else {}
+        received = _transfer(p.copies, send, [holder] if p.rank == receiver else [])
+        if p.rank != receiver:
+            continue
+        step_dir = os.path.join(p.directory, shares.step_name(step))
+        target = os.path.join(step_dir, shares.share_name(q, world, copy=True))
+        os.makedirs(step_dir, exist_ok=True)
+        if (files := received[holder]) is not None:
+            _write_files(target, files)
+        if (why := shares.check_share(target)) is not None:
+            raise CheckpointError(f"rank {q}'s share fetched from rank {holder}: {why}")
+        got[q] = target
+    return got
+
+
+def remove(p: Peers) -> None:
+    """Remove the node's snapshot directory once every rank's snapshot in flight is done (the
+    first rank of each node); collective."""
+    with contextlib.suppress(CheckpointError):  # a failed one leaves nothing to keep
+        settle()
+    _all(p, None)
+    if p.leader:
+        shutil.rmtree(p.directory, ignore_errors=True)
+    _all(p, None)

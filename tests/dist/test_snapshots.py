@@ -1,0 +1,151 @@
+"""In-memory snapshots (``checkpoint.snapshot`` / ``checkpoint.restore``): the share on its node,
+a copy on the other, restored bitwise at the same or another world size, a lost node's shares
+fetched, a corrupt file skipped by its checksum, both copies gone said by ``None``.
+
+One launch of 2 ranks, each rank its own "node" directory, runs the cases; one launch of 3
+ranks on one node restores what the 2 left, against a disk checkpoint of the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zero_functional import checkpoint
+from zero_functional.checkpoint.storage import CheckpointError
+from zero_functional.optimizer import ZeroRedundancyOptimizer
+
+from tests.dist.test_checkpoint import Net, consolidated, groups, train
+from tests.helpers import run_ranks
+
+
+def _fresh() -> tuple[Net, ZeroRedundancyOptimizer]:
+    torch.manual_seed(123)  # other values than the trained ones
+    model = Net()
+    return model, ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, lr=0.01)
+
+
+def _state(model: Net, opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    return {"params": [p.detach().clone() for p in model.parameters()], "opt": consolidated(opt)}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if any(not torch.equal(x, y) for x, y in zip(a["params"], b["params"])):
+        return False
+    for k, entry in a["opt"]["state"].items():
+        other = b["opt"]["state"][k]
+        if any(
+            not torch.equal(torch.as_tensor(v), torch.as_tensor(other[n])) for n, v in entry.items()
+        ):
+            return False
+    return a["opt"]["param_groups"] == b["opt"]["param_groups"]
+
+
+def _restored(node: str, **kw: Any) -> tuple[Any, dict[str, Any] | None, list[str]]:
+    model, opt = _fresh()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = checkpoint.restore(model=model, optimizer=opt, snapshot_dir=node, **kw)
+    return got, _state(model, opt) if got is not None else None, [str(w.message) for w in seen]
+
+
+def _two_nodes(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    node = os.path.join(root, f"node{rank}")
+    out: dict[str, Any] = {}
+    model = Net()
+    opt = ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, lr=0.01)
+    train(model, opt, rank, world_size, range(3))
+    at3 = _state(model, opt)
+    handle = checkpoint.snapshot(model=model, optimizer=opt, extra={"at": 3}, snapshot_dir=node)
+    train(model, opt, rank, world_size, range(3, 5))  # before the thread is done: state at return
+    handle.wait()
+    out["step"] = handle.step
+    got, state, _ = _restored(node, return_extra=True)
+    out["at 3"] = got == (3, {"at": 3}) and state is not None and _same(state, at3)
+    at5 = _state(model, opt)
+    checkpoint.snapshot(model=model, optimizer=opt, snapshot_dir=node).wait()
+    checkpoint.save(os.path.join(root, "disk5"), model=model, optimizer=opt)
+    out["kept"] = sorted(os.listdir(node)), sorted(os.listdir(os.path.join(node, "step-5")))
+    got, state, _ = _restored(node)
+    out["at 5"] = got == 5 and state is not None and _same(state, at5)
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(node, os.path.join(root, "kept"))  # for the launch at 3 ranks
+    else:
+        shutil.rmtree(node)  # the node is gone: its shares come from the other
+    dist.barrier()
+    got, state, _ = _restored(node)
+    out["fetched"] = got == 5 and state is not None and _same(state, at5)
+    out["fetched files"] = sorted(os.listdir(os.path.join(node, "step-5")))
+    dist.barrier()
+    if rank == 0:  # a flipped byte in rank 0's own share: its copy on the other node is read
+        share = os.path.join(node, "step-5", "share-0-of-2")
+        data = next(f for f in os.listdir(share) if f.endswith(".distcp"))
+        with open(os.path.join(share, data), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    got, state, said = _restored(node)
+    out["corrupt"] = got == 5 and state is not None and _same(state, at5), said
+    dist.barrier()
+    for name in ("share-0-of-2", "copy-0-of-2"):  # both copies of rank 0's share gone
+        shutil.rmtree(os.path.join(node, "step-5", name), ignore_errors=True)
+    dist.barrier()
+    out["none"] = _restored(node)[0]
+    checkpoint.snapshot(model=model, optimizer=opt, snapshot_dir=node).wait()
+    out["newer than"] = _restored(node, min_step=6)[0], _restored(node, min_step=5)[0]
+    try:
+        checkpoint.snapshot(model=model, step=rank, snapshot_dir=node).wait()
+    except CheckpointError as e:
+        out["disagree"] = str(e)
+    checkpoint.remove_snapshots(snapshot_dir=node)
+    out["removed"] = os.path.exists(node)
+    return out
+
+
+def _three_ranks(rank: int, world_size: int, root: str) -> bool:
+    model, opt = _fresh()
+    got = checkpoint.restore(model=model, optimizer=opt, snapshot_dir=os.path.join(root, "kept"))
+    ref_model, ref_opt = _fresh()
+    checkpoint.load(os.path.join(root, "disk5"), model=ref_model, optimizer=ref_opt)
+    return got == 5 and _same(_state(model, opt), _state(ref_model, ref_opt))
+
+
+def test_snapshots_restore_bitwise_fetch_a_lost_node_skip_a_corrupt_file_and_reshard(
+    tmp_path: Path,
+) -> None:
+    outs = run_ranks(_two_nodes, 2, str(tmp_path), timeout_s=120)
+    for rank, out in enumerate(outs):
+        assert out["step"] == 3  # Adam's count
+        assert out["at 3"] and out["at 5"], out
+        other = 1 - rank
+        # the older snapshot went once the newer was on both nodes; each node: its share and
+        # a copy of the other's
+        assert out["kept"] == (["step-5"], [f"copy-{other}-of-2", f"share-{rank}-of-2"]), out
+        assert out["fetched"], out
+        assert out["corrupt"][0], out
+        assert out["none"] is None and out["newer than"] == (None, 5), out
+        assert "agree on its step" in out["disagree"] and "[0, 1]" in out["disagree"], out
+        assert out["removed"] is False
+    # the node that was gone fetched both shares; the corrupt file was named where it was found
+    assert outs[1]["fetched files"] == ["copy-0-of-2", "copy-1-of-2"]
+    assert any("share-0-of-2" in line and "corrupt" in line for line in outs[0]["corrupt"][1])
+    assert all(run_ranks(_three_ranks, 3, str(tmp_path), timeout_s=120))
+
+
+def test_snapshot_refuses_what_it_cannot_take(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(ValueError, match="a model, an optimizer or both"):
+        checkpoint.snapshot(snapshot_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="pass snapshot_dir="):
+        checkpoint.snapshot(model=Net())
