@@ -421,7 +421,7 @@ def _fetch(p: Peers, everyone: list[dict[Key, dict[int, str]]], chosen: Key) -> 
     step, world = chosen
     leaders = p.leaders()
     moves = []
-    for node, leader in enumerate(leaders):
+    for leader in leaders:
         have = everyone[leader].get(chosen, {})
         for q in range(world):
             if q not in have:
