@@ -139,11 +139,16 @@ def cluster_rank(env: Mapping[str, str]) -> ClusterRank | None:
 
 
 def elastic_resume(
-    checkpoint: str | None, resume: str | None, env: Mapping[str, str], rank: int = 0
+    checkpoint: str | None,
+    resume: str | None,
+    env: Mapping[str, str],
+    rank: int = 0,
+    say: bool = True,
 ) -> str | None:
     """What a job resumes from: ``resume``; else, when torchrun restarted the workers (a node
     left or failed) and the job's own ``checkpoint`` is there, that checkpoint, at the world
-    size the restart gave (rank 0 says so).
+    size the restart gave (rank 0 says so, unless ``say`` is false: an in-memory snapshot may
+    win).
 
     Example:
         >>> import tempfile
@@ -153,11 +158,21 @@ def elastic_resume(
         >>> elastic_resume(d, None, {"TORCHELASTIC_RESTART_COUNT": "1"}, rank=1) == d
         True
     """
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarts = restart_count(env)
     if resume is not None or restarts < 1 or checkpoint is None:
         return resume
     if not os.path.exists(checkpoint):
         return None  # no checkpoint was committed before the restart: start over
-    if rank == 0:
+    if rank == 0 and say:
         print(f"restart {restarts}: resuming from {checkpoint}", flush=True)
     return checkpoint
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How many times torchrun has restarted this worker's group (0: its first start).
+
+    Example:
+        >>> restart_count({}), restart_count({"TORCHELASTIC_RESTART_COUNT": "2"})
+        (0, 2)
+    """
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

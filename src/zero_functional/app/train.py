@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from zero_functional import checkpoint, comm
 from zero_functional.app import train_file
-from zero_functional.app.cluster import ClusterRank, elastic_resume
+from zero_functional.app.cluster import ClusterRank, elastic_resume, restart_count
 from zero_functional.app.launch import (
     TERM_GRACE_S,
     LaunchError,
@@ -41,7 +41,7 @@ from zero_functional.app.launch import (
 from zero_functional.app.plan_format import format_bytes
 from zero_functional.app.preempt import EXIT_CODE, Preempted, Preemption
 from zero_functional.app.rendezvous import JoinError, rendezvous
-from zero_functional.app.train_options import OURS, TrainConfig
+from zero_functional.app.train_options import DIGITS_TRAIN_SIZE, OURS, TrainConfig
 from zero_functional.core.loads import hybrid_shape
 from zero_functional.core.ownership import check_partition
 from zero_functional.hooks import hook_with_zero_step, reduce_scatter_hook
@@ -212,6 +212,34 @@ def _wire(name: str | None) -> torch.dtype | None:
     return None if name is None else comm.WIRE_NAMES[name]
 
 
+def _from_memory(
+    cfg: TrainConfig, model: nn.Module, opt: Optimizer, per_epoch: int
+) -> tuple[int, int] | None:
+    """After a restart: the newest complete in-memory snapshot, if it is as new as the disk
+    checkpoint (``cfg.resume``), restored into ``model`` and ``opt``; where it stands (epochs
+    done, steps into the next), or ``None``."""
+    at_least = None
+    if cfg.resume is not None:
+        epoch, step = train_file.read_position(cfg.resume)  # its extra alone: no state read
+        at_least = epoch * per_epoch + step
+    got = checkpoint.restore(
+        model=model, optimizer=opt, snapshot_dir=cfg.snapshot_dir, min_step=at_least
+    )
+    return None if got is None else divmod(got, per_epoch)
+
+
+def _load(model: nn.Module, opt: Optimizer, ckpt: Mapping[str, Any]) -> None:
+    """Fill ``opt`` (and a sharded checkpoint's ``model``) from what :func:`load_checkpoint`
+    read; a file's model went in before the optimizer copied it."""
+    if "sharded" in ckpt:
+        # each rank reads its own share (every rank for plain DDP's Adam), any world size
+        checkpoint.load(ckpt["sharded"], model=model, optimizer=opt)
+    elif ckpt:
+        # torch's ZeroRedundancyOptimizer.load_state_dict sets the entries of parameters it does
+        # not own to None in the dict it is given; the reference run needs them intact.
+        opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+
+
 def _train(
     cfg: TrainConfig,
     rank: int,
@@ -219,11 +247,14 @@ def _train(
     ckpt: Mapping[str, Any] | None,
     use_zero: bool,
     stop: Preemption | None = None,
+    memory: bool = False,
 ) -> tuple[list[Tensor], dict[str, float]]:
-    """One run of the job: its final parameters, and its state bytes, step time and accuracy."""
+    """One run of the job: its final parameters, and its state bytes, step time and accuracy.
+    ``memory``: restarted with snapshots, it looks for one first (then ``cfg.resume``)."""
     x_train, y_train, x_test, y_test = load_digits_split()
     dtype = DTYPES[cfg.dtype]
     x_train, x_test = x_train.to(dtype), x_test.to(dtype)
+    per_epoch = -(-len(y_train) // cfg.batch_size)
     torch.manual_seed(cfg.seed)
     ckpt = ckpt or {}
     hidden = int(ckpt["args"]["hidden"]) if ckpt else cfg.hidden
@@ -232,19 +263,27 @@ def _train(
         model.load_state_dict(ckpt["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt = _optimizer(cfg, ddp, use_zero, world_size)
-    if "sharded" in ckpt:
-        # each rank reads its own share (every rank for plain DDP's Adam), any world size
-        checkpoint.load(ckpt["sharded"], model=model, optimizer=opt)
-    elif ckpt:
-        # torch's ZeroRedundancyOptimizer.load_state_dict sets the entries of parameters it does
-        # not own to None in the dict it is given; the reference run needs them intact.
-        opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
-    if ckpt:  # this run's learning rate, not the checkpoint's
+    at = _from_memory(cfg, model, opt, per_epoch) if memory else None
+    if memory and rank == 0:
+        restarts = restart_count(os.environ)
+        print(
+            f"resumed from the in-memory snapshot of step {at[0] * per_epoch + at[1]}"
+            if at is not None
+            else f"restart {restarts}: no complete in-memory snapshot; "
+            + (f"resuming from {cfg.resume}" if cfg.resume else "starting over"),
+            flush=True,
+        )
+    if memory and at is None and cfg.resume is not None:
+        ckpt = load_checkpoint(cfg.resume)
+    _load(model, opt, ckpt)
+    if ckpt or at is not None:  # this run's learning rate, not the checkpoint's
         for g in opt.param_groups:
             g["lr"] = cfg.lr
-    start, start_step = int(ckpt.get("epoch", 0)), int(ckpt.get("step", 0))  # step 0: epoch's end
-    total = (cfg.epochs - start) * -(-len(y_train) // cfg.batch_size) - start_step
+    # step 0: the epoch's end
+    start, start_step = at or (int(ckpt.get("epoch", 0)), int(ckpt.get("step", 0)))
+    total = (cfg.epochs - start) * per_epoch - start_step
     saves = use_zero and cfg.checkpoint is not None
+    snaps = use_zero and cfg.snapshot_every is not None
     step_s, steps, samples, t_start = 0.0, 0, 0, time.perf_counter()
     from tqdm import tqdm
 
@@ -277,15 +316,22 @@ def _train(
                 bar.update()
                 # where the run stands: (epochs done, steps done in the next epoch)
                 at = (epoch + 1, 0) if i + 1 == len(batches) else (epoch, i + 1)
-                every = cfg.save_every and (epoch * len(batches) + i + 1) % cfg.save_every == 0
-                if saves and (at[1] == 0 or every):
+                done = epoch * per_epoch + i + 1
+                due = done % cfg.save_every == 0 if cfg.save_every else at[1] == 0
+                if saves and (due or at == (cfg.epochs, 0)):  # and always at the end
                     train_file.write(cfg, rank, model, opt, at, hidden)
-                    if every and rank == 0:
+                    if cfg.save_every and rank == 0:
                         print(f"saved {cfg.checkpoint} at epoch {at[0]} step {at[1]}", flush=True)
+                if snaps and done % cast(int, cfg.snapshot_every) == 0:
+                    checkpoint.snapshot(
+                        model=model, optimizer=opt, step=done, snapshot_dir=cfg.snapshot_dir
+                    )
                 if stop is not None and stop.agreed():  # every rank stops after this step
-                    if saves and at[1] != 0:
+                    if saves and not due:
                         train_file.write(cfg, rank, model, opt, at, hidden)
                     raise Preempted(*at, saved=saves)
+    if snaps:  # the job ended well: its snapshots are of no more use
+        checkpoint.remove_snapshots(snapshot_dir=cfg.snapshot_dir)
     if isinstance(opt, ZeroRedundancyOptimizer):
         opt.finish_param_sync()  # parameters final before they are read outside a forward
     with torch.no_grad():
@@ -320,21 +366,45 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | No
             return EXIT_CODE, None
 
 
+def _reference_from_memory(cfg: TrainConfig, world_size: int) -> dict[str, Any] | None:
+    """The reference run's start after a restart with snapshots: the one the ZeRO run will
+    restore (read first, whole: the ZeRO run removes it when it ends), as a file's dict."""
+    model = build_model(cfg.hidden)
+    adam = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=FUSED)
+    per_epoch = -(-(DIGITS_TRAIN_SIZE) // cfg.batch_size)
+    if (at := _from_memory(cfg, model, adam, per_epoch)) is None:
+        return None
+    args = {"hidden": cfg.hidden}
+    state = {"model": model.state_dict(), "optimizer": adam.state_dict()}
+    return {**train_file.train_extra(at[0], args), "step": at[1], **state}
+
+
 def _run_job(rank: int, world_size: int, cfg: TrainConfig, stop: Preemption | None) -> str | None:
-    ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None
-    ref_ckpt = ckpt
-    if ckpt is not None and "sharded" in ckpt and cfg.reference:
+    memory = False
+    if cfg.snapshot_every is not None:  # restarted, on any node: torchrun counts per agent
+        restarted = restart_count(os.environ) >= 1
+        memory = any(comm.all_gather_objects(restarted, comm.default_group(None)))
+        if not memory:  # a first start: what the directory holds is another job's
+            checkpoint.remove_snapshots(snapshot_dir=cfg.snapshot_dir)
+    if memory:  # the ZeRO run looks for a snapshot first; the reference starts where it will
+        ref_memory = _reference_from_memory(cfg, world_size) if cfg.reference else None
+        ckpt = None
+        ref_ckpt = ref_memory or (load_checkpoint(cfg.resume) if cfg.resume else None)
+    else:
+        ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None
+        ref_ckpt = ckpt
+    if ref_ckpt is not None and "sharded" in ref_ckpt and cfg.reference:
         # the ZeRO run may overwrite the directory (--checkpoint = --resume): the reference
         # reads its start now, whole, into memory
-        model = build_model(int(ckpt["args"]["hidden"]))
+        model = build_model(int(ref_ckpt["args"]["hidden"]))
         adam = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=FUSED)
-        checkpoint.load(ckpt["sharded"], model=model, optimizer=adam)
+        checkpoint.load(ref_ckpt["sharded"], model=model, optimizer=adam)
         ref_ckpt = {
-            **{k: v for k, v in ckpt.items() if k != "sharded"},
+            **{k: v for k, v in ref_ckpt.items() if k != "sharded"},
             "model": model.state_dict(),
             "optimizer": adam.state_dict(),
         }
-    params, zero = _train(cfg, rank, world_size, ckpt, True, stop)
+    params, zero = _train(cfg, rank, world_size, ckpt, True, stop, memory)
     mine: dict[str, Any] = {"zero": zero, "ref": None, "max_diff": None}
     if cfg.reference:
         ref_params, mine["ref"] = _train(cfg, rank, world_size, ref_ckpt, False, stop)
@@ -452,7 +522,9 @@ def run_torchrun(cfg: TrainConfig, where: ClusterRank) -> int:
     SIGTERM. Other errors propagate, for the launcher to name the rank."""
     # torch's env:// rendezvous reads these two; SLURM's are derived (cluster_rank)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = where.master_addr, str(where.master_port)
-    cfg = replace(cfg, resume=elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank))
+    quiet = cfg.snapshot_every is not None  # a snapshot may win: _train says which
+    resume = elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank, say=not quiet)
+    cfg = replace(cfg, resume=resume)
     try:
         store = rendezvous(where, cfg.timeout, os.environ)
     except JoinError as e:

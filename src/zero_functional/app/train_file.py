@@ -54,6 +54,20 @@ def write(
         write_train_file(cfg.checkpoint, payload)
 
 
+def read_position(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Where the train job's checkpoint directory at ``path`` stands (epochs done, steps into
+    the next), from its ``extra`` alone: no state is read.
+
+    Example:
+        >>> read_position("no-such-checkpoint")
+        Traceback (most recent call last):
+        ...
+        zero_functional.checkpoint.storage.CheckpointError: ...no-such-checkpoint...
+    """
+    extra = _train_dict(path, storage.read_objects(path, ["extra"])["extra"])
+    return int(extra["epoch"]), int(extra.get("step", 0))
+
+
 def write_train_file(path: str | os.PathLike[str], payload: Mapping[str, object]) -> None:
     """Write ``payload`` with ``torch.save`` atomically: a crash mid-write keeps the old file
     (a temporary file in the same directory, flushed, then renamed over ``path``).

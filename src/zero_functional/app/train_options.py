@@ -92,10 +92,26 @@ class TrainConfig:
     )
     save_every: int | None = option(
         None,
-        "also save after every K steps (where a restarted elastic torchrun job resumes)",
+        "save after every K steps instead of every epoch (where a restarted elastic torchrun "
+        "job resumes); the end of training always saves",
         IntIn(1, 1 << 40),
         metavar="K",
         needs=(Needs("checkpoint", None, "it saves there"),),
+    )
+    snapshot_every: int | None = option(
+        None,
+        "after every K steps keep an in-memory snapshot, each rank's share on its node and a "
+        "copy on the next node; a worker torchrun restarts resumes from the newest complete one",
+        IntIn(1, 1 << 40),
+        metavar="K",
+        needs=(FP32, Needs("impl", OURS, f"{TORCH} keeps no shares")),
+    )
+    snapshot_dir: str | None = option(
+        None,
+        "each node's snapshot directory (default: /dev/shm/zero_functional-<run id>, the run id "
+        "torchrun's --rdzv-id or SLURM's job id)",
+        metavar="DIR",
+        needs=(Needs("snapshot_every", None, "it keeps the snapshots there"),),
     )
     grace_s: float = option(
         DEFAULT_GRACE_S,
@@ -168,6 +184,11 @@ class TrainConfig:
                     raise ValueError(
                         f"{_flag(f.name)}{shown} needs {_flag(need.field)}{to}: {need.why}"
                     )
+        if self.snapshot_every is not None and self.shard_size is not None:
+            raise ValueError(
+                "--snapshot-every does not take --shard-size: the replicas of a mesh hold the "
+                "same share; save with --checkpoint"
+            )
         if self.batch_size < self.nproc:
             raise ValueError(f"--batch-size {self.batch_size} is smaller than --nproc {self.nproc}")
 
@@ -235,6 +256,16 @@ def train_config(
             raise ValueError(f"--shard-size: {e} ({whose})") from None
     if cfg.checkpoint is not None:
         _check_checkpoint_path(cfg.checkpoint, sharded=cfg.impl == OURS)
+    if cfg.snapshot_every is not None and cfg.snapshot_dir is None:
+        from zero_functional.checkpoint.snapshots import default_snapshot_dir
+
+        try:  # every rank, and its restarts, agree on it
+            cfg = replace(cfg, snapshot_dir=default_snapshot_dir())
+        except ValueError:
+            raise ValueError(
+                "--snapshot-every needs --snapshot-dir here: the default, /dev/shm/"
+                "zero_functional-<run id>, takes the run id from torchrun (--rdzv-id) or SLURM"
+            ) from None
     for module, needed, fix in (
         ("zero_functional.hooks", cfg.overlap, "--overlap needs it"),
         ("zero_functional.optimizer", cfg.impl == OURS, "try --impl torch"),
