@@ -78,6 +78,7 @@ class Peers:
     partner: int | None
     sources: tuple[int, ...]
     copies: ProcessGroup | None
+    world: object = None  # the default group they were made in
 
     @property
     def leader(self) -> bool:
@@ -97,8 +98,8 @@ def peers(group: ProcessGroup | None, directory: str) -> Peers:
     once per group and directory, collectively (every rank of ``group`` calls it)."""
     directory = os.path.realpath(directory)
     made = _PEERS.get(directory)
-    if made is not None and made.group is group and dist.is_initialized():
-        return made
+    if made is not None and made.group is group and made.world is dist.group.WORLD:
+        return made  # the same world: a new one (a process that made another) makes new peers
     rank, world = comm.rank_or_zero(group), comm.group_size(comm.default_group(group))
     where = (socket.gethostname(), directory)
     seen = cast(list[tuple[str, str]], comm.all_gather_objects(where, comm.default_group(group)))
@@ -118,6 +119,7 @@ def peers(group: ProcessGroup | None, directory: str) -> Peers:
         partner[rank],
         tuple(q for q, p in enumerate(partner) if p == rank),
         copies,
+        dist.group.WORLD,
     )
     _PEERS[directory] = made
     return made
