@@ -35,6 +35,7 @@ from zero_functional.checkpoint import atomic_dir, background, shares, storage
 from zero_functional.checkpoint.shares import Key
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
+from zero_functional.comm.worker import InOrder
 from zero_functional.core._validate import by_rank
 
 MEMORY_ROOT = "/dev/shm"
@@ -220,10 +221,8 @@ class SnapshotHandle:
         self.step: int | None = None
         self._error: CheckpointError | None = None
         self._reported = False
-        self._thread = threading.Thread(
-            target=self._run, args=(job,), name=f"zero_functional-snapshot-rank{job.peers.rank}"
-        )
-        self._thread.start()
+        self._ended = threading.Event()
+        _worker().put(functools.partial(self._run, job))  # a queue: no thread start to wait on
 
     def _run(self, job: _Job) -> None:
         try:
@@ -234,10 +233,12 @@ class SnapshotHandle:
             self._error = CheckpointError(
                 f"snapshot in {self.directory} failed: rank {self._rank}: {type(e).__name__}: {e}"
             )
+        finally:
+            self._ended.set()
 
     def done(self) -> bool:
         """Whether the snapshot has ended: complete on both copies, or failed."""
-        return not self._thread.is_alive()
+        return self._ended.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the snapshot is complete on both copies (at most ``timeout`` seconds);
@@ -247,8 +248,7 @@ class SnapshotHandle:
             CheckpointError: It failed, naming each rank's cause; the previous one is kept.
             TimeoutError: ``timeout`` passed with the snapshot still being taken.
         """
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._ended.wait(timeout):
             raise TimeoutError(f"rank {self._rank}: the snapshot is still being taken")
         if self._error is not None:
             self._reported = True
@@ -256,6 +256,17 @@ class SnapshotHandle:
 
 
 _IN_FLIGHT: list[SnapshotHandle] = []  # this process's snapshot being taken: at most one
+_WORKERS: dict[int, InOrder] = {}  # by process: a forked child makes its own
+
+
+def _worker() -> InOrder:
+    """This process's snapshot thread, started at its first snapshot and kept."""
+    if (worker := _WORKERS.get(os.getpid())) is None:
+        _WORKERS.clear()
+        worker = _WORKERS[os.getpid()] = InOrder("zero_functional-snapshots")
+    return worker
+
+
 _STAGED: dict[tuple[str, int, int], Tensor] = {}  # the last snapshot's host copies
 
 
@@ -265,7 +276,7 @@ def settle() -> None:
     if not _IN_FLIGHT:
         return
     handle = _IN_FLIGHT.pop()
-    handle._thread.join()
+    handle._ended.wait()
     if handle._error is not None and not handle._reported:
         raise CheckpointError(f"the previous snapshot failed: {handle._error}")
 
