@@ -53,6 +53,7 @@ QUICK_ARGS = {
     "bench_iteration.py": ("--models", "mlp"),
     "bench_step.py": ("--models", "mlp"),
     "bench_compressed_error.py": ("--models", "mlp"),
+    "bench_snapshots.py": ("--models", "mlp", "--no-recovery"),  # the torchrun restarts: a minute
 }
 """What ``bench --quick`` passes a script besides the shared flags: the MLP, not the GPT too."""
 QUICK_TAKES = "about 100 s on 2 idle cores: each starts its own ranks and times every variant"
