@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero_functional.app.plan_format import format_memory
+from zero_functional.app.plan_format import format_memory, format_snapshots
 from zero_functional.functional.lowbit import LOW_BIT, MIN_QUANTIZED_NUMEL, low_bit_spec
 
 from tests.helpers import run_cli
@@ -98,3 +98,18 @@ def test_plan_flags(capsys: pytest.CaptureFixture[str]) -> None:
     # --help names every low-bit optimizer (it lists them without importing torch)
     code, out, _ = run_cli(["plan", "--help"], capsys)
     assert code == 0 and all(name in " ".join(out.split()) for name in LOW_BIT)
+
+
+def test_snapshots_keep_a_share_and_one_copy_and_peak_at_twice_that(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 1,000 and 500 fp32 elements: flat gives each of 2 ranks 750, a share of 3 x 4 B each
+    table = format_snapshots([1000, 500], [1, 2], "fp32", None)
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in table.splitlines()[2:]}
+    assert rows[("2", "flat")] == ["8.8", "KiB"] * 2 + ["17.6", "KiB", "35.2", "KiB"]
+    assert rows[("1", "flat")][2:4] == ["0", "B"]  # one rank: no copy to keep
+    # a bf16 model with fp32 main copies: 2 B values + 4 B main copy + 8 B moments per element
+    bf16 = format_snapshots([1000, 500], [2], "bf16", "fp32").splitlines()
+    assert bf16[-1].split()[2:4] == ["10.3", "KiB"]  # 750 x 14 B
+    code, out, _ = run_cli(["plan", "gpt2-small", "--world-sizes", "8", "--snapshots"], capsys)
+    assert code == 0 and "in-memory snapshots, host memory per rank" in out

@@ -35,6 +35,7 @@ from zero_functional.app.plan_format import (
     format_memory,
     format_muon,
     format_plan,
+    format_snapshots,
     format_wire,
 )
 from zero_functional.app.train_options import add_flags, train_config
@@ -52,6 +53,7 @@ QUICK_ARGS = {
     "bench_iteration.py": ("--models", "mlp"),
     "bench_step.py": ("--models", "mlp"),
     "bench_compressed_error.py": ("--models", "mlp"),
+    "bench_snapshots.py": ("--models", "mlp", "--no-recovery"),  # the torchrun restarts: a minute
 }
 """What ``bench --quick`` passes a script besides the shared flags: the MLP, not the GPT too."""
 QUICK_TAKES = "about 100 s on 2 idle cores: each starts its own ranks and times every variant"
@@ -136,6 +138,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             n, worlds, dtype, main_params, optimizer, args.remainders, args.ema, changes
         )
         print(f"\n{m}")
+    if args.snapshots:
+        optimizer, changes = args.optimizer or "adamw", args.gather_dtype is not None
+        snaps = format_snapshots(n, worlds, dtype, main_params, optimizer, changes)
+        print(f"\n{snaps}")
     if args.wire_dtype or args.gather_dtype:
         print(f"\n{format_wire(n, worlds, dtype, args.wire_dtype, args.gather_dtype)}")
     if args.shard_size is not None:
@@ -349,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
             choices=("bf16", "fp16", "int8", "fp8"),
             help=f"{what} this format: print the bytes per rank and step beside DDP's",
         )
+    plan.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="print the host memory per rank that checkpoint.snapshot's in-memory snapshots "
+        "take: its share, the copy of another rank's it keeps, and the peak while a new one is "
+        "taken",
+    )
     plan.add_argument(
         "--shard-size",
         type=world_sizes,

@@ -1,6 +1,6 @@
 """The tables ``zero-functional plan`` prints, from parameter sizes (the arithmetic is
 :mod:`zero_functional.core.partition`'s): partition balance, bytes per rank, hybrid-sharding
-traffic, Muon + AdamW ownership.
+traffic, Muon + AdamW ownership, in-memory snapshots' host memory.
 """
 
 from __future__ import annotations
@@ -146,6 +146,70 @@ def format_memory(
             )
         per_param.append(f"{cells[-1] / total if total else 0:.2f} B at {w:,}")  # flat's total
     lines.append("per parameter per rank (flat): " + ", ".join(per_param))
+    return "\n".join(lines)
+
+
+def format_snapshots(
+    numels: Sequence[int],
+    world_sizes: Sequence[int],
+    dtype: str,
+    main_params: str | None,
+    optimizer: str = "adamw",
+    changes: bool = False,
+) -> str:
+    """Host memory per rank (the fullest rank) of ``checkpoint.snapshot``'s in-memory snapshots,
+    per world size and partition (``plan --snapshots``).
+
+    A rank keeps its share (its owned elements' optimizer state and main copy, and their
+    parameter values in ``dtype``) and the copy of one other rank's share (none at one rank;
+    counted as the largest other share). While a new snapshot is taken the old one stays until
+    the new one is on both copies: the peak is twice that. Rank 0 also keeps the model's
+    buffers, not counted here. The files add a few KiB of index and manifest per share.
+
+    Example:
+        >>> print(format_snapshots([6, 3, 3], [2], "fp32", None))
+        in-memory snapshots, host memory per rank (fullest rank): its share (AdamW's 2 fp32 states, no main copy, its pieces' fp32 values) + the copy of another rank's it keeps; peak: the old and the new snapshot
+        world  partition           share   copy kept    together        peak
+            2  sorted-greedy        72 B        72 B       144 B       288 B
+            2  flat                 72 B        72 B       144 B       288 B
+    """
+    from zero_functional.functional.lowbit import LOW_BIT  # imports torch: not for --help
+
+    param_bytes = DTYPE_BYTES[dtype]
+    main_bytes = DTYPE_BYTES[main_params] if main_params else 0
+    has_main = main_bytes > param_bytes or (changes and main_bytes > 0)
+    full = main_bytes if has_main else param_bytes
+    wide = main_params if has_main else dtype
+    spec = LOW_BIT.get(optimizer)
+    copy = f"{main_params} main copy" if has_main else "no main copy"
+    states = f"{optimizer}'s 2 block-quantized states" if spec else f"AdamW's 2 {wide} states"
+    lines = [
+        "in-memory snapshots, host memory per rank (fullest rank): its share "
+        f"({states}, {copy}, its pieces' {dtype} values) + the copy of another rank's it keeps; "
+        "peak: the old and the new snapshot",
+        f"{'world':>5}  {'partition':<13}  "
+        + "  ".join(f"{c:>10}" for c in ("share", "copy kept", "together", "peak")),
+    ]
+
+    def share(owned: Sequence[tuple[int, int]]) -> float:
+        load = sum(n for _, n in owned)
+        if spec is None:
+            state = 2.0 * full * load
+        else:
+            state = sum(spec.state_bytes(numels[k], full, n) for k, n in owned)
+        return state + (main_bytes * load if has_main else 0) + param_bytes * load
+
+    for w in world_sizes:
+        for label, owned in (
+            ("sorted-greedy", [[(k, numels[k]) for k in ks] for ks in sorted_greedy(numels, w)]),
+            ("flat", [[(p.param, p.numel) for p in ps] for ps in flat(numels, w).pieces]),
+        ):
+            shares = sorted((share(o) for o in owned), reverse=True)
+            mine, kept = shares[0], shares[1] if w > 1 else 0.0
+            cells = (mine, kept, mine + kept, 2 * (mine + kept))
+            lines.append(
+                f"{w:>5}  {label:<13}  " + "  ".join(f"{format_bytes(c):>10}" for c in cells)
+            )
     return "\n".join(lines)
 
 
