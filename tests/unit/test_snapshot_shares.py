@@ -44,7 +44,7 @@ def _share(
     path = str(root / shares.share_name(rank, world))
     pieces = {k: ((4,), v.dtype, [(2 * rank, 2 * rank + 2, v)]) for k, v in values.items()}
     storage.write_alone(path, pieces, {"extra": extra}, None)
-    storage.write_manifest(path, "s", rank, world)
+    shares.seal(path, rank, world)
     return path
 
 
@@ -62,6 +62,12 @@ def test_merged_shares_read_as_one_checkpoint_and_disagreements_are_refused(
     with pytest.raises(CheckpointError, match="disagree on 'extra'"):
         shares.assemble(str(tmp_path / "view2"), {0: one, 1: odd})
     data = next(f for f in os.listdir(one) if f.endswith(".distcp"))
+    with open(os.path.join(one, data), "r+b") as f:
+        f.seek(60)
+        byte = f.read(1)
+        f.seek(60)
+        f.write(bytes([byte[0] ^ 1]))
+    assert "is corrupt" in str(shares.check_share(one)) and one in str(shares.check_share(one))
     with open(os.path.join(one, data), "ab") as f:
         f.write(b"x")
-    assert "it is corrupt" in str(shares.check_share(one))
+    assert "not" in str(shares.check_share(one))  # its size

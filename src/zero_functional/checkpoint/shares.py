@@ -2,8 +2,8 @@
 
 A node's snapshot directory holds ``step-<S>/`` per snapshot, and in it ``share-<q>-of-<W>/``
 (what rank ``q`` of a world of ``W`` wrote) or ``copy-<q>-of-<W>/`` (the copy another rank
-keeps of it): each one :func:`~.storage.write_alone` directory with its manifest (each file's
-size and CRC32, :func:`~.storage.write_manifest`). :func:`inventory` lists the usable shares,
+keeps of it): each one :func:`~.storage.write_alone` directory (a CRC32 per item) with its
+manifest (:func:`seal`). :func:`inventory` lists the usable shares,
 skipping, by name, a file that fails its checksum; :func:`newest_complete` picks the newest step
 whose every share some node holds; :func:`assemble` links one step's shares into a directory
 whose merged index (:func:`merge_indexes`) :func:`zero_functional.checkpoint.load` reads at any
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from zero_functional.checkpoint import atomic_dir, storage
+from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.storage import CheckpointError
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -81,35 +81,45 @@ def partners(nodes: Sequence[Hashable]) -> list[int | None]:
     return out
 
 
+MANIFEST = ".share.json"
+
+
+def seal(directory: str, rank: int, world_size: int) -> None:
+    """Record in ``directory`` whose share it holds and each of its files' size (the bytes'
+    checksums are the items' own, :func:`~.storage.write_alone`'s): what :func:`check_share`
+    checks. Flushed to disk."""
+    files = {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))}
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"rank": rank, "world_size": world_size, "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def check_share(directory: str) -> str | None:
     """Why the share in ``directory`` cannot be used (its manifest missing or unreadable, a file
-    missing, of another size or failing its CRC32), naming the file; ``None`` if it can.
+    missing or of another size, an item failing its CRC32), naming the file; ``None`` if it can.
 
     Example:
         >>> import tempfile
         >>> check_share(tempfile.mkdtemp() + "/share-0-of-1")
         'no such directory: ...share-0-of-1'
     """
-    parsed = SHARE_RE.match(os.path.basename(directory))
-    if not os.path.isdir(directory) or parsed is None:
+    if not os.path.isdir(directory) or SHARE_RE.match(os.path.basename(directory)) is None:
         return f"no such directory: {directory}"
-    manifest = os.path.join(directory, f".rank-{parsed[2]}-of-{parsed[3]}.json")
+    manifest = os.path.join(directory, MANIFEST)
     try:
         with open(manifest) as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{manifest} is missing or unreadable ({e})"
-    for name, info in sorted(files.items()):
+    for name, size in sorted(files.items()):
         path = os.path.join(directory, name)
-        try:
-            crc, size = atomic_dir.file_crc(path)
-        except OSError:
-            return f"{path} is missing"
-        if size != info["size"] or f"{crc:08x}" != info["crc32"]:
-            return (
-                f"{path} has crc32 {crc:08x} ({size} bytes) but {info['crc32']} "
-                f"({info['size']} bytes) was written: it is corrupt"
-            )
+        if (got := os.path.getsize(path) if os.path.isfile(path) else None) != size:
+            return f"{path} is {'missing' if got is None else f'{got} bytes'}, not {size}"
+    try:
+        storage.verify(directory)  # every item's checksum
+    except CheckpointError as e:
+        return f"{directory}: {e}"
     return None
 
 
