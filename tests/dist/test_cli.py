@@ -58,11 +58,12 @@ def test_bench_quick_ends_with_one_table_against_torch_best(
         "compressed (7 x Linear(512, 512) MLP + Adam)",
         "iteration (2.0M MLP)",
         "main params (2M bf16 AdamW)",
-        "muon iteration (GPT 0.22M, 24 matrices)",
-        "muon step (GPT 0.22M, 24 matrices)",
-        "muon step (24 matrices only)",
+        "muon iteration (GPT 0.22M width 48, 24 matrices)",
+        "muon step (GPT 0.22M width 48, 24 matrices)",
+        "muon step (24 matrices (width 48) only)",
         "muon step (mixed shapes only)",
         "phases (1.8M MLP)",
+        "snapshots (7 x Linear(512, 512) MLP + Adam)",
         "step (2M Adam)",
     }, table
     for line in table:  # each benchmark's own torch baseline is 1.00x by construction
