@@ -176,3 +176,22 @@ def restart_count(env: Mapping[str, str]) -> int:
         (0, 2)
     """
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def restart_hazard(env: Mapping[str, str]) -> str | None:
+    """Why torchrun's restarts of these workers may fail, or ``None``: torch 2.13's agent lends
+    its rendezvous store to the workers (``TORCHELASTIC_USE_AGENT_STORE``), and a restart at the
+    same world size reads the previous round's addresses (pytorch#135712).
+
+    Example:
+        >>> print(restart_hazard({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"}))
+        torchrun lends its store to the workers: a restart at the same world size fails to connect (pytorch#135712); launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        >>> restart_hazard({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"})
+    """
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not shared or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1:
+        return None
+    return (
+        "torchrun lends its store to the workers: a restart at the same world size fails to "
+        "connect (pytorch#135712); launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+    )

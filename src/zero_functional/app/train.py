@@ -30,7 +30,12 @@ from torch.optim import Optimizer
 
 from zero_functional import checkpoint, comm
 from zero_functional.app import train_file
-from zero_functional.app.cluster import ClusterRank, elastic_resume, restart_count
+from zero_functional.app.cluster import (
+    ClusterRank,
+    elastic_resume,
+    restart_count,
+    restart_hazard,
+)
 from zero_functional.app.launch import (
     TERM_GRACE_S,
     LaunchError,
@@ -522,6 +527,8 @@ def run_torchrun(cfg: TrainConfig, where: ClusterRank) -> int:
     SIGTERM. Other errors propagate, for the launcher to name the rank."""
     # torch's env:// rendezvous reads these two; SLURM's are derived (cluster_rank)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = where.master_addr, str(where.master_port)
+    if where.rank == 0 and (hazard := restart_hazard(os.environ)) is not None:
+        _say(hazard)
     quiet = cfg.snapshot_every is not None  # a snapshot may win: _train says which
     resume = elastic_resume(cfg.checkpoint, cfg.resume, os.environ, where.rank, say=not quiet)
     cfg = replace(cfg, resume=resume)
