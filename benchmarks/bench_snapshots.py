@@ -58,11 +58,13 @@ from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = "iteration, no snapshot"
+FINISH = "the step's all-gather awaited first"
 COPY = "snapshot() returns, none in flight"
 SNAP_CALL = "snapshot() returns, every step"
 SNAP_ITER = "iteration, snapshot every step"
 BOTH = "iteration + snapshot(), every step"
-VARIANTS = (PLAIN, COPY, SNAP_CALL, SNAP_ITER, BOTH)
+MEMCPY = "the share's tensors copied alone (floor)"
+VARIANTS = (PLAIN, FINISH, COPY, MEMCPY, SNAP_CALL, SNAP_ITER, BOTH)
 TARGET = 0.05  # issue 43: the caller's-thread cost <= 5% of an iteration
 DEMO_BATCH, MLP_BATCH = 64, 32
 
@@ -107,6 +109,16 @@ def _worker(
         checkpoint.snapshot(model=module, optimizer=opt, step=step, snapshot_dir=where)
     checkpoint.snapshot(model=module, optimizer=opt, step=step + 1, snapshot_dir=where).wait()
     step += 1
+    # the floor of the copy: the same tensors (state over the pieces, the pieces' values) copied
+    # into buffers made once, with no layout around them
+    params = list(module.parameters())
+    sources = [
+        t for _, s in opt.shard_state().values() for t in s.values() if isinstance(t, Tensor)
+    ]
+    sources += [
+        params[k].detach().reshape(-1)[p.start : p.stop] for k, (p, _) in opt.shard_state().items()
+    ]
+    buffers = [torch.empty_like(t) for t in sources]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         dist.barrier()
@@ -133,10 +145,19 @@ def _worker(
         for _ in range(iterations):  # the copy alone: each snapshot waited for, untimed
             iteration()
             step += 1
+            # snapshot() first waits for the parameters' all-gather the step left in flight
+            # (the next forward would wait for it too): timed apart from the copy
             t0 = time.perf_counter()
+            opt.finish_param_sync()
+            t1 = time.perf_counter()
             handle = checkpoint.snapshot(model=module, optimizer=opt, step=step, snapshot_dir=where)
-            times[COPY].append(time.perf_counter() - t0)
+            times[FINISH].append(t1 - t0)
+            times[COPY].append(time.perf_counter() - t1)
             handle.wait()
+            t0 = time.perf_counter()
+            for buffer, source in zip(buffers, sources):
+                buffer.copy_(source)
+            times[MEMCPY].append(time.perf_counter() - t0)
     dist.barrier()
     share = Path(where) / f"step-{step}" / f"share-{rank}-of-{world_size}"
     copies = list((Path(where) / f"step-{step}").glob(f"copy-*-of-{world_size}"))
