@@ -262,6 +262,7 @@ class ShardedEMA:
         """Replace this rank's averages by ``pieces`` (flat), ``n_averaged`` times over; local."""
         if lacking := sorted(set(self._averages) - set(pieces)):
             raise ValueError(f"no EMA values for the owned parameters {first_of(lacking)}")
+        self.optimizer.shard.hooks.before()  # a snapshot copies the averages first
         with torch.no_grad():
             for k, average in self._averages.items():
                 average.copy_(pieces[k].reshape(-1))
@@ -279,6 +280,7 @@ class ShardedEMA:
                 "the optimizer's parameters are not the model's"
             )
         zero.finish_param_sync()
+        zero.shard.hooks.before()  # the parameters change: a snapshot copies them first
         saved = [p.detach().clone() for p in params]
         with torch.no_grad():
             for k, piece in self._owned().items():

@@ -206,6 +206,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         rounds of :func:`~.plans.reshard_rounds`, each round's old state dropped as it moves."""
         old, group = self.ownership, self.process_group
         rounds = reshard_rounds(old, ownership, self.rank)  # validates before anything changes
+        self.shard.hooks.before()
         with self._call("reshard()"):
             device = self._collective_device()
             for plan in rounds:
@@ -335,6 +336,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``stepped()`` once each step that updated has ended (in overlap mode, its backward)."""
         return self.shard.hooks.register(updated, resharded, stepped)
 
+    def register_pre_update_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run ``hook()`` before this rank's pieces, their state or the parameters next change
+        (an update, a load, a reshard, a gather of other values into the parameters); the
+        handle removes it. A snapshot holds them still this way until it has copied them."""
+        return self.shard.hooks.register_before(hook)
+
     def finish_param_sync(self) -> None:
         """Wait for the all-gathers ``overlap_param_gather`` left in flight."""
         self.param_window.finish()
@@ -425,6 +432,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         group, errors = self.process_group, (TypeError, ValueError)
         agree("load_shard_state()", check, self.param_groups, group, self.timeout, errors)
         self.shard.warn_without_main(state)
+        self.shard.hooks.before()
         self.shard.install(state, param_groups, copy=copy)
         self.shard.book.changed()
 

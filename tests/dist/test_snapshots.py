@@ -112,6 +112,72 @@ def _two_nodes(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _held_until_copied(rank: int, world_size: int, root: str) -> dict[str, bool]:
+    """The next update waits for the snapshot thread's copy: in overlap mode (the update inside
+    backward), with a plain optimizer (its step pre-hook), and an EMA's swap; each state the
+    snapshot restores is the one at its call, though training went on at once."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_functional.ema import ShardedEMA
+    from zero_functional.hooks import hook_with_zero_step
+
+    out = {}
+    node = os.path.join(root, f"held{rank}")
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+    )
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    ema = ShardedEMA(zero, decay=0.5)
+
+    def backward(step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(6, 7, generator=g), torch.randn(6, 3, generator=g)
+        ((ddp(x) - y) ** 2).mean().backward()
+
+    for step in range(4):  # the first backward builds DDP's buckets: no update there
+        backward(step)
+    zero.finish_param_sync()
+    before = _state(model, zero)
+    averages = {k: t.clone() for k, t in ema.pieces.items()}
+    handle = checkpoint.snapshot(model=ddp, optimizer=zero, ema=ema, snapshot_dir=node)
+    backward(9)  # updates inside backward at once
+    with ema.swapped_into(model):
+        pass
+    handle.wait()
+    fresh_model = Net()
+    fresh_ddp = DDP(fresh_model)
+    fresh = ZeroRedundancyOptimizer(
+        fresh_ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+    )
+    fresh_ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, fresh_ddp, fresh))
+    fresh_ema = ShardedEMA(fresh, decay=0.5)
+    backward_fresh = fresh_ddp(torch.zeros(1, 7)).sum()  # its buckets, as a resumed run's
+    backward_fresh.backward()
+    checkpoint.restore(model=fresh_ddp, optimizer=fresh, ema=fresh_ema, snapshot_dir=node)
+    out["overlap"] = _same(_state(fresh_model, fresh), before)
+    restored = fresh_ema.pieces
+    out["ema"] = averages.keys() == restored.keys() and all(
+        torch.equal(t, restored[k]) for k, t in averages.items()
+    )
+    plain_model = Net()
+    adam = torch.optim.Adam(plain_model.parameters(), lr=0.01)
+    train(plain_model, adam, rank, world_size, range(3))
+    was = [p.detach().clone() for p in plain_model.parameters()]
+    handle = checkpoint.snapshot(model=plain_model, optimizer=adam, snapshot_dir=node + "p")
+    train(plain_model, adam, rank, world_size, range(3, 5))
+    handle.wait()
+    again = Net()
+    checkpoint.restore(
+        model=again, optimizer=torch.optim.Adam(again.parameters()), snapshot_dir=node + "p"
+    )
+    out["plain"] = all(torch.equal(a, b) for a, b in zip(was, again.parameters()))
+    return out
+
+
 def _three_ranks(rank: int, world_size: int, root: str) -> bool:
     model, opt = _fresh()
     got = checkpoint.restore(model=model, optimizer=opt, snapshot_dir=os.path.join(root, "kept"))
@@ -140,6 +206,8 @@ def test_snapshots_restore_bitwise_fetch_a_lost_node_skip_a_corrupt_file_and_res
     assert outs[1]["fetched files"] == ["copy-0-of-2", "copy-1-of-2"]
     assert any("share-0-of-2" in line and "corrupt" in line for line in outs[0]["corrupt"][1])
     assert all(run_ranks(_three_ranks, 3, str(tmp_path), timeout_s=120))
+    for out in run_ranks(_held_until_copied, 2, str(tmp_path), timeout_s=120):
+        assert out == {"overlap": True, "ema": True, "plain": True}, out
 
 
 def test_snapshot_refuses_what_it_cannot_take(tmp_path: Path, monkeypatch: Any) -> None:

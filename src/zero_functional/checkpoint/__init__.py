@@ -246,6 +246,7 @@ def load(
     Example:
         >>> # extra = zero_functional.checkpoint.load("ckpt", model=ddp, optimizer=zero)
     """
+    snapshots.copied()  # what a snapshot in flight still copies, before this overwrites it
     tensors: dict[str, Tensor] = {}
     if model is not None:
         state = module_of(model).state_dict(keep_vars=True)
@@ -287,10 +288,13 @@ def snapshot(
     """Keep this rank's share of ``model`` and ``optimizer`` in memory, and a copy of it on
     another node, behind training; :func:`restore` reads the newest complete one back.
 
-    Collective. The share (as :func:`save` writes it) is copied on the caller's thread; a thread
-    writes it into ``snapshot_dir`` on this node, sends it to the next node's rank of the same
-    local rank (on one node, the next rank), keeps the copy it gets, and once every share is on
-    two ranks, the older snapshots go. One snapshot is in flight per process: the next waits.
+    Collective. The share is what :func:`save` writes. A thread copies the optimizer's part
+    (state, main copies, the pieces' values, the EMA) before the optimizer's next update, which
+    waits for it (change them meanwhile only through the optimizer); the model's buffers are
+    copied on the caller's thread. The thread writes the share into ``snapshot_dir`` on this
+    node, sends it to the next node's rank of the same local rank (on one node, the next rank),
+    keeps the copy it gets, and once every share is on two ranks, the older snapshots go. One
+    snapshot is in flight per process: the next waits.
 
     Args:
         model, optimizer, extra, ema, process_group, max_chunk_numel: As :func:`save`'s.
@@ -325,9 +329,16 @@ def snapshot(
     group = process_group if src is None else src.group
     directory = os.fspath(snapshot_dir or snapshots.default_snapshot_dir())
     peers = snapshots.peers(group, directory)
-    pieces, objects = checkpoint_format.layout(_snapshot(model, src, extra, peers.rank, ema))
+    content = _snapshot(model, src, extra, peers.rank, ema)
+    pieces, objects = checkpoint_format.layout(content)
+    # the model's other tensors (buffers) change in forward: copied now; the optimizer's state
+    # and parameters change only at its next update, which waits for the thread to copy them
+    others = {checkpoint_format.model_key(name) for name in content.others}
+    now = {k: v for k, v in pieces.items() if k in others}
+    later = {k: v for k, v in pieces.items() if k not in others}
     steps = step if step is not None else _steps_taken(src)
-    return snapshots.start(pieces, objects, peers, steps, max_chunk_numel)
+    hold = None if src is None else src.hold
+    return snapshots.start(now, objects, peers, steps, max_chunk_numel, later, hold)
 
 
 @overload

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -29,6 +30,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from zero_functional import comm
 from zero_functional.checkpoint import atomic_dir, background, shares, storage
@@ -196,7 +198,10 @@ def _transfer(
 
 @dataclass(frozen=True)
 class _Job:
-    """A snapshot as its thread takes it: everything copied on the caller's thread."""
+    """A snapshot as its thread takes it: ``pieces`` copied on the caller's thread (with the
+    events that say when their device copies land), ``later`` for the thread to copy first
+    (their device's work until the call, ``ready``, waited for), while the optimizer's next
+    update waits for it."""
 
     peers: Peers
     step: int | None  # this rank's count (None: it cannot tell); the ranks agree on one
@@ -204,6 +209,8 @@ class _Job:
     objects: dict[str, Any]
     max_box_numel: int | None
     copied: list[torch.cuda.Event]
+    later: Pieces
+    ready: list[torch.cuda.Event]
 
 
 class SnapshotHandle:
@@ -221,12 +228,21 @@ class SnapshotHandle:
         self.step: int | None = None
         self._error: CheckpointError | None = None
         self._reported = False
-        self._ended = threading.Event()
+        self._ended, self._copied = threading.Event(), threading.Event()
+        self.hold: RemovableHandle | None = None  # what holds the next update for the copy
         _worker().put(functools.partial(self._run, job))  # a queue: no thread start to wait on
 
     def _run(self, job: _Job) -> None:
         try:
-            self.step = _take(job)
+            try:
+                for event in job.ready:
+                    event.synchronize()  # the device's work until the call, the step's too
+                later, events = background.copy_pieces(job.later, _STAGED_LATER)
+                for event in [*job.copied, *events]:
+                    event.synchronize()
+            finally:
+                self._copied.set()  # the update held for it goes on (a failure is said later)
+            self.step = _take(dataclasses.replace(job, pieces={**job.pieces, **later}))
         except CheckpointError as e:
             self._error = e
         except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
@@ -239,6 +255,10 @@ class SnapshotHandle:
     def done(self) -> bool:
         """Whether the snapshot has ended: complete on both copies, or failed."""
         return self._ended.is_set()
+
+    def copied(self) -> None:
+        """Wait until the thread has copied what it copies (what the next update waits for)."""
+        self._copied.wait()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the snapshot is complete on both copies (at most ``timeout`` seconds);
@@ -267,7 +287,15 @@ def _worker() -> InOrder:
     return worker
 
 
-_STAGED: dict[tuple[str, int, int], Tensor] = {}  # the last snapshot's host copies
+_STAGED: dict[tuple[str, int, int], Tensor] = {}  # the last snapshot's host copies: the caller's
+_STAGED_LATER: dict[tuple[str, int, int], Tensor] = {}  # and the thread's
+
+
+def copied() -> None:
+    """Wait until this process's snapshot being taken, if any, has copied what it holds (what
+    may then change: a load writes the model and the optimizer)."""
+    for handle in _IN_FLIGHT:
+        handle.copied()
 
 
 def settle() -> None:
@@ -277,8 +305,14 @@ def settle() -> None:
         return
     handle = _IN_FLIGHT.pop()
     handle._ended.wait()
+    if handle.hold is not None:
+        handle.hold.remove()
     if handle._error is not None and not handle._reported:
         raise CheckpointError(f"the previous snapshot failed: {handle._error}")
+
+
+Hold = Callable[[Callable[[], None]], RemovableHandle]
+"""Registers a callback run before the optimizer next changes what a snapshot copies."""
 
 
 def start(
@@ -287,16 +321,34 @@ def start(
     peers_: Peers,
     step: int | None,
     max_box_numel: int | None,
+    later: Pieces | None = None,
+    hold: Hold | None = None,
 ) -> SnapshotHandle:
-    """Copy ``pieces`` and ``objects`` now and take the snapshot in a thread.
+    """Copy ``pieces`` and ``objects`` now and take the snapshot in a thread; with ``hold``,
+    the thread first copies ``later`` too (the optimizer's pieces, which only its next update
+    changes), and ``hold`` makes that update wait for the copy.
 
     Raises:
         CheckpointError: The previous snapshot failed (:func:`settle`).
     """
     settle()
+    later = dict(later or {})
+    if hold is None:  # nothing holds them still: copied now
+        pieces, later = {**pieces, **later}, {}
     copied, events = background.copy_pieces(pieces, _STAGED)
-    job = _Job(peers_, step, copied, copy.deepcopy(dict(objects)), max_box_numel, events)
+    devices = {t.device for _, _, ranges in later.values() for _, _, t in ranges if t.is_cuda}
+    ready = [torch.cuda.current_stream(d).record_event() for d in devices]
+    owned = copy.deepcopy(dict(objects))
+    job = _Job(peers_, step, copied, owned, max_box_numel, events, later, ready)
     handle = SnapshotHandle(job)
+
+    def gate() -> None:  # once: the next update waits for the copy, the later ones do not
+        handle.copied()
+        if handle.hold is not None:
+            handle.hold.remove()
+
+    if hold is not None:
+        handle.hold = hold(gate)
     _IN_FLIGHT.append(handle)
     return handle
 
@@ -314,8 +366,6 @@ def _take(job: _Job) -> int:
     """The thread: agree on the step, write this rank's share, swap copies with the partner
     ranks, agree on the verdict; the first rank of each node then drops the older snapshots.
     Returns the step."""
-    for event in job.copied:
-        event.synchronize()
     p = job.peers
     steps = _agree(p, job.step)
     known = sorted({s for s in steps if s is not None})

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from zero_functional import comm
 from zero_functional.checkpoint.storage import CheckpointError
@@ -52,6 +53,8 @@ class Source:
     main_dtype: torch.dtype | None = None
     replicate_group: ProcessGroup | None = None
     keeps_main_of: Callable[[int], bool] | None = None  # ours: its shard answers
+    hold: Callable[[Callable[[], None]], RemovableHandle] | None = None
+    """Registers a callback run before the optimizer next changes its state or parameters."""
 
     @property
     def writes(self) -> bool:
@@ -111,6 +114,7 @@ def source(optimizer: Optimizer, process_group: ProcessGroup | None = None) -> S
         lambda: {k: state[p] for k, p in enumerate(table.params) if state.get(p)},
         install,
         lambda: None,
+        hold=lambda hook: optimizer.register_step_pre_hook(lambda *_: hook()),
     )
 
 
@@ -132,4 +136,5 @@ def _sharded(zero: ZeroRedundancyOptimizer) -> Source:
         zero.main_params_dtype,
         zero.replicate_group,
         lambda k: zero.shard.main_dtype(zero.param_table.params[k]) is not None,
+        zero.register_pre_update_hook,
     )

@@ -212,6 +212,7 @@ class LocalShard:
 
     def update(self, grads: Mapping[int, Tensor]) -> None:
         """Step this rank's pieces with ``grads`` (global index -> gradient), one call per group."""
+        self.hooks.before()
         stepper = self.pieces_stepper()
         params, group_of = self.table.params, self.table.group_of
         # per group: pieces, gradients, states, main dtypes, and each piece's whole parameter's
@@ -250,6 +251,7 @@ class LocalShard:
         """This rank's part of ``step()`` before the sync: the closure's loss, and the pieces'
         gradients (unscaled by ``grad_scale``), or none where a whole-parameter stepper stepped."""
         if self.stepper.whole:
+            self.hooks.before()
             loss = self.stepper.step_whole(self.param_groups, closure, **kwargs)
             self.hooks.updated(self, self.grads())
             return loss, None
@@ -491,6 +493,19 @@ class UpdateHooks:
         self._hooks: OrderedDict[int, tuple[Updated, Resharded | None, Stepped | None]] = (
             OrderedDict()
         )
+        self._before: OrderedDict[int, Callable[[], None]] = OrderedDict()
+
+    def register_before(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run ``hook()`` before the pieces, their state or the parameters next change (what
+        holds them still until a copy of them is taken); the handle removes it."""
+        handle = RemovableHandle(self._before)
+        self._before[handle.id] = hook
+        return handle
+
+    def before(self) -> None:
+        """Run every ``before`` hook: the pieces, their state or the parameters change next."""
+        for hook in list(self._before.values()):
+            hook()
 
     def register(
         self, updated: Updated, resharded: Resharded | None = None, stepped: Stepped | None = None
