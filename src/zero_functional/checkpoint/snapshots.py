@@ -22,6 +22,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -230,6 +231,7 @@ class SnapshotHandle:
         self._reported = False
         self._ended, self._copied = threading.Event(), threading.Event()
         self.hold: RemovableHandle | None = None  # what holds the next update for the copy
+        self.held_s = 0.0  # how long the next update waited for the copy
         _worker().put(functools.partial(self._run, job))  # a queue: no thread start to wait on
 
     def _run(self, job: _Job) -> None:
@@ -343,7 +345,9 @@ def start(
     handle = SnapshotHandle(job)
 
     def gate() -> None:  # once: the next update waits for the copy, the later ones do not
+        start = time.perf_counter()
         handle.copied()
+        handle.held_s = time.perf_counter() - start
         if handle.hold is not None:
             handle.hold.remove()
 
