@@ -229,3 +229,14 @@ def all_to_all_sent(input: torch.Tensor, input_splits: Iterable[int], group: Any
     group=group)`` (gloo's reduce onto owners, ``comm.exchange``): every split but its own."""
     splits = list(input_splits)
     return (sum(splits) - splits[dist.get_rank(group)]) * input.element_size()
+
+
+def flip_byte(directory: str | os.PathLike[str], offset: int) -> None:
+    """Flip the bits of the byte at ``offset`` in the checkpoint data file (``.distcp``) in
+    ``directory``: corruption that a checksum, not a size, finds."""
+    data = next(f for f in sorted(os.listdir(directory)) if f.endswith(".distcp"))
+    with open(os.path.join(directory, data), "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))

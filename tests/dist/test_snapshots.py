@@ -23,7 +23,7 @@ from zero_functional.checkpoint.storage import CheckpointError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
 from tests.dist.test_checkpoint import Net, consolidated, groups, train
-from tests.helpers import run_ranks
+from tests.helpers import flip_byte, run_ranks
 
 
 def _fresh() -> tuple[Net, ZeroRedundancyOptimizer]:
@@ -86,13 +86,7 @@ def _two_nodes(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["fetched files"] = sorted(os.listdir(os.path.join(node, "step-5")))
     dist.barrier()
     if rank == 0:  # a flipped byte in rank 0's own share: its copy on the other node is read
-        share = os.path.join(node, "step-5", "share-0-of-2")
-        data = next(f for f in os.listdir(share) if f.endswith(".distcp"))
-        with open(os.path.join(share, data), "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(os.path.join(node, "step-5", "share-0-of-2"), 100)
     dist.barrier()
     got, state, said = _restored(node)
     out["corrupt"] = got == 5 and state is not None and _same(state, at5), said
@@ -122,16 +116,19 @@ def _held_until_copied(rank: int, world_size: int, root: str) -> dict[str, bool]
     from zero_functional.ema import ShardedEMA
     from zero_functional.hooks import hook_with_zero_step
 
+    def overlapped() -> tuple[Net, DDP, ZeroRedundancyOptimizer, ShardedEMA]:
+        model = Net()
+        ddp = DDP(model)
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+        )
+        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        return model, ddp, zero, ShardedEMA(zero, decay=0.5)
+
     out = {}
     node = os.path.join(root, f"held{rank}")
     torch.manual_seed(0)
-    model = Net()
-    ddp = DDP(model)
-    zero = ZeroRedundancyOptimizer(
-        ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
-    )
-    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
-    ema = ShardedEMA(zero, decay=0.5)
+    model, ddp, zero, ema = overlapped()
 
     def backward(step: int) -> None:
         g = torch.Generator().manual_seed(step)
@@ -148,13 +145,7 @@ def _held_until_copied(rank: int, world_size: int, root: str) -> dict[str, bool]
     with ema.swapped_into(model):
         pass
     handle.wait()
-    fresh_model = Net()
-    fresh_ddp = DDP(fresh_model)
-    fresh = ZeroRedundancyOptimizer(
-        fresh_ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
-    )
-    fresh_ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, fresh_ddp, fresh))
-    fresh_ema = ShardedEMA(fresh, decay=0.5)
+    fresh_model, fresh_ddp, fresh, fresh_ema = overlapped()
     backward_fresh = fresh_ddp(torch.zeros(1, 7)).sum()  # its buckets, as a resumed run's
     backward_fresh.backward()
     checkpoint.restore(model=fresh_ddp, optimizer=fresh, ema=fresh_ema, snapshot_dir=node)
