@@ -339,7 +339,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def register_pre_update_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Run ``hook()`` before this rank's pieces, their state or the parameters next change
         (an update, a load, a reshard, a gather of other values into the parameters); the
-        handle removes it. A snapshot holds them still this way until it has copied them."""
+        handle removes it. A snapshot holds them still this way until it has copied them.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+            >>> handle = zero.register_pre_update_hook(lambda: print("before the update"))
+            >>> model(torch.ones(1, 2)).sum().backward(); zero.step()
+            before the update
+            >>> handle.remove()
+        """
         return self.shard.hooks.register_before(hook)
 
     def finish_param_sync(self) -> None:

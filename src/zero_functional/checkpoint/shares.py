@@ -20,6 +20,7 @@ import re
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
+import torch  # noqa: F401 - the doctests' tensors
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
     BytesStorageMetadata,
@@ -40,7 +41,12 @@ Key = tuple[int, int]
 
 
 def step_name(step: int) -> str:
-    """The directory of the snapshot of ``step`` in a node's snapshot directory."""
+    """The directory of the snapshot of ``step`` in a node's snapshot directory.
+
+    Example:
+        >>> step_name(120)
+        'step-120'
+    """
     return f"step-{step}"
 
 
@@ -87,7 +93,15 @@ MANIFEST = ".share.json"
 def seal(directory: str, rank: int, world_size: int) -> None:
     """Record in ``directory`` whose share it holds and each of its files' size (the bytes'
     checksums are the items' own, :func:`~.storage.write_alone`'s): what :func:`check_share`
-    checks. Flushed to disk."""
+    checks. Flushed to disk.
+
+    Example:
+        >>> import os, tempfile
+        >>> share = os.path.join(tempfile.mkdtemp(), share_name(0, 1))
+        >>> storage.write_alone(share, {"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, {}, None)
+        >>> seal(share, 0, 1); check_share(share) is None
+        True
+    """
     files = {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))}
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump({"rank": rank, "world_size": world_size, "files": files}, f)
@@ -181,6 +195,16 @@ def merge_indexes(indexes: Sequence[tuple[str, Metadata]]) -> Metadata:
     Raises:
         CheckpointError: Two indexes that disagree (a key's kind, shape or dtype, or the bytes
             of a chunk or an object both hold).
+
+    Example:
+        >>> import os, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> for r in (0, 1):
+        ...     piece = {"w": ((4,), torch.float32, [(2 * r, 2 * r + 2, torch.ones(2))])}
+        ...     storage.write_alone(os.path.join(root, str(r)), piece, {"n": 1}, None)
+        >>> merged = merge_indexes([(str(r), storage.read_index(os.path.join(root, str(r)))) for r in (0, 1)])
+        >>> [tuple(c.offsets) for c in merged.state_dict_metadata["w"].chunks]
+        [(0,), (2,)]
     """
     tensors: dict[str, TensorStorageMetadata] = {}
     chunks: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = {}
@@ -228,6 +252,17 @@ def assemble(view: str, shares: Mapping[int, str]) -> None:
 
     Raises:
         CheckpointError: The shares' indexes disagree, or one cannot be read.
+
+    Example:
+        >>> import os, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> paths = {r: os.path.join(root, share_name(r, 2)) for r in (0, 1)}
+        >>> for r, path in paths.items():
+        ...     piece = {"w": ((4,), torch.float32, [(2 * r, 2 * r + 2, torch.full((2,), float(r)))])}
+        ...     storage.write_alone(path, piece, {}, None)
+        >>> assemble(os.path.join(root, "view"), paths)
+        >>> storage.load_pieces(os.path.join(root, "view"), {"w": ((4,), torch.float32, [(0, 4)])})[0]
+        {'w': [tensor([0., 0., 1., 1.])]}
     """
     os.makedirs(view)
     indexes = []

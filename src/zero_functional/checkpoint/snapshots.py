@@ -99,7 +99,14 @@ _PEERS: dict[str, Peers] = {}
 
 def peers(group: ProcessGroup | None, directory: str) -> Peers:
     """This rank's :class:`Peers` over ``group`` (default: the world) for ``directory``; made
-    once per group and directory, collectively (every rank of ``group`` calls it)."""
+    once per group and directory, collectively (every rank of ``group`` calls it).
+
+    Example:
+        >>> import tempfile
+        >>> alone = peers(group, tempfile.mkdtemp())
+        >>> alone.rank, alone.partner, alone.copies, alone.leader
+        (0, None, None, True)
+    """
     directory = os.path.realpath(directory)
     made = _PEERS.get(directory)
     if made is not None and made.group is group and made.world is dist.group.WORLD:
@@ -295,14 +302,22 @@ _STAGED_LATER: dict[tuple[str, int, int], Tensor] = {}  # and the thread's
 
 def copied() -> None:
     """Wait until this process's snapshot being taken, if any, has copied what it holds (what
-    may then change: a load writes the model and the optimizer)."""
+    may then change: a load writes the model and the optimizer).
+
+    Example:
+        >>> copied()  # none in flight: returns at once
+    """
     for handle in _IN_FLIGHT:
         handle.copied()
 
 
 def settle() -> None:
     """Wait for this process's snapshot being taken, if any, and raise its failure if no
-    :meth:`SnapshotHandle.wait` did (every rank's thread agreed on it: every rank raises)."""
+    :meth:`SnapshotHandle.wait` did (every rank's thread agreed on it: every rank raises).
+
+    Example:
+        >>> settle()  # none in flight: returns at once
+    """
     if not _IN_FLIGHT:
         return
     handle = _IN_FLIGHT.pop()

@@ -363,7 +363,12 @@ class _ChecksummedReader(FileSystemReader):
 
 
 def item_checksum(info: _StorageInfo) -> tuple[int | None, int]:
-    """An index entry's recorded CRC32 (``None``: none recorded) and length."""
+    """An index entry's recorded CRC32 (``None``: none recorded) and length.
+
+    Example:
+        >>> item_checksum(_StorageInfo("__0_0.distcp", 0, 12))
+        (None, 12)
+    """
     return getattr(info, _CRC_ATTR, None), info.length
 
 
@@ -672,6 +677,13 @@ def read_index(path: str | os.PathLike[str]) -> Metadata:
     Raises:
         CheckpointError: No checkpoint at ``path``.
         CheckpointCorruptError: The index does not match its checksum.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> write_alone(path, {"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, {}, None)
+        >>> sorted(read_index(path).state_dict_metadata)
+        ['w']
     """
     if (problem := atomic_dir.not_a_checkpoint(os.fspath(path))) is not None:
         raise CheckpointError(problem)  # named for what it is, not "corrupt"
@@ -684,7 +696,15 @@ def read_index(path: str | os.PathLike[str]) -> Metadata:
 
 def write_index(directory: str, metadata: Metadata) -> None:
     """Write ``metadata`` as the index of ``directory`` with its checksum, as DCP's writer
-    does: what reads the files of several checkpoints as one (their indexes merged)."""
+    does: what reads the files of several checkpoints as one (their indexes merged).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> write_alone(path, {"w": ((2,), torch.float32, [(0, 2, torch.ones(2))])}, {}, None)
+        >>> write_index(path, read_index(path)); verify(path)
+        1
+    """
     path = os.path.join(directory, ".metadata")
     with open(path, "wb") as f:
         pickle.dump(metadata, f)
