@@ -172,6 +172,12 @@ def small_mlp() -> nn.Module:
         ["train", "--wire-dtype", "fp32"],
         ["train", "--gather-dtype", "int8", "--impl", "torch"],
         ["train", "--wire-dtype", "int8", "--impl", "torch"],
+        ["train", "--snapshot-every", "0"],
+        ["train", "--snapshot-dir", "/dev/shm/x"],  # no --snapshot-every
+        ["train", "--snapshot-every", "5", "--impl", "torch"],
+        ["train", "--snapshot-every", "5", "--dtype", "bf16"],
+        ["train", "--nproc", "4", "--shard-size", "2", "--snapshot-every", "5"],
+        ["train", "--snapshot-every", "5"],  # no run id outside torchrun: --snapshot-dir
         ["demo", "--grace-s", "5"],
         ["plan"],
         ["plan", "gpt2-small", "--world-sizes", "0"],
