@@ -3,6 +3,7 @@ and the comparisons (one copy each, so the tests cannot drift apart)."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import subprocess
@@ -31,11 +32,13 @@ PRELOAD = (
     "zero_functional.checkpoint",
     "sklearn.datasets",
     "pytest",
+    "tests.forkserver_freeze",  # last: freezes what the ones before made
 )
 """What the forkserver imports once, so that no rank imports it again: what the tests' own
 modules import (a rank imports the module of its function; torch's ZeRO and DCP, 0.1-0.3 s of
 CPU a rank) and the digits of every ``train`` job whose ranks are forked
-(:func:`forked_train_ranks`)."""
+(:func:`forked_train_ranks`); then :mod:`tests.forkserver_freeze`, so that a rank's
+``gc.collect()`` does not copy the server's heap."""
 
 
 def run_ranks(
@@ -48,10 +51,18 @@ def run_ranks(
     """:func:`zero_functional.app.launch.run_ranks`, ranks forked from one server that has
     :data:`PRELOAD` imported: a launch takes about 0.2 s instead of 1.5-2 s for two spawned
     ranks that each import torch. A forked rank ends with ``os._exit``, not the interpreter's
-    exit: the tests of how ranks exit (test_launch, test_teardown) spawn theirs."""
+    exit: the tests of how ranks exit (test_launch, test_teardown) spawn theirs. Ranks forked
+    from this process (``start_method="fork"``) find its objects frozen, as the forkserver's
+    are (:mod:`tests.forkserver_freeze`); they are unfrozen once the ranks are done."""
     if start_method == "forkserver":
         multiprocessing.set_forkserver_preload(list(PRELOAD))  # used when the server starts
-    return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)
+    if start_method != "fork":
+        return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)
+    gc.freeze()
+    try:
+        return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)
+    finally:
+        gc.unfreeze()  # this process collects its own garbage as before
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
