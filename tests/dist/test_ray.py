@@ -19,9 +19,6 @@ import pytest
 import torch
 from torch import nn
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.train.torch")
-
 MODES = ("after backward", "reduce_scatter_hook", "overlap")
 STEPS = 3  # per fit
 
@@ -51,6 +48,7 @@ def train_loop(config: dict[str, Any]) -> None:
     """Each worker: per mode, a model (``prepare_model``: DDP on gloo) and our optimizer, resumed
     from Ray's checkpoint if there is one; ``STEPS`` steps; a save of its own files; a report."""
     import ray.train as rt
+    import ray.train.torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -109,10 +107,17 @@ def train_loop(config: dict[str, Any]) -> None:
 
 
 def test_ray_train_saves_per_worker_and_resumes_at_other_worker_counts(tmp_path: Any) -> None:
+    # imported here, not at collection: Ray (with pandas) is over a second of each xdist
+    # worker's CPU, and only the worker that runs this test needs it
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.train.torch")
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+    # an actor per fit that polls the cluster for nodes being drained: this one-node cluster
+    # is never drained (each actor is a Python interpreter: about 1.5 s of CPU)
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         storage = str(tmp_path / "ray")
