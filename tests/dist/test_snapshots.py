@@ -169,7 +169,25 @@ def _held_until_copied(rank: int, world_size: int, root: str) -> dict[str, bool]
     return out
 
 
+def _swapped(rank: int) -> bool:
+    """``comm.swap_bytes``, the copies' transport: a ring (rank 0's message empty) and rank 0
+    sending to two ranks at once; what arrives is what was sent."""
+    from zero_functional import comm
+
+    def message(src: int, dst: int) -> torch.Tensor:
+        return torch.arange(src * 1000 + dst, dtype=torch.int64).to(torch.uint8)
+
+    ring = {(r, (r + 1) % 3) for r in range(3)} | {(0, 2)}
+    send = {d: message(rank, d) for s, d in ring if s == rank}
+    got = comm.swap_bytes(send, sorted(s for s, d in ring if d == rank), dist.group.WORLD)
+    return all(torch.equal(t, message(src, rank)) for src, t in got.items()) and len(got) == sum(
+        d == rank for _, d in ring
+    )
+
+
 def _three_ranks(rank: int, world_size: int, root: str) -> bool:
+    if not _swapped(rank):
+        return False
     model, opt = _fresh()
     got = checkpoint.restore(model=model, optimizer=opt, snapshot_dir=os.path.join(root, "kept"))
     ref_model, ref_opt = _fresh()

@@ -38,7 +38,6 @@ from zero_functional.checkpoint import atomic_dir, background, shares, storage
 from zero_functional.checkpoint.shares import Key
 from zero_functional.checkpoint.storage import CheckpointError, Pieces
 from zero_functional.comm import ProcessGroup
-from zero_functional.comm.worker import InOrder
 from zero_functional.core._validate import by_rank
 
 MEMORY_ROOT = "/dev/shm"
@@ -118,9 +117,8 @@ def peers(group: ProcessGroup | None, directory: str) -> Peers:
     nodes = tuple(first[node] for node in seen)
     partner = shares.partners(nodes)
     copies = None
-    if world > 1:
-        ranks = dist.get_process_group_ranks(comm.default_group(group))
-        copies = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    if world > 1 and (copies := comm.twin_group(comm.default_group(group), "gloo")) is None:
+        raise RuntimeError("snapshots need torch >= 2.1: a group of their own for the copies")
     made = Peers(
         group,
         directory,
@@ -161,47 +159,29 @@ def _into_place(tmp: str, directory: str) -> None:
     os.rename(tmp, directory)
 
 
-def _packed(files: Mapping[str, bytes] | None) -> tuple[Tensor, Tensor]:
-    """A share's files (``None``: none to send) as its sizes and one byte tensor."""
+def _packed(files: Mapping[str, bytes] | None) -> Tensor:
+    """A share's files (``None``: this rank has none to send) as one byte tensor: a JSON head
+    of the names and sizes, its length first, then the files' bytes."""
     names = [] if files is None else [[n, len(b)] for n, b in files.items()]
     head = json.dumps({"ok": files is not None, "files": names}).encode()
     body = b"".join(files.values()) if files is not None else b""
-    sizes = torch.tensor([len(head), len(body)], dtype=torch.int64)
-    return sizes, torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    return torch.frombuffer(
+        bytearray(len(head).to_bytes(8, "little") + head + body), dtype=torch.uint8
+    )
 
 
-def _unpacked(sizes: Tensor, payload: Tensor) -> dict[str, bytes] | None:
-    """What :func:`_packed` packed."""
-    n_head = int(sizes[0])
+def _unpacked(payload: Tensor) -> dict[str, bytes] | None:
+    """What :func:`_packed` packed (``None``: the sender had no share)."""
     raw = payload.numpy().tobytes()
-    head = json.loads(raw[:n_head])
+    n_head = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8 : 8 + n_head])
     if not head["ok"]:
         return None
-    out, at = {}, n_head
+    out, at = {}, 8 + n_head
     for name, size in head["files"]:
         out[name] = raw[at : at + size]
         at += size
     return out
-
-
-def _transfer(
-    group: ProcessGroup, send: Mapping[int, Mapping[str, bytes] | None], receive: list[int]
-) -> dict[int, dict[str, bytes] | None]:
-    """Send each rank of ``send`` its files and receive from each rank of ``receive``, all at
-    once (ranks of ``group``): the sizes first, then the bytes."""
-    packed = {to: _packed(files) for to, files in send.items()}
-    sizes = {q: torch.empty(2, dtype=torch.int64) for q in receive}
-    glob = functools.partial(dist.get_global_rank, group)
-    works = [dist.isend(s, glob(to), group=group) for to, (s, _) in packed.items()]
-    works += [dist.irecv(t, glob(q), group=group) for q, t in sizes.items()]
-    for work in works:
-        cast(dist.Work, work).wait()
-    payloads = {q: torch.empty(int(t.sum()), dtype=torch.uint8) for q, t in sizes.items()}
-    works = [dist.isend(b, glob(to), group=group) for to, (_, b) in packed.items()]
-    works += [dist.irecv(t, glob(q), group=group) for q, t in payloads.items()]
-    for work in works:
-        cast(dist.Work, work).wait()
-    return {q: _unpacked(sizes[q], payloads[q]) for q in receive}
 
 
 @dataclass(frozen=True)
@@ -285,14 +265,14 @@ class SnapshotHandle:
 
 
 _IN_FLIGHT: list[SnapshotHandle] = []  # this process's snapshot being taken: at most one
-_WORKERS: dict[int, InOrder] = {}  # by process: a forked child makes its own
+_WORKERS: dict[int, comm.InOrder] = {}  # by process: a forked child makes its own
 
 
-def _worker() -> InOrder:
+def _worker() -> comm.InOrder:
     """This process's snapshot thread, started at its first snapshot and kept."""
     if (worker := _WORKERS.get(os.getpid())) is None:
         _WORKERS.clear()
-        worker = _WORKERS[os.getpid()] = InOrder("zero_functional-snapshots")
+        worker = _WORKERS[os.getpid()] = comm.InOrder("zero_functional-snapshots")
     return worker
 
 
@@ -376,9 +356,7 @@ def _agree(peers_: Peers, mine: object) -> list[Any]:
     """Every rank's ``mine`` (over the copies' group: this runs in the thread)."""
     if peers_.copies is None:
         return [mine]
-    out: list[Any] = [None] * peers_.world_size
-    dist.all_gather_object(out, mine, group=peers_.copies)
-    return out
+    return comm.all_gather_objects(mine, peers_.copies)
 
 
 def _take(job: _Job) -> int:
@@ -422,8 +400,9 @@ def _swap_copies(p: Peers, step_dir: str, mine: dict[str, bytes] | None) -> str 
     failed, or ``None``."""
     assert p.copies is not None and p.partner is not None
     failure = None
-    for q, got in _transfer(p.copies, {p.partner: mine}, list(p.sources)).items():
-        if got is None:
+    arrived = comm.swap_bytes({p.partner: _packed(mine)}, p.sources, p.copies)
+    for q, payload in arrived.items():
+        if (got := _unpacked(payload)) is None:
             continue  # rank q failed to write its share: its failure is its own to report
         target = os.path.join(step_dir, shares.share_name(q, p.world_size, copy=True))
         try:  # checked when read: a restore skips a copy damaged since (or on the way)
@@ -509,15 +488,16 @@ def _fetch(p: Peers, everyone: list[dict[Key, dict[int, str]]], chosen: Key) -> 
     got: dict[int, str] = {}
     for holder, receiver, q in moves:  # one at a time: a fetch is rare
         assert p.copies is not None
-        send = {receiver: _read_files(everyone[holder][chosen][q])} if p.rank == holder else {}
-        received = _transfer(p.copies, send, [holder] if p.rank == receiver else [])
+        files = _read_files(everyone[holder][chosen][q]) if p.rank == holder else None
+        send = {receiver: _packed(files)} if p.rank == holder else {}
+        received = comm.swap_bytes(send, [holder] if p.rank == receiver else [], p.copies)
         if p.rank != receiver:
             continue
         step_dir = os.path.join(p.directory, shares.step_name(step))
         target = os.path.join(step_dir, shares.share_name(q, world, copy=True))
         os.makedirs(step_dir, exist_ok=True)
-        if (files := received[holder]) is not None:
-            _write_files(target, files)
+        if (files_got := _unpacked(received[holder])) is not None:
+            _write_files(target, files_got)
         if (why := shares.check_share(target)) is not None:
             raise CheckpointError(f"rank {q}'s share fetched from rank {holder}: {why}")
         got[q] = target

@@ -30,6 +30,7 @@ from zero_functional.comm.buckets import (
     sync_params,
     unflatten_into,
 )
+from zero_functional.comm.bulk import swap_bytes
 from zero_functional.comm.calls import CollectiveError, call, failures
 from zero_functional.comm.codec import WIRE_DTYPES, WIRE_NAMES, Codec, check_wire_dtype
 from zero_functional.comm.collectives import Wire, start_broadcast, start_reduce
@@ -104,6 +105,7 @@ __all__ = [
     "start_sync_params",
     "sync_params",
     "to_bytes",
+    "swap_bytes",
     "twin_group",
     "unflatten_into",
 ]

@@ -71,18 +71,20 @@ def rank_or_zero(group: ProcessGroup | None = None) -> int:
     return int(dist.get_rank(group)) if dist.is_initialized() else 0
 
 
-def twin_group(group: ProcessGroup) -> ProcessGroup | None:
-    """A second process group over ``group``'s ranks (collective over them), or ``None`` on a
-    torch without local synchronisation of new groups: its collectives are ordered among themselves
-    only, so the all-gathers go out when ready without breaking the reductions' issue order."""
+def twin_group(group: ProcessGroup, backend: str | None = None) -> ProcessGroup | None:
+    """A second process group over ``group``'s ranks (collective over them; ``backend``: another
+    than the default's, gloo for host bytes beside NCCL), or ``None`` on a torch without local
+    synchronisation of new groups: its collectives are ordered among themselves only, so the
+    all-gathers go out when ready without breaking the reductions' issue order, and a thread of
+    its own may use it."""
     ranks = [global_rank(group, r) for r in range(group_size(group))]
     if len(ranks) == dist.get_world_size():
         # Over the whole world, a plain new_group: with local synchronization torch names the
         # group from the count of groups this rank is in, which differs between ranks once a
         # group of only some was made, and they would wait under different names for ever.
-        return cast(ProcessGroup, dist.new_group(ranks=ranks))
+        return cast(ProcessGroup, dist.new_group(ranks=ranks, backend=backend))
     try:
-        twin = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        twin = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
     except TypeError:  # torch < 2.1: new_group would need every rank of the world
         return None
     return cast(ProcessGroup | None, twin)
