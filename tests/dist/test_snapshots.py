@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zero_functional import checkpoint
+from zero_functional.checkpoint import background
 from zero_functional.checkpoint.storage import CheckpointError
 from zero_functional.optimizer import ZeroRedundancyOptimizer
 
@@ -125,6 +127,9 @@ def _held_until_copied(rank: int, world_size: int, root: str) -> dict[str, bool]
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
         return model, ddp, zero, ShardedEMA(zero, decay=0.5)
 
+    # the snapshot thread copies late: an update that did not wait for it would be in the copy
+    copy_pieces = background.copy_pieces
+    background.copy_pieces = lambda *a: (time.sleep(0.3), copy_pieces(*a))[1]  # type: ignore[assignment]
     out = {}
     node = os.path.join(root, f"held{rank}")
     torch.manual_seed(0)
