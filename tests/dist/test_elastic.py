@@ -99,6 +99,9 @@ def test_an_agent_killed_mid_run_leaves_the_survivor_to_resume_and_finish(tmp_pa
             kill_tree(proc.pid)
     text = logs[0].read_text()
     assert code == 0, text[-4000:]
+    # torchrun's default lends its store to the workers: rank 0 warned that a restart at the same
+    # world size would fail (pytorch#135712); at world size 1 this one does not need to connect
+    assert "lends its store to the workers" in text + logs[1].read_text(), text[-3000:]
     before, _, after = text.partition("resuming from")
     assert after, text[-4000:]  # the restarted worker resumed from the checkpoint
     saved_before = saves(before + logs[1].read_text())
