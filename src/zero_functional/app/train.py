@@ -217,20 +217,26 @@ def _wire(name: str | None) -> torch.dtype | None:
     return None if name is None else comm.WIRE_NAMES[name]
 
 
-def _from_memory(
-    cfg: TrainConfig, model: nn.Module, opt: Optimizer, per_epoch: int
-) -> tuple[int, int] | None:
+def steps_per_epoch(batch_size: int) -> int:
+    """The optimizer steps of one epoch of the digits' training split (the last batch short).
+
+    Example:
+        >>> steps_per_epoch(64), steps_per_epoch(1438)
+        (23, 1)
+    """
+    return -(-DIGITS_TRAIN_SIZE // batch_size)
+
+
+def _from_memory(cfg: TrainConfig, model: nn.Module, opt: Optimizer) -> int | None:
     """After a restart: the newest complete in-memory snapshot, if it is as new as the disk
-    checkpoint (``cfg.resume``), restored into ``model`` and ``opt``; where it stands (epochs
-    done, steps into the next), or ``None``."""
+    checkpoint (``cfg.resume``), restored into ``model`` and ``opt``; its step, or ``None``."""
     at_least = None
     if cfg.resume is not None:
         epoch, step = train_file.read_position(cfg.resume)  # its extra alone: no state read
-        at_least = epoch * per_epoch + step
-    got = checkpoint.restore(
+        at_least = epoch * steps_per_epoch(cfg.batch_size) + step
+    return checkpoint.restore(
         model=model, optimizer=opt, snapshot_dir=cfg.snapshot_dir, min_step=at_least
     )
-    return None if got is None else divmod(got, per_epoch)
 
 
 def _load(model: nn.Module, opt: Optimizer, ckpt: Mapping[str, Any]) -> None:
@@ -259,7 +265,7 @@ def _train(
     x_train, y_train, x_test, y_test = load_digits_split()
     dtype = DTYPES[cfg.dtype]
     x_train, x_test = x_train.to(dtype), x_test.to(dtype)
-    per_epoch = -(-len(y_train) // cfg.batch_size)
+    per_epoch = steps_per_epoch(cfg.batch_size)
     torch.manual_seed(cfg.seed)
     ckpt = ckpt or {}
     hidden = int(ckpt["args"]["hidden"]) if ckpt else cfg.hidden
@@ -268,14 +274,14 @@ def _train(
         model.load_state_dict(ckpt["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     opt = _optimizer(cfg, ddp, use_zero, world_size)
-    at = _from_memory(cfg, model, opt, per_epoch) if memory else None
+    restored = _from_memory(cfg, model, opt) if memory else None
+    at = None if restored is None else divmod(restored, per_epoch)
     if memory and rank == 0:
-        restarts = restart_count(os.environ)
+        instead = f"resuming from {cfg.resume}" if cfg.resume else "starting over"
         print(
-            f"resumed from the in-memory snapshot of step {at[0] * per_epoch + at[1]}"
-            if at is not None
-            else f"restart {restarts}: no complete in-memory snapshot; "
-            + (f"resuming from {cfg.resume}" if cfg.resume else "starting over"),
+            f"resumed from the in-memory snapshot of step {restored}"
+            if restored is not None
+            else f"restart {restart_count(os.environ)}: no complete in-memory snapshot; {instead}",
             flush=True,
         )
     if memory and at is None and cfg.resume is not None:
@@ -371,14 +377,14 @@ def run_job(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, str | No
             return EXIT_CODE, None
 
 
-def _reference_from_memory(cfg: TrainConfig, world_size: int) -> dict[str, Any] | None:
+def _reference_from_memory(cfg: TrainConfig) -> dict[str, Any] | None:
     """The reference run's start after a restart with snapshots: the one the ZeRO run will
     restore (read first, whole: the ZeRO run removes it when it ends), as a file's dict."""
     model = build_model(cfg.hidden)
     adam = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=FUSED)
-    per_epoch = -(-(DIGITS_TRAIN_SIZE) // cfg.batch_size)
-    if (at := _from_memory(cfg, model, adam, per_epoch)) is None:
+    if (restored := _from_memory(cfg, model, adam)) is None:
         return None
+    at = divmod(restored, steps_per_epoch(cfg.batch_size))
     args = {"hidden": cfg.hidden}
     state = {"model": model.state_dict(), "optimizer": adam.state_dict()}
     return {**train_file.train_extra(at[0], args), "step": at[1], **state}
@@ -392,7 +398,7 @@ def _run_job(rank: int, world_size: int, cfg: TrainConfig, stop: Preemption | No
         if not memory:  # a first start: what the directory holds is another job's
             checkpoint.remove_snapshots(snapshot_dir=cfg.snapshot_dir)
     if memory:  # the ZeRO run looks for a snapshot first; the reference starts where it will
-        ref_memory = _reference_from_memory(cfg, world_size) if cfg.reference else None
+        ref_memory = _reference_from_memory(cfg) if cfg.reference else None
         ckpt = None
         ref_ckpt = ref_memory or (load_checkpoint(cfg.resume) if cfg.resume else None)
     else:
