@@ -69,21 +69,19 @@ def partners(nodes: Sequence[Hashable]) -> list[int | None]:
         >>> partners(["a", "a", "b", "b"]), partners(["a", "a", "a"]), partners(["a"])
         ([2, 3, 0, 1], [1, 2, 0], [None])
     """
+    if len(nodes) == 1:
+        return [None]
     order: dict[Hashable, list[int]] = {}
     for rank, node in enumerate(nodes):
         order.setdefault(node, []).append(rank)
     groups = list(order.values())
-    if len(nodes) == 1:
-        return [None]
+    at = {node: i for i, node in enumerate(order)}
+    place = {rank: i for ranks in groups for i, rank in enumerate(ranks)}
+    step = 0 if len(groups) == 1 else 1  # to the next node; on one node, the next rank there
     out: list[int | None] = []
     for rank, node in enumerate(nodes):
-        at = groups.index(order[node])
-        place = order[node].index(rank)
-        if len(groups) == 1:
-            out.append(order[node][(place + 1) % len(order[node])])
-        else:
-            nxt = groups[(at + 1) % len(groups)]
-            out.append(nxt[place % len(nxt)])
+        there = groups[(at[node] + step) % len(groups)]
+        out.append(there[(place[rank] + 1 - step) % len(there)])
     return out
 
 

@@ -113,8 +113,8 @@ def peers(group: ProcessGroup | None, directory: str) -> Peers:
     rank, world = comm.rank_or_zero(group), comm.group_size(comm.default_group(group))
     where = (socket.gethostname(), directory)
     seen = cast(list[tuple[str, str]], comm.all_gather_objects(where, comm.default_group(group)))
-    first = {node: i for i, node in reversed(list(enumerate(seen)))}
-    nodes = tuple(first[node] for node in seen)
+    ids: dict[tuple[str, str], int] = {}
+    nodes = tuple(ids.setdefault(where, len(ids)) for where in seen)  # by their first rank
     partner = shares.partners(nodes)
     copies = None
     if world > 1 and (copies := comm.twin_group(comm.default_group(group), "gloo")) is None:
@@ -124,7 +124,7 @@ def peers(group: ProcessGroup | None, directory: str) -> Peers:
         directory,
         rank,
         world,
-        tuple(sorted(set(nodes)).index(n) for n in nodes),
+        nodes,
         partner[rank],
         tuple(q for q, p in enumerate(partner) if p == rank),
         copies,
