@@ -53,16 +53,13 @@ def run_ranks(
     ranks that each import torch. A forked rank ends with ``os._exit``, not the interpreter's
     exit: the tests of how ranks exit (test_launch, test_teardown) spawn theirs. Ranks forked
     from this process (``start_method="fork"``) find its objects frozen, as the forkserver's
-    are (:mod:`tests.forkserver_freeze`); they are unfrozen once the ranks are done."""
+    are (:mod:`tests.forkserver_freeze`): what the test imported since collection (Lightning,
+    Transformers), which tests/conftest.py froze the rest of."""
     if start_method == "forkserver":
         multiprocessing.set_forkserver_preload(list(PRELOAD))  # used when the server starts
-    if start_method != "fork":
-        return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)
-    gc.freeze()
-    try:
-        return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)
-    finally:
-        gc.unfreeze()  # this process collects its own garbage as before
+    elif start_method == "fork":
+        gc.freeze()
+    return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
