@@ -30,14 +30,12 @@ PRELOAD = (
     "torch.distributed.optim",
     "torch.distributed.checkpoint",
     "zero_functional.checkpoint",
-    "sklearn.datasets",
     "pytest",
     "tests.forkserver_freeze",  # last: freezes what the ones before made
 )
 """What the forkserver imports once, so that no rank imports it again: what the tests' own
 modules import (a rank imports the module of its function; torch's ZeRO and DCP, 0.1-0.3 s of
-CPU a rank) and the digits of every ``train`` job whose ranks are forked
-(:func:`forked_train_ranks`); then :mod:`tests.forkserver_freeze`, so that a rank's
+CPU a rank); then :mod:`tests.forkserver_freeze`, so that a rank's
 ``gc.collect()`` does not copy the server's heap."""
 
 
