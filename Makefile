@@ -60,7 +60,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not bench" tests/unit property_tests
 
-# the exit stress test at 60 rounds (make test runs 12): two spawned ranks per round, no abort
+# the exit stress test at 60 rounds (make test runs 8): two spawned ranks per round, no abort
 stress: $(STAMP)
 	EXIT_STRESS_ROUNDS=60 $(BIN)/pytest -q tests/dist/test_teardown.py -k never_abort
 

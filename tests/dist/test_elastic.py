@@ -2,7 +2,8 @@
 --rdzv-backend c10d``) run ``python -m zero_functional train --checkpoint DIR --save-every K``;
 one agent is killed mid-run; the survivor's worker restarts at world size 1, resumes from the
 last complete checkpoint (the one saved before the kill: every item's checksum is verified as it
-loads) and finishes."""
+loads) and finishes. The job also asks for in-memory snapshots (issue 43), none of which is taken
+before the kill: the restart says it resumes from the disk instead."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from tests.helpers import ROOT
 TIMEOUT_S = 240
 
 
-def agent(port: int, checkpoint: Path, log: Path) -> subprocess.Popen[str]:
-    """One torchrun agent of the elastic job (one worker), its output into ``log``."""
+def agent(port: int, checkpoint: Path, log: Path, snapshots: Path) -> subprocess.Popen[str]:
+    """One torchrun agent of the elastic job (one worker), its output into ``log``; a snapshot
+    every 1,000 steps into ``snapshots`` (its node's memory): none before the job's 184th."""
     argv = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1",
@@ -32,6 +34,7 @@ def agent(port: int, checkpoint: Path, log: Path) -> subprocess.Popen[str]:
         "--rdzv-conf", "last_call_timeout=15,join_timeout=90,keep_alive_interval=1,keep_alive_max_attempt=2",
         "-m", "zero_functional", "train", "--epochs", "8", "--batch-size", "64",
         "--checkpoint", str(checkpoint), "--save-every", "10",
+        "--snapshot-every", "1000", "--snapshot-dir", str(snapshots),
         "--no-reference", "--no-progress",
     ]  # fmt: skip
     with open(log, "w") as out:
@@ -81,9 +84,9 @@ def test_an_agent_killed_mid_run_leaves_the_survivor_to_resume_and_finish(tmp_pa
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     # the first agent hosts the rendezvous store, so it is the one that stays; the first round
     # waits last_call_timeout (15 s) for the second agent, however slowly this machine starts it
-    survivor = agent(port, ck, logs[0])
+    survivor = agent(port, ck, logs[0], tmp_path / "node0")
     time.sleep(3)
-    doomed = agent(port, ck, logs[1])
+    doomed = agent(port, ck, logs[1], tmp_path / "node1")
     try:
         deadline = time.monotonic() + TIMEOUT_S
         # kill the second agent (and its worker) once two checkpoints are committed at 2 ranks
@@ -102,8 +105,11 @@ def test_an_agent_killed_mid_run_leaves_the_survivor_to_resume_and_finish(tmp_pa
     # torchrun's default lends its store to the workers: rank 0 warned that a restart at the same
     # world size would fail (pytorch#135712); at world size 1 this one does not need to connect
     assert "lends its store to the workers" in text + logs[1].read_text(), text[-3000:]
-    before, _, after = text.partition("resuming from")
-    assert after, text[-4000:]  # the restarted worker resumed from the checkpoint
+    # the restarted worker found no complete snapshot and resumed from the disk checkpoint
+    before, _, after = text.partition(
+        f"restart 1: no complete in-memory snapshot; resuming from {ck}"
+    )
+    assert after, text[-4000:]
     saved_before = saves(before + logs[1].read_text())
     assert saved_before, before[-2000:]
     # it resumed at a checkpoint saved at 2 ranks, then saved again at 1 and finished

@@ -89,8 +89,11 @@ def test_bench_collectives_on_a_shaped_link_says_so_and_shows_byte_floors(tmp_pa
     assert all(row["vs_floor"] > 0 for row in rows.values())
 
 
+@pytest.mark.bench  # 40 s of CPU, 80 s on a loaded machine: make bench runs it
 def test_the_readmes_bench_link_line_runs_to_the_end() -> None:
-    """The README's ``zero-functional bench --link ...`` example, to its summary table, in CI."""
+    """The README's ``zero-functional bench --link ...`` example, to its summary table, says its
+    link first and shows the byte floors (``make bench``, as the README's ``bench --quick``; the
+    shaped link itself is in ``make test``: the tests above and below)."""
     from tests.dist.test_readme import run_in_subprocess
     from tests.unit.test_readme import cli_commands
 

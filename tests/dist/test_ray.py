@@ -2,10 +2,12 @@
 ``ray.train.torch.prepare_model``, our optimizer after backward, with ``reduce_scatter_hook`` and in
 overlap mode. Each worker saves only its own files (``checkpoint.save(..., shared=False)``) into a
 local directory and reports it; Ray merges them; the run resumes from
-``ray.train.get_checkpoint()`` at 3 workers, and from the same checkpoint at 1 worker, with the
-optimizer state bitwise equal to what was saved, and continues. No shared file system is assumed.
+``ray.train.get_checkpoint()`` at 1 worker (where ``prepare_model`` leaves the module as it is),
+reading both workers' files, with the optimizer state bitwise equal to what was saved, and
+continues. No shared file system is assumed. (Resuming at more workers is ``checkpoint.load``'s
+own: ``tests/dist/test_checkpoint.py``; a third ``fit`` here cost 20 s of CPU.)
 
-Three ``fit()`` calls of one Ray instance (about 15-30 s each here): every mode runs inside each.
+Two ``fit()`` calls of one Ray instance (about 15-30 s each here): every mode runs inside each.
 """
 
 from __future__ import annotations
@@ -60,8 +62,6 @@ def train_loop(config: dict[str, Any]) -> None:
     ctx = rt.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     given = rt.get_checkpoint()
-    if given is None and config.get("resume_from"):
-        given = rt.Checkpoint(config["resume_from"])
     local = tempfile.mkdtemp(prefix=f"rank{rank}-")
     metrics: dict[str, Any] = {"world": world}
     for mode in MODES:
@@ -143,12 +143,10 @@ def test_ray_train_saves_per_worker_and_resumes_at_other_worker_counts(tmp_path:
                 "__0_0.distcp",
             ], first.metrics
         assert {".rank-1-of-2.json", "__1_0.distcp", "__0_0.distcp"} <= set(merged), merged
-        more = fit(3, "a")  # the same run: ray.train.get_checkpoint() is the merged one
-        fewer = fit(1, "b", resume_from=first.checkpoint.path)
-        for result, world in ((more, 3), (fewer, 1)):
-            assert result.metrics["world"] == world
-            for mode in MODES:
-                assert result.metrics[f"{mode} loaded"] == first.metrics[f"{mode} saved"], mode
-                assert result.metrics[f"{mode} saved"] != first.metrics[f"{mode} saved"], mode
+        fewer = fit(1, "a")  # the same run: ray.train.get_checkpoint() is the merged one
+        assert fewer.metrics["world"] == 1
+        for mode in MODES:
+            assert fewer.metrics[f"{mode} loaded"] == first.metrics[f"{mode} saved"], mode
+            assert fewer.metrics[f"{mode} saved"] != first.metrics[f"{mode} saved"], mode
     finally:
         ray.shutdown()

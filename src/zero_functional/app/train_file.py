@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from zero_functional import checkpoint
-from zero_functional.app.train_options import OURS, TrainConfig
+from zero_functional.app.train_options import NODE_LOCAL, OURS, TrainConfig
 from zero_functional.checkpoint import storage
 from zero_functional.checkpoint.format import MODEL_PREFIX, STATE_PREFIX, model_key, split_state_key
 from zero_functional.checkpoint.storage import CheckpointError
@@ -44,7 +44,8 @@ def write(
     resume starts there): ours, each rank's share of a directory; torch's class, the state
     consolidated on rank 0, which writes one file."""
     assert cfg.checkpoint is not None
-    extra = {**train_extra(at[0], {**asdict(cfg), "hidden": hidden}), "step": at[1]}
+    args = {k: v for k, v in asdict(cfg).items() if k not in NODE_LOCAL}
+    extra = {**train_extra(at[0], {**args, "hidden": hidden}), "step": at[1]}
     if cfg.impl == OURS:
         checkpoint.save(cfg.checkpoint, model=model, optimizer=opt, extra=extra)
         return

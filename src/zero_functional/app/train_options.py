@@ -27,6 +27,9 @@ from zero_functional.app.preempt import DEFAULT_GRACE_S
 DIGITS_TRAIN_SIZE = 1438  # scikit-learn's 1,797 digits less the 20% test split: the largest batch
 DEMO_MODULES = {"sklearn": "scikit-learn", "tqdm": "tqdm"}  # the job's imports beyond torch
 OURS = "zero_functional"
+NODE_LOCAL = frozenset({"snapshot_dir"})
+"""Options each node may set for itself (its memory's directory): left out of a checkpoint's
+``args``, which every rank writes and which must then be the same on every rank."""
 
 T = TypeVar("T")
 
