@@ -65,7 +65,13 @@ def _two_nodes(rank: int, world_size: int, root: str) -> dict[str, Any]:
     opt = ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, lr=0.01)
     train(model, opt, rank, world_size, range(3))
     at3 = _state(model, opt)
-    handle = checkpoint.snapshot(model=model, optimizer=opt, extra={"at": 3}, snapshot_dir=node)
+    extra = {"at": 3}
+    handle = checkpoint.snapshot(model=model, optimizer=opt, extra=extra, snapshot_dir=node)
+    # the caller's extra and the groups' options (as a scheduler's) change at once: the snapshot
+    # keeps them as they were at the call (_same compares the groups)
+    extra["at"] = 4
+    for g in opt.param_groups:
+        g["lr"] /= 2
     train(model, opt, rank, world_size, range(3, 5))  # before the thread is done: state at return
     handle.wait()
     out["step"] = handle.step

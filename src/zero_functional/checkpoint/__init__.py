@@ -11,6 +11,7 @@ memory, each rank's share on its node and a copy on another (:mod:`.snapshots`),
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -58,13 +59,20 @@ __all__ = [
 
 
 def _snapshot(
-    model: nn.Module | None, src: Source | None, extra: Any, rank: int, ema: ShardedEMA | None
+    model: nn.Module | None,
+    src: Source | None,
+    extra: Any,
+    rank: int,
+    ema: ShardedEMA | None,
+    hyper: list[dict[str, Any]] | None = None,
+    others: dict[str, Tensor] | None = None,
+    n_averaged: int | None = None,
 ) -> Snapshot:
     """What this rank writes: the pieces it writes, with the model's values and the EMA over
-    them; rank 0 adds the model's other tensors."""
+    them; rank 0 adds the model's other tensors. ``hyper`` (the groups' options), ``others`` and
+    ``n_averaged``, where given, are those taken earlier (:func:`_frozen`)."""
     held: list[Held] = []
     groups = None
-    in_optimizer: set[Tensor] = set()
     if src is not None:
         names, params = src.names(model), src.table.params
         states = src.state() if src.writes else {}
@@ -73,18 +81,29 @@ def _snapshot(
             values = None if model is None else p.detach().reshape(-1)[piece.start : piece.stop]
             average = None if ema is None else ema.pieces[k]
             held.append(Held(names[k], tuple(p.shape), piece, states.get(k, {}), values, average))
-        in_optimizer = set(params)
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": group_names}
-            for g, group_names in zip(src.optimizer.param_groups, src.group_names(names))
-        ]
-    others: dict[str, Tensor] = {}
-    if model is not None and rank == 0:  # replicated on every rank: one writer
-        state = module_of(model).state_dict(keep_vars=True)
-        others = {n: t for n, t in state.items() if isinstance(t, Tensor) and t not in in_optimizer}
-    n_averaged = None if ema is None else ema.n_averaged()
+        options = hyper if hyper is not None else _hyper(src)
+        groups = [{**g, "params": n} for g, n in zip(options, src.group_names(names))]
+    if others is None:
+        others = _others(model, src, rank)
+    if n_averaged is None and ema is not None:
+        n_averaged = ema.n_averaged()
     blockwise = src is not None and src.blockwise() is not None
     return Snapshot(held, others, groups, extra, n_averaged, blockwise)
+
+
+def _hyper(src: Source) -> list[dict[str, Any]]:
+    """Each group's options (all but its parameters)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in src.optimizer.param_groups]
+
+
+def _others(model: nn.Module | None, src: Source | None, rank: int) -> dict[str, Tensor]:
+    """The model's tensors that are not the optimizer's parameters (buffers), on rank 0 alone:
+    replicated on every rank, one writer."""
+    if model is None or rank != 0:
+        return {}
+    in_optimizer = set(src.table.params) if src is not None else set()
+    state = module_of(model).state_dict(keep_vars=True)
+    return {n: t for n, t in state.items() if isinstance(t, Tensor) and t not in in_optimizer}
 
 
 def _first_replica_writes(write: Callable[[], object], replicate: ProcessGroup) -> None:
@@ -329,16 +348,41 @@ def snapshot(
     group = process_group if src is None else src.group
     directory = os.fspath(snapshot_dir or snapshots.default_snapshot_dir())
     peers = snapshots.peers(group, directory)
-    content = _snapshot(model, src, extra, peers.rank, ema)
-    pieces, objects = checkpoint_format.layout(content)
-    # the model's other tensors (buffers) change in forward: copied now; the optimizer's state
-    # and parameters change only at its next update, which waits for the thread to copy them
-    others = {checkpoint_format.model_key(name) for name in content.others}
-    now = {k: v for k, v in pieces.items() if k in others}
-    later = {k: v for k, v in pieces.items() if k not in others}
-    steps = step if step is not None else _steps_taken(src)
-    hold = None if src is None else src.hold
-    return snapshots.start(now, objects, peers, steps, max_chunk_numel, later, hold)
+    if src is None:  # the model alone: nothing holds it still, copied now
+        pieces, objects = checkpoint_format.layout(_snapshot(model, None, extra, peers.rank, ema))
+        return snapshots.start(pieces, objects, peers, lambda: step, max_chunk_numel)
+    # taken now: what changes before the optimizer's next update (the model's buffers in
+    # forward, the groups' options by a scheduler, the caller's extra); the optimizer's part
+    # and its count of steps are laid out and copied by the thread while that update waits
+    others = _others(model, src, peers.rank)
+    now, _ = checkpoint_format.layout(Snapshot([], others, None, None))
+    hyper, kept = [_options_now(g) for g in _hyper(src)], copy.deepcopy(extra)
+    n_averaged = None if ema is None else ema.n_averaged()
+
+    def later() -> tuple[storage.Pieces, dict[str, Any]]:
+        content = _snapshot(model, src, kept, peers.rank, ema, hyper, {}, n_averaged)
+        return checkpoint_format.layout(content)
+
+    def steps() -> int | None:
+        return step if step is not None else _steps_taken(src)
+
+    devices = {p.device for p in src.table.params if p.is_cuda}
+    return snapshots.start(now, {}, peers, steps, max_chunk_numel, later, src.hold, devices)
+
+
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _options_now(options: dict[str, Any]) -> dict[str, Any]:
+    """A group's options as they are now: numbers and tuples of them as they are (nothing
+    changes them in place), anything else (a tensor learning rate a scheduler fills) copied."""
+    return {
+        k: v
+        if isinstance(v, _IMMUTABLE)
+        or (isinstance(v, tuple) and all(isinstance(x, _IMMUTABLE) for x in v))
+        else copy.deepcopy(v)
+        for k, v in options.items()
+    }
 
 
 @overload

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -94,6 +94,7 @@ class Peers:
 
 
 _PEERS: dict[str, Peers] = {}
+_REAL: dict[str, str] = {}  # an absolute directory as given: its real path
 
 
 def peers(group: ProcessGroup | None, directory: str) -> Peers:
@@ -106,7 +107,11 @@ def peers(group: ProcessGroup | None, directory: str) -> Peers:
         >>> alone.rank, alone.partner, alone.copies, alone.leader
         (0, None, None, True)
     """
-    directory = os.path.realpath(directory)
+    if (real := _REAL.get(directory)) is None:  # an absolute path resolved once per process
+        real = os.path.realpath(directory)
+        if os.path.isabs(directory):
+            _REAL[directory] = real
+    directory = real
     made = _PEERS.get(directory)
     if made is not None and made.group is group and made.world is dist.group.WORLD:
         return made  # the same world: a new one (a process that made another) makes new peers
@@ -187,17 +192,17 @@ def _unpacked(payload: Tensor) -> dict[str, bytes] | None:
 @dataclass(frozen=True)
 class _Job:
     """A snapshot as its thread takes it: ``pieces`` copied on the caller's thread (with the
-    events that say when their device copies land), ``later`` for the thread to copy first
-    (their device's work until the call, ``ready``, waited for), while the optimizer's next
-    update waits for it."""
+    events that say when their device copies land); ``later`` lays out the rest, which the
+    thread copies first (their device's work until the call, ``ready``, waited for) while the
+    optimizer's next update waits for it."""
 
     peers: Peers
-    step: int | None  # this rank's count (None: it cannot tell); the ranks agree on one
+    steps: Callable[[], int | None]  # this rank's count (None: it cannot tell), by the thread
     pieces: Pieces
     objects: dict[str, Any]
     max_box_numel: int | None
     copied: list[torch.cuda.Event]
-    later: Pieces
+    later: Later | None
     ready: list[torch.cuda.Event]
 
 
@@ -226,12 +231,15 @@ class SnapshotHandle:
             try:
                 for event in job.ready:
                     event.synchronize()  # the device's work until the call, the step's too
-                later, events = background.copy_pieces(job.later, _STAGED_LATER)
+                rest, objects = job.later() if job.later is not None else ({}, {})
+                count = job.steps()
+                later, events = background.copy_pieces(rest, _STAGED_LATER)
                 for event in [*job.copied, *events]:
                     event.synchronize()
             finally:
                 self._copied.set()  # the update held for it goes on (a failure is said later)
-            self.step = _take(dataclasses.replace(job, pieces={**job.pieces, **later}))
+            pieces, objects = {**job.pieces, **later}, {**job.objects, **objects}
+            self.step = _take(dataclasses.replace(job, pieces=pieces, objects=objects), count)
         except CheckpointError as e:
             self._error = e
         except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
@@ -311,32 +319,39 @@ def settle() -> None:
 Hold = Callable[[Callable[[], None]], RemovableHandle]
 """Registers a callback run before the optimizer next changes what a snapshot copies."""
 
+Later = Callable[[], tuple[Pieces, dict[str, Any]]]
+"""Lays out the optimizer's part of a share (pieces and objects), which only its next update
+changes: run by the thread while that update waits."""
+
 
 def start(
     pieces: Pieces,
     objects: Mapping[str, object],
     peers_: Peers,
-    step: int | None,
+    steps: Callable[[], int | None],
     max_box_numel: int | None,
-    later: Pieces | None = None,
+    later: Later | None = None,
     hold: Hold | None = None,
+    devices: Collection[torch.device] = (),
 ) -> SnapshotHandle:
     """Copy ``pieces`` and ``objects`` now and take the snapshot in a thread; with ``hold``,
-    the thread first copies ``later`` too (the optimizer's pieces, which only its next update
-    changes), and ``hold`` makes that update wait for the copy.
+    the thread first lays out and copies ``later`` too (the optimizer's part, which only its
+    next update changes; ``devices``: where its tensors are), and ``hold`` makes that update
+    wait for the copy. ``steps`` counts the steps taken (called where ``later`` is: the ranks
+    agree on one).
 
     Raises:
         CheckpointError: The previous snapshot failed (:func:`settle`).
     """
     settle()
-    later = dict(later or {})
-    if hold is None:  # nothing holds them still: copied now
-        pieces, later = {**pieces, **later}, {}
+    if hold is None and later is not None:  # nothing holds them still: laid out, copied now
+        (rest, more), count = later(), steps()
+        pieces, objects, later = {**pieces, **rest}, {**objects, **more}, None
+        steps = lambda: count  # noqa: E731 - counted now, as the rest
     copied, events = background.copy_pieces(pieces, _STAGED)
-    devices = {t.device for _, _, ranges in later.values() for _, _, t in ranges if t.is_cuda}
-    ready = [torch.cuda.current_stream(d).record_event() for d in devices]
+    ready = [torch.cuda.current_stream(d).record_event() for d in devices if later is not None]
     owned = copy.deepcopy(dict(objects))
-    job = _Job(peers_, step, copied, owned, max_box_numel, events, later, ready)
+    job = _Job(peers_, steps, copied, owned, max_box_numel, events, later, ready)
     handle = SnapshotHandle(job)
 
     def gate() -> None:  # once: the next update waits for the copy, the later ones do not
@@ -359,12 +374,12 @@ def _agree(peers_: Peers, mine: object) -> list[Any]:
     return comm.all_gather_objects(mine, peers_.copies)
 
 
-def _take(job: _Job) -> int:
-    """The thread: agree on the step, write this rank's share, swap copies with the partner
+def _take(job: _Job, count: int | None) -> int:
+    """The thread: agree on the step (``count`` this rank's), write this rank's share, swap copies with the partner
     ranks, agree on the verdict; the first rank of each node then drops the older snapshots.
     Returns the step."""
     p = job.peers
-    steps = _agree(p, job.step)
+    steps = _agree(p, count)
     known = sorted({s for s in steps if s is not None})
     if len(known) != 1:
         why = "no rank could tell" if not known else f"the ranks passed {known}"
