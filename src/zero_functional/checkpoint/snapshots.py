@@ -224,7 +224,13 @@ class SnapshotHandle:
         self._ended, self._copied = threading.Event(), threading.Event()
         self.hold: RemovableHandle | None = None  # what holds the next update for the copy
         self.held_s = 0.0  # how long the next update waited for the copy
-        _worker().put(functools.partial(self._run, job))  # a queue: no thread start to wait on
+        self._job: _Job | None = job
+
+    def _begin(self) -> None:
+        """Hand the snapshot to this process's thread (a queue: no thread start to wait on)."""
+        job, self._job = self._job, None
+        assert job is not None, "a snapshot begins once"
+        _worker().put(functools.partial(self._run, job))
 
     def _run(self, job: _Job) -> None:
         try:
@@ -364,6 +370,7 @@ def start(
     if hold is not None:
         handle.hold = hold(gate)
     _IN_FLIGHT.append(handle)
+    handle._begin()  # last: nothing more for this thread to do while the other wakes
     return handle
 
 
