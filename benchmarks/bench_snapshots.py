@@ -122,6 +122,7 @@ def _worker(
     ]
     buffers = [torch.empty_like(t) for t in sources]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    last = step
     for _ in range(rounds):
         dist.barrier()
         for _ in range(iterations):
@@ -153,6 +154,7 @@ def _worker(
             opt.finish_param_sync()
             t1 = time.perf_counter()
             handle = checkpoint.snapshot(model=module, optimizer=opt, step=step, snapshot_dir=where)
+            last = step  # the newest snapshot's step, whose files are measured below
             times[FINISH].append(t1 - t0)
             times[COPY].append(time.perf_counter() - t1)
             iteration()  # its update waits for the thread's copy of the optimizer's part
@@ -165,8 +167,8 @@ def _worker(
                 buffer.copy_(source)
             times[MEMCPY].append(time.perf_counter() - t0)
     dist.barrier()
-    share = Path(where) / f"step-{step}" / f"share-{rank}-of-{world_size}"
-    copies = list((Path(where) / f"step-{step}").glob(f"copy-*-of-{world_size}"))
+    share = Path(where) / f"step-{last}" / f"share-{rank}-of-{world_size}"
+    copies = list((Path(where) / f"step-{last}").glob(f"copy-*-of-{world_size}"))
     held: dict[str, Any] = {"share": _bytes(share)}
     # the copies this rank keeps: on one node they all sit in the one directory; rank q's copy is
     # kept by the rank it was sent to (snapshots.peers' partner), the same size as q's share

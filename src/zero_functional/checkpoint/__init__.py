@@ -101,9 +101,10 @@ def _others(model: nn.Module | None, src: Source | None, rank: int) -> dict[str,
     replicated on every rank, one writer."""
     if model is None or rank != 0:
         return {}
-    in_optimizer = set(src.table.params) if src is not None else set()
     state = module_of(model).state_dict(keep_vars=True)
-    return {n: t for n, t in state.items() if isinstance(t, Tensor) and t not in in_optimizer}
+    if src is None:
+        return {n: t for n, t in state.items() if isinstance(t, Tensor)}
+    return {n: t for n, t in state.items() if isinstance(t, Tensor) and t not in src.table}
 
 
 def _first_replica_writes(write: Callable[[], object], replicate: ProcessGroup) -> None:
@@ -355,7 +356,7 @@ def snapshot(
     # forward, the groups' options by a scheduler, the caller's extra); the optimizer's part
     # and its count of steps are laid out and copied by the thread while that update waits
     others = _others(model, src, peers.rank)
-    now, _ = checkpoint_format.layout(Snapshot([], others, None, None))
+    now = checkpoint_format.layout(Snapshot([], others, None, None))[0] if others else {}
     hyper, kept = [_options_now(g) for g in _hyper(src)], copy.deepcopy(extra)
     n_averaged = None if ema is None else ema.n_averaged()
 
@@ -366,7 +367,9 @@ def snapshot(
     def steps() -> int | None:
         return step if step is not None else _steps_taken(src)
 
-    devices = {p.device for p in src.table.params if p.is_cuda}
+    # where the optimizer's tensors are: their streams' work until now, which the thread awaits
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    devices = {p.device for p in src.table.params if p.is_cuda} if cuda else set()
     return snapshots.start(now, {}, peers, steps, max_chunk_numel, later, src.hold, devices)
 
 
