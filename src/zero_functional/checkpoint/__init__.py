@@ -308,10 +308,10 @@ def snapshot(
     """Keep this rank's share of ``model`` and ``optimizer`` in memory, and a copy of it on
     another node, behind training; :func:`restore` reads the newest complete one back.
 
-    Collective. The share is what :func:`save` writes. A thread copies the optimizer's part
-    (state, main copies, the pieces' values, the EMA) before the optimizer's next update, which
-    waits for it (change them meanwhile only through the optimizer); the model's buffers are
-    copied on the caller's thread. The thread writes the share into ``snapshot_dir`` on this
+    Collective. The share is what :func:`save` writes. A thread lays out and copies the
+    optimizer's part (state, main copies, the pieces' values, the EMA) before the optimizer's
+    next update, which waits for it (change them meanwhile only through the optimizer); the
+    model's buffers, the groups' options and ``extra`` are taken on the caller's thread. The thread writes the share into ``snapshot_dir`` on this
     node, sends it to the next node's rank of the same local rank (on one node, the next rank),
     keeps the copy it gets, and once every share is on two ranks, the older snapshots go. One
     snapshot is in flight per process: the next waits.
