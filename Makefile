@@ -10,11 +10,13 @@ ALL_EXTRAS := test,dev,demo,integrations,lowbit,ray
 .PHONY: setup demo test test-fast lint typecheck rules unit doctest bench stress clean
 
 # the venv, then this package with extras $(1), torch pinned in the same pip call: no extra may
-# replace it
+# replace it. pip byte-compiles on one core; compileall on every core after it (a fresh install
+# of every extra: 107 s, against 39 + 35 s; a file that does not compile is left, as pip leaves it)
 define install
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(BIN)/pip install -q "$(TORCH)" -e ".[$(1)]"
+	$(BIN)/pip install -q --no-compile "$(TORCH)" -e ".[$(1)]"
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 endef
 
 # `make demo` installs what the demo needs; every other target all the extras, the demo's too
