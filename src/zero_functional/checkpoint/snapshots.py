@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import functools
 import json
@@ -146,7 +147,7 @@ def _read_files(directory: str) -> dict[str, bytes]:
     }
 
 
-def _write_files(directory: str, files: Mapping[str, bytes]) -> None:
+def _write_files(directory: str, files: Mapping[str, bytes | memoryview]) -> None:
     """Write ``files`` into a temporary beside ``directory`` and rename it into place."""
     tmp = os.path.join(os.path.dirname(directory), f".{os.path.basename(directory)}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -166,20 +167,27 @@ def _into_place(tmp: str, directory: str) -> None:
 
 def _packed(files: Mapping[str, bytes] | None) -> Tensor:
     """A share's files (``None``: this rank has none to send) as one byte tensor: a JSON head
-    of the names and sizes, its length first, then the files' bytes."""
+    of the names and sizes, its length first, then the files' bytes (each copied once)."""
     names = [] if files is None else [[n, len(b)] for n, b in files.items()]
     head = json.dumps({"ok": files is not None, "files": names}).encode()
-    body = b"".join(files.values()) if files is not None else b""
-    return torch.frombuffer(
-        bytearray(len(head).to_bytes(8, "little") + head + body), dtype=torch.uint8
-    )
+    sizes = [len(b) for b in files.values()] if files is not None else []
+    out = bytearray(8 + len(head) + sum(sizes))
+    out[:8] = len(head).to_bytes(8, "little")
+    out[8 : 8 + len(head)] = head
+    at, view = 8 + len(head), memoryview(out)
+    for raw, size in zip(files.values() if files is not None else (), sizes):
+        view[at : at + size] = raw
+        at += size
+    return torch.frombuffer(out, dtype=torch.uint8)  # shares the bytes: no copy
 
 
-def _unpacked(payload: Tensor) -> dict[str, bytes] | None:
-    """What :func:`_packed` packed (``None``: the sender had no share)."""
-    raw = payload.numpy().tobytes()
+def _unpacked(payload: Tensor) -> dict[str, memoryview] | None:
+    """What :func:`_packed` packed (``None``: the sender had no share), each file a view of
+    one copy of ``payload``'s bytes."""
+    cpu = payload.cpu().contiguous()  # one straight copy out (no numpy: torch's alone)
+    raw = memoryview(ctypes.string_at(cpu.data_ptr(), cpu.numel()) if cpu.numel() else b"")
     n_head = int.from_bytes(raw[:8], "little")
-    head = json.loads(raw[8 : 8 + n_head])
+    head = json.loads(bytes(raw[8 : 8 + n_head]))
     if not head["ok"]:
         return None
     out, at = {}, 8 + n_head
