@@ -311,3 +311,18 @@ def test_every_failure_names_itself_in_2_kb_at_4096_ranks(partition: Any, tmp_pa
         )
     too_long = {name: len(text) for name, text in messages.items() if len(text) > MESSAGE_LIMIT}
     assert not too_long, too_long
+
+
+def test_gathered_objects_are_each_ranks_own_though_equal_payloads_decode_once() -> None:
+    # the fake group hands every rank this rank's payload: one decode, then copies, so that
+    # what a caller changes in one rank's object stays out of the others' (as if unpickled apart)
+    with fake_world(64, rank=3) as group:
+        every = comm.all_gather_objects({"step": 7, "seen": [1, 2], "t": torch.ones(2)}, group)
+    assert len(every) == 64
+    first, second = every[0], every[1]
+    assert isinstance(first, dict) and isinstance(second, dict)
+    assert first["step"] == second["step"] == 7 and torch.equal(first["t"], second["t"])
+    first["seen"].append(3)
+    first["t"].add_(1)
+    assert second["seen"] == [1, 2] and torch.equal(second["t"], torch.ones(2))
+    assert len({id(o) for o in every}) == 64

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import io
@@ -59,7 +60,15 @@ def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
     out = [torch.empty_like(longest) for _ in sizes]
     gather = functools.partial(dist.all_gather, out, longest, group=group, async_op=True)
     start_one(gather, [*out, longest], group).wait()
-    return [from_bytes(t[:n]) for t, n in zip(out, sizes)]
+    decoded: dict[bytes, object] = {}  # equal payloads (agreements, a fake world) decoded once
+    every = []
+    for t, n in zip(out, sizes):
+        raw = _raw(t[:n])
+        if raw in decoded:
+            every.append(copy.deepcopy(decoded[raw]))  # each rank's its own object, as unpickled
+        else:
+            every.append(decoded.setdefault(raw, _loads(raw)))
+    return every
 
 
 def all_reduce_scalar(value: Tensor, group: ProcessGroup, *, op: str = "sum") -> Tensor:
@@ -109,10 +118,17 @@ def to_bytes(obj: object) -> Tensor:
 
 
 def from_bytes(data: Tensor) -> object:
+    return _loads(_raw(data))
+
+
+def _raw(data: Tensor) -> bytes:
     cpu = data.cpu().contiguous()
     # A straight memory copy: no numpy (torch's consolidation calls tensor.numpy() and fails
     # without it), and not bytes(untyped_storage), which walks the bytes in Python.
-    raw = ctypes.string_at(cpu.data_ptr(), cpu.numel()) if cpu.numel() else b""
+    return ctypes.string_at(cpu.data_ptr(), cpu.numel()) if cpu.numel() else b""
+
+
+def _loads(raw: bytes) -> object:
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
