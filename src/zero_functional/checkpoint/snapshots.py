@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import dataclasses
 import functools
 import json
@@ -27,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -170,22 +169,20 @@ def _packed(files: Mapping[str, bytes] | None) -> Tensor:
     of the names and sizes, its length first, then the files' bytes (each copied once)."""
     names = [] if files is None else [[n, len(b)] for n, b in files.items()]
     head = json.dumps({"ok": files is not None, "files": names}).encode()
-    sizes = [len(b) for b in files.values()] if files is not None else []
-    out = bytearray(8 + len(head) + sum(sizes))
+    out = bytearray(8 + len(head) + sum(len(b) for b in (files or {}).values()))
     out[:8] = len(head).to_bytes(8, "little")
     out[8 : 8 + len(head)] = head
     at, view = 8 + len(head), memoryview(out)
-    for raw, size in zip(files.values() if files is not None else (), sizes):
-        view[at : at + size] = raw
-        at += size
+    for raw in (files or {}).values():
+        view[at : at + len(raw)] = raw
+        at += len(raw)
     return torch.frombuffer(out, dtype=torch.uint8)  # shares the bytes: no copy
 
 
 def _unpacked(payload: Tensor) -> dict[str, memoryview] | None:
     """What :func:`_packed` packed (``None``: the sender had no share), each file a view of
     one copy of ``payload``'s bytes."""
-    cpu = payload.cpu().contiguous()  # one straight copy out (no numpy: torch's alone)
-    raw = memoryview(ctypes.string_at(cpu.data_ptr(), cpu.numel()) if cpu.numel() else b"")
+    raw = memoryview(comm.bytes_of(payload))
     n_head = int.from_bytes(raw[:8], "little")
     head = json.loads(bytes(raw[8 : 8 + n_head]))
     if not head["ok"]:
@@ -210,7 +207,7 @@ class _Job:
     objects: dict[str, Any]
     max_box_numel: int | None
     copied: list[torch.cuda.Event]
-    later: Later | None
+    later: Callable[[], tuple[Pieces, dict[str, Any]]] | None
     ready: list[torch.cuda.Event]
 
 
@@ -232,13 +229,6 @@ class SnapshotHandle:
         self._ended, self._copied = threading.Event(), threading.Event()
         self.hold: RemovableHandle | None = None  # what holds the next update for the copy
         self.held_s = 0.0  # how long the next update waited for the copy
-        self._job: _Job | None = job
-
-    def _begin(self) -> None:
-        """Hand the snapshot to this process's thread (a queue: no thread start to wait on)."""
-        job, self._job = self._job, None
-        assert job is not None, "a snapshot begins once"
-        _worker().put(functools.partial(self._run, job))
 
     def _run(self, job: _Job) -> None:
         try:
@@ -333,9 +323,16 @@ def settle() -> None:
 Hold = Callable[[Callable[[], None]], RemovableHandle]
 """Registers a callback run before the optimizer next changes what a snapshot copies."""
 
-Later = Callable[[], tuple[Pieces, dict[str, Any]]]
-"""Lays out the optimizer's part of a share (pieces and objects), which only its next update
-changes: run by the thread while that update waits."""
+
+class Later(NamedTuple):
+    """The optimizer's part of a share, which only its next update changes: ``layout`` gives
+    its pieces and objects (run by the thread), ``hold`` makes that update wait for the thread's
+    copy, and ``devices`` are where its tensors are (their streams' work until the call is
+    awaited first)."""
+
+    layout: Callable[[], tuple[Pieces, dict[str, Any]]]
+    hold: Hold
+    devices: Collection[torch.device]
 
 
 def start(
@@ -345,27 +342,21 @@ def start(
     steps: Callable[[], int | None],
     max_box_numel: int | None,
     later: Later | None = None,
-    hold: Hold | None = None,
-    devices: Collection[torch.device] = (),
 ) -> SnapshotHandle:
-    """Copy ``pieces`` and ``objects`` now and take the snapshot in a thread; with ``hold``,
-    the thread first lays out and copies ``later`` too (the optimizer's part, which only its
-    next update changes; ``devices``: where its tensors are), and ``hold`` makes that update
-    wait for the copy. ``steps`` counts the steps taken (called where ``later`` is: the ranks
-    agree on one).
+    """Copy ``pieces`` and ``objects`` now and take the snapshot in a thread, which first lays
+    out and copies ``later`` (:class:`Later`) while the optimizer's next update waits for it.
+    ``steps`` counts the steps taken (called by the thread: the ranks agree on one).
 
     Raises:
         CheckpointError: The previous snapshot failed (:func:`settle`).
     """
     settle()
-    if hold is None and later is not None:  # nothing holds them still: laid out, copied now
-        (rest, more), count = later(), steps()
-        pieces, objects, later = {**pieces, **rest}, {**objects, **more}, None
-        steps = lambda: count  # noqa: E731 - counted now, as the rest
     copied, events = background.copy_pieces(pieces, _STAGED)
-    ready = [torch.cuda.current_stream(d).record_event() for d in devices if later is not None]
+    devices = later.devices if later is not None else ()
+    ready = [torch.cuda.current_stream(d).record_event() for d in devices]
     owned = copy.deepcopy(dict(objects))
-    job = _Job(peers_, steps, copied, owned, max_box_numel, events, later, ready)
+    layout = later.layout if later is not None else None
+    job = _Job(peers_, steps, copied, owned, max_box_numel, events, layout, ready)
     handle = SnapshotHandle(job)
 
     def gate() -> None:  # once: the next update waits for the copy, the later ones do not
@@ -375,10 +366,11 @@ def start(
         if handle.hold is not None:
             handle.hold.remove()
 
-    if hold is not None:
-        handle.hold = hold(gate)
+    if later is not None:
+        handle.hold = later.hold(gate)
     _IN_FLIGHT.append(handle)
-    handle._begin()  # last: nothing more for this thread to do while the other wakes
+    # last, once its hold is registered: a queue, no thread start to wait on
+    _worker().put(functools.partial(handle._run, job))
     return handle
 
 
@@ -390,9 +382,9 @@ def _agree(peers_: Peers, mine: object) -> list[Any]:
 
 
 def _take(job: _Job, count: int | None) -> int:
-    """The thread: agree on the step (``count`` this rank's), write this rank's share, swap copies with the partner
-    ranks, agree on the verdict; the first rank of each node then drops the older snapshots.
-    Returns the step."""
+    """The thread: agree on the step (``count``: this rank's), write this rank's share, swap
+    copies with the partner ranks, agree on the verdict; the first rank of each node then drops
+    the older snapshots. Returns the step."""
     p = job.peers
     steps = _agree(p, count)
     known = sorted({s for s in steps if s is not None})

@@ -36,8 +36,8 @@ class Source:
     """An optimizer as a checkpoint sees it, now (one per save or load): its parameters
     (``table``), the ranks that save and load it (``group``), the pieces this rank reads (ours:
     its own; a plain one: every parameter whole), each group's class, their ``state()``, how
-    to ``install`` what was read (checked first; collective for ours), and ``finish()`` (wait
-    for the parameters' all-gathers in flight). Only ours has an ``ownership``, main copies
+    to ``install`` what was read (checked first; collective for ours), ``finish()`` (wait
+    for the parameters' all-gathers in flight) and ``hold`` (what a snapshot holds still). Only ours has an ``ownership``, main copies
     (``main_dtype``) and a ``device_mesh``'s ``replicate_group`` (whose first replica writes).
     """
 
@@ -49,12 +49,12 @@ class Source:
     state: Callable[[], State]
     install: Callable[[State, list[dict[str, Any]]], None]
     finish: Callable[[], None]
+    hold: Callable[[Callable[[], None]], RemovableHandle]
+    """Registers a callback run before the optimizer next changes its state or parameters."""
     ownership: Ownership | None = None
     main_dtype: torch.dtype | None = None
     replicate_group: ProcessGroup | None = None
     keeps_main_of: Callable[[int], bool] | None = None  # ours: its shard answers
-    hold: Callable[[Callable[[], None]], RemovableHandle] | None = None
-    """Registers a callback run before the optimizer next changes its state or parameters."""
 
     @property
     def writes(self) -> bool:
@@ -114,7 +114,7 @@ def source(optimizer: Optimizer, process_group: ProcessGroup | None = None) -> S
         lambda: {k: state[p] for k, p in enumerate(table.params) if state.get(p)},
         install,
         lambda: None,
-        hold=lambda hook: optimizer.register_step_pre_hook(lambda *_: hook()),
+        lambda hook: optimizer.register_step_pre_hook(lambda *_: hook()),
     )
 
 
@@ -132,9 +132,9 @@ def _sharded(zero: ZeroRedundancyOptimizer) -> Source:
         lambda: {k: state for k, (_, state) in zero.shard_state().items()},
         install,
         zero.finish_param_sync,
+        zero.register_pre_update_hook,
         zero.ownership,
         zero.main_params_dtype,
         zero.replicate_group,
         lambda k: zero.shard.main_dtype(zero.param_table.params[k]) is not None,
-        zero.register_pre_update_hook,
     )

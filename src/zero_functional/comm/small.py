@@ -63,7 +63,7 @@ def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
     decoded: dict[bytes, object] = {}  # equal payloads (agreements, a fake world) decoded once
     every = []
     for t, n in zip(out, sizes):
-        raw = _raw(t[:n])
+        raw = bytes_of(t[:n])
         if raw in decoded:
             every.append(copy.deepcopy(decoded[raw]))  # each rank's its own object, as unpickled
         else:
@@ -118,10 +118,16 @@ def to_bytes(obj: object) -> Tensor:
 
 
 def from_bytes(data: Tensor) -> object:
-    return _loads(_raw(data))
+    return _loads(bytes_of(data))
 
 
-def _raw(data: Tensor) -> bytes:
+def bytes_of(data: Tensor) -> bytes:
+    """A ``uint8`` tensor's bytes, copied once to the host.
+
+    Example:
+        >>> bytes_of(torch.tensor([104, 105], dtype=torch.uint8))
+        b'hi'
+    """
     cpu = data.cpu().contiguous()
     # A straight memory copy: no numpy (torch's consolidation calls tensor.numpy() and fails
     # without it), and not bytes(untyped_storage), which walks the bytes in Python.
