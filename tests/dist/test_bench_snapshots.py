@@ -20,6 +20,8 @@ def test_bench_snapshots_reports_the_cost_and_a_share_of_state_plus_values() -> 
     for row in ("iteration, no snapshot", "snapshot() returns, none in flight"):
         assert re.search(rf"\n{re.escape(row)} +[\d.]+ +[\d.]+x", out), out
     assert "issue 43: snapshot() returns, every step" in out
+    taken, calls = map(int, re.search(r"every step: (\d+) of (\d+) calls taken", out).groups())
+    assert calls == 3 and 1 <= taken <= 3, out  # the first call finds the threads free
     # 2 x Linear(512, 512) at 2 ranks: each share holds half the Adam state and half the values
     share, copy, _, state = (
         float(v) for v in re.search(r"rank 0 +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", out).groups()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -177,6 +178,48 @@ def _held_until_copied(rank: int, world_size: int, root: str) -> dict[str, bool]
         model=again, optimizer=torch.optim.Adam(again.parameters()), snapshot_dir=node + "p"
     )
     out["plain"] = all(torch.equal(a, b) for a, b in zip(was, again.parameters()))
+    return {**out, **_skipped(rank, world_size, root)}
+
+
+def _skipped(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A call one rank skips (its thread busy) is skipped on every rank, though the other
+    waited to take it; the next is taken; a rank that cannot copy fails the call on every rank
+    (the other's thread is not left waiting for it)."""
+    from zero_functional.checkpoint import snapshots
+
+    node = os.path.join(root, f"skip{rank}")
+    model = Net()
+    opt = ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, lr=0.01)
+    train(model, opt, rank, world_size, range(1))
+    release, take = threading.Event(), snapshots._take
+    if rank == 1:  # rank 1's thread is held before the first call's agreement
+        snapshots._take = lambda job, mine: (release.wait(), take(job, mine))[1]  # type: ignore[assignment]
+    first = checkpoint.snapshot(model=model, optimizer=opt, step=1, snapshot_dir=node)
+    if rank == 1:  # busy: skipped at once
+        second = checkpoint.snapshot(model=model, optimizer=opt, step=2, snapshot_dir=node)
+        snapshots._take = take  # type: ignore[assignment]
+        release.set()
+    else:  # waits for the first, then asks to take the second
+        second = checkpoint.snapshot(
+            model=model, optimizer=opt, step=2, snapshot_dir=node, when_busy="wait"
+        )
+    second.wait()
+    third = checkpoint.snapshot(model=model, optimizer=opt, step=3, snapshot_dir=node)
+    third.wait()  # the threads were free: taken
+    out: dict[str, Any] = {
+        "calls": [(h.step, h.skipped) for h in (first, second, third)],
+        "kept": sorted(os.listdir(node)),
+        "restored": _restored(node)[0],
+    }
+    copy = snapshots._copy
+    if rank == 1:
+        snapshots._copy = lambda job: (_ for _ in ()).throw(MemoryError("no room"))  # type: ignore[assignment]
+    try:
+        checkpoint.snapshot(model=model, optimizer=opt, step=4, snapshot_dir=node).wait()
+    except CheckpointError as e:
+        out["failed"] = str(e)
+    snapshots._copy = copy  # type: ignore[assignment]
+    checkpoint.remove_snapshots(snapshot_dir=node)
     return out
 
 
@@ -227,7 +270,12 @@ def test_snapshots_restore_bitwise_fetch_a_lost_node_skip_a_corrupt_file_and_res
     assert any("share-0-of-2" in line and "corrupt" in line for line in outs[0]["corrupt"][1])
     assert all(run_ranks(_three_ranks, 3, str(tmp_path), timeout_s=120))
     for out in run_ranks(_held_until_copied, 2, str(tmp_path), timeout_s=120):
-        assert out == {"overlap": True, "ema": True, "plain": True}, out
+        assert {k: out[k] for k in ("overlap", "ema", "plain")} == dict.fromkeys(
+            ("overlap", "ema", "plain"), True
+        ), out
+        assert out["calls"] == [(1, False), (None, True), (3, False)], out
+        assert out["kept"] == ["step-3"] and out["restored"] == 3, out
+        assert "rank 1" in out["failed"] and "MemoryError: no room" in out["failed"], out
 
 
 def test_snapshot_refuses_what_it_cannot_take(tmp_path: Path, monkeypatch: Any) -> None:
@@ -235,5 +283,11 @@ def test_snapshot_refuses_what_it_cannot_take(tmp_path: Path, monkeypatch: Any) 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(ValueError, match="a model, an optimizer or both"):
         checkpoint.snapshot(snapshot_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="pass 'skip' or 'wait'"):
+        checkpoint.snapshot(model=Net(), snapshot_dir=str(tmp_path), when_busy="queue")
+    with pytest.raises(ValueError, match="an int >= 0"):
+        checkpoint.snapshot(model=Net(), snapshot_dir=str(tmp_path), step=-1)
+    with pytest.raises(TypeError):
+        checkpoint.snapshot(model=Net(), snapshot_dir=str(tmp_path), step=2.5)
     with pytest.raises(ValueError, match="pass snapshot_dir="):
         checkpoint.snapshot(model=Net())

@@ -12,6 +12,7 @@ memory, each rank's share on its node and a copy on another (:mod:`.snapshots`),
 from __future__ import annotations
 
 import copy
+import operator
 import os
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, overload
@@ -319,6 +320,7 @@ def snapshot(
     snapshot_dir: str | os.PathLike[str] | None = None,
     process_group: ProcessGroup | None = None,
     max_chunk_numel: int = DEFAULT_MAX_BOX_NUMEL,
+    when_busy: str = "skip",
 ) -> SnapshotHandle:
     """Keep this rank's share of ``model`` and ``optimizer`` in memory, and a copy of it on
     another node, behind training; :func:`restore` reads the newest complete one back.
@@ -329,8 +331,13 @@ def snapshot(
     model's buffers, the groups' options and ``extra`` are taken on the caller's thread. The
     thread writes the share into ``snapshot_dir`` on this node, sends it to the next node's
     rank of the same local rank (on one node, the next rank), keeps the copy it gets, and once
-    every share is on two ranks, the older snapshots go. One
-    snapshot is in flight per process: the next waits.
+    every share is on two ranks, the older snapshots go.
+
+    One snapshot is taken at a time. A call made while an earlier one is still being taken on
+    some rank is skipped on every rank (``when_busy="skip"``: training never waits for a
+    snapshot, which is as new as the threads can keep up with; the handle's ``skipped`` says so
+    once ``wait()`` returns), or waits for it (``"wait"``: every call is taken). The ranks agree
+    in their threads, call by call: they must make the same calls.
 
     Args:
         model, optimizer, extra, ema, process_group, max_chunk_numel: As :func:`save`'s.
@@ -338,10 +345,14 @@ def snapshot(
             ranks must agree.
         snapshot_dir: This node's directory (default: :func:`~.snapshots.default_snapshot_dir`,
             ``/dev/shm/zero_functional-<run id>``); the same on a node's ranks.
+        when_busy: ``"skip"`` or ``"wait"``: what a call made while the previous snapshot is
+            still being taken does (a rank's choice: one rank that skips skips the call).
 
     Raises:
-        ValueError: Neither a model nor an optimizer, or an optimizer over a ``device_mesh``.
-        CheckpointError: The previous snapshot failed (on every rank, naming each rank's cause).
+        ValueError: Neither a model nor an optimizer, an optimizer over a ``device_mesh``, a
+            negative ``step``, or ``when_busy`` neither ``"skip"`` nor ``"wait"``.
+        TypeError: A ``step`` that is not an integer.
+        CheckpointError: A previous snapshot failed (on every rank, naming each rank's cause).
 
     Example:
         >>> import tempfile
@@ -352,6 +363,10 @@ def snapshot(
     """
     if model is None and optimizer is None:
         raise ValueError("snapshot needs a model, an optimizer or both")
+    if when_busy not in ("skip", "wait"):
+        raise ValueError(f"snapshot(when_busy={when_busy!r}): pass 'skip' or 'wait'")
+    if step is not None and (isinstance(step, bool) or operator.index(step) < 0):
+        raise ValueError(f"snapshot(step={step!r}): pass the optimizer steps taken, an int >= 0")
     if ema is not None and ema.optimizer is not optimizer:
         raise ValueError("snapshot(ema=...) takes the ShardedEMA of the optimizer it is given")
     src = None if optimizer is None else source(optimizer, process_group)
@@ -360,11 +375,13 @@ def snapshot(
             "snapshot does not take an optimizer sharded over a device_mesh: its replicas hold "
             "the same share; save it with checkpoint.save"
         )
-    if src is not None:
-        src.finish()
     group = process_group if src is None else src.group
     directory = os.fspath(snapshot_dir or snapshots.default_snapshot_dir())
     peers = snapshots.peers(group, directory)
+    if when_busy == "skip" and snapshots.busy():
+        return snapshots.skip(peers)
+    if src is not None:
+        src.finish()
     now = _now(model, src, peers.rank, ema)
     if src is None:  # the model alone: nothing holds it still, copied now
         pieces, objects = checkpoint_format.layout(_snapshot(model, None, extra, ema, now))

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import functools
 import json
+import operator
 import os
 import shutil
 import socket
@@ -199,9 +200,11 @@ class _Job:
     """A snapshot as its thread takes it: ``pieces`` copied on the caller's thread (with the
     events that say when their device copies land); ``later`` lays out the rest, which the
     thread copies first (their device's work until the call, ``ready``, waited for) while the
-    optimizer's next update waits for it."""
+    optimizer's next update waits for it. ``wanted`` is ``False`` for a call this rank skipped
+    (its thread was busy): the thread still takes part in the call's agreement, with nothing."""
 
     peers: Peers
+    wanted: bool
     steps: Callable[[], int | None]  # this rank's count (None: it cannot tell), by the thread
     pieces: Pieces
     objects: dict[str, Any]
@@ -223,7 +226,8 @@ class SnapshotHandle:
 
     def __init__(self, job: _Job) -> None:
         self.directory, self._rank = job.peers.directory, job.peers.rank
-        self.step: int | None = None
+        self.step: int | None = None  # once taken
+        self.skipped = False  # once the ranks agreed to skip it (some rank's thread was busy)
         self._error: CheckpointError | None = None
         self._reported = False
         self._ended, self._copied = threading.Event(), threading.Event()
@@ -231,19 +235,17 @@ class SnapshotHandle:
         self.held_s = 0.0  # how long the next update waited for the copy
 
     def _run(self, job: _Job) -> None:
+        mine: Answer = _SKIP  # what this rank gives the call's agreement
         try:
-            try:
-                for event in job.ready:
-                    event.synchronize()  # the device's work until the call, the step's too
-                rest, objects = job.later() if job.later is not None else ({}, {})
-                count = job.steps()
-                later, events = background.copy_pieces(rest, _STAGED_LATER)
-                for event in [*job.copied, *events]:
-                    event.synchronize()
-            finally:
-                self._copied.set()  # the update held for it goes on (a failure is said later)
-            pieces, objects = {**job.pieces, **later}, {**job.objects, **objects}
-            self.step = _take(dataclasses.replace(job, pieces=pieces, objects=objects), count)
+            if job.wanted:
+                try:
+                    job, mine = _copy(job)
+                except BaseException as e:  # noqa: BLE001 - agreed on, every rank raises
+                    mine = _Failed(f"{type(e).__name__}: {e}")
+                finally:
+                    self._copied.set()  # the update held for it goes on (a failure said later)
+            self.step = _take(job, mine)
+            self.skipped = self.step is None
         except CheckpointError as e:
             self._error = e
         except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
@@ -254,7 +256,7 @@ class SnapshotHandle:
             self._ended.set()
 
     def done(self) -> bool:
-        """Whether the snapshot has ended: complete on both copies, or failed."""
+        """Whether the snapshot has ended: complete on both copies, skipped, or failed."""
         return self._ended.is_set()
 
     def copied(self) -> None:
@@ -262,8 +264,8 @@ class SnapshotHandle:
         self._copied.wait()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the snapshot is complete on both copies (at most ``timeout`` seconds);
-        raise what it failed with (the same on every rank).
+        """Block until the snapshot is complete on both copies or skipped (:attr:`skipped`), at
+        most ``timeout`` seconds; raise what it failed with (the same on every rank).
 
         Raises:
             CheckpointError: It failed, naming each rank's cause; the previous one is kept.
@@ -276,7 +278,7 @@ class SnapshotHandle:
             raise self._error
 
 
-_IN_FLIGHT: list[SnapshotHandle] = []  # this process's snapshot being taken: at most one
+_IN_FLIGHT: list[SnapshotHandle] = []  # this process's calls not yet settled, in order
 _WORKERS: dict[int, comm.InOrder] = {}  # by process: a forked child makes its own
 
 
@@ -304,20 +306,40 @@ def copied() -> None:
 
 
 def settle() -> None:
-    """Wait for this process's snapshot being taken, if any, and raise its failure if no
-    :meth:`SnapshotHandle.wait` did (every rank's thread agreed on it: every rank raises).
+    """Wait for this process's snapshots being taken, if any, and raise a failure no
+    :meth:`SnapshotHandle.wait` raised (every rank's thread agreed on it: every rank raises).
 
     Example:
         >>> settle()  # none in flight: returns at once
     """
-    if not _IN_FLIGHT:
-        return
-    handle = _IN_FLIGHT.pop()
-    handle._ended.wait()
-    if handle.hold is not None:
-        handle.hold.remove()
-    if handle._error is not None and not handle._reported:
-        raise CheckpointError(f"the previous snapshot failed: {handle._error}")
+    for handle in _IN_FLIGHT:
+        handle._ended.wait()
+    _reap()
+
+
+def busy() -> bool:
+    """Whether this process's snapshot thread is still taking (or agreeing on) an earlier call;
+    raises the failure of one that ended, as :func:`settle` does.
+
+    Example:
+        >>> busy()
+        False
+    """
+    _reap()
+    return bool(_IN_FLIGHT)
+
+
+def _reap() -> None:
+    """Drop the calls that ended, in order; raise the first failure no one was told of."""
+    failed = None
+    while _IN_FLIGHT and _IN_FLIGHT[0].done():
+        handle = _IN_FLIGHT.pop(0)
+        if handle.hold is not None:
+            handle.hold.remove()
+        if failed is None and handle._error is not None and not handle._reported:
+            failed = handle._error
+    if failed is not None:
+        raise CheckpointError(f"the previous snapshot failed: {failed}")
 
 
 Hold = Callable[[Callable[[], None]], RemovableHandle]
@@ -335,6 +357,21 @@ class Later(NamedTuple):
     devices: Collection[torch.device]
 
 
+def skip(peers_: Peers) -> SnapshotHandle:
+    """Skip this call (this rank's thread is :func:`busy`): its thread takes part in the call's
+    agreement with nothing, and every rank skips it.
+
+    Raises:
+        CheckpointError: A previous snapshot failed.
+    """
+    _reap()
+    job = _Job(peers_, False, lambda: None, {}, {}, None, [], None, [])
+    handle = SnapshotHandle(job)
+    _IN_FLIGHT.append(handle)
+    _worker().put(functools.partial(handle._run, job))
+    return handle
+
+
 def start(
     pieces: Pieces,
     objects: Mapping[str, object],
@@ -345,10 +382,11 @@ def start(
 ) -> SnapshotHandle:
     """Copy ``pieces`` and ``objects`` now and take the snapshot in a thread, which first lays
     out and copies ``later`` (:class:`Later`) while the optimizer's next update waits for it.
-    ``steps`` counts the steps taken (called by the thread: the ranks agree on one).
+    ``steps`` counts the steps taken (called by the thread: the ranks agree on one). Every
+    rank's call is one snapshot: if some rank :func:`skip` ped it, no rank takes it.
 
     Raises:
-        CheckpointError: The previous snapshot failed (:func:`settle`).
+        CheckpointError: A previous snapshot failed (:func:`settle`).
     """
     settle()
     copied, events = background.copy_pieces(pieces, _STAGED)
@@ -356,7 +394,7 @@ def start(
     ready = [torch.cuda.current_stream(d).record_event() for d in devices]
     owned = copy.deepcopy(dict(objects))
     layout = later.layout if later is not None else None
-    job = _Job(peers_, steps, copied, owned, max_box_numel, events, layout, ready)
+    job = _Job(peers_, True, steps, copied, owned, max_box_numel, events, layout, ready)
     handle = SnapshotHandle(job)
 
     def gate() -> None:  # once: the next update waits for the copy, the later ones do not
@@ -374,6 +412,37 @@ def start(
     return handle
 
 
+_SKIP = "skip"  # what a rank that skipped a call gives its agreement
+
+
+class _Failed(NamedTuple):
+    """What a rank that could not copy its share gives the call's agreement."""
+
+    why: str
+
+
+_KINDS = (int, type(None), str, _Failed)  # a call's answer: a count, None, _SKIP, a failure
+
+
+Answer = int | None | str | _Failed  # a rank's answer to a call
+
+
+def _agree_call(peers_: Peers, mine: Answer) -> list[Answer]:
+    """Every rank's answer to a call (a count, ``None``, :data:`_SKIP` or a :class:`_Failed`,
+    whose reason is left out), as one small integer each: a call's agreement costs one gather
+    of a few bytes (it runs for every call, skipped or not)."""
+    if peers_.copies is None:
+        return [mine]
+    kind = next(k for k, t in enumerate(_KINDS) if isinstance(mine, t))
+    code = (mine if isinstance(mine, int) else 0) * len(_KINDS) + kind
+    every = comm.all_gather_scalar(torch.tensor(code, dtype=torch.int64), peers_.copies)
+    out: list[Answer] = []
+    for c in every.tolist():
+        count, kind = divmod(c, len(_KINDS))
+        out.append([count, None, _SKIP, _Failed("")][kind])
+    return out
+
+
 def _agree(peers_: Peers, mine: object) -> list[Any]:
     """Every rank's ``mine`` (over the copies' group: this runs in the thread)."""
     if peers_.copies is None:
@@ -381,21 +450,43 @@ def _agree(peers_: Peers, mine: object) -> list[Any]:
     return comm.all_gather_objects(mine, peers_.copies)
 
 
-def _take(job: _Job, count: int | None) -> int:
-    """The thread: agree on the step (``count``: this rank's), write this rank's share, swap
-    copies with the partner ranks, agree on the verdict; the first rank of each node then drops
-    the older snapshots. Returns the step."""
+def _copy(job: _Job) -> tuple[_Job, int | None]:
+    """The thread, while the optimizer's next update waits: the device's work until the call
+    awaited, the optimizer's part laid out and copied; the whole job and this rank's count."""
+    for event in job.ready:
+        event.synchronize()  # the device's work until the call, the step's too
+    rest, objects = job.later() if job.later is not None else ({}, {})
+    count = job.steps()
+    count = None if count is None else operator.index(count)  # an int to agree on, or raise
+    later, events = background.copy_pieces(rest, _STAGED_LATER)
+    for event in [*job.copied, *events]:
+        event.synchronize()
+    pieces, objects = {**job.pieces, **later}, {**job.objects, **objects}
+    return dataclasses.replace(job, pieces=pieces, objects=objects, later=None), count
+
+
+def _take(job: _Job, mine: Answer) -> int | None:
+    """The thread: agree on the call (``mine``: this rank's count of steps, :data:`_SKIP` or
+    :class:`_Failed`), write this rank's share, swap copies with the partner ranks, agree on the
+    verdict; the first rank of each node then drops the older snapshots. Returns the step, or
+    ``None`` if some rank skipped the call."""
     p = job.peers
-    steps = _agree(p, count)
-    known = sorted({s for s in steps if s is not None})
+    steps = _agree_call(p, mine)
+    if any(isinstance(v, _Failed) for v in steps):  # every rank knows: the reasons gathered
+        why = _agree(p, mine.why if isinstance(mine, _Failed) else None)
+        failed = [(r, str(v)) for r, v in enumerate(why) if v is not None]
+        raise CheckpointError(f"snapshot failed: cannot copy the share: {by_rank(failed)}")
+    if _SKIP in steps:
+        return None
+    known = sorted({s for s in steps if isinstance(s, int)})
     if len(known) != 1:
-        why = "no rank could tell" if not known else f"the ranks passed {known}"
+        told = "no rank could tell" if not known else f"the ranks passed {known}"
         raise CheckpointError(
-            f"snapshot failed: the ranks must agree on its step, and {why}: pass step="
+            f"snapshot failed: the ranks must agree on its step, and {told}: pass step="
         )
-    step = int(known[0])
+    step = known[0]
     step_dir = os.path.join(p.directory, shares.step_name(step))
-    mine, failure = None, None
+    files, failure = None, None
     try:
         os.makedirs(step_dir, exist_ok=True)
         target = os.path.join(step_dir, shares.share_name(p.rank, p.world_size))
@@ -403,12 +494,12 @@ def _take(job: _Job, count: int | None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         storage.write_alone(tmp, job.pieces, {**job.objects}, job.max_box_numel)
         shares.seal(tmp, p.rank, p.world_size)
-        mine = _read_files(tmp) if p.partner is not None else None
+        files = _read_files(tmp) if p.partner is not None else None
         _into_place(tmp, target)
     except (OSError, CheckpointError) as e:
         failure = f"cannot write its share into {step_dir}: {atomic_dir.os_error(e) or e}"
     if p.copies is not None:
-        failure = _swap_copies(p, step_dir, mine if failure is None else None) or failure
+        failure = _swap_copies(p, step_dir, files if failure is None else None) or failure
     verdicts = _agree(p, failure)
     if failed := [(r, str(v)) for r, v in enumerate(verdicts) if v is not None]:
         raise CheckpointError(f"snapshot of step {step} failed: {by_rank(failed)}")
