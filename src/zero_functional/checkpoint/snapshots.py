@@ -215,13 +215,17 @@ class _Job:
 
 
 class SnapshotHandle:
-    """A snapshot being taken behind training (what ``checkpoint.snapshot`` returns).
+    """A snapshot being taken behind training (what ``checkpoint.snapshot`` returns). Once
+    :meth:`wait` returns, ``step`` is the step it holds, or ``None`` with ``skipped`` true: a rank
+    was still taking the previous one and every rank skipped this call.
 
     Example:
         >>> import tempfile, torch, zero_functional.checkpoint as ckpt
-        >>> handle = ckpt.snapshot(model=torch.nn.Linear(2, 2), step=1, snapshot_dir=tempfile.mkdtemp())
-        >>> handle.wait(); handle.step
-        1
+        >>> where, model = tempfile.mkdtemp(), torch.nn.Linear(2, 2)
+        >>> handle = ckpt.snapshot(model=model, step=1, snapshot_dir=where)
+        >>> handle.wait(); handle.step, handle.skipped
+        (1, False)
+        >>> ckpt.snapshot(model=model, step=2, snapshot_dir=where, when_busy="wait").wait()
     """
 
     def __init__(self, job: _Job) -> None:
