@@ -9,6 +9,7 @@ ranks on one node restores what the 2 left, against a disk checkpoint of the sam
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import threading
 import time
@@ -178,6 +179,7 @@ def _held_until_copied(rank: int, world_size: int, root: str) -> dict[str, bool]
         model=again, optimizer=torch.optim.Adam(again.parameters()), snapshot_dir=node + "p"
     )
     out["plain"] = all(torch.equal(a, b) for a, b in zip(was, again.parameters()))
+    background.copy_pieces = copy_pieces  # type: ignore[assignment]
     return {**out, **_skipped(rank, world_size, root)}
 
 
@@ -211,6 +213,21 @@ def _skipped(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "kept": sorted(os.listdir(node)),
         "restored": _restored(node)[0],
     }
+    # calls at random moments, each rank its own pace and choice: the ranks end up with the
+    # same verdict on every call, and the newest taken is what a restore reads
+    pace = random.Random(rank)
+    handles = []
+    for step in range(10, 40):
+        time.sleep(pace.uniform(0, 0.02))
+        when = pace.choice(["skip", "skip", "wait"])
+        handles.append(
+            checkpoint.snapshot(
+                model=model, optimizer=opt, step=step, snapshot_dir=node, when_busy=when
+            )
+        )
+    handles[-1].wait()
+    out["random calls"] = [(h.step, h.skipped) for h in handles]
+    out["random restored"] = _restored(node)[0]
     copy = snapshots._copy
     if rank == 1:
         snapshots._copy = lambda job: (_ for _ in ()).throw(MemoryError("no room"))  # type: ignore[assignment]
@@ -269,13 +286,18 @@ def test_snapshots_restore_bitwise_fetch_a_lost_node_skip_a_corrupt_file_and_res
     assert outs[1]["fetched files"] == ["copy-0-of-2", "copy-1-of-2"]
     assert any("share-0-of-2" in line and "corrupt" in line for line in outs[0]["corrupt"][1])
     assert all(run_ranks(_three_ranks, 3, str(tmp_path), timeout_s=120))
-    for out in run_ranks(_held_until_copied, 2, str(tmp_path), timeout_s=120):
+    outs = run_ranks(_held_until_copied, 2, str(tmp_path), timeout_s=120)
+    for out in outs:
         assert {k: out[k] for k in ("overlap", "ema", "plain")} == dict.fromkeys(
             ("overlap", "ema", "plain"), True
         ), out
         assert out["calls"] == [(1, False), (None, True), (3, False)], out
         assert out["kept"] == ["step-3"] and out["restored"] == 3, out
         assert "rank 1" in out["failed"] and "MemoryError: no room" in out["failed"], out
+        taken = [step for step, skipped in out["random calls"] if not skipped]
+        assert taken and out["random restored"] == taken[-1], out
+    calls = [out["random calls"] for out in outs]
+    assert calls[0] == calls[1], calls  # every call: taken on both ranks, or skipped on both
 
 
 def test_snapshot_refuses_what_it_cannot_take(tmp_path: Path, monkeypatch: Any) -> None:
