@@ -367,6 +367,12 @@ def skip(peers_: Peers) -> SnapshotHandle:
 
     Raises:
         CheckpointError: A previous snapshot failed.
+
+    Example:
+        >>> import tempfile
+        >>> handle = skip(peers(group, tempfile.mkdtemp()))
+        >>> handle.wait(); handle.skipped, handle.step
+        (True, None)
     """
     _reap()
     job = _Job(peers_, False, lambda: None, {}, {}, None, [], None, [])
@@ -425,10 +431,8 @@ class _Failed(NamedTuple):
     why: str
 
 
-_KINDS = (int, type(None), str, _Failed)  # a call's answer: a count, None, _SKIP, a failure
-
-
-Answer = int | None | str | _Failed  # a rank's answer to a call
+Answer = int | None | str | _Failed  # a rank's answer to a call: a count, None, _SKIP, a failure
+_KINDS = (int, type(None), str, _Failed)  # each coded by its place here
 
 
 def _agree_call(peers_: Peers, mine: Answer) -> list[Answer]:
