@@ -117,6 +117,11 @@ def test_a_worker_killed_mid_run_resumes_from_memory_bitwise(
     found = re.findall(r"resumed from the in-memory snapshot of step (\d+)", text)
     assert found and int(found[0]) >= 30 and int(found[0]) % 10 == 0, text[-4000:]
     assert not snaps.exists(), os.listdir(snaps)  # the job ended well: removed
+    # the summary counts the restarted run's snapshots (a busy one skipped)
+    taken, due = map(
+        int, re.search(r"in-memory snapshots: (\d+) taken of (\d+) due", text).groups()
+    )
+    assert 1 <= taken <= due, text[-3000:]
     forked_train_ranks(monkeypatch)
     ref = tmp_path / "ref"
     argv = ["train", "--nproc", "2", *JOB, "--checkpoint", str(ref)]

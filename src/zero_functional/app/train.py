@@ -8,6 +8,7 @@ the same optimisation.
 
 from __future__ import annotations
 
+import collections
 import copy
 import errno
 import os
@@ -276,6 +277,23 @@ def _load(model: nn.Module, opt: Optimizer, ckpt: Mapping[str, Any]) -> None:
         opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
 
 
+class _Snapshots:
+    """The snapshots a run asked for (``due``) and those taken (the rest were skipped: a snapshot
+    still being taken on some rank), counted as their handles end; none kept past its end."""
+
+    def __init__(self) -> None:
+        self.taken = self.due = 0
+        self._pending: collections.deque[checkpoint.SnapshotHandle] = collections.deque()
+
+    def count(self, handle: checkpoint.SnapshotHandle | None = None) -> None:
+        """Count ``handle`` as due, and those that ended (all, once the snapshots are settled)."""
+        if handle is not None:
+            self._pending.append(handle)
+            self.due += 1
+        while self._pending and (handle is None or self._pending[0].done()):
+            self.taken += self._pending.popleft().step is not None
+
+
 def _train(
     cfg: TrainConfig,
     rank: int,
@@ -284,8 +302,9 @@ def _train(
     use_zero: bool,
     stop: Preemption | None = None,
     memory: bool = False,
-) -> tuple[list[Tensor], dict[str, float]]:
-    """One run of the job: its final parameters, and its state bytes, step time and accuracy.
+) -> tuple[list[Tensor], dict[str, Any]]:
+    """One run of the job: its final parameters, and its state bytes, step time and accuracy
+    (and the snapshots taken of those due).
     ``memory``: restarted with snapshots, it looks for one first (then ``cfg.resume``)."""
     x_train, y_train, x_test, y_test = load_digits_split()
     dtype = DTYPES[cfg.dtype]
@@ -321,6 +340,7 @@ def _train(
     saves = use_zero and cfg.checkpoint is not None
     snaps = use_zero and cfg.snapshot_every is not None
     step_s, steps, samples, t_start = 0.0, 0, 0, time.perf_counter()
+    snapshots = _Snapshots()
     from tqdm import tqdm
 
     # tqdm's default lock is a multiprocessing RLock: a named semaphore that a rank killed by a
@@ -359,8 +379,10 @@ def _train(
                     if cfg.save_every and rank == 0:
                         print(f"saved {cfg.checkpoint} at epoch {at[0]} step {at[1]}", flush=True)
                 if snaps and done % cast(int, cfg.snapshot_every) == 0:
-                    checkpoint.snapshot(
-                        model=model, optimizer=opt, step=done, snapshot_dir=cfg.snapshot_dir
+                    snapshots.count(
+                        checkpoint.snapshot(
+                            model=model, optimizer=opt, step=done, snapshot_dir=cfg.snapshot_dir
+                        )
                     )
                 if stop is not None and stop.agreed():  # every rank stops after this step
                     if saves and not due:
@@ -368,12 +390,15 @@ def _train(
                     raise Preempted(*at, saved=saves)
     if snaps:  # the job ended well: its snapshots are of no more use
         checkpoint.remove_snapshots(snapshot_dir=cfg.snapshot_dir)
+        snapshots.count()
     if isinstance(opt, ZeroRedundancyOptimizer):
         opt.finish_param_sync()  # parameters final before they are read outside a forward
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     params = [p.detach().clone() for p in model.parameters()]
-    stats = {"state_bytes": _state_bytes(opt), "step_s": step_s / max(steps, 1)}
+    stats: dict[str, Any] = {"state_bytes": _state_bytes(opt), "step_s": step_s / max(steps, 1)}
+    if snaps:
+        stats["snapshots"] = (snapshots.taken, snapshots.due)
     return params, {**stats, "accuracy": accuracy}
 
 
@@ -490,6 +515,12 @@ def _summary(cfg: TrainConfig, rows: Sequence[Mapping[str, Any]], world_size: in
         verdict = parity_verdict(diff, world_size, ours, compressed)
         on = " on fp32 main weights" if cfg.main_params else ""
         lines.append(f"parity with plain DDP + torch.optim.Adam{on} (seed {cfg.seed}): {verdict}")
+    if "snapshots" in zero:
+        taken, due = zero["snapshots"]
+        lines.append(
+            f"in-memory snapshots: {taken} taken of {due} due (every {cfg.snapshot_every} steps; "
+            "one due while the previous was still being taken is skipped)"
+        )
     if cfg.resume is not None:
         lines.append(f"resumed from: {cfg.resume}")
     if cfg.checkpoint is not None:
