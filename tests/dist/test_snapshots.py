@@ -193,13 +193,20 @@ def _skipped(rank: int, world_size: int, root: str) -> dict[str, Any]:
     model = Net()
     opt = ZeroRedundancyOptimizer(groups(model), torch.optim.Adam, lr=0.01)
     train(model, opt, rank, world_size, range(1))
-    release, take = threading.Event(), snapshots._take
+    release, agreed = threading.Event(), snapshots._agreed_step
+    copied_at_once = True
     if rank == 1:  # rank 1's thread is held before the first call's agreement
-        snapshots._take = lambda job, mine: (release.wait(), take(job, mine))[1]  # type: ignore[assignment]
+        snapshots._agreed_step = lambda p, mine: (release.wait(), agreed(p, mine))[1]  # type: ignore[assignment]
     first = checkpoint.snapshot(model=model, optimizer=opt, step=1, snapshot_dir=node)
     if rank == 1:  # busy: skipped at once
         second = checkpoint.snapshot(model=model, optimizer=opt, step=2, snapshot_dir=node)
-        snapshots._take = take  # type: ignore[assignment]
+        # what a load waits for (the calls in flight have copied what they hold) is there at
+        # once: the first's copy is made, and a skipped call copies nothing
+        waiter = threading.Thread(target=snapshots.copied, daemon=True)
+        waiter.start()
+        waiter.join(timeout=10)
+        copied_at_once = not waiter.is_alive()
+        snapshots._agreed_step = agreed  # type: ignore[assignment]
         release.set()
     else:  # waits for the first, then asks to take the second
         second = checkpoint.snapshot(
@@ -210,6 +217,7 @@ def _skipped(rank: int, world_size: int, root: str) -> dict[str, Any]:
     third.wait()  # the threads were free: taken
     out: dict[str, Any] = {
         "calls": [(h.step, h.skipped) for h in (first, second, third)],
+        "copied at once": copied_at_once,
         "kept": sorted(os.listdir(node)),
         "restored": _restored(node)[0],
     }
@@ -292,6 +300,7 @@ def test_snapshots_restore_bitwise_fetch_a_lost_node_skip_a_corrupt_file_and_res
             ("overlap", "ema", "plain"), True
         ), out
         assert out["calls"] == [(1, False), (None, True), (3, False)], out
+        assert out["copied at once"], out
         assert out["kept"] == ["step-3"] and out["restored"] == 3, out
         assert "rank 1" in out["failed"] and "MemoryError: no room" in out["failed"], out
         taken = [step for step, skipped in out["random calls"] if not skipped]

@@ -44,6 +44,7 @@ from zero_functional.core._validate import by_rank
 MEMORY_ROOT = "/dev/shm"
 """Where the default snapshot directory goes (a memory file system on Linux); elsewhere the
 temporary directory."""
+_SKIP = "skip"  # what a rank that skipped a call gives the call's agreement
 
 
 def default_snapshot_dir(env: Mapping[str, str] | None = None) -> str:
@@ -200,11 +201,9 @@ class _Job:
     """A snapshot as its thread takes it: ``pieces`` copied on the caller's thread (with the
     events that say when their device copies land); ``later`` lays out the rest, which the
     thread copies first (their device's work until the call, ``ready``, waited for) while the
-    optimizer's next update waits for it. ``wanted`` is ``False`` for a call this rank skipped
-    (its thread was busy): the thread still takes part in the call's agreement, with nothing."""
+    optimizer's next update waits for it."""
 
     peers: Peers
-    wanted: bool
     steps: Callable[[], int | None]  # this rank's count (None: it cannot tell), by the thread
     pieces: Pieces
     objects: dict[str, Any]
@@ -228,28 +227,35 @@ class SnapshotHandle:
         >>> ckpt.snapshot(model=model, step=2, snapshot_dir=where, when_busy="wait").wait()
     """
 
-    def __init__(self, job: _Job) -> None:
-        self.directory, self._rank = job.peers.directory, job.peers.rank
+    def __init__(self, peers_: Peers, copies: bool) -> None:
+        self.directory, self._rank = peers_.directory, peers_.rank
         self.step: int | None = None  # once taken
         self.skipped = False  # once the ranks agreed to skip it (some rank's thread was busy)
         self._error: CheckpointError | None = None
         self._reported = False
         self._ended, self._copied = threading.Event(), threading.Event()
+        if not copies:
+            self._copied.set()  # a skipped call holds nothing still
         self.hold: RemovableHandle | None = None  # what holds the next update for the copy
         self.held_s = 0.0  # how long the next update waited for the copy
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, peers_: Peers, job: _Job | None) -> None:
+        """The thread, for one call: copy ``job`` (``None``: this rank skipped the call) while
+        the update waits, agree on the call with the other ranks, and take it if they all do."""
         mine: Answer = _SKIP  # what this rank gives the call's agreement
         try:
-            if job.wanted:
-                try:
+            try:
+                if job is not None:
                     job, mine = _copy(job)
-                except BaseException as e:  # noqa: BLE001 - agreed on, every rank raises
-                    mine = _Failed(f"{type(e).__name__}: {e}")
-                finally:
-                    self._copied.set()  # the update held for it goes on (a failure said later)
-            self.step = _take(job, mine)
-            self.skipped = self.step is None
+            except BaseException as e:  # noqa: BLE001 - agreed on, every rank raises
+                mine = _Failed(f"{type(e).__name__}: {e}")
+            finally:
+                self._copied.set()  # the update held for it goes on (a failure said later)
+            step = _agreed_step(peers_, mine)
+            if step is not None:
+                assert job is not None  # every rank took the call: this one too
+                self.step = _take(job, step)
+            self.skipped = step is None
         except CheckpointError as e:
             self._error = e
         except BaseException as e:  # noqa: BLE001 - surfaced on wait(), never lost in the thread
@@ -375,10 +381,9 @@ def skip(peers_: Peers) -> SnapshotHandle:
         (True, None)
     """
     _reap()
-    job = _Job(peers_, False, lambda: None, {}, {}, None, [], None, [])
-    handle = SnapshotHandle(job)
+    handle = SnapshotHandle(peers_, copies=False)
     _IN_FLIGHT.append(handle)
-    _worker().put(functools.partial(handle._run, job))
+    _worker().put(functools.partial(handle._run, peers_, None))
     return handle
 
 
@@ -404,8 +409,8 @@ def start(
     ready = [torch.cuda.current_stream(d).record_event() for d in devices]
     owned = copy.deepcopy(dict(objects))
     layout = later.layout if later is not None else None
-    job = _Job(peers_, True, steps, copied, owned, max_box_numel, events, layout, ready)
-    handle = SnapshotHandle(job)
+    job = _Job(peers_, steps, copied, owned, max_box_numel, events, layout, ready)
+    handle = SnapshotHandle(peers_, copies=True)
 
     def gate() -> None:  # once: the next update waits for the copy, the later ones do not
         start = time.perf_counter()
@@ -418,11 +423,8 @@ def start(
         handle.hold = later.hold(gate)
     _IN_FLIGHT.append(handle)
     # last, once its hold is registered: a queue, no thread start to wait on
-    _worker().put(functools.partial(handle._run, job))
+    _worker().put(functools.partial(handle._run, peers_, job))
     return handle
-
-
-_SKIP = "skip"  # what a rank that skipped a call gives its agreement
 
 
 class _Failed(NamedTuple):
@@ -432,23 +434,19 @@ class _Failed(NamedTuple):
 
 
 Answer = int | None | str | _Failed  # a rank's answer to a call: a count, None, _SKIP, a failure
-_KINDS = (int, type(None), str, _Failed)  # each coded by its place here
+_CODES: dict[str | None, int] = {None: -1, _SKIP: -2}  # a count is itself (>= 0); a failure -3
 
 
 def _agree_call(peers_: Peers, mine: Answer) -> list[Answer]:
     """Every rank's answer to a call (a count, ``None``, :data:`_SKIP` or a :class:`_Failed`,
-    whose reason is left out), as one small integer each: a call's agreement costs one gather
-    of a few bytes (it runs for every call, skipped or not)."""
+    whose reason is left out), as one integer each: a call's agreement costs one gather of a few
+    bytes (it runs for every call, skipped or not)."""
     if peers_.copies is None:
         return [mine]
-    kind = next(k for k, t in enumerate(_KINDS) if isinstance(mine, t))
-    code = (mine if isinstance(mine, int) else 0) * len(_KINDS) + kind
+    code = -3 if isinstance(mine, _Failed) else mine if isinstance(mine, int) else _CODES[mine]
     every = comm.all_gather_scalar(torch.tensor(code, dtype=torch.int64), peers_.copies)
-    out: list[Answer] = []
-    for c in every.tolist():
-        count, kind = divmod(c, len(_KINDS))
-        out.append([count, None, _SKIP, _Failed("")][kind])
-    return out
+    answers = {c: a for a, c in _CODES.items()}
+    return [c if c >= 0 else _Failed("") if c == -3 else answers[c] for c in every.tolist()]
 
 
 def _agree(peers_: Peers, mine: object) -> list[Any]:
@@ -466,6 +464,8 @@ def _copy(job: _Job) -> tuple[_Job, int | None]:
     rest, objects = job.later() if job.later is not None else ({}, {})
     count = job.steps()
     count = None if count is None else operator.index(count)  # an int to agree on, or raise
+    if count is not None and count < 0:
+        raise ValueError(f"the optimizer's count of steps is {count}: pass step=")
     later, events = background.copy_pieces(rest, _STAGED_LATER)
     for event in [*job.copied, *events]:
         event.synchronize()
@@ -473,12 +473,14 @@ def _copy(job: _Job) -> tuple[_Job, int | None]:
     return dataclasses.replace(job, pieces=pieces, objects=objects, later=None), count
 
 
-def _take(job: _Job, mine: Answer) -> int | None:
-    """The thread: agree on the call (``mine``: this rank's count of steps, :data:`_SKIP` or
-    :class:`_Failed`), write this rank's share, swap copies with the partner ranks, agree on the
-    verdict; the first rank of each node then drops the older snapshots. Returns the step, or
-    ``None`` if some rank skipped the call."""
-    p = job.peers
+def _agreed_step(p: Peers, mine: Answer) -> int | None:
+    """The thread: the step every rank takes this call at (``mine``: this rank's answer), or
+    ``None`` if some rank skipped it.
+
+    Raises:
+        CheckpointError: A rank could not copy its share (each rank's reason named), or the
+            ranks' counts differ.
+    """
     steps = _agree_call(p, mine)
     if any(isinstance(v, _Failed) for v in steps):  # every rank knows: the reasons gathered
         why = _agree(p, mine.why if isinstance(mine, _Failed) else None)
@@ -492,7 +494,14 @@ def _take(job: _Job, mine: Answer) -> int | None:
         raise CheckpointError(
             f"snapshot failed: the ranks must agree on its step, and {told}: pass step="
         )
-    step = known[0]
+    return known[0]
+
+
+def _take(job: _Job, step: int) -> int:
+    """The thread, once the ranks agreed on ``step``: write this rank's share, swap copies with
+    the partner ranks, agree on the verdict; the first rank of each node then drops the older
+    snapshots. Returns the step."""
+    p = job.peers
     step_dir = os.path.join(p.directory, shares.step_name(step))
     files, failure = None, None
     try:
