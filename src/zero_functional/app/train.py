@@ -285,12 +285,15 @@ class _Snapshots:
         self.taken = self.due = 0
         self._pending: collections.deque[checkpoint.SnapshotHandle] = collections.deque()
 
-    def count(self, handle: checkpoint.SnapshotHandle | None = None) -> None:
-        """Count ``handle`` as due, and those that ended (all, once the snapshots are settled)."""
-        if handle is not None:
-            self._pending.append(handle)
-            self.due += 1
-        while self._pending and (handle is None or self._pending[0].done()):
+    def add(self, handle: checkpoint.SnapshotHandle) -> None:
+        """Count ``handle`` as due, and those that ended."""
+        self._pending.append(handle)
+        self.due += 1
+        self.count_ended()
+
+    def count_ended(self) -> None:
+        """Count the snapshots that ended as taken or not (every one, once they are settled)."""
+        while self._pending and self._pending[0].done():
             self.taken += self._pending.popleft().step is not None
 
 
@@ -379,7 +382,7 @@ def _train(
                     if cfg.save_every and rank == 0:
                         print(f"saved {cfg.checkpoint} at epoch {at[0]} step {at[1]}", flush=True)
                 if snaps and done % cast(int, cfg.snapshot_every) == 0:
-                    snapshots.count(
+                    snapshots.add(
                         checkpoint.snapshot(
                             model=model, optimizer=opt, step=done, snapshot_dir=cfg.snapshot_dir
                         )
@@ -389,8 +392,8 @@ def _train(
                         train_file.write(cfg, rank, model, opt, at, hidden)
                     raise Preempted(*at, saved=saves)
     if snaps:  # the job ended well: its snapshots are of no more use
-        checkpoint.remove_snapshots(snapshot_dir=cfg.snapshot_dir)
-        snapshots.count()
+        checkpoint.remove_snapshots(snapshot_dir=cfg.snapshot_dir)  # every snapshot settled
+        snapshots.count_ended()
     if isinstance(opt, ZeroRedundancyOptimizer):
         opt.finish_param_sync()  # parameters final before they are read outside a forward
     with torch.no_grad():

@@ -59,6 +59,10 @@ __all__ = [
 ]
 
 
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+"""Option values nothing changes in place: a checkpoint keeps them as they are."""
+
+
 class _Now(NamedTuple):
     """What a checkpoint takes as it is at the call: each group's options (all but its
     parameters), the model's tensors that are not the optimizer's parameters (buffers: rank 0
@@ -85,9 +89,6 @@ def _now(model: nn.Module | None, src: Source | None, rank: int, ema: ShardedEMA
         state = module_of(model).state_dict(keep_vars=True)
         others = {n: t for n, t in state.items() if isinstance(t, Tensor) and t not in skip}
     return _Now(options, others, None if ema is None else ema.n_averaged())
-
-
-_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
 def _kept(value: Any) -> Any:

@@ -37,8 +37,9 @@ class Source:
     (``table``), the ranks that save and load it (``group``), the pieces this rank reads (ours:
     its own; a plain one: every parameter whole), each group's class, their ``state()``, how
     to ``install`` what was read (checked first; collective for ours), ``finish()`` (wait
-    for the parameters' all-gathers in flight) and ``hold`` (what a snapshot holds still). Only ours has an ``ownership``, main copies
-    (``main_dtype``) and a ``device_mesh``'s ``replicate_group`` (whose first replica writes).
+    for the parameters' all-gathers in flight) and ``hold`` (what a snapshot holds still).
+    Only ours has an ``ownership``, main copies (``main_dtype``) and a ``device_mesh``'s
+    ``replicate_group`` (whose first replica writes).
     """
 
     optimizer: Optimizer
