@@ -124,7 +124,7 @@ def peers(group: ProcessGroup | None, directory: str) -> Peers:
     nodes = tuple(ids.setdefault(where, len(ids)) for where in seen)  # by their first rank
     partner = shares.partners(nodes)
     copies = None
-    if world > 1 and (copies := comm.twin_group(comm.default_group(group), "gloo")) is None:
+    if world > 1 and (copies := comm.host_group(comm.default_group(group))) is None:
         raise RuntimeError("snapshots need torch >= 2.1: a group of their own for the copies")
     made = Peers(
         group,

@@ -71,12 +71,25 @@ def rank_or_zero(group: ProcessGroup | None = None) -> int:
     return int(dist.get_rank(group)) if dist.is_initialized() else 0
 
 
-def twin_group(group: ProcessGroup, backend: str | None = None) -> ProcessGroup | None:
-    """A second process group over ``group``'s ranks (collective over them; ``backend``: another
-    than the default's, gloo for host bytes beside NCCL), or ``None`` on a torch without local
-    synchronisation of new groups: its collectives are ordered among themselves only, so the
-    all-gathers go out when ready without breaking the reductions' issue order, and a thread of
-    its own may use it."""
+def twin_group(group: ProcessGroup) -> ProcessGroup | None:
+    """A second process group over ``group``'s ranks (collective over them), or ``None`` on a
+    torch without local synchronisation of new groups: its collectives are ordered among themselves
+    only, so the all-gathers go out when ready without breaking the reductions' issue order."""
+    return _twin(group, None)
+
+
+def host_group(group: ProcessGroup) -> ProcessGroup | None:
+    """A gloo twin of ``group`` (as :func:`twin_group`) for host bytes a thread of its own sends
+    beside the training's collectives, whatever their backend (a snapshot's share beside NCCL).
+
+    Example:
+        >>> backend(host_group(group))
+        'gloo'
+    """
+    return _twin(group, "gloo")
+
+
+def _twin(group: ProcessGroup, backend: str | None) -> ProcessGroup | None:
     ranks = [global_rank(group, r) for r in range(group_size(group))]
     if len(ranks) == dist.get_world_size():
         # Over the whole world, a plain new_group: with local synchronization torch names the
